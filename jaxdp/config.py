@@ -1,0 +1,167 @@
+"""One frozen `Config` for a training run, and the command line generated from it.
+
+Every field carries its flag group and help text, so `--help`, the README's flag table and the
+validation below cannot drift apart. Validation raises `ConfigError` with one sentence that says
+what to change; `jaxdp.train` turns it into exit code 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from typing import Any, Sequence
+
+# Names of the built-in choices. They live here (not imported from the modules that implement them)
+# so that parsing flags never imports JAX; `tests/test_config.py` checks they match the registries.
+STRATEGY_NAMES = ("psum", "ring", "host")
+MODEL_NAMES = ("mlp", "cnn")
+DATASET_NAMES = ("digits", "synthetic")  # or a path to an .npz file with `x` and `y`
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "momentum")
+
+GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is one sentence that says what to change."""
+
+
+def _field(default: Any, group: str, help: str, **kwargs: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"group": group, "help": help, **kwargs})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # -- data -----------------------------------------------------------------------------------
+    dataset: str = _field("digits", "data", "built-in dataset (digits, synthetic) or a path to an .npz file with arrays x and y")
+    batch_size: int = _field(128, "data", "global batch size, split evenly over every device of every process")
+
+    # -- model ----------------------------------------------------------------------------------
+    model: str = _field("mlp", "model", "built-in model", choices=MODEL_NAMES)
+
+    # -- optimisation ---------------------------------------------------------------------------
+    strategy: str = _field("psum", "optimisation", "gradient synchronisation across devices", choices=STRATEGY_NAMES)
+    steps: int = _field(300, "optimisation", "total number of training steps (a resumed run continues up to this step)")
+    optimizer: str = _field("adam", "optimisation", "optax optimizer", choices=OPTIMIZER_NAMES)
+    lr: float = _field(1e-3, "optimisation", "learning rate")
+    momentum: float = _field(0.9, "optimisation", "momentum for --optimizer=momentum")
+    weight_decay: float = _field(1e-4, "optimisation", "weight decay for --optimizer=adamw")
+    seed: int = _field(0, "optimisation", "seed for parameters, data order and dropout")
+
+    # -- distribution ---------------------------------------------------------------------------
+    devices: int | None = _field(None, "distribution", "devices per process; on a CPU-only host this many are simulated (default: 8 there, all local accelerators otherwise)")
+    coordinator_address: str | None = _field(None, "distribution", "HOST:PORT of process 0 for a multi-process run (default: from the environment or SLURM, else single-process)")
+    num_processes: int | None = _field(None, "distribution", "number of processes in a multi-process run")
+    process_id: int | None = _field(None, "distribution", "this process's index, 0 .. num-processes - 1")
+
+    # -- checkpointing --------------------------------------------------------------------------
+    checkpoint_dir: str | None = _field(None, "checkpointing", "orbax checkpoint directory; a run pointed at one that holds a checkpoint resumes from it")
+    save_every: int = _field(0, "checkpointing", "save a checkpoint every N steps (0: only at the end, when --checkpoint-dir is set)")
+    keep: int = _field(3, "checkpointing", "number of most recent checkpoints to keep")
+
+    # -- logging --------------------------------------------------------------------------------
+    log_every: int = _field(10, "logging", "log metrics every N steps")
+    metrics_file: str | None = _field(None, "logging", "JSON Lines file: one object per logged step, then one with \"event\": \"done\"")
+    log_dir: str | None = _field(None, "logging", "TensorBoard event directory")
+    progress: bool = _field(True, "logging", "show a progress bar on process 0")
+    debug: bool = _field(False, "logging", "show full tracebacks on errors")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad value and what to do about it."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"--{_flag(f.name)}={value!r} is not one of: {', '.join(choices)}")
+        if self.batch_size <= 0:
+            raise ConfigError(f"--batch-size must be a positive integer, got {self.batch_size}")
+        if self.steps < 0:
+            raise ConfigError(f"--steps must be 0 or more, got {self.steps}")
+        for name in ("lr", "momentum", "weight_decay"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+                what = "a positive number" if name == "lr" else "a finite number >= 0"
+                raise ConfigError(f"--{_flag(name)} must be {what}, got {value}")
+        if self.devices is not None and self.devices <= 0:
+            raise ConfigError(f"--devices must be a positive integer, got {self.devices}")
+        for name in ("log_every", "keep"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+        if self.save_every < 0:
+            raise ConfigError(f"--save-every must be 0 or more, got {self.save_every}")
+        if self.dataset not in DATASET_NAMES and not self.dataset.endswith(".npz"):
+            raise ConfigError(f"--dataset={self.dataset!r} is neither a built-in dataset ({', '.join(DATASET_NAMES)}) nor a path ending in .npz")
+        if self.checkpoint_dir is not None and os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
+            raise ConfigError(f"--checkpoint-dir={self.checkpoint_dir!r} is a file, not a directory; point it at a directory")
+        if self.num_processes is not None and self.num_processes <= 0:
+            raise ConfigError(f"--num-processes must be a positive integer, got {self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise ConfigError(f"--process-id must be 0 or more, got {self.process_id}")
+        if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
+            raise ConfigError(f"--process-id={self.process_id} must be smaller than --num-processes={self.num_processes}")
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _metavar(f: dataclasses.Field) -> str:
+    if f.name.endswith(("_dir", "_file")) or f.name == "dataset":
+        return "PATH"
+    return {"int": "N", "int | None": "N", "float": "X"}.get(f.type, f.name.upper())
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line on stderr and exit code 2, without the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser:
+    """The CLI, generated from Config's fields: one flag per field, grouped, with defaults shown."""
+    parser = _Parser(
+        prog=prog,
+        description="Data-parallel training of a Flax model over every device of every process.",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32, width=100),
+    )
+    groups = {g: parser.add_argument_group(g) for g in GROUPS}
+    types = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}
+    for f in dataclasses.fields(Config):
+        group = groups[f.metadata["group"]]
+        flag = f"--{_flag(f.name)}"
+        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if f.type == "bool":
+            group.add_argument(flag, dest=f.name, nargs="?", const=True, default=f.default,
+                               type=_parse_bool, metavar="BOOL", help=help)
+            group.add_argument(f"--no-{_flag(f.name)}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, dest=f.name, type=types[f.type], default=f.default,
+                               choices=f.metadata.get("choices"), help=help,
+                               metavar=None if f.metadata.get("choices") else _metavar(f))
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    """Parse command-line flags into a validated Config (ConfigError on bad input)."""
+    namespace = build_parser().parse_args(argv)
+    return Config(**vars(namespace))

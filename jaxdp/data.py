@@ -1,0 +1,160 @@
+"""Datasets and a deterministic, stateless batch order.
+
+The rows of global batch `step` are a pure function of (seed, step): epochs are permutations
+seeded by (seed, epoch) and laid end to end. So any process can compute its slice of any batch
+without coordination, a resumed run sees exactly the batches an uninterrupted run would, and
+the "iterator position" to checkpoint is just the step.
+
+Each process loads only its contiguous slice of every global batch (`local_batch`); the mesh puts
+process p's devices in a contiguous block, so 2 processes x 4 devices see exactly what 1 process
+x 8 devices sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import zipfile
+from typing import Iterator
+
+import numpy as np
+
+from jaxdp.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+
+def load_dataset(name: str) -> Dataset:
+    """`digits` (scikit-learn's 8x8 images), `synthetic` (28x28, learnable), or a path to an .npz."""
+    if name == "digits":
+        return _digits()
+    if name == "synthetic":
+        return synthetic()
+    return _npz(name)
+
+
+def _split(x: np.ndarray, y: np.ndarray, test_fraction: float) -> tuple[np.ndarray, ...]:
+    """A fixed train/held-out split (independent of --seed, so accuracies are comparable)."""
+    order = np.random.default_rng(0).permutation(len(x))
+    n_test = max(1, int(round(len(x) * test_fraction)))
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def _digits() -> Dataset:
+    from sklearn.datasets import load_digits  # ships with scikit-learn: no download
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[..., None]  # (1797, 8, 8, 1) in [0, 1]
+    y = digits.target.astype(np.int32)
+    return Dataset(*_split(x, y, 0.2), num_classes=10)
+
+
+def synthetic(n_train: int = 8192, n_test: int = 1024, shape: tuple[int, ...] = (28, 28, 1),
+              num_classes: int = 10) -> Dataset:
+    """Gaussian images labelled by a fixed random linear teacher: learnable, and any size."""
+    rng = np.random.default_rng(1234)
+    x = rng.standard_normal((n_train + n_test, *shape), dtype=np.float32)
+    teacher = rng.standard_normal((int(np.prod(shape)), num_classes), dtype=np.float32)
+    y = np.argmax(x.reshape(len(x), -1) @ teacher, axis=1).astype(np.int32)
+    return Dataset(x[:n_train], y[:n_train], x[n_train:], y[n_train:], num_classes)
+
+
+def _npz(path: str) -> Dataset:
+    """User data: an .npz with `x` (N, ...) and integer labels `y` (N,); optional `x_test`, `y_test`."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--dataset file {path!r} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+        raise ConfigError(f"--dataset file {path!r} is not a readable .npz archive ({err})") from None
+    for key in ("x", "y"):
+        if key not in arrays:
+            raise ConfigError(f"--dataset file {path!r} has no array {key!r}; save it with np.savez(path, x=..., y=...)")
+    x, y = _check_xy(arrays["x"], arrays["y"], path, "x", "y")
+    if "x_test" in arrays and "y_test" in arrays:
+        x_test, y_test = _check_xy(arrays["x_test"], arrays["y_test"], path, "x_test", "y_test")
+        if x_test.shape[1:] != x.shape[1:]:
+            raise ConfigError(f"--dataset file {path!r}: x_test rows have shape {x_test.shape[1:]}, x rows {x.shape[1:]}")
+        splits = (x, y, x_test, y_test)
+    else:
+        if len(x) < 2:
+            raise ConfigError(f"--dataset file {path!r} needs at least 2 examples to hold one out")
+        splits = _split(x, y, 0.1)
+    num_classes = int(max(y.max(), splits[3].max())) + 1
+    return Dataset(*splits, num_classes=num_classes)
+
+
+def _check_xy(x: np.ndarray, y: np.ndarray, path: str, xname: str, yname: str) -> tuple[np.ndarray, np.ndarray]:
+    where = f"--dataset file {path!r}"
+    if x.ndim < 2 or not np.issubdtype(x.dtype, np.number):
+        raise ConfigError(f"{where}: {xname} must be a numeric array of shape (N, features...), got {x.dtype} {x.shape}")
+    if y.ndim != 1:
+        raise ConfigError(f"{where}: {yname} must be a 1-D array of integer labels, got shape {y.shape}")
+    if len(x) != len(y):
+        raise ConfigError(f"{where}: {xname} has {len(x)} rows but {yname} has {len(y)}; they must match")
+    if len(x) == 0:
+        raise ConfigError(f"{where}: {xname} is empty")
+    if not np.issubdtype(y.dtype, np.integer) and not (np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0)):
+        raise ConfigError(f"{where}: {yname} must hold integer class labels, got {y.dtype}")
+    if y.min() < 0:
+        raise ConfigError(f"{where}: {yname} has negative labels; use 0 .. num_classes - 1")
+    x = x.astype(np.float32)
+    if not np.all(np.isfinite(x)):
+        raise ConfigError(f"{where}: {xname} contains NaN or infinite values")
+    if x.ndim == 3:  # (N, H, W) images: add a channel axis
+        x = x[..., None]
+    return x, y.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch order
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def global_batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Row indices of global batch `step` (0-based) in an endless sequence of shuffled epochs."""
+    positions = step * batch_size + np.arange(batch_size)
+    epochs, offsets = np.divmod(positions, n)
+    out = np.empty(batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        mask = epochs == epoch
+        out[mask] = _epoch_permutation(n, seed, int(epoch))[offsets[mask]]
+    return out
+
+
+def local_batch(x: np.ndarray, y: np.ndarray, batch_size: int, step: int, seed: int,
+                process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+    """This process's contiguous slice of global batch `step`."""
+    per_process = batch_size // process_count
+    rows = global_batch_indices(len(x), batch_size, step, seed)
+    rows = rows[process_index * per_process:(process_index + 1) * per_process]
+    return {"x": x[rows], "y": y[rows]}
+
+
+def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int, process_index: int = 0,
+                 process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    """The whole held-out set in global batches of `batch_size`, this process's slice of each.
+
+    The last batch is zero-padded; `mask` is 1 for real rows, so metrics weight by it.
+    """
+    per_process = batch_size // process_count
+    for start in range(0, len(x), batch_size):
+        rows = np.arange(start, start + batch_size)[process_index * per_process:(process_index + 1) * per_process]
+        real = rows < len(x)
+        rows = np.where(real, rows, 0)
+        yield {"x": x[rows], "y": y[rows], "mask": real.astype(np.float32)}

@@ -1,0 +1,84 @@
+"""Where metrics go: a JSON Lines file, TensorBoard, and a progress bar. Process 0 only.
+
+Every method is a no-op on other processes, so the trainer calls them unconditionally and the
+process-0 role is decided once, here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+
+class MetricsWriter:
+    def __init__(self, *, is_main: bool, total_steps: int, start_step: int = 0,
+                 metrics_file: str | None = None, log_dir: str | None = None, progress: bool = True):
+        self.is_main = is_main
+        self._jsonl = self._tensorboard = self._bar = None
+        self._t0 = time.perf_counter()
+        self._last = (start_step, self._t0)
+        if not is_main:
+            return
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            # A resumed run continues the file of the run it resumes.
+            self._jsonl = open(metrics_file, "a" if start_step else "w", buffering=1)
+        if log_dir:
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir)
+        if progress:
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=sys.stderr, mininterval=0.5)
+
+    def step(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def log(self, step: int, metrics: dict[str, Any], examples_per_step: int) -> dict[str, Any]:
+        """Write one logged step; `metrics` are host values. Returns the record written."""
+        now = time.perf_counter()
+        last_step, last_time = self._last
+        self._last = (step, now)
+        rate = (step - last_step) / (now - last_time) if now > last_time else math.nan
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()},
+                  "steps_per_sec": rate, "examples_per_sec": rate * examples_per_step,
+                  "elapsed_s": now - self._t0}
+        if not self.is_main:
+            return record
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tensorboard:
+            for name, value in record.items():
+                if name != "step":
+                    self._tensorboard.add_scalar(f"train/{name}", value, step)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        return record
+
+    def done(self, step: int, summary: dict[str, Any]) -> dict[str, Any]:
+        record = {"event": "done", "step": step, **summary, "elapsed_s": time.perf_counter() - self._t0}
+        if not self.is_main:
+            return record
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tensorboard:
+            for name, value in summary.items():
+                if isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(f"eval/{name}", value, step)
+        return record
+
+    def close(self) -> None:
+        for handle in (self._bar, self._jsonl, self._tensorboard):
+            if handle is not None:
+                handle.close()
+        self._bar = self._jsonl = self._tensorboard = None

@@ -1,0 +1,96 @@
+"""`python -m jaxdp.train` end to end, and every bad input: exit 2, one line, no traceback."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from jaxdp.train import main
+
+
+def test_default_ring_run_reaches_90_percent_within_a_minute(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    start = time.perf_counter()
+    proc = run_cli("--strategy=ring", "--metrics-file", str(metrics), "--log-dir", str(tmp_path / "tb"))
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps, done = records[:-1], records[-1]
+    assert [r["step"] for r in steps] == list(range(10, 301, 10))
+    assert all(np.isfinite(r["loss"]) for r in steps) and steps[-1]["loss"] < steps[0]["loss"]
+    assert done["event"] == "done" and done["devices"] == 8 and done["eval_accuracy"] >= 0.90
+    assert "eval_accuracy=" in proc.stdout
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert elapsed < 60
+
+
+def test_cnn_on_user_npz_with_host_strategy(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "data.npz"
+    np.savez(path, x=rng.standard_normal((200, 6, 6)), y=rng.integers(0, 4, 200))
+    assert main(["--model", "cnn", "--dataset", str(path), "--strategy", "host", "--steps", "5",
+                 "--batch-size", "16", "--no-progress"]) == 0
+
+
+def bad_npz(tmp_path, kind):
+    path = tmp_path / f"{kind}.npz"
+    if kind == "missing":
+        return str(path)
+    if kind == "corrupt":
+        path.write_bytes(b"PK\x03\x04 this is not a zip archive")
+    elif kind == "no_y":
+        np.savez(path, x=np.zeros((10, 3)))
+    elif kind == "mismatch":
+        np.savez(path, x=np.zeros((10, 3)), y=np.zeros(9, np.int32))
+    return str(path)
+
+
+BAD_INPUTS = {
+    "unknown strategy": (["--strategy", "tree"], "invalid choice"),
+    "unknown model": (["--model", "resnet"], "invalid choice"),
+    "unknown flag": (["--bogus", "1"], "unrecognized arguments"),
+    "batch size 0": (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    "batch not divisible": (["--batch-size", "12"], "must be divisible by the number of devices (8)"),
+    "negative steps": (["--steps", "-5"], "--steps must be 0 or more"),
+    "nan lr": (["--lr", "nan"], "--lr must be a positive number"),
+    "negative lr": (["--lr", "-0.1"], "--lr must be a positive number"),
+    "zero devices": (["--devices", "0"], "--devices must be a positive integer"),
+    "too many devices": (["--devices", "64"], "ask for at most 8"),
+    "missing npz": (["--dataset", "{missing}"], "does not exist"),
+    "corrupt npz": (["--dataset", "{corrupt}"], "not a readable .npz"),
+    "npz without y": (["--dataset", "{no_y}"], "has no array 'y'"),
+    "x/y mismatch": (["--dataset", "{mismatch}"], "x has 10 rows but y has 9"),
+    "cnn on flat data": (["--model", "cnn", "--dataset", "synthetic", "--batch-size", "8"], None),
+    "checkpoint dir is a file": (["--checkpoint-dir", "{file}"], "is a file, not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case):
+    argv, needle = BAD_INPUTS[case]
+    if case == "cnn on flat data":  # synthetic is image-shaped: the CNN accepts it; use a flat npz
+        path = tmp_path / "flat.npz"
+        np.savez(path, x=np.zeros((20, 3)), y=np.zeros(20, np.int32))
+        argv, needle = ["--model", "cnn", "--dataset", str(path), "--batch-size", "8"], "--model=cnn needs image data"
+    (tmp_path / "file").write_text("not a directory")
+    paths = {k: bad_npz(tmp_path, k) for k in ("missing", "corrupt", "no_y", "mismatch")} | {"file": str(tmp_path / "file")}
+    argv = [a.format(**paths) for a in argv] + ["--steps", "1", "--no-progress"] if case != "negative steps" else argv
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxdp: error:") and needle in err[0], err
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_bad_input_in_a_real_process_has_no_traceback_unless_debug(tmp_path):
+    proc = run_cli("--batch-size", "12", "--steps", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("jaxdp: error: --batch-size=12")
+    proc = run_cli("--batch-size", "12", "--steps", "1", "--debug")
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_help_lists_grouped_flags():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "checkpointing:" in proc.stdout and "--coordinator-address" in proc.stdout

@@ -1,0 +1,48 @@
+"""Config <-> CLI: names match the registries, flags are generated and grouped, bad values fail."""
+
+import dataclasses
+
+import pytest
+
+import jaxdp
+from jaxdp import config, models, state
+from jaxdp.config import Config, ConfigError, build_parser, parse_args
+
+
+def test_choice_lists_match_the_registries():
+    assert config.STRATEGY_NAMES == tuple(jaxdp.STRATEGIES)
+    assert config.MODEL_NAMES == models.MODELS
+    assert config.OPTIMIZER_NAMES == state.OPTIMIZERS
+
+
+def test_every_field_is_a_flag_in_a_group_and_help_shows_defaults():
+    text = build_parser().format_help()
+    for field in dataclasses.fields(Config):
+        assert f"--{field.name.replace('_', '-')}" in text
+    for group in config.GROUPS:
+        assert f"{group}:" in text
+    assert "(default: psum)" in " ".join(text.split())
+    assert "(default: None)" not in text
+
+
+def test_parse_defaults_and_values():
+    assert parse_args([]) == Config()
+    cfg = parse_args(["--strategy=ring", "--batch-size", "64", "--lr", "0.1", "--no-progress"])
+    assert (cfg.strategy, cfg.batch_size, cfg.lr, cfg.progress) == ("ring", 64, 0.1, False)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--strategy", "tree"], "invalid choice"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer"),
+    (["--steps", "-1"], "--steps must be 0 or more"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--devices", "0"], "--devices must be a positive integer"),
+    (["--process-id", "2", "--num-processes", "2"], "--process-id=2 must be smaller"),
+    (["--dataset", "mnist"], "neither a built-in dataset"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_values_raise_one_sentence(argv, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")) as info:
+        parse_args(argv)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,60 @@
+"""Batch order is a pure function of (seed, step), and process slices tile the global batch."""
+
+import numpy as np
+import pytest
+
+from jaxdp import data
+
+
+def test_every_example_once_per_epoch_and_order_depends_on_seed():
+    n, batch = 100, 10
+    epoch = np.concatenate([data.global_batch_indices(n, batch, s, seed=3) for s in range(10)])
+    assert sorted(epoch) == list(range(n))
+    again = np.concatenate([data.global_batch_indices(n, batch, s, seed=3) for s in range(10)])
+    other = np.concatenate([data.global_batch_indices(n, batch, s, seed=4) for s in range(10)])
+    np.testing.assert_array_equal(epoch, again)
+    assert not np.array_equal(epoch, other)
+
+
+def test_batches_straddle_epoch_boundaries():
+    n, batch = 10, 4  # step 2 holds rows 8, 9 of epoch 0 and rows 0, 1 of epoch 1
+    stream = np.concatenate([data.global_batch_indices(n, batch, s, seed=0) for s in range(5)])
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_process_slices_concatenate_to_the_global_batch(processes):
+    x, y = np.arange(50)[:, None].astype(np.float32), np.arange(50).astype(np.int32)
+    for step in range(7):
+        whole = data.local_batch(x, y, 16, step, seed=1)
+        parts = [data.local_batch(x, y, 16, step, seed=1, process_index=p, process_count=processes)
+                 for p in range(processes)]
+        np.testing.assert_array_equal(np.concatenate([p["y"] for p in parts]), whole["y"])
+
+
+def test_eval_batches_cover_the_set_once_with_a_mask():
+    x, y = np.arange(23)[:, None].astype(np.float32), np.arange(23).astype(np.int32)
+    batches = list(data.eval_batches(x, y, 8))
+    seen = np.concatenate([b["y"][b["mask"] > 0] for b in batches])
+    np.testing.assert_array_equal(seen, y)
+    assert all(len(b["y"]) == 8 for b in batches)
+
+
+def test_builtin_datasets():
+    digits = data.load_dataset("digits")
+    assert digits.x_train.shape[1:] == (8, 8, 1) and digits.num_classes == 10
+    assert len(digits.x_train) + len(digits.x_test) == 1797
+    synthetic = data.load_dataset("synthetic")
+    assert synthetic.x_train.shape[1:] == (28, 28, 1) and set(np.unique(synthetic.y_train)) <= set(range(10))
+
+
+def test_npz_with_and_without_a_test_split(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "d.npz"
+    np.savez(path, x=rng.standard_normal((40, 5)), y=rng.integers(0, 3, 40))
+    ds = data.load_dataset(str(path))
+    assert len(ds.x_train) == 36 and len(ds.x_test) == 4 and ds.x_train.dtype == np.float32
+    np.savez(path, x=rng.standard_normal((40, 4, 4)), y=rng.integers(0, 3, 40),
+             x_test=rng.standard_normal((6, 4, 4)), y_test=rng.integers(0, 5, 6))
+    ds = data.load_dataset(str(path))
+    assert ds.x_train.shape == (40, 4, 4, 1) and len(ds.x_test) == 6 and ds.num_classes >= 3
