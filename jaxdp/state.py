@@ -40,8 +40,8 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     `params` may be host or device values; in a multi-process run every process must pass the
     same values (initialise from the same seed). `rng` is an int seed or a PRNG key.
     """
-    if isinstance(rng, int):
-        rng = jax.random.PRNGKey(rng)
+    if isinstance(rng, (int, np.integer)):
+        rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     params = replicate(params, mesh)
