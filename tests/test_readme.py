@@ -1,0 +1,266 @@
+"""README.md cannot rot: every command in it is run by a test, or says why it cannot run here.
+
+Every fenced ```bash (sh, shell, console) and ```python block must be preceded by one marker line:
+
+    <!-- test-command -->                 .ci/run extracts and runs the block (the README's test command)
+    <!-- run: tests/FILE.py::TEST -->     TEST runs the block. Blocks marked for a test outside this file
+                                          must be read by that test through `readme_blocks(...)` here,
+                                          so the command run is the command shown.
+    <!-- not-run: needs REASON -->        it cannot run on a CPU-only CI machine (GPUs, a Docker
+                                          engine, a cluster); the reason says what it needs
+
+A block without a marker, a marker naming a test that does not exist (or does not read the
+README), or a not-run marker without a reason fails `test_every_block_is_run_or_says_why_not`.
+
+The CLI reference between `<!-- cli-reference -->` and `<!-- /cli-reference -->` is generated
+from `jaxdp.config`; regenerate it with `python tests/test_readme.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+SHELLS = ("bash", "sh", "shell", "console")
+MARKER = re.compile(r"<!--\s*(test-command|run:\s*(?P<node>\S+)|not-run:\s*(?P<reason>.*?))\s*-->")
+OWN_HEADINGS = ("## Multi-host and SLURM", "## Checkpoints and resume", "## Performance", "## Troubleshooting")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    lang: str
+    code: str
+    line: int            # 1-based line of the opening fence
+    marker: str | None   # "test-command", "run", "not-run" or None
+    target: str = ""     # the test node id of a run marker, the reason of a not-run marker
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def blocks(text: str | None = None) -> list[Block]:
+    """Every fenced code block of README.md with the marker on the line before it (if any)."""
+    lines = (README.read_text() if text is None else text).splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        m = MARKER.fullmatch(previous.strip())
+        marker = target = None
+        if m:
+            marker = m.group(1).split(":")[0]
+            target = m.group("node") or m.group("reason") or ""
+        out.append(Block(fence.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1, marker, target or ""))
+        i = end + 1
+    return out
+
+
+def readme_blocks(node: str) -> list[Block]:
+    """The blocks a test runs: those marked `<!-- run: NODE -->`. Tests elsewhere call this too."""
+    return [b for b in blocks() if b.marker == "run" and b.target == node]
+
+
+def commands(block: Block) -> list[str]:
+    """Shell commands of a block: comments dropped, backslash continuations joined."""
+    text = re.sub(r"\\\n\s*", " ", block.code)
+    return [line.split("  #")[0].strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def sandbox(tmp_path: Path) -> dict[str, str]:
+    """A scratch working directory that sees the repository (symlinks), and an environment whose
+    `python`, `hadolint`, ... are this interpreter's, with no inherited device-count flag."""
+    for entry in ROOT.iterdir():
+        if entry.name != ".git":
+            (tmp_path / entry.name).symlink_to(entry)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+# ---- the markers ------------------------------------------------------------------------------
+
+
+def test_every_block_is_run_or_says_why_not():
+    problems = []
+    for block in blocks():
+        if block.lang not in SHELLS + ("python",):
+            continue  # diagrams, output samples
+        if block.marker is None:
+            problems.append(f"{block.id}: ```{block.lang} block without a marker (see tests/test_readme.py)")
+        elif block.marker == "test-command" and block.lang != "bash":
+            problems.append(f"{block.id}: the test command must be a ```bash block")
+        elif block.marker == "not-run" and not re.match(r"needs \S", block.target):
+            problems.append(f"{block.id}: a not-run marker must say what the block needs: <!-- not-run: needs ... -->")
+        elif block.marker == "run":
+            problems += [f"{block.id}: {p}" for p in check_run_target(block.target)]
+    assert not problems, "\n".join(problems)
+
+
+def check_run_target(node: str) -> list[str]:
+    path, _, name = node.partition("::")
+    file = ROOT / path
+    if not (path.startswith("tests/") and file.is_file() and name):
+        return [f"run marker {node!r} must name a test as tests/FILE.py::TEST"]
+    functions = {f.name: f for f in ast.walk(ast.parse(file.read_text())) if isinstance(f, ast.FunctionDef)}
+    if name not in functions:
+        return [f"{path} has no test {name!r}"]
+    if "readme_blocks" not in ast.unparse(functions[name]):
+        return [f"{node} does not read its commands with readme_blocks(...), so it may not run what README.md shows"]
+    return []
+
+
+def test_marker_check_catches_unmarked_and_stale_blocks(tmp_path):
+    text = ("```bash\necho unmarked\n```\n\n<!-- run: tests/test_readme.py::test_gone -->\n```bash\necho\n```\n\n"
+            "<!-- not-run: because -->\n```bash\necho\n```\n")
+    found = blocks(text)
+    assert [b.marker for b in found] == [None, "run", "not-run"]
+    assert check_run_target("tests/test_readme.py::test_gone") == ["tests/test_readme.py has no test 'test_gone'"]
+    assert check_run_target("tests/test_readme.py::blocks")  # exists, but does not read the README
+    assert not check_run_target("tests/test_readme.py::test_shell_blocks")
+    assert not re.match(r"needs \S", found[2].target)
+
+
+def test_ci_runs_the_test_command():
+    marked = [b for b in blocks() if b.marker == "test-command"]
+    assert len(marked) == 1 and "pytest" in marked[0].code
+    assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_sections_owned_by_others_have_their_headings():
+    text = README.read_text()
+    for heading in OWN_HEADINGS:
+        assert re.search(rf"^{re.escape(heading)}\s*$", text, re.M), heading
+
+
+# ---- running the blocks -----------------------------------------------------------------------
+
+
+def test_setup_commands(tmp_path):
+    """The train command at the top: its set-up part equals the test command's (which .ci/run
+    runs, with the test extra added), and its training part is run here."""
+    (train,) = readme_blocks("tests/test_readme.py::test_setup_commands")
+    (test,) = [b for b in blocks() if b.marker == "test-command"]
+    train_parts = [p.strip() for p in commands(train)[0].split("&&")]
+    test_parts = [p.strip() for p in commands(test)[0].split("&&")]
+    assert train_parts[:2] == [test_parts[0], test_parts[1].replace("'.[test]'", ".")], (train_parts, test_parts)
+    assert train_parts[2].startswith(".venv/bin/python -m jaxdp.train")
+    env = sandbox(tmp_path)
+    proc = run_shell(train_parts[2].replace(".venv/bin/python", sys.executable, 1), tmp_path, env)
+    assert re.search(r"eval_accuracy=0\.9\d+ .*strategy=ring devices=8", proc.stdout), proc.stdout
+
+
+SHELL_BLOCKS = readme_blocks("tests/test_readme.py::test_shell_blocks")
+
+
+@pytest.mark.parametrize("block", SHELL_BLOCKS, ids=[b.id for b in SHELL_BLOCKS])
+def test_shell_blocks(block, tmp_path):
+    env = sandbox(tmp_path)
+    run_shell("\n".join(commands(block)), tmp_path, env)
+
+
+# What each Python block must achieve when it has run (appended to the block, same process).
+PYTHON_CHECKS = {
+    "linen": 'assert len(jax.devices()) == 8 and int(state.step) == 100\n'
+             'logits = model.apply({"params": jax.device_get(state.params)}, batch["x"])\n'
+             'assert float(metrics["loss"]) < 0.3 and np.mean(np.argmax(logits, -1) == batch["y"]) > 0.95\n',
+    # nnx: trained through make_train_step, and nnx.update put the weights back into the module
+    "nnx": 'assert len(jax.devices()) == 8 and int(state.step) == 100\n'
+           'assert float(metrics["loss"]) < 0.5 and np.mean(np.argmax(model(batch["x"]), -1) == batch["y"]) > 0.9\n'
+           'assert type(params).__name__ == "State" and not jax.tree.leaves(rest)\n',
+}
+PYTHON_BLOCKS = readme_blocks("tests/test_readme.py::test_python_blocks")
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.id for b in PYTHON_BLOCKS])
+def test_python_blocks(block, tmp_path):
+    kind = "nnx" if "from flax import nnx" in block.code else "linen"
+    program = ('import jax\njax.config.update("jax_num_cpu_devices", 8)  # as a CPU-only user would\n'
+               + block.code + PYTHON_CHECKS[kind] + 'print("checks passed")\n')
+    env = sandbox(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0 and "checks passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_both_flax_apis_are_shown():
+    kinds = sorted("nnx" if "from flax import nnx" in b.code else "linen" for b in PYTHON_BLOCKS)
+    assert kinds == ["linen", "nnx"]
+
+
+# ---- the CLI reference ------------------------------------------------------------------------
+
+CLI_START, CLI_END = "<!-- cli-reference -->", "<!-- /cli-reference -->"
+
+
+def cli_reference() -> str:
+    """The README's flag tables, one per flag group, generated from jaxdp.config.Config."""
+    from jaxdp import config
+
+    lines = []
+    for group in config.GROUPS:
+        lines += [f"**{group}**", "", "| flag | default | meaning |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(config.Config):
+            if f.metadata["group"] != group:
+                continue
+            flag = f"--{f.name.replace('_', '-')}"
+            if f.type == "bool":
+                usage = f"`{flag}`, `--no-{flag[2:]}`"
+            elif f.metadata.get("choices"):
+                usage = f"`{flag} {{{','.join(f.metadata['choices'])}}}`"
+            else:
+                usage = f"`{flag} {config._metavar(f)}`"
+            default = "" if f.default is None else f"`{f.default}`"
+            lines.append(f"| {usage} | {default} | {f.metadata['help'].replace('|', '&#124;')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def readme_cli_section(text: str) -> str:
+    start, end = text.index(CLI_START), text.index(CLI_END)
+    return text[text.index("\n", start) + 1:end]
+
+
+def test_cli_reference_is_current():
+    assert readme_cli_section(README.read_text()) == cli_reference() + "\n", \
+        "README.md's CLI reference is stale: run `python tests/test_readme.py` and commit README.md"
+
+
+def test_cli_reference_matches_help_output():
+    from jaxdp.config import build_parser
+
+    help_text = build_parser().format_help()
+    help_flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", help_text)) - {"--help"}
+    table_flags = set(re.findall(r"`(--[a-z][a-z-]+)", readme_cli_section(README.read_text())))
+    assert help_flags <= table_flags and table_flags - help_flags <= {"--no-progress", "--no-debug"}
+    sections = re.findall(r"^(\w+):$", help_text, re.M)
+    assert [s for s in sections if s not in ("options",)] == [
+        g for g in re.findall(r"^\*\*(\w+)\*\*$", readme_cli_section(README.read_text()), re.M)]
+    assert "(default: psum)" in help_text and "(default: 128)" in help_text
+
+
+if __name__ == "__main__":  # regenerate the CLI reference in README.md
+    text = README.read_text()
+    start, end = text.index(CLI_START), text.index(CLI_END)
+    README.write_text(text[:text.index("\n", start) + 1] + cli_reference() + "\n" + text[end:])
+    print("README.md: CLI reference regenerated")
