@@ -27,7 +27,9 @@ class MetricsWriter:
             return
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
-            # A resumed run continues the file of the run it resumes.
+            # A resumed run continues the file of the run it resumes, from the checkpoint's step.
+            if start_step:
+                _keep_records_up_to(metrics_file, start_step)
             self._jsonl = open(metrics_file, "a" if start_step else "w", buffering=1)
         if log_dir:
             from tensorboardX import SummaryWriter
@@ -82,3 +84,24 @@ class MetricsWriter:
             if handle is not None:
                 handle.close()
         self._bar = self._jsonl = self._tensorboard = None
+
+
+def _keep_records_up_to(path: str, step: int) -> None:
+    """Drop what a resumed run will write again: records after `step` (a crashed run got past its
+    last checkpoint), "done" records (the run goes on) and a torn last line. Replaces the file
+    atomically, so a crash here leaves the old file."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("event") != "done" and record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)

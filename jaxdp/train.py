@@ -6,7 +6,11 @@
     python -m jaxdp.train --help                           # every flag, grouped, with defaults
 
 Exit codes: 0 success, 2 bad input (one line on stderr; --debug for the traceback), 1 any other
-error. The file reads top to bottom in data-flow order: distribution, mesh, data, model and
+error, 75 preempted: with --checkpoint-dir, SIGTERM or SIGUSR1 (SLURM's --signal) makes every
+process finish its current step, save a checkpoint and stop; rerun the same command to resume
+(75 is EX_TEMPFAIL from sysexits.h: "temporary failure, try again").
+
+The file reads top to bottom in data-flow order: distribution, mesh, data, model and
 optimizer, update step, checkpoint, loop, evaluation.
 """
 
@@ -21,11 +25,15 @@ from typing import Any, Sequence
 from jaxdp.config import Config, ConfigError, parse_args
 
 
+EXIT_PREEMPTED = 75  # stopped by SIGTERM / SIGUSR1 after saving a checkpoint: rerun to resume
+
+
 @dataclasses.dataclass
 class Result:
     state: Any                 # the final TrainState (replicated jax.Arrays)
     history: list[dict]        # every logged record, as written to --metrics-file
     summary: dict[str, Any]    # the final "done" record: eval_loss, eval_accuracy, ...
+    preempted: bool = False    # stopped early by a preemption signal; the checkpoint holds `state`
 
 
 def train(config: Config) -> Result:
@@ -37,7 +45,7 @@ def train(config: Config) -> Result:
     import optax
 
     from jaxdp import data, distributed, models
-    from jaxdp.checkpoint import Checkpointer
+    from jaxdp.checkpoint import Checkpointer, Preemption
     from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter
     from jaxdp.state import init_state, make_optimizer
@@ -90,16 +98,24 @@ def train(config: Config) -> Result:
     eval_step = make_eval_step(eval_fn, mesh)
 
     # ---- checkpoint --------------------------------------------------------------------------
-    checkpointer = None
+    # Every process restores the same checkpoint, and all save together (orbax saves collectively).
+    checkpointer = preemption = None
     if config.checkpoint_dir:
-        checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep)
-        state = checkpointer.restore(state)
-    start_step = int(jax.device_get(state.step))
+        checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
+                                    config=config)
+        state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
+    start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
+    if start_step > config.steps:
+        checkpointer.close()
+        raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {start_step}, past "
+                          f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
+    if checkpointer:
+        preemption = Preemption(mesh)  # from here on SIGTERM / SIGUSR1 mean "save and stop"
 
     # ---- training loop -----------------------------------------------------------------------
     writer = MetricsWriter(is_main=is_main, total_steps=config.steps, start_step=start_step,
                            metrics_file=config.metrics_file, log_dir=config.log_dir, progress=config.progress)
-    history = []
+    history, preempted = [], False
     try:
         for step in range(start_step, config.steps):
             state, metrics = train_step(state, batch_at(step))
@@ -109,6 +125,16 @@ def train(config: Config) -> Result:
                 history.append(writer.log(done, jax.device_get(metrics), config.batch_size))  # host sync point
             if checkpointer and checkpointer.should_save(done):
                 checkpointer.save(state)
+            # Multi-process: a tiny all-reduce, so every process stops after the same step.
+            if preemption and done < config.steps and preemption.should_stop():
+                checkpointer.save(state)  # no-op if this step was just saved
+                preempted = True
+                break
+        if preempted:
+            if is_main:
+                print(f"jaxdp: {preemption.signal_name} received; saved step {done} to {checkpointer.directory} "
+                      f"and stopped (exit code {EXIT_PREEMPTED}); run the same command to resume", file=sys.stderr)
+            return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
 
         # ---- evaluation ----------------------------------------------------------------------
         eval_batch = mesh.size * max(1, 256 // mesh.size)
@@ -119,12 +145,14 @@ def train(config: Config) -> Result:
         summary = {"eval_loss": totals["loss"] / totals["count"], "eval_accuracy": totals["correct"] / totals["count"],
                    "strategy": config.strategy, "devices": mesh.size, "processes": n_processes}
         if checkpointer:
-            checkpointer.save(state, force=True)
+            checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
         summary = writer.done(config.steps, summary)
     finally:
         writer.close()
         if checkpointer:
-            checkpointer.close()
+            checkpointer.close()  # waits for the last save to be written
+        if preemption:
+            preemption.close()
     if is_main:
         print(f"eval_accuracy={summary['eval_accuracy']:.4f} eval_loss={summary['eval_loss']:.4f} "
               f"steps={config.steps} strategy={config.strategy} devices={mesh.size} "
@@ -137,8 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
     try:
-        train(parse_args(argv))
-        return 0
+        result = train(parse_args(argv))
+        return EXIT_PREEMPTED if result.preempted else 0
     except ConfigError as err:
         if debug:
             traceback.print_exc()
