@@ -170,10 +170,7 @@ def test_setup_commands(tmp_path):
     assert re.search(r"eval_accuracy=0\.9\d+ .*strategy=ring devices=8", proc.stdout), proc.stdout
 
 
-SHELL_BLOCKS = readme_blocks("tests/test_readme.py::test_shell_blocks")
-
-
-@pytest.mark.parametrize("block", SHELL_BLOCKS, ids=[b.id for b in SHELL_BLOCKS])
+@pytest.mark.parametrize("block", readme_blocks("tests/test_readme.py::test_shell_blocks"), ids=lambda b: b.id)
 def test_shell_blocks(block, tmp_path):
     env = sandbox(tmp_path)
     run_shell("\n".join(commands(block)), tmp_path, env)
@@ -189,10 +186,7 @@ PYTHON_CHECKS = {
            'assert float(metrics["loss"]) < 0.5 and np.mean(np.argmax(model(batch["x"]), -1) == batch["y"]) > 0.9\n'
            'assert type(params).__name__ == "State" and not jax.tree.leaves(rest)\n',
 }
-PYTHON_BLOCKS = readme_blocks("tests/test_readme.py::test_python_blocks")
-
-
-@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.id for b in PYTHON_BLOCKS])
+@pytest.mark.parametrize("block", readme_blocks("tests/test_readme.py::test_python_blocks"), ids=lambda b: b.id)
 def test_python_blocks(block, tmp_path):
     kind = "nnx" if "from flax import nnx" in block.code else "linen"
     program = ('import jax\njax.config.update("jax_num_cpu_devices", 8)  # as a CPU-only user would\n'
@@ -204,7 +198,8 @@ def test_python_blocks(block, tmp_path):
 
 
 def test_both_flax_apis_are_shown():
-    kinds = sorted("nnx" if "from flax import nnx" in b.code else "linen" for b in PYTHON_BLOCKS)
+    kinds = sorted("nnx" if "from flax import nnx" in b.code else "linen"
+                   for b in readme_blocks("tests/test_readme.py::test_python_blocks"))
     assert kinds == ["linen", "nnx"]
 
 

@@ -1,0 +1,86 @@
+"""examples/: the quickstart notebook executes fresh and shows the strategies' curves coinciding;
+the committed copy carries its outputs (so the figure shows on GitHub). `custom_model.py` is run
+by tests/test_readme.py, from the README's command.
+
+To refresh the committed outputs after editing the notebook:
+
+    python tests/test_examples.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
+
+
+def execute(path: Path, cwd: Path) -> nbformat.NotebookNode:
+    """Run every cell in a fresh kernel; the notebook sets its own device count, so the kernel
+    must not inherit the test suite's XLA_FLAGS."""
+    nb = nbformat.read(path, as_version=4)
+    saved = os.environ.pop("XLA_FLAGS", None)
+    try:
+        NotebookClient(nb, timeout=180, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(cwd)}}).execute()
+    finally:
+        if saved is not None:
+            os.environ["XLA_FLAGS"] = saved
+    return nb
+
+
+def outputs(nb: nbformat.NotebookNode) -> tuple[str, list[bytes]]:
+    text, images = [], []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                raise AssertionError(f"cell raised {out['ename']}: {out['evalue']}")
+            text.append(out.get("text", "") + out.get("data", {}).get("text/plain", ""))
+            if "image/png" in out.get("data", {}):
+                images.append(out["data"]["image/png"])
+    return "\n".join(text), images
+
+
+def check(nb: nbformat.NotebookNode) -> None:
+    text, images = outputs(nb)
+    assert "8 devices: cpu" in text, text
+    assert len(images) == 1, "the notebook should draw exactly one figure (curves + differences)"
+    # The notebook asserts agreement itself (assert_allclose, rtol 1e-5); check the printed numbers.
+    diffs = dict(re.findall(r"^\s*(psum|ring|host|1 device): max \|Δ loss\| = (\S+)", text, re.M))
+    assert sorted(diffs) == ["1 device", "host", "psum", "ring"], text
+    assert all(float(v) < 1e-5 for v in diffs.values()), diffs
+    first, last = map(float, re.search(r"loss: (\S+) -> (\S+) after", text).groups())
+    assert last < first / 5, (first, last)
+
+
+def test_quickstart_notebook_executes_and_curves_coincide(tmp_path):
+    copy = tmp_path / NOTEBOOK.name
+    shutil.copy(NOTEBOOK, copy)
+    start = time.perf_counter()
+    nb = execute(copy, tmp_path)
+    elapsed = time.perf_counter() - start
+    check(nb)
+    assert elapsed < 120, f"the quickstart took {elapsed:.0f}s; it should take well under a minute"
+
+
+def test_committed_notebook_has_its_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.get("execution_count") for c in code), "commit the notebook executed: python tests/test_examples.py"
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "execute it top to bottom, once"
+    check(nb)
+
+
+if __name__ == "__main__":  # execute the notebook and save it with its outputs
+    nb = execute(NOTEBOOK, NOTEBOOK.parent)
+    check(nb)
+    nbformat.write(nb, NOTEBOOK)
+    print(f"{NOTEBOOK.relative_to(ROOT)}: executed and saved", file=sys.stderr)
