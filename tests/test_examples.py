@@ -28,6 +28,8 @@ def execute(path: Path, cwd: Path) -> nbformat.NotebookNode:
     """Run every cell in a fresh kernel; the notebook sets its own device count, so the kernel
     must not inherit the test suite's XLA_FLAGS."""
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)  # timestamps from an older run: noise in diffs
     saved = os.environ.pop("XLA_FLAGS", None)
     try:
         NotebookClient(nb, timeout=180, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(cwd)}}).execute()
