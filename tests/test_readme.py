@@ -170,10 +170,29 @@ def test_setup_commands(tmp_path):
     assert re.search(r"eval_accuracy=0\.9\d+ .*strategy=ring devices=8", proc.stdout), proc.stdout
 
 
+# What a command must print besides exiting 0, by how it starts (checked for every match).
+EXPECT = {
+    "python -m jaxdp.train --help": r"checkpointing:[\s\S]*\(default: psum\)|\(default: psum\)[\s\S]*checkpointing:",
+    "python -m jaxdp.train --strategy": r"eval_accuracy=\d",
+    "python -m jaxdp.train --model cnn": r"eval_accuracy=\d",
+    "python examples/custom_model.py": r"test accuracy 0\.[89]\d* after",
+}
+
+
 @pytest.mark.parametrize("block", readme_blocks("tests/test_readme.py::test_shell_blocks"), ids=lambda b: b.id)
 def test_shell_blocks(block, tmp_path):
     env = sandbox(tmp_path)
-    run_shell("\n".join(commands(block)), tmp_path, env)
+    for command in commands(block):  # one at a time, in the same directory, so outputs can be checked
+        proc = run_shell(command, tmp_path, env)
+        for start, pattern in EXPECT.items():
+            if command.startswith(start):
+                assert re.search(pattern, proc.stdout), f"{command}\n{proc.stdout[-3000:]}"
+
+
+def test_every_output_check_applies_to_a_readme_command():
+    shown = [c for b in readme_blocks("tests/test_readme.py::test_shell_blocks") for c in commands(b)]
+    unused = [start for start in EXPECT if not any(c.startswith(start) for c in shown)]
+    assert not unused, f"EXPECT entries that match no README command (update them): {unused}"
 
 
 # What each Python block must achieve when it has run (appended to the block, same process).
