@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 SHELLS = ("bash", "sh", "shell", "console")
 MARKER = re.compile(r"<!--\s*(test-command|run:\s*(?P<node>\S+)|not-run:\s*(?P<reason>.*?))\s*-->")
-OWN_HEADINGS = ("## Multi-host and SLURM", "## Checkpoints and resume", "## Performance", "## Troubleshooting")
+LOOKS_LIKE_A_COMMAND = re.compile(r"^\s*(\$ |python|pip |docker |podman |buildah |srun |sbatch |salloc |bash |\.venv/|jaxdp-)", re.M)
+REQUIRED_HEADINGS = ("## Multi-host and SLURM", "## Checkpoints and resume", "## Performance", "## Troubleshooting")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,8 @@ def test_every_block_is_run_or_says_why_not():
     problems = []
     for block in blocks():
         if block.lang not in SHELLS + ("python",):
+            if LOOKS_LIKE_A_COMMAND.search(block.code):
+                problems.append(f"{block.id}: a command in a ```{block.lang} block: make it ```bash and mark it")
             continue  # diagrams, output samples
         if block.marker is None:
             problems.append(f"{block.id}: ```{block.lang} block without a marker (see tests/test_readme.py)")
@@ -139,6 +142,8 @@ def test_marker_check_catches_unmarked_and_stale_blocks(tmp_path):
     assert check_run_target("tests/test_readme.py::blocks")  # exists, but does not read the README
     assert not check_run_target("tests/test_readme.py::test_shell_blocks")
     assert not re.match(r"needs \S", found[2].target)
+    assert LOOKS_LIKE_A_COMMAND.search(blocks("```\npython -m jaxdp.train\n```\n")[0].code)
+    assert not LOOKS_LIKE_A_COMMAND.search(blocks("```\ndev0 → dev1   a:0\n```\n")[0].code)
 
 
 def test_ci_runs_the_test_command():
@@ -149,7 +154,7 @@ def test_ci_runs_the_test_command():
 
 def test_sections_owned_by_others_have_their_headings():
     text = README.read_text()
-    for heading in OWN_HEADINGS:
+    for heading in REQUIRED_HEADINGS:
         assert re.search(rf"^{re.escape(heading)}\s*$", text, re.M), heading
 
 
