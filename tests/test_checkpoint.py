@@ -1,0 +1,296 @@
+"""Checkpoints: exact resume, preemption by a real signal, damaged and mismatched checkpoints.
+
+Real orbax checkpoints on disk and real processes and signals throughout. Most runs call
+`jaxdp.train.train` in this process (8 simulated devices, about a second each); the preemption
+and kill -9 tests start real subprocesses.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+from conftest import ROOT, cli_env
+from jaxdp.config import parse_args
+from jaxdp.models import MLP
+from jaxdp.train import EXIT_PREEMPTED, main, train
+
+FAST = ["--log-every", "1", "--no-progress"]
+
+
+def run(*flags: str):
+    return train(parse_args([*FAST, *map(str, flags)]))
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def step_records(path: Path) -> list[dict]:
+    """The per-step records, without timings (which differ between runs)."""
+    timing = ("steps_per_sec", "examples_per_sec", "elapsed_s")
+    return [{k: v for k, v in r.items() if k not in timing} for r in records(path) if "event" not in r]
+
+
+def assert_same_state(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    """Every file under `directory` with a hash of its bytes: equal digests = untouched directory."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(directory.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """30 steps without checkpoints, per strategy: what every resumed run must reproduce exactly."""
+    cache = {}
+
+    def get(strategy: str):
+        if strategy not in cache:
+            metrics = tmp_path_factory.mktemp(strategy) / "m.jsonl"
+            result = run("--strategy", strategy, "--steps", 30, "--metrics-file", metrics)
+            cache[strategy] = (step_records(metrics), result.state)
+        return cache[strategy]
+
+    return get
+
+
+# ---- exact resume ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["psum", "ring"])
+def test_stop_at_15_then_resume_to_30_is_bit_identical(tmp_path, uninterrupted, strategy):
+    flags = ["--strategy", strategy, "--checkpoint-dir", tmp_path / "ckpt", "--save-every", 5,
+             "--metrics-file", tmp_path / "m.jsonl"]
+    first = run(*flags, "--steps", 15)
+    assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir()) == [5, 10, 15]
+    resumed = run(*flags, "--steps", 30)
+
+    assert [r["step"] for r in resumed.history] == list(range(16, 31))  # ran 16..30 only
+    expected_records, expected_state = uninterrupted(strategy)
+    assert step_records(tmp_path / "m.jsonl") == expected_records  # losses of steps 1..30, once each
+    assert [r.get("event") for r in records(tmp_path / "m.jsonl")].count("done") == 1
+    assert int(first.state.step) == 15 and int(resumed.state.step) == 30
+    assert_same_state(resumed.state, expected_state)  # params, optimizer state, rng, step
+
+
+def test_metadata_records_config_and_data_position(tmp_path):
+    run("--steps", 4, "--checkpoint-dir", tmp_path)
+    meta = json.loads((tmp_path / "4" / "meta" / "metadata").read_text())
+    assert meta["step"] == meta["data_position"] == 4
+    assert meta["config"]["seed"] == 0 and meta["config"]["model"] == "mlp" and meta["devices"] == 8
+
+
+# ---- damaged checkpoints ---------------------------------------------------------------------
+
+
+def tear_latest_save(ckpt: Path, step: int) -> None:
+    """Turn finished checkpoint `step` into what a process killed during that save leaves behind.
+
+    Orbax writes a step into `<step>.orbax-checkpoint-tmp/` (items in `<item>.orbax-checkpoint-tmp/`)
+    and renames it to `<step>/` only once every item is written and committed. A save killed midway
+    (see test_kill_9_during_a_real_save) leaves the step's `_CHECKPOINT_METADATA`, partial array
+    data under `state.orbax-checkpoint-tmp/ocdbt.process_0/`, `meta.orbax-checkpoint-tmp/`, and no
+    `commit_success.txt`, `_METADATA` or manifest at the top of the item.
+    """
+    done, torn = ckpt / str(step), ckpt / f"{step}.orbax-checkpoint-tmp"
+    torn.mkdir()
+    (done / "_CHECKPOINT_METADATA").rename(torn / "_CHECKPOINT_METADATA")
+    (torn / "state.orbax-checkpoint-tmp").mkdir()
+    (done / "state" / "ocdbt.process_0").rename(torn / "state.orbax-checkpoint-tmp" / "ocdbt.process_0")
+    (done / "meta").rename(torn / "meta.orbax-checkpoint-tmp")
+    (torn / "meta.orbax-checkpoint-tmp" / "commit_success.txt").unlink()
+    data = sorted((torn / "state.orbax-checkpoint-tmp" / "ocdbt.process_0" / "d").iterdir())
+    with open(data[0], "r+b") as f:  # the file being written when the process died
+        f.truncate(f.seek(0, os.SEEK_END) // 2)
+    subprocess.run(["rm", "-r", str(done)], check=True)
+
+
+def test_save_killed_midway_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted, caplog):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    flags = ["--checkpoint-dir", ckpt, "--save-every", 5, "--metrics-file", metrics]
+    run(*flags, "--steps", 20)
+    tear_latest_save(ckpt, 20)
+    # The killed run had logged steps 16..20, never "done", and was cut off mid-line.
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:-1]) + '{"step": 21, "lo')
+
+    resumed = run(*flags, "--steps", 30)
+
+    warnings = [r.getMessage() for r in caplog.records if "jaxdp: warning" in r.getMessage()]
+    assert len(warnings) == 1 and "20.orbax-checkpoint-tmp" in warnings[0] and "step 15" in warnings[0]
+    assert resumed.history[0]["step"] == 16
+    expected_records, expected_state = uninterrupted("psum")
+    assert step_records(metrics) == expected_records  # 16..20 not duplicated, torn line gone
+    assert_same_state(resumed.state, expected_state)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["20", "25", "30"]  # orbax replaced the torn save
+
+
+def test_corrupted_latest_checkpoint_falls_back_and_is_kept_aside(tmp_path, uninterrupted, caplog):
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", ckpt, "--save-every", 5, "--keep", 5]
+    run(*flags, "--steps", 15)
+    for blob in (ckpt / "15" / "state").rglob("d/*"):  # damage every array file of the latest step
+        with open(blob, "r+b") as f:
+            f.truncate(7)
+
+    resumed = run(*flags, "--steps", 30)
+
+    warnings = [r.getMessage() for r in caplog.records if "jaxdp: warning" in r.getMessage()]
+    assert len(warnings) == 1 and "could not be read" in warnings[0] and "resuming from step 10" in warnings[0]
+    assert resumed.history[0]["step"] == 11
+    assert_same_state(resumed.state, uninterrupted("psum")[1])
+    assert (ckpt / "15.unreadable" / "state").is_dir()  # kept for inspection, never deleted
+    assert {"15", "30"} <= {p.name for p in ckpt.iterdir()}  # step 15 saved again, readable
+
+
+# ---- bad input: exit 2, one line, nothing changed ---------------------------------------------
+
+
+def test_checkpoint_of_another_config_or_shape_exits_2_and_changes_nothing(tmp_path, capsys):
+    data = tmp_path / "data.npz"
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 5)), rng.integers(0, 3, 64)
+    np.savez(data, x=x, y=y)
+    ckpt = tmp_path / "ckpt"
+    base = ["--dataset", str(data), "--batch-size", "16", "--steps", "3", "--checkpoint-dir", str(ckpt), *FAST]
+    assert main(base) == 0
+    before = tree_digest(ckpt)
+    capsys.readouterr()
+
+    assert main([*base, "--lr", "0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "made with --lr=0.001, but this run has --lr=0.01" in err[0], err
+
+    np.savez(data, x=rng.standard_normal((64, 7)), y=y)  # same flags, wider rows: other parameter shapes
+    assert main(base) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "params/Dense_0/kernel is float32[5, 256]" in err[0] and "float32[7, 256]" in err[0], err
+
+    np.savez(data, x=x, y=y)
+    assert main([*base, "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds step 3, past --steps=2" in err[0], err
+    assert tree_digest(ckpt) == before
+
+
+def read_only_dir(tmp_path: Path) -> Path:
+    """An existing directory this process cannot write to (root ignores file modes: use /sys)."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    (tmp_path / "ro").mkdir(mode=0o555)
+    return tmp_path / "ro"
+
+
+@pytest.mark.parametrize("where", ["path under a file", "read-only directory"])
+def test_unwritable_checkpoint_dir_exits_2_before_training(tmp_path, capsys, where):
+    (tmp_path / "file").write_text("x")
+    directory = tmp_path / "file" / "ckpt" if where == "path under a file" else read_only_dir(tmp_path)
+    metrics = tmp_path / "m.jsonl"
+    assert main(["--checkpoint-dir", str(directory), "--metrics-file", str(metrics), "--steps", "5", *FAST]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a writable directory" in err[0], err
+    assert not metrics.exists()  # stopped before the first step
+
+
+# ---- another device count, and the notebook API ----------------------------------------------
+
+
+def test_restore_on_fewer_devices_and_from_a_notebook(tmp_path):
+    model, tx = MLP(hidden=(16,), num_classes=3), optax.adam(1e-2)
+    params = model.init(jax.random.PRNGKey(1), np.zeros((1, 4), np.float32))["params"]
+    eight, four = jaxdp.make_mesh(jax.devices()), jaxdp.make_mesh(jax.devices()[:4])
+    state = jaxdp.init_state(params, tx, eight, rng=3)
+    step = jaxdp.make_train_step(lambda p, b: ((model.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean(), tx, eight)
+    batch = jaxdp.shard_batch({"x": np.ones((8, 4), np.float32), "y": np.zeros((8, 3), np.float32)}, eight)
+    state, _ = step(state, batch)
+
+    with jaxdp.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.restore(state) is state  # nothing saved yet
+        assert ckpt.save(state) and not ckpt.save(state)  # a step is saved once
+    template = jaxdp.init_state(params, tx, four, rng=0)
+    with jaxdp.Checkpointer(tmp_path) as ckpt:
+        restored = ckpt.restore(template)
+
+    assert_same_state(restored, state)
+    assert all(leaf.sharding.mesh.size == 4 and leaf.sharding.is_fully_replicated
+               for leaf in jax.tree.leaves(restored))
+
+
+# ---- preemption: real processes, real signals ------------------------------------------------
+
+
+def start_cli(*flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxdp.train", *map(str, flags)], cwd=ROOT, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_records(metrics: Path, proc: subprocess.Popen, n: int = 1, timeout: float = 120) -> None:
+    """Until `metrics` holds `n` step records, i.e. training is under way (compile done)."""
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+
+
+def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    flags = ["--checkpoint-dir", ckpt, "--metrics-file", metrics, *FAST]
+    proc = start_cli(*flags, "--steps", 100_000)
+    wait_for_records(metrics, proc, n=3)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - sent
+
+    assert proc.returncode == EXIT_PREEMPTED == 75, stderr
+    assert elapsed < 60
+    stopped = records(metrics)[-1]["step"]  # the step in progress when the signal came, finished
+    assert sorted(p.name for p in ckpt.iterdir()) == [str(stopped)]
+    assert f"preempted (SIGTERM): saved step {stopped}" in stderr.strip().splitlines()[-1]
+
+    resumed = run(*flags, "--steps", stopped + 3)
+    assert [r["step"] for r in resumed.history] == [stopped + 1, stopped + 2, stopped + 3]
+    assert [r["step"] for r in records(metrics) if "event" not in r] == list(range(1, stopped + 4))
+
+
+def test_kill_9_during_a_real_save_leaves_the_previous_checkpoint(tmp_path, caplog):
+    """A 512 MiB state takes about a second to write: kill -9 lands while orbax is writing it."""
+    script = """if True:
+        import sys, jax, numpy as np, optax, jaxdp
+        mesh = jaxdp.make_mesh(jax.devices()[:1])
+        params = {"w": np.random.default_rng(0).random((512, 256 * 1024), np.float32)}  # incompressible
+        state = jaxdp.init_state(params, optax.sgd(0.1), mesh)
+        ckpt = jaxdp.Checkpointer(sys.argv[1])
+        ckpt.save(state.replace(step=jax.numpy.int32(1)))
+        ckpt.wait()
+        ckpt.save(state.replace(step=jax.numpy.int32(2)))  # returns once the state is on the host
+        print("writing step 2", flush=True)
+        ckpt.wait()
+    """
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=cli_env(),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "writing step 2\n"
+    proc.kill()
+    proc.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.orbax-checkpoint-tmp"]
+
+    template = jaxdp.init_state({"w": np.zeros((512, 256 * 1024), np.float32)}, optax.sgd(0.1),
+                                jaxdp.make_mesh(jax.devices()[:1]))
+    with jaxdp.Checkpointer(tmp_path) as ckpt:
+        restored = ckpt.restore(template)
+    assert int(restored.step) == 1
+    assert np.asarray(restored.params["w"][0, :4]).tolist() == np.random.default_rng(0).random(4, np.float32).tolist()
+    assert any("2.orbax-checkpoint-tmp" in r.getMessage() for r in caplog.records)
