@@ -7,6 +7,9 @@ the host's extra CA certificates from /usr/local/share/ca-certificates (so pip i
 trusts what the host trusts, e.g. a TLS-intercepting proxy), imported `FROM scratch` and tagged
 `debian:bookworm-slim`. The root filesystem is cached in $JAXDP_IMAGE_CACHE (default
 ~/.cache/jaxdp/images) and the images stay in buildah's store, so later runs skip those steps.
+Measured on the 2-core CI machine: 1.5-3.5 min from nothing, under a minute warm. A rebuild after
+README.md or jaxdp/ changed leaves the previous build's intermediate layers (~1 GB) in the store;
+`buildah rmi --prune` reclaims them.
 
     JAXDP_BUILD_IMAGES=1 .venv/bin/python -m pytest tests/test_docker.py
 """
