@@ -54,15 +54,15 @@ def tree_digest(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """30 steps without checkpoints, per strategy: what every resumed run must reproduce exactly."""
+    """30 steps without checkpoints, per strategy and model: what a resumed run must reproduce exactly."""
     cache = {}
 
-    def get(strategy: str):
-        if strategy not in cache:
+    def get(strategy: str, model: str = "mlp"):
+        if (strategy, model) not in cache:
             metrics = tmp_path_factory.mktemp(strategy) / "m.jsonl"
-            result = run("--strategy", strategy, "--steps", 30, "--metrics-file", metrics)
-            cache[strategy] = (step_records(metrics), result.state)
-        return cache[strategy]
+            result = run("--strategy", strategy, "--model", model, "--steps", 30, "--metrics-file", metrics)
+            cache[strategy, model] = (step_records(metrics), result.state)
+        return cache[strategy, model]
 
     return get
 
@@ -70,20 +70,22 @@ def uninterrupted(tmp_path_factory):
 # ---- exact resume ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["psum", "ring"])
-def test_stop_at_15_then_resume_to_30_is_bit_identical(tmp_path, uninterrupted, strategy):
-    flags = ["--strategy", strategy, "--checkpoint-dir", tmp_path / "ckpt", "--save-every", 5,
+# The CNN has BatchNorm statistics (model_state); the host strategy takes another code path.
+@pytest.mark.parametrize("strategy, model", [("psum", "mlp"), ("ring", "mlp"), ("host", "cnn")])
+def test_stop_at_15_then_resume_to_30_is_bit_identical(tmp_path, uninterrupted, strategy, model):
+    flags = ["--strategy", strategy, "--model", model, "--checkpoint-dir", tmp_path / "ckpt", "--save-every", 5,
              "--metrics-file", tmp_path / "m.jsonl"]
     first = run(*flags, "--steps", 15)
     assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir()) == [5, 10, 15]
     resumed = run(*flags, "--steps", 30)
 
     assert [r["step"] for r in resumed.history] == list(range(16, 31))  # ran 16..30 only
-    expected_records, expected_state = uninterrupted(strategy)
+    expected_records, expected_state = uninterrupted(strategy, model)
     assert step_records(tmp_path / "m.jsonl") == expected_records  # losses of steps 1..30, once each
     assert [r.get("event") for r in records(tmp_path / "m.jsonl")].count("done") == 1
     assert int(first.state.step) == 15 and int(resumed.state.step) == 30
-    assert_same_state(resumed.state, expected_state)  # params, optimizer state, rng, step
+    assert_same_state(resumed.state, expected_state)  # params, optimizer and model state, rng, step
+    assert bool(jax.tree.leaves(resumed.state.model_state)) == (model == "cnn")
 
 
 def test_metadata_records_config_and_data_position(tmp_path):
