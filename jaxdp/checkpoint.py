@@ -74,7 +74,9 @@ class Checkpointer:
         self.save_every = save_every
         self.config = config
         _check_writable(self.directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        # Old checkpoints (beyond `keep`) are deleted in a background thread, off the training path;
+        # close() waits for that as well as for the last save.
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_background_delete=True,
                                                enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handlers())
 
