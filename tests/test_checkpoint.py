@@ -296,3 +296,39 @@ def test_kill_9_during_a_real_save_leaves_the_previous_checkpoint(tmp_path, capl
     assert int(restored.step) == 1
     assert np.asarray(restored.params["w"][0, :4]).tolist() == np.random.default_rng(0).random(4, np.float32).tolist()
     assert any("2.orbax-checkpoint-tmp" in r.getMessage() for r in caplog.records)
+
+
+# ---- the README's examples -------------------------------------------------------------------
+
+
+def test_readme_commands(tmp_path, monkeypatch):
+    """The README's stop-and-resume commands, run in this process from a scratch directory."""
+    from test_readme import commands, readme_blocks
+
+    monkeypatch.chdir(tmp_path)
+    (block,) = readme_blocks("tests/test_checkpoint.py::test_readme_commands")
+    shown = commands(block)
+    assert len(shown) == 2 and all(c.startswith("python -m jaxdp.train ") for c in shown)
+    for command in shown:
+        assert main([*command.split()[3:], "--no-progress"]) == 0, command
+    logged = records(tmp_path / "run.jsonl")
+    assert [r["step"] for r in logged if "event" not in r] == [10, 15, 20, 30]  # 16..30 after resuming
+    assert logged[-1]["event"] == "done" and sorted(os.listdir(tmp_path / "ckpt")) == ["20", "25", "30"]
+
+
+def test_readme_notebook_block(tmp_path, monkeypatch):
+    """The README's notebook snippet after its flax.linen example (100 steps), twice: the first run
+    trains on to 300 saving every 50; the second restores step 300 and has nothing left to do."""
+    from test_readme import readme_blocks
+
+    monkeypatch.chdir(tmp_path)
+    linen = next(b for b in readme_blocks("tests/test_readme.py::test_python_blocks") if "flax.linen" in b.code)
+    (snippet,) = readme_blocks("tests/test_checkpoint.py::test_readme_notebook_block")
+    namespace = {}
+    exec(linen.code + snippet.code, namespace)
+    trained = namespace["state"]
+    assert int(trained.step) == 300 and sorted(os.listdir("ckpt")) == ["200", "250", "300"]
+
+    namespace["state"] = jaxdp.init_state(namespace["params"], namespace["tx"], namespace["mesh"])
+    exec(snippet.code, namespace)
+    assert_same_state(namespace["state"], trained)
