@@ -25,6 +25,7 @@ step, save, stop", at the same step on every process.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import signal
@@ -53,6 +54,7 @@ _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "strategy")
 
 UNREADABLE_SUFFIX = ".unreadable"
+_BARRIER_IDS = itertools.count()  # every process counts alike, so their barrier names agree
 
 
 def resume_fields(config: Config) -> dict[str, Any]:
@@ -168,8 +170,9 @@ class Checkpointer:
                   f"moved it to {target}, {resumed}")
             if jax.process_index() == 0:
                 os.replace(source, target)
-        # Hazard: every process must see the renames before any of them saves again.
-        ocp.multihost.sync_global_processes("jaxdp:checkpoint:move_aside")
+        # Hazard: every process must see the renames before any of them saves again. (Damage is
+        # seen alike by all processes, which read the same files.) Barrier names must be unique.
+        ocp.multihost.sync_global_processes(f"jaxdp_move_aside_{next(_BARRIER_IDS)}")
         self._manager.reload()
 
     # -- save -----------------------------------------------------------------------------------
@@ -298,7 +301,7 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preemption:
-    """Remembers a SIGTERM or SIGUSR1; `should_stop(step)` says when every process has to stop.
+    """Remembers a SIGTERM or SIGUSR1; `should_stop(state)` says when every process has to stop.
 
     A signal may reach one process only, or reach processes at different steps, but all processes
     must save the same step (orbax's save is collective). So in a multi-process run `should_stop`

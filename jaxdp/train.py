@@ -103,14 +103,16 @@ def train(config: Config) -> Result:
     if config.checkpoint_dir:
         checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
                                     config=config)
-        state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
-    start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
-    if start_step > config.steps:
-        checkpointer.close()
-        raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {start_step}, past "
-                          f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
-    if checkpointer:
+        try:
+            state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
+            if int(state.step) > config.steps:
+                raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {int(state.step)}, past "
+                                  f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
+        except ConfigError:
+            checkpointer.close()  # nothing was written: bad input leaves the directory as it was
+            raise
         preemption = Preemption(mesh)  # from here on SIGTERM / SIGUSR1 mean "save and stop"
+    start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
 
     # ---- training loop -----------------------------------------------------------------------
     writer = MetricsWriter(is_main=is_main, total_steps=config.steps, start_step=start_step,
