@@ -99,7 +99,7 @@ def train(config: Config) -> Result:
 
     # ---- checkpoint --------------------------------------------------------------------------
     # Every process restores the same checkpoint, and all save together (orbax saves collectively).
-    checkpointer = preemption = None
+    checkpointer = None
     if config.checkpoint_dir:
         checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
                                     config=config)
@@ -111,13 +111,13 @@ def train(config: Config) -> Result:
         except ConfigError:
             checkpointer.close()  # nothing was written: bad input leaves the directory as it was
             raise
-        preemption = Preemption(mesh)  # from here on SIGTERM / SIGUSR1 mean "save and stop"
     start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
 
     # ---- training loop -----------------------------------------------------------------------
     writer = MetricsWriter(is_main=is_main, total_steps=config.steps, start_step=start_step,
                            metrics_file=config.metrics_file, log_dir=config.log_dir, progress=config.progress)
     history, preempted = [], False
+    preemption = Preemption(mesh) if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     try:
         for step in range(start_step, config.steps):
             state, metrics = train_step(state, batch_at(step))
