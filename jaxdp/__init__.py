@@ -9,7 +9,11 @@
         state = ckpt.restore(state)
 """
 
-from jaxdp.checkpoint import Checkpointer
+from jaxdp import malloc_env
+
+malloc_env.reexec_if_needed()  # `python -m jaxdp.train|bench` only, before JAX loads: see malloc_env.py
+
+from jaxdp.checkpoint import Checkpointer  # noqa: E402
 from jaxdp.mesh import DATA_AXIS, batch_sharding, make_mesh, replicate, replicated, shard_batch
 from jaxdp.state import TrainState, init_state, make_optimizer
 from jaxdp.step import make_eval_step, make_train_step
