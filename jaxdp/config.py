@@ -54,6 +54,7 @@ class Config:
     coordinator_address: str | None = _field(None, "distribution", "HOST:PORT of process 0 for a multi-process run (default: from the environment or SLURM, else single-process)")
     num_processes: int | None = _field(None, "distribution", "number of processes in a multi-process run")
     process_id: int | None = _field(None, "distribution", "this process's index, 0 .. num-processes - 1")
+    peer_timeout: int = _field(60, "distribution", "seconds a multi-process run waits for every process to join, and for a silent process before giving up (a process that dies is noticed at once)")
 
     # -- checkpointing --------------------------------------------------------------------------
     checkpoint_dir: str | None = _field(None, "checkpointing", "orbax checkpoint directory; a run pointed at one that holds a checkpoint resumes from it")
@@ -103,6 +104,8 @@ class Config:
             raise ConfigError(f"--process-id must be 0 or more, got {self.process_id}")
         if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
             raise ConfigError(f"--process-id={self.process_id} must be smaller than --num-processes={self.num_processes}")
+        if self.peer_timeout <= 0:
+            raise ConfigError(f"--peer-timeout must be a positive number of seconds, got {self.peer_timeout}")
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
