@@ -245,8 +245,10 @@ def initialize(config: Config) -> Cluster:
         from jaxdp import sync  # here, not at the top: sync is also used without distribution
 
         sync.set_cross_process_sum(host_sum(timeout))
-    log.info("jaxdp.distributed: %s; %s collectives", cluster.describe(),
-             {"cpu": "gloo"}.get(jax.default_backend(), "NCCL" if jax.default_backend() == "gpu" else "XLA"))
+    platform = jax.default_backend()  # starts the backend: everything above must come first
+    collectives = {"cpu": "; gloo collectives", "gpu": "; NCCL collectives"}.get(platform, "")
+    log.info("jaxdp.distributed: %s; %d %s devices here%s", cluster.describe(), jax.local_device_count(),
+             platform, collectives if cluster.multi_process else "")
     return cluster
 
 

@@ -1,0 +1,225 @@
+"""Multi-process runs: 2 real processes x 4 devices on 127.0.0.1 train exactly like 1 process x 8.
+
+Also: the pure pieces of `jaxdp.distributed` (SLURM node lists, GPU layouts, which source wins),
+bad input (exit 2), and failure: a process that dies or never arrives makes every survivor exit
+with `EXIT_PEER_LOST`, naming the missing process, within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxdp
+from conftest import ROOT, cli_env, run_cli
+from jaxdp import distributed
+from jaxdp.config import Config, ConfigError
+from jaxdp.distributed import EXIT_PEER_LOST, Cluster, detect
+from jaxdp.train import main
+from slurm_cluster import free_port
+
+# Few steps, a small batch: each process starts JAX in ~2 s on a 2-core machine.
+RUN = ["--dataset", "digits", "--steps", "6", "--batch-size", "64", "--log-every", "1", "--no-progress"]
+
+
+def start(process_id: int, port: int, out: Path, *args: str, num_processes: int = 2) -> subprocess.Popen:
+    """Start one process of a run on 127.0.0.1; its output goes to files (gloo is chatty)."""
+    flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
+             "--process-id", str(process_id)]
+    stdout, stderr = (open(out / f"p{process_id}.{name}", "w") for name in ("out", "err"))
+    with stdout, stderr:
+        return subprocess.Popen([sys.executable, "-m", "jaxdp.train", *args, *flags], cwd=ROOT,
+                                env=cli_env(), stdout=stdout, stderr=stderr)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 processes x 4 devices == 1 process x 8 devices, for every strategy.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", sorted(jaxdp.STRATEGIES))
+def test_two_processes_train_like_one_process_with_as_many_devices(tmp_path, strategy):
+    port = free_port()
+    procs = [start(i, port, tmp_path, *RUN, "--strategy", strategy, "--devices", "4",
+                   "--metrics-file", str(tmp_path / f"two.{i}.jsonl")) for i in range(2)]
+    one = run_cli(*RUN, "--strategy", strategy, "--devices", "8", "--metrics-file", str(tmp_path / "one.jsonl"))
+    assert one.returncode == 0, one.stderr
+    assert wait_all(procs, timeout=120) == [0, 0], (tmp_path / "p0.err").read_text()[-2000:]
+
+    assert not (tmp_path / "two.1.jsonl").exists()  # only process 0 writes metrics
+    reference, two = records(tmp_path / "one.jsonl"), records(tmp_path / "two.0.jsonl")
+    *ref_steps, ref_done = reference
+    *steps, done = two
+    assert [r["step"] for r in steps] == [r["step"] for r in ref_steps] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in steps], [r["loss"] for r in ref_steps], rtol=1e-5)
+    # Held-out metrics depend on every parameter: the final models agree too.
+    assert done["processes"] == 2 and ref_done["processes"] == 1 and done["devices"] == ref_done["devices"] == 8
+    np.testing.assert_allclose(done["eval_loss"], ref_done["eval_loss"], rtol=1e-5)
+    assert done["eval_accuracy"] == ref_done["eval_accuracy"]
+    assert "eval_accuracy=" in (tmp_path / "p0.out").read_text()
+    assert "eval_accuracy=" not in (tmp_path / "p1.out").read_text()  # only process 0 prints
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure: every survivor exits with EXIT_PEER_LOST and names the missing process.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killing_one_process_stops_the_other_naming_it(tmp_path, victim):
+    port, metrics = free_port(), tmp_path / "m.jsonl"
+    long_run = [*RUN[:2], "--steps", "100000", *RUN[4:], "--devices", "4", "--metrics-file", str(metrics)]
+    procs = [start(i, port, tmp_path, *long_run) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # training is under way
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (tmp_path / "p0.err").read_text()
+            time.sleep(0.1)
+        procs[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        survivor = procs[1 - victim]
+        rc = survivor.wait(timeout=120)
+        elapsed = time.monotonic() - killed
+    finally:
+        wait_all(procs, timeout=10)
+    err = (tmp_path / f"p{1 - victim}.err").read_text()
+    assert elapsed < 30, elapsed  # the peer watch notices a closed connection at once
+    if victim == 1:
+        assert rc == EXIT_PEER_LOST, err[-2000:]
+        assert f"jaxdp: error: process 1 (one of 2) stopped while process 0 was still running" in err
+    else:
+        # Losing the coordinator, JAX's own client may abort first (exit 134, "the leader task ... died").
+        assert rc != 0, err[-2000:]
+        assert "process 0 (the coordinator, one of 2) stopped" in err or "leader task" in err, err[-2000:]
+
+
+def test_a_process_that_never_arrives_is_named(tmp_path):
+    start_time = time.monotonic()
+    proc = start(0, free_port(), tmp_path, *RUN, "--devices", "4", "--peer-timeout", "3")
+    assert wait_all([proc], timeout=60) == [EXIT_PEER_LOST]
+    assert time.monotonic() - start_time < 30
+    err = (tmp_path / "p0.err").read_text().strip().splitlines()
+    assert err[-1].startswith("jaxdp: error: process 1 did not join within --peer-timeout=3 s"), err
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: exit 2 with one line, before any process waits for another.
+# ---------------------------------------------------------------------------------------------
+
+BAD_FLAGS = {
+    "malformed address": (["--coordinator-address", "127.0.0.1", "--num-processes", "2", "--process-id", "0"],
+                          "--coordinator-address='127.0.0.1' is not HOST:PORT"),
+    "port out of range": (["--coordinator-address", "host:70000", "--num-processes", "2", "--process-id", "0"],
+                          "is not HOST:PORT"),
+    "process id too large": (["--coordinator-address", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+                             "--process-id=2 must be smaller than --num-processes=2"),
+    "missing process count": (["--coordinator-address", "127.0.0.1:1234", "--process-id", "0"],
+                              "needs --num-processes as well"),
+    "zero peer timeout": (["--peer-timeout", "0"], "--peer-timeout must be a positive number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FLAGS))
+def test_inconsistent_distribution_flags_exit_2(capsys, case):
+    argv, needle = BAD_FLAGS[case]
+    assert main([*argv, "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxdp: error:") and needle in err[0], err
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces: no processes, no cluster.
+# ---------------------------------------------------------------------------------------------
+
+SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS": "8",
+             "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node01", ["node01"]),
+    ("node01,host2", ["node01", "host2"]),
+    ("node[01-03,7],gpu5", ["node01", "node02", "node03", "node7", "gpu5"]),
+    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("a-b.example.org", ["a-b.example.org"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert distributed.expand_nodelist(nodelist) == hosts
+
+
+def test_expand_tasks_per_node_and_bad_specs():
+    assert distributed.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert distributed.expand_tasks_per_node("8") == [8]
+    with pytest.raises(ConfigError):
+        distributed.expand_tasks_per_node("two")
+    with pytest.raises(ConfigError):
+        distributed.expand_nodelist("node[a-c]")
+
+
+@pytest.mark.parametrize("address, parsed", [
+    ("10.0.0.1:12345", ("10.0.0.1", 12345)), ("node01:1", ("node01", 1)), ("[::1]:8476", ("::1", 8476)),
+])
+def test_parse_address(address, parsed):
+    assert distributed.parse_address(address) == parsed
+
+
+@pytest.mark.parametrize("address", ["node01", ":1234", "node01:0", "node01:65536", "node01:port", "a b:1", "::1:80"])
+def test_parse_address_rejects(address):
+    with pytest.raises(ConfigError, match="is not HOST:PORT"):
+        distributed.parse_address(address)
+
+
+def test_detect_prefers_flags_then_jax_environment_then_slurm_then_single():
+    flags = Config(coordinator_address="h:1", num_processes=2, process_id=1)
+    jax_env = {"JAX_COORDINATOR_ADDRESS": "c:9", "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "2"}
+    assert detect(flags, {**jax_env, **SRUN_TASK}) == Cluster("explicit", "h:1", 2, 1)
+    assert detect(Config(), {**jax_env, **SRUN_TASK}) == Cluster("environment", "c:9", 3, 2)
+    assert detect(Config(), SRUN_TASK) == Cluster("slurm", f"gpu07:{61440 + 4242 % 4096}", 8, 5, (1,))
+    assert detect(Config(), {}) == Cluster("single")
+
+
+def test_slurm_details():
+    assert detect(Config(), {**SRUN_TASK, "JAX_COORDINATOR_PORT": "5000"}).coordinator_address == "gpu07:5000"
+    assert detect(Config(), {**SRUN_TASK, "JAX_COORDINATOR_ADDRESS": "head:7"}).coordinator_address == "head:7"
+    # One task: nothing to coordinate. The bare batch script (no SLURM_STEP_NODELIST): single process.
+    assert detect(Config(), {**SRUN_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == Cluster("single")
+    batch_script = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_NODELIST"}
+    assert detect(Config(), batch_script) == Cluster("single")
+    with pytest.raises(ConfigError, match="SLURM_PROCID=8 must be between 0 and SLURM_NTASKS - 1 = 7"):
+        detect(Config(), {**SRUN_TASK, "SLURM_PROCID": "8"})
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='two' is not an integer"):
+        detect(Config(), {"JAX_COORDINATOR_ADDRESS": "c:9", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"})
+
+
+@pytest.mark.parametrize("layout, extra, expected", [
+    ("one task per GPU: GPU number SLURM_LOCALID", {}, (1,)),
+    ("one task per node owns every GPU", {"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}, None),
+    ("SLURM bound one GPU per task (--gpus-per-task=1)", {"CUDA_VISIBLE_DEVICES": "3"}, None),
+    ("every task sees the node's GPUs", {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, (1,)),
+    ("uneven nodes, this one has 1 task", {"SLURM_STEP_TASKS_PER_NODE": "4,1"}, None),
+    ("JAX_LOCAL_DEVICE_IDS decides", {"JAX_LOCAL_DEVICE_IDS": "0,1"}, None),
+])
+def test_slurm_gpu_layouts(layout, extra, expected):
+    assert distributed.slurm_local_device_ids({**SRUN_TASK, **extra}) == expected, layout
