@@ -165,7 +165,8 @@ def train(config: Config) -> Result:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s",
+                        force=True)  # importing orbax already gave the root logger a handler
     try:
         result = train(parse_args(argv))
         return EXIT_PREEMPTED if result.preempted else 0
