@@ -143,12 +143,23 @@ def bench_collectives(args: argparse.Namespace) -> list[dict]:
             return replicate(strategy([{"grad": a[0]} for a in local], num_devices=n), mesh)
         return run
 
+    def ring_hops_only(tree: Any, axis_name: str) -> Any:
+        """Diagnostic floor of any ring here: its 2 (N-1) hops of 1/N of the buffer, nothing else."""
+        (x,) = jax.tree.leaves(tree)
+        chunk = x[:-(-x.shape[0] // n)]
+        for _ in range(2 * (n - 1)):
+            chunk = jax.lax.ppermute(chunk, DATA_AXIS, [(j, (j + 1) % n) for j in range(n)])
+        return {"grad": jax.numpy.resize(chunk, x.shape)}
+
+    if args.ring_floor:
+        strategies.append("ring-hops-only")
+    registry = {**STRATEGIES, "ring-hops-only": ring_hops_only}
     results = []
     for nbytes in args.sizes:
         x = shard_batch(np.random.default_rng(0).standard_normal((n, max(1, nbytes // 4)), dtype=np.float32), mesh)
         calls = {}
         for name in strategies:
-            fn = on_host(STRATEGIES[name]) if runs_on_host(STRATEGIES[name]) else in_graph(STRATEGIES[name])
+            fn = on_host(registry[name]) if runs_on_host(registry[name]) else in_graph(registry[name])
             calls[name] = lambda fn=fn: jax.block_until_ready(fn(x))
         times = interleaved(calls, args.repeats)
         for name in strategies:
@@ -446,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=[parse_size(v) for v in "1KB,64KB,1MB,16MB,64MB".split(",")], help="bytes per device, e.g. 1KB,64MB")
     p.add_argument("--strategies", type=lambda t: t.split(","), default=None, help="default: all of jaxdp.STRATEGIES")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--ring-floor", action="store_true", help="also time a diagnostic: only the ring's 2(N-1) ppermute hops")
     p.add_argument("--json", help="write {'results': [...], 'machine': {...}} here")
     p.add_argument("--plot", help="write a PNG of busbw vs size here")
     p.set_defaults(run=bench_collectives)
