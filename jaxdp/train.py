@@ -8,7 +8,10 @@
 Exit codes: 0 success, 2 bad input (one line on stderr; --debug for the traceback), 1 any other
 error, 75 preempted: with --checkpoint-dir, SIGTERM or SIGUSR1 (SLURM's --signal) makes every
 process finish its current step, save a checkpoint and stop; rerun the same command to resume
-(75 is EX_TEMPFAIL from sysexits.h: "temporary failure, try again").
+(75 is EX_TEMPFAIL from sysexits.h: "temporary failure, try again"), 69 a peer process of a
+multi-process run died or never arrived: every survivor prints one line naming it and exits
+within a second of the death, or after --peer-timeout for one that never arrives (69 is
+EX_UNAVAILABLE; see jaxdp/distributed.py).
 
 The file reads top to bottom in data-flow order: distribution, mesh, data, model and
 optimizer, update step, checkpoint, loop, evaluation.

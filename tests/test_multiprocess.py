@@ -223,3 +223,16 @@ def test_slurm_details():
 ])
 def test_slurm_gpu_layouts(layout, extra, expected):
     assert distributed.slurm_local_device_ids({**SRUN_TASK, **extra}) == expected, layout
+
+
+def test_readme_two_processes(tmp_path):
+    """The README's two-process command, as shown (on a free port), from a scratch directory."""
+    from test_readme import readme_blocks, run_shell, sandbox
+
+    (block,) = readme_blocks("tests/test_multiprocess.py::test_readme_two_processes")
+    assert block.code.count("--process-id") == 2 and "127.0.0.1:12355" in block.code
+    env = sandbox(tmp_path)
+    run_shell(block.code.replace("12355", str(free_port())),
+              cwd=tmp_path, env=env, timeout=120)
+    done = records(tmp_path / "run.jsonl")[-1]
+    assert done["event"] == "done" and done["processes"] == 2 and done["devices"] == 8
