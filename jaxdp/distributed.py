@@ -83,7 +83,7 @@ class Cluster:
     def describe(self) -> str:
         if not self.multi_process:
             return f"{self.source}: one process"
-        devices = "" if self.local_device_ids is None else f", local devices {list(self.local_device_ids)}"
+        devices = "" if self.local_device_ids is None else f", GPUs {list(self.local_device_ids)} of its node"
         return (f"{self.source}: process {self.process_id} of {self.num_processes}, "
                 f"coordinator {self.coordinator_address}{devices}")
 
@@ -235,13 +235,15 @@ def initialize(config: Config) -> Cluster:
         alarm = threading.Timer(timeout, _never_arrived, args=(cluster, timeout))
         alarm.daemon = True
         alarm.start()
-        jax.distributed.initialize(
-            coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
-            process_id=cluster.process_id, local_device_ids=cluster.local_device_ids,
-            initialization_timeout=timeout + 30, heartbeat_timeout_seconds=timeout,
-            shutdown_timeout_seconds=timeout)
-        _start_peer_watch(cluster, timeout)
-        alarm.cancel()
+        try:
+            jax.distributed.initialize(
+                coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
+                process_id=cluster.process_id, local_device_ids=cluster.local_device_ids,
+                initialization_timeout=timeout + 30, heartbeat_timeout_seconds=timeout,
+                shutdown_timeout_seconds=timeout)
+            _start_peer_watch(cluster, timeout)
+        finally:
+            alarm.cancel()
         from jaxdp import sync  # here, not at the top: sync is also used without distribution
 
         sync.set_cross_process_sum(host_sum(timeout))
@@ -253,12 +255,15 @@ def initialize(config: Config) -> Cluster:
 
 
 def _never_arrived(cluster: Cluster, timeout: int) -> None:
+    """Start-up did not finish in time. JAX does not say who is missing; say what we know."""
+    count = cluster.num_processes
     if cluster.process_id == 0:
-        others = "process 1" if cluster.num_processes == 2 else f"processes 1..{cluster.num_processes - 1}"
+        others = "process 1" if count == 2 else f"at least one of processes 1..{count - 1}"
         _fail(f"{others} did not join within --peer-timeout={timeout} s (coordinator "
               f"{cluster.coordinator_address}); start every process with the same coordinator and process count")
+    others = "" if count == 2 else " (or another process has not joined yet)"
     _fail(f"could not join process 0 (the coordinator) at {cluster.coordinator_address} within "
-          f"--peer-timeout={timeout} s; is process 0 running, and is that address reachable from here?")
+          f"--peer-timeout={timeout} s{others}; is process 0 running, and is that address reachable from here?")
 
 
 def _fail(message: str) -> None:
