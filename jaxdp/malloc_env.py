@@ -36,7 +36,7 @@ def wanted() -> bool:
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
     launched = sys.argv[:1] == ["-m"] and module in ENTRY_POINTS
     return (launched
-            and MARK not in os.environ
+            and os.environ.get(MARK, "") not in ("0", "1")
             and not all(os.environ.get(k) == v for k, v in MALLOC_ENV.items())
             and not any(name in os.environ.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc"))
             and sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
