@@ -61,9 +61,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
 
     def device_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         metrics, model_state, grads = local_grads(state, batch)
-        grads = sync(grads, DATA_AXIS)  # <- the gradient synchronisation
-        metrics = jax.lax.pmean(metrics, DATA_AXIS)
-        model_state = _pmean_floats(model_state)
+        if mesh.size > 1:  # on one device the mean is the value; XLA would still run a 1-device all-reduce
+            grads = sync(grads, DATA_AXIS)  # <- the gradient synchronisation
+            metrics = jax.lax.pmean(metrics, DATA_AXIS)
+            model_state = _pmean_floats(model_state)
         return apply_update(state, grads, model_state), metrics
 
     mapped = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(DATA_AXIS)),
