@@ -24,6 +24,7 @@ from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("srun", "sinfo", "scontrol")
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 NODE = "localhost"  # resolves everywhere; the coordinator JAX derives from the node list is this host
 
 
@@ -126,6 +127,18 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
         """Run a client command (srun, sbatch, ...) against this cluster."""
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**self.env, **kwargs.pop("env", {})}, **kwargs)
+
+    def wait_for_job(self, job_id: str, timeout: float) -> tuple[str, str]:
+        """(JobState, ExitCode) once the job has ended. Polls quickly: `sbatch --wait` backs off
+        to several seconds between polls, which more than doubled a 10 s test."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            show = self.run(["scontrol", "-o", "show", "job", job_id], timeout=10).stdout
+            fields = dict(item.split("=", 1) for item in show.split() if "=" in item)
+            if fields.get("JobState") in ENDED:
+                return fields["JobState"], fields.get("ExitCode", "")
+            time.sleep(0.2)
+        raise TimeoutError(f"job {job_id} did not end within {timeout} s")
 
     def stop(self) -> None:
         """Stop the daemons this object started (by process id), slurmd first."""

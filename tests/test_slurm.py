@@ -58,10 +58,12 @@ def test_srun_two_tasks_detect_coordinator_count_and_id(slurm, tmp_path):
 
 def test_cpu_sbatch_example_runs_to_done(slurm, tmp_path):
     metrics, output = tmp_path / "m.jsonl", tmp_path / "job.out"
-    proc = slurm.run(["sbatch", "--wait", f"--output={output}", str(ROOT / "examples/slurm/train_cpu.sbatch"),
+    proc = slurm.run(["sbatch", "--parsable", f"--output={output}", str(ROOT / "examples/slurm/train_cpu.sbatch"),
                       *RUN, "--strategy", "host", "--metrics-file", str(metrics)],
-                     timeout=150, cwd=tmp_path, env=job_env())
+                     timeout=30, cwd=tmp_path, env=job_env())
+    assert proc.returncode == 0, proc.stderr
+    state, exit_code = slurm.wait_for_job(proc.stdout.strip().split(";")[0], timeout=150)
     log = output.read_text() if output.exists() else ""
-    assert proc.returncode == 0, (proc.stderr + log)[-3000:]
+    assert (state, exit_code) == ("COMPLETED", "0:0"), log[-3000:]
     done = json.loads(metrics.read_text().splitlines()[-1])
     assert done["event"] == "done" and done["processes"] == 2 and done["strategy"] == "host"
