@@ -228,6 +228,9 @@ def initialize(config: Config) -> Cluster:
     """Start jax.distributed if this is a multi-process run; returns (and logs) what it found."""
     _simulate_cpu_devices(config.devices or DEFAULT_CPU_DEVICES)
     cluster = detect(config)
+    if not cluster.multi_process and _in_batch_script_of_several_tasks(os.environ):
+        log.warning("jaxdp: running as one process in a SLURM batch script of %s tasks; start it with "
+                    "`srun python -m jaxdp.train ...` to use all of them", os.environ[SLURM_NTASKS])
     if cluster.multi_process:
         timeout = config.peer_timeout
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # GPUs use NCCL regardless
@@ -252,6 +255,12 @@ def initialize(config: Config) -> Cluster:
     log.info("jaxdp.distributed: %s; %d %s devices here%s", cluster.describe(), jax.local_device_count(),
              platform, collectives if cluster.multi_process else "")
     return cluster
+
+
+def _in_batch_script_of_several_tasks(environ: Mapping[str, str]) -> bool:
+    """A SLURM job of several tasks, but this is not a task srun started (no step node list)."""
+    tasks = environ.get(SLURM_NTASKS, "1")
+    return SLURM_JOB_ID in environ and SLURM_STEP_NODELIST not in environ and tasks.isdigit() and int(tasks) > 1
 
 
 def _never_arrived(cluster: Cluster, timeout: int) -> None:

@@ -207,6 +207,8 @@ def test_slurm_details():
     assert detect(Config(), {**SRUN_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == Cluster("single")
     batch_script = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_NODELIST"}
     assert detect(Config(), batch_script) == Cluster("single")
+    assert distributed._in_batch_script_of_several_tasks(batch_script)  # initialize warns: use srun
+    assert not distributed._in_batch_script_of_several_tasks(SRUN_TASK)
     with pytest.raises(ConfigError, match="SLURM_PROCID=8 must be between 0 and SLURM_NTASKS - 1 = 7"):
         detect(Config(), {**SRUN_TASK, "SLURM_PROCID": "8"})
     with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='two' is not an integer"):
