@@ -15,7 +15,8 @@ train: steps/s and examples/s of jaxdp.make_train_step for every strategy and de
     are jaxdp's overhead.
 ddp: jaxdp's train step in 2 processes x 1 device (gloo) against PyTorch DistributedDataParallel
     in 2 processes (gloo, 1 thread each) on the same MLP 784-512-512-10, float32, global batch 256,
-    Adam, reported as a steps/s ratio. Each side launches its own 2 processes; the runs alternate.
+    Adam, reported as a steps/s ratio. Each side launches its own 2 processes, each pinned to its
+    own core (--no-pin: not); the launches alternate.
 
 Method: every figure is the median over --repeats; configurations are interleaved within each
 repeat, so background load hits all of them alike. Python's garbage collector is paused while
@@ -358,6 +359,7 @@ def bench_ddp(args: argparse.Namespace) -> list[dict]:
         print(f"jaxdp.bench: {TORCH_HINT}", file=sys.stderr)
         raise SystemExit(2)
     common = ["--steps", str(args.steps), "--repeats", str(args.repeats), "--batch-size", str(args.batch_size)]
+    common += [] if args.pin else ["--no-pin"]
     runs: dict[tuple[str, str], list[float]] = {}  # (impl, strategy) -> steps/s of each round
     for _ in range(args.rounds):  # alternate, so load changes hit both sides
         for r in launch_pair(["train-worker", "--strategies", ",".join(args.strategies), *common], args.timeout)["results"]:
@@ -372,12 +374,12 @@ def bench_ddp(args: argparse.Namespace) -> list[dict]:
                         "model": "mlp-784-512-512-10", "dtype": "float32", "optimizer": "adam",
                         "steps_per_s": steps_per_s, "examples_per_s": steps_per_s * args.batch_size,
                         "step_s": 1 / steps_per_s, "vs_ddp": steps_per_s / ddp, "rounds": values})
-    print(f"2 processes x 1 core, MLP 784-512-512-10, adam, float32, global batch {args.batch_size}; median of "
+    print(f"2 processes{' x 1 core' if args.pin else ' (not pinned)'}, MLP 784-512-512-10, adam, float32, global batch {args.batch_size}; median of "
           f"{args.rounds} alternating rounds, each the median of {args.repeats} x {args.steps} steps")
     print_table(results, [("impl", "impl", "s"), ("strategy", "strategy", "s"), ("step_s", "step ms", ".3f"),
                           ("steps_per_s", "steps/s", ".1f"), ("examples_per_s", "examples/s", ".0f"),
                           ("vs_ddp", "x DDP steps/s", ".2f")])
-    write_json(args.json, results, torch=torch.__version__)
+    write_json(args.json, results, torch=torch.__version__, pinned=args.pin)
     return results
 
 
@@ -395,7 +397,8 @@ def pin_to_one_core(rank: int) -> None:
 
 def train_worker(args: argparse.Namespace) -> list[dict]:
     """One jaxdp process of the ddp comparison: `bench train` with 1 device in 2 processes."""
-    pin_to_one_core(args.rank)
+    if args.pin:
+        pin_to_one_core(args.rank)
     args.devices = [1]
     args.coordinator_address, args.num_processes, args.process_id = f"127.0.0.1:{args.port}", 2, args.rank
     return bench_train(args)
@@ -403,7 +406,8 @@ def train_worker(args: argparse.Namespace) -> list[dict]:
 
 def ddp_worker(args: argparse.Namespace) -> list[dict]:
     """One PyTorch DDP process: gloo, 1 thread, the same MLP, batches and optimizer."""
-    pin_to_one_core(args.rank)
+    if args.pin:
+        pin_to_one_core(args.rank)
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -480,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--strategies", type=lambda t: t.split(","), default=["psum", "ring"])
             p.add_argument("--rounds", type=int, default=3, help="alternating jaxdp / DDP launches")
             p.add_argument("--timeout", type=float, default=600)
+        if name.startswith("ddp") or name == "train-worker":
+            p.add_argument("--no-pin", dest="pin", action="store_false",
+                           help="do not give each process its own core (both sides)")
         if name.endswith("worker"):
             p.add_argument("--port", type=int, required=True)
             p.add_argument("--rank", type=int, required=True)
