@@ -7,8 +7,11 @@ Needs root (slurmd starts jobs as any user) and Debian's `slurmctld`, `slurmd` a
 (`.ci/run` installs them); `SlurmCluster.unavailable()` says why a machine cannot run it. The
 configuration avoids everything a bare container lacks: no munge (`auth/none`, `cred/none`), no
 cgroups or systemd (`proctrack/linuxproc`, `task/none`). The node advertises 4 CPUs whatever the
-machine has (`config_overrides`), so `srun -n2` fits on a 2-core machine. The daemons run in the
-foreground as children of this process and are stopped by their process ids, never by name.
+machine has (`config_overrides`), so `srun -n2` fits on a 2-core machine. A requeued job may
+start again only after `cred_expire` + 1 s (Slurm's default 120 s; 5 s here), at the next pass
+of the main scheduling loop (`sched_interval`, default 60 s; 1 s here: backfill skips its passes
+when nothing changed), so a requeue test takes seconds, not minutes. The daemons run
+in the foreground as children of this process and are stopped by their process ids, never by name.
 Every wait is bounded.
 """
 
@@ -71,11 +74,13 @@ SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
+AuthInfo=cred_expire=5
 CredType=cred/none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SelectType=select/cons_tres
+SchedulerParameters=sched_interval=1
 SlurmdParameters=config_overrides
 ReturnToService=2
 FirstJobId={first_job_id}
@@ -128,13 +133,17 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**self.env, **kwargs.pop("env", {})}, **kwargs)
 
+    def job(self, job_id: str) -> dict[str, str]:
+        """The job's fields as `scontrol show job` gives them (JobState, Restarts, ExitCode, ...)."""
+        show = self.run(["scontrol", "-o", "show", "job", job_id], timeout=10).stdout
+        return dict(item.split("=", 1) for item in show.split() if "=" in item)
+
     def wait_for_job(self, job_id: str, timeout: float) -> tuple[str, str]:
         """(JobState, ExitCode) once the job has ended. Polls quickly: `sbatch --wait` backs off
         to several seconds between polls, which more than doubled a 10 s test."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            show = self.run(["scontrol", "-o", "show", "job", job_id], timeout=10).stdout
-            fields = dict(item.split("=", 1) for item in show.split() if "=" in item)
+            fields = self.job(job_id)
             if fields.get("JobState") in ENDED:
                 return fields["JobState"], fields.get("ExitCode", "")
             time.sleep(0.2)

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,59 @@ def test_cpu_sbatch_example_runs_to_done(slurm, tmp_path):
     assert (state, exit_code) == ("COMPLETED", "0:0"), log[-3000:]
     done = json.loads(metrics.read_text().splitlines()[-1])
     assert done["event"] == "done" and done["processes"] == 2 and done["strategy"] == "host"
+
+
+def poll(what: str, condition, timeout: float, interval: float = 0.2):
+    """condition()'s first truthy value, checked every `interval` s; fails naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_cpu_sbatch_example_requeues_itself_when_preempted_and_resumes(slurm, tmp_path):
+    """`scancel --signal=USR1` is what `#SBATCH --signal=USR1@90` sends at the time limit. Without
+    --full (or --batch) it reaches the job's steps only, i.e. the srun tasks, not the batch shell.
+    Every process saves and exits 75, the script runs `scontrol requeue`, and the same job (same id,
+    so the script's default --checkpoint-dir) starts again and resumes. Slurm holds a requeued job
+    for cred_expire + 1 s (BeginTime; 120 s by default, 5 s in tests/slurm_cluster.py)."""
+    metrics, output = tmp_path / "m.jsonl", tmp_path / "job.out"
+    proc = slurm.run(["sbatch", "--parsable", f"--output={output}", str(ROOT / "examples/slurm/train_cpu.sbatch"),
+                      "--steps", "200", "--save-every", "50", "--log-every", "10", "--batch-size", "64",
+                      "--no-progress", "--metrics-file", str(metrics)],
+                     timeout=30, cwd=tmp_path, env=job_env())
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    log = lambda: (output.read_text() if output.exists() else "")[-3000:]  # noqa: E731
+    try:
+        poll("the first logged step in the metrics file", lambda: metrics.exists() and '"step"' in metrics.read_text(),
+             timeout=90)
+        signal = slurm.run(["scancel", "--signal=USR1", job_id], timeout=10)
+        assert signal.returncode == 0, signal.stderr
+        # The first run has ended and the job waits to start again: the metrics written so far.
+        requeued = poll("the job to be requeued (PENDING, Restarts=1)",
+                        lambda: (job := slurm.job(job_id)).get("Restarts") == "1" and job.get("JobState") == "PENDING"
+                        and job, timeout=30)
+        first_run = metrics.read_text().splitlines()
+        state, exit_code = slurm.wait_for_job(job_id, timeout=90)
+    finally:
+        slurm.run(["scancel", job_id], timeout=10)  # a no-op once it has ended; never leave a job running
+    assert (state, exit_code) == ("COMPLETED", "0:0"), log()
+    assert slurm.job(job_id)["Restarts"] == "1" and requeued["Reason"] in ("BeginTime", "None"), requeued
+    saved = re.search(r"jaxdp: preempted \(SIGUSR1\): saved step (\d+) to (\S+), exit code 75", output.read_text())
+    assert saved, log()  # --open-mode=append: the first run's lines are still in the log
+    saved_step, checkpoint_dir = int(saved.group(1)), Path(saved.group(2))
+    assert checkpoint_dir == tmp_path / "checkpoints" / f"jaxdp-cpu-{job_id}", checkpoint_dir  # the script's default
+    assert "eval_accuracy=" in output.read_text(), log()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[-1]["event"] == "done" and records[-1]["step"] == 200 and records[-1]["processes"] == 2
+    assert [r["step"] for r in records[:-1]] == list(range(10, 201, 10))  # every step once, in order
+    # Resumed, not restarted: the first run's records up to the saved step are kept verbatim (a fresh
+    # run truncates the file, and its timings would differ); the second run wrote only the later ones.
+    kept = [line for line in first_run if json.loads(line)["step"] <= saved_step]
+    assert kept and metrics.read_text().splitlines()[:len(kept)] == kept
+    steps = sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit())
+    assert steps[-1] == 200 and saved_step < 200, steps
