@@ -135,29 +135,32 @@ def train(config: Config) -> Result:
                 checkpointer.save(state)  # no-op if this step was just saved
                 preempted = True
                 break
-        if preempted:
-            if is_main:
-                print(f"jaxdp: preempted ({preemption.reason}): saved step {done} to {checkpointer.directory}, "
-                      f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
-            return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
-
-        # ---- evaluation ----------------------------------------------------------------------
-        eval_batch = mesh.size * max(1, 256 // mesh.size)
-        totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-        for batch in data.eval_batches(dataset.x_test, dataset.y_test, eval_batch, process, n_processes):
-            sums = jax.device_get(eval_step(state, shard_batch(batch, mesh)))
-            totals = {k: totals[k] + float(sums[k]) for k in totals}
-        summary = {"eval_loss": totals["loss"] / totals["count"], "eval_accuracy": totals["correct"] / totals["count"],
-                   "strategy": config.strategy, "devices": mesh.size, "processes": n_processes}
-        if checkpointer:
-            checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
-        summary = writer.done(config.steps, summary)
+        if not preempted:
+            # ---- evaluation ----------------------------------------------------------------------
+            eval_batch = mesh.size * max(1, 256 // mesh.size)
+            totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+            for batch in data.eval_batches(dataset.x_test, dataset.y_test, eval_batch, process, n_processes):
+                sums = jax.device_get(eval_step(state, shard_batch(batch, mesh)))
+                totals = {k: totals[k] + float(sums[k]) for k in totals}
+            summary = {"eval_loss": totals["loss"] / totals["count"], "eval_accuracy": totals["correct"] / totals["count"],
+                       "strategy": config.strategy, "devices": mesh.size, "processes": n_processes}
+            if checkpointer:
+                checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
+            summary = writer.done(config.steps, summary)
     finally:
         writer.close()
         if checkpointer:
             checkpointer.close()  # waits for the last save to be written
-        if preemption:
+        if preemption and not preempted:
             preemption.close()
+        # A preempted process keeps its flag-only handlers until it exits, so a second SIGTERM (srun
+        # --kill-on-bad-exit stopping the other tasks, a scheduler's grace-period kill) cannot cut
+        # its shutdown short and turn exit code 75 into 143.
+    if preempted:
+        if is_main:  # only now: the checkpoint is on disk
+            print(f"jaxdp: preempted ({preemption.reason}): saved step {done} to {checkpointer.directory}, "
+                  f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
+        return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
     if is_main:
         print(f"eval_accuracy={summary['eval_accuracy']:.4f} eval_loss={summary['eval_loss']:.4f} "
               f"steps={config.steps} strategy={config.strategy} devices={mesh.size} "
