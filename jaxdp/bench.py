@@ -83,13 +83,15 @@ def interleaved(cases: dict[str, Callable[[], Any]], repeats: int, warmup: int =
     return times
 
 
+LOAD_AT_START = os.getloadavg()  # 1, 5, 15-minute load averages when this process started
+
+
 def machine() -> dict[str, Any]:
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     import jax
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
-            "loadavg_at_start": load, "malloc_env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")},
+            "loadavg_at_start": LOAD_AT_START, "loadavg_at_end": os.getloadavg(), "malloc_env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")},
             "command": " ".join(["python", "-m", "jaxdp.bench", *sys.argv[1:]])}
 
 
