@@ -3,7 +3,9 @@
 No timing assertions: speed is what the benchmark measures, not what the tests check.
 """
 
+import importlib.util
 import json
+import shlex
 
 import pytest
 
@@ -55,3 +57,42 @@ def test_ddp_comparison_runs_both_sides(tmp_path):
     results = {(r["impl"], r["strategy"]): r for r in json.loads(out.read_text())["results"]}
     assert {("pytorch-ddp", "gloo"), ("jaxdp", "psum"), ("jaxdp", "ring")} <= set(results)
     assert results[("pytorch-ddp", "gloo")]["vs_ddp"] == 1.0
+
+
+# The README's "Performance" commands, shrunk to seconds (later flags win in argparse); results go
+# to tmp_path, not over the committed docs/perf files.
+SHRINK = {"collectives": ["--sizes", "1KB,64KB", "--repeats", "1"],
+          "train": ["--devices", "1,2", "--steps", "2", "--repeats", "1", "--batch-size", "16"],
+          "ddp": ["--rounds", "1", "--steps", "2", "--repeats", "1", "--batch-size", "16"]}
+
+
+def test_readme_performance_commands(tmp_path):
+    from test_readme import commands, readme_blocks
+
+    shown = [c for b in readme_blocks("tests/test_bench.py::test_readme_performance_commands") for c in commands(b)]
+    bench = [shlex.split(c) for c in shown if c.startswith("python -m jaxdp.bench ")]
+    assert bench and len(bench) == len(shown), shown
+    assert sorted(argv[3] for argv in bench) == sorted(SHRINK)
+    for argv in bench:
+        command = argv[3]
+        if command == "ddp" and importlib.util.find_spec("torch") is None:
+            continue
+        out = ["--json", str(tmp_path / f"{command}.json")] + (["--plot", str(tmp_path / "c.png")] if "--plot" in argv else [])
+        proc = run_cli(*argv[3:], *SHRINK[command], *out, module="jaxdp.bench")
+        assert proc.returncode == 0, f"{' '.join(argv)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        assert json.loads((tmp_path / f"{command}.json").read_text())["results"]
+
+
+def test_cli_reexecs_itself_once_with_the_malloc_env(tmp_path):
+    from jaxdp.malloc_env import MALLOC_ENV
+
+    base = {k: v for k, v in cli_env().items() if k not in MALLOC_ENV and k != "JAXDP_MALLOC_ENV"}
+    for opt_out, expected in (({}, MALLOC_ENV), ({"JAXDP_MALLOC_ENV": "0"}, dict.fromkeys(MALLOC_ENV))):
+        out = tmp_path / "m.json"
+        proc = run_cli("collectives", "--devices", "1", "--sizes", "1KB", "--repeats", "1", "--json", str(out),
+                       module="jaxdp.bench", env={**base, **opt_out})
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(out.read_text())["machine"]["malloc_env"] == expected
+    # Exit codes pass through: the re-exec'd process is the process (os.execve, same PID).
+    proc = run_cli("--bogus", env=base)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unrecognized arguments" in proc.stderr
