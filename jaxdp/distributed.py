@@ -40,6 +40,7 @@ import selectors
 import socket
 import sys
 import threading
+import time
 from typing import Callable, Mapping
 
 import jax
@@ -421,6 +422,14 @@ def _start_peer_watch(cluster: Cluster, timeout_s: float) -> None:
     _running.set()
     atexit.register(_running.clear)  # runs before JAX's own exit handler (registered earlier)
     threading.Thread(target=target, name="jaxdp-peer-watch", daemon=True).start()
+
+
+def give_peer_watch_a_moment(seconds: float = 3.0) -> None:
+    """Call before reporting an unexpected error: if a peer just died, the error here is most
+    likely its echo (a gloo connection reset), and the peer watch exits EXIT_PEER_LOST naming
+    the process that died. A no-op unless this process watches peers."""
+    if _running.is_set():
+        time.sleep(seconds)
 
 
 def _watch_peers(links: dict[int, socket.socket], count: int) -> None:

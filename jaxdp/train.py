@@ -185,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("jaxdp: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # anything else is a bug or an environment problem: say so in one line
+        from jaxdp.distributed import give_peer_watch_a_moment
+
+        give_peer_watch_a_moment()  # a lost peer is reported as such (exit 69), not as its echo here
         if debug:
             traceback.print_exc()
         else:
