@@ -223,7 +223,6 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
     distributed.initialize(config)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import PartitionSpec as P

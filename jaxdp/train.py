@@ -44,7 +44,6 @@ def train(config: Config) -> Result:
     # before JAX starts its backend.
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     from jaxdp import data, distributed, models
