@@ -166,3 +166,33 @@ def test_works_on_a_mesh_of_any_size(devices):
     for batch in batches(5, 24, (12,)):
         state, _ = step(state, jaxdp.shard_batch(batch, mesh))
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref_params), rtol=1e-5, atol=1e-6)
+
+
+def test_one_ring_per_step_carries_gradients_metrics_and_model_state(devices):
+    # The ring step runs exactly one ring: loss, aux metrics and the float leaves of the model
+    # state ride in the gradients' buffer (no all-reduce of their own); integer leaves stay local.
+    n = 4
+    mesh = jaxdp.make_mesh(devices[:n])
+    model, tx = MLP(hidden=(16,)), optax.sgd(0.1)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
+
+    def loss_fn(p, model_state, batch, rng):
+        logits = model.apply({"params": p}, batch["x"])
+        loss = xent(logits, batch["y"])
+        new_state = {"loss_sum": model_state["loss_sum"] + loss, "calls": model_state["calls"] + 1}
+        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}, new_state
+
+    model_state = {"loss_sum": jnp.zeros((), jnp.float32), "calls": jnp.zeros((), jnp.int32)}
+    state = jaxdp.init_state(params, tx, mesh, model_state=model_state)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", stateful=True)
+    batch = jaxdp.shard_batch(next(batches(1, 32, (12,))), mesh)
+    text = step.jitted.lower(state, batch).as_text()
+    assert text.count("collective_permute") == 2 * (n - 1)
+    assert "all_reduce" not in text
+
+    local_losses = [float(xent(model.apply({"params": params}, part["x"]), part["y"]))
+                    for part in (jax.tree.map(lambda a: a[i * 8:(i + 1) * 8], next(batches(1, 32, (12,)))) for i in range(n))]
+    state, metrics = step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), np.mean(local_losses), rtol=1e-5)
+    np.testing.assert_allclose(float(state.model_state["loss_sum"]), np.mean(local_losses), rtol=1e-5)
+    assert int(state.model_state["calls"]) == 1
