@@ -19,7 +19,7 @@ ddp: jaxdp's train step in 2 processes x 1 device (gloo) against PyTorch Distrib
     own core (--no-pin: not); the launches alternate.
 
 Method: every figure is the median over --repeats; configurations are interleaved within each
-repeat, so background load hits all of them alike. Python's garbage collector is paused while
+repeat, in an order that rotates from repeat to repeat, so background load hits all of them alike. Python's garbage collector is paused while
 timing. One "step" time is the wall time of --steps back-to-back steps / --steps, after warm-up.
 """
 
@@ -67,17 +67,19 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def interleaved(cases: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Seconds per call of each case: `repeats` rounds, every case once per round."""
+    """Seconds per call of each case: `repeats` rounds, every case once per round, in an order
+    that rotates from round to round (the case run first after another one may find caches cold)."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
     gc.collect()
     gc.disable()
     try:
-        for _ in range(repeats):
-            for name, fn in cases.items():
-                times[name].append(timed(fn))
+        for r in range(repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no case always first
+                times[name].append(timed(cases[name]))
     finally:
         gc.enable()
     return times
