@@ -165,7 +165,7 @@ def bench_collectives(args: argparse.Namespace) -> list[dict]:
         calls = {}
         for name in strategies:
             fn = on_host(registry[name]) if runs_on_host(registry[name]) else in_graph(registry[name])
-            calls[name] = lambda fn=fn: jax.block_until_ready(fn(x))
+            calls[name] = lambda fn=fn, x=x: jax.block_until_ready(fn(x))
         times = interleaved(calls, args.repeats)
         for name in strategies:
             median = statistics.median(times[name])
@@ -173,7 +173,7 @@ def bench_collectives(args: argparse.Namespace) -> list[dict]:
             results.append({"strategy": name, "devices": n, "bytes": nbytes, "size": human(nbytes),
                             "median_s": median, "min_s": min(times[name]), "repeats": args.repeats,
                             "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n})
-        del x
+        del x, calls  # free this size's buffers before the next size allocates its own
     psum = {r["bytes"]: r["busbw_gbps"] for r in results if r["strategy"] == "psum"}
     for r in results:
         r["busbw_vs_psum"] = r["busbw_gbps"] / psum[r["bytes"]] if psum.get(r["bytes"]) else None

@@ -108,7 +108,7 @@ def test_killing_one_process_stops_the_other_naming_it(tmp_path, victim):
     assert elapsed < 30, elapsed  # the peer watch notices a closed connection at once
     if victim == 1:
         assert rc == EXIT_PEER_LOST, err[-2000:]
-        assert f"jaxdp: error: process 1 (one of 2) stopped while process 0 was still running" in err
+        assert "jaxdp: error: process 1 (one of 2) stopped while process 0 was still running" in err
     else:
         # Losing the coordinator, JAX's own client may abort first (exit 134, "the leader task ... died").
         assert rc != 0, err[-2000:]
