@@ -77,6 +77,19 @@ def test_ring_is_a_ring_of_ppermutes_with_one_buffer_per_dtype(devices, n):
     assert "all_reduce" not in text
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_ring_copies_no_whole_buffer(devices, padded):
+    # The ring's cost is its hops and adds; XLA's copy insertion must not add whole-buffer copies
+    # around them (an earlier layout compiled to three, about a third of the ring's time).
+    size = 8 * 1024 + (5 if padded else 0)
+    mesh = make_mesh(devices)
+    compiled = per_device(lambda x: jaxdp.ring_mean({"g": x}, DATA_AXIS)["g"], mesh).lower(
+        jax.ShapeDtypeStruct((8, size), jnp.float32, sharding=jax.NamedSharding(mesh, P(DATA_AXIS)))).compile()
+    entry = compiled.as_text().split("ENTRY", 1)[1]
+    assert entry.count("collective-permute(") == 2 * 7
+    assert " copy(" not in entry, entry
+
+
 def test_ring_rejects_integer_leaves(devices):
     mesh = make_mesh(devices[:2])
     with pytest.raises(TypeError, match="floating-point"):
