@@ -201,26 +201,38 @@ def test_one_ring_per_step_carries_gradients_metrics_and_model_state(devices):
     assert int(state.model_state["calls"]) == 1
 
 
-def test_one_device_step_is_the_plain_jit_step_plus_its_step_counter(devices):
-    # jaxdp's overhead on one device, measured without timing noise: the compiled program is the
-    # hand-written jit step's, plus the fused increment of `state.step`.
+@pytest.mark.parametrize("n", [1, 8])
+def test_psum_step_is_the_hand_written_step_plus_its_step_counter(devices, n):
+    # jaxdp's overhead, shown without timing noise: the compiled program is the hand-written
+    # step's (plain jit on 1 device; shard_map + pmean on 8), plus the fused `state.step + 1`.
+    from jax.sharding import PartitionSpec as P
+
     model, tx = MLP(hidden=(32, 32)), optax.adam(1e-3)
     batch = next(batches(1, 16, (12,)))
     params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
     loss_fn = lambda p, b: xent(model.apply({"params": p}, b["x"]), b["y"])  # noqa: E731
+    mesh = jaxdp.make_mesh(devices[:n])
 
-    def plain(params, opt_state, batch):
+    def hand_written(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if n > 1:
+            grads, loss = jax.lax.pmean((grads, loss), jaxdp.DATA_AXIS)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    def ops(compiled_text):
-        entry = compiled_text[compiled_text.index("ENTRY"):]
+    def ops(compiled):
+        entry = compiled.as_text().split("ENTRY", 1)[1]
         return collections.Counter(op for op in re.findall(r"= \S+ ([\w-]+)\(", entry) if op not in ("parameter", "constant"))
 
-    reference = ops(jax.jit(plain, donate_argnums=(0, 1)).lower(params, tx.init(params), batch).compile().as_text())
-    mesh = jaxdp.make_mesh(devices[:1])
+    if n == 1:
+        reference = jax.jit(hand_written, donate_argnums=(0, 1)).lower(params, tx.init(params), batch)
+    else:
+        p = jaxdp.replicate(params, mesh)
+        reference = jax.jit(jax.shard_map(hand_written, mesh=mesh, in_specs=(P(), P(), P(jaxdp.DATA_AXIS)),
+                                          out_specs=(P(), P(), P()), check_vma=False), donate_argnums=(0, 1)
+                            ).lower(p, jax.jit(tx.init)(p), jaxdp.shard_batch(batch, mesh))
     step = jaxdp.make_train_step(loss_fn, tx, mesh, "psum")
-    ours = ops(step.lower(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(batch, mesh)).compile().as_text())
+    ours = getattr(step, "jitted", step).lower(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(batch, mesh))
+    ours, reference = ops(ours.compile()), ops(reference.compile())
     assert ours - reference == collections.Counter({"fusion": 1}), (ours, reference)
     assert not reference - ours, (ours, reference)
