@@ -19,8 +19,10 @@ ddp: jaxdp's train step in 2 processes x 1 device (gloo) against PyTorch Distrib
     own core (--no-pin: not); the launches alternate.
 
 Method: every figure is the median over --repeats; configurations are interleaved within each
-repeat, in an order that rotates from repeat to repeat, so background load hits all of them alike. Python's garbage collector is paused while
-timing. One "step" time is the wall time of --steps back-to-back steps / --steps, after warm-up.
+repeat, in an order that rotates from repeat to repeat, so background load hits all of them
+alike. Every ratio is paired: the median over repeats (ddp: rounds) of the ratio of two cases'
+times in the same repeat. Python's garbage collector is paused while timing. One "step" time is
+the wall time of --steps back-to-back steps / --steps, after warm-up.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def interleaved(cases: dict[str, Callable[[], Any]], repeats: int, warmup: int =
     finally:
         gc.enable()
     return times
+
+
+def paired_ratio(times: list[float], baseline: list[float]) -> float:
+    """Median over repeats of time / baseline time in the same repeat (both ran back to back, so
+    a load change that slows one repeat divides out)."""
+    return statistics.median(t / b for t, b in zip(times, baseline, strict=True))
 
 
 LOAD_AT_START = os.getloadavg()  # 1, 5, 15-minute load averages when this process started
@@ -159,7 +167,7 @@ def bench_collectives(args: argparse.Namespace) -> list[dict]:
     if args.ring_floor:
         strategies.append("ring-hops-only")
     registry = {**STRATEGIES, "ring-hops-only": ring_hops_only}
-    results = []
+    results, times_of = [], {}
     for nbytes in args.sizes:
         x = shard_batch(np.random.default_rng(0).standard_normal((n, max(1, nbytes // 4)), dtype=np.float32), mesh)
         calls = {}
@@ -168,15 +176,16 @@ def bench_collectives(args: argparse.Namespace) -> list[dict]:
             calls[name] = lambda fn=fn, x=x: jax.block_until_ready(fn(x))
         times = interleaved(calls, args.repeats)
         for name in strategies:
+            times_of[name, nbytes] = times[name]
             median = statistics.median(times[name])
             algbw = nbytes / median / 1e9
             results.append({"strategy": name, "devices": n, "bytes": nbytes, "size": human(nbytes),
                             "median_s": median, "min_s": min(times[name]), "repeats": args.repeats,
                             "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n})
         del x, calls  # free this size's buffers before the next size allocates its own
-    psum = {r["bytes"]: r["busbw_gbps"] for r in results if r["strategy"] == "psum"}
-    for r in results:
-        r["busbw_vs_psum"] = r["busbw_gbps"] / psum[r["bytes"]] if psum.get(r["bytes"]) else None
+    for r in results:  # busbw ratio = psum's time / this strategy's time, paired within each repeat
+        psum = times_of.get(("psum", r["bytes"]))
+        r["busbw_vs_psum"] = 1 / paired_ratio(times_of[r["strategy"], r["bytes"]], psum) if psum else None
 
     print(f"all-reduce (mean) of a float32 buffer per device, {n} devices, median of {args.repeats}")
     print_table(results, [("strategy", "strategy", "s"), ("size", "size", "s"), ("median_s", "time ms", ".3f"),
@@ -313,10 +322,9 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
                         "global_batch": args.batch_size, "model": "mlp-784-512-512-10", "optimizer": "adam",
                         "step_s": step_s, "steps_per_s": 1 / step_s, "examples_per_s": args.batch_size / step_s,
                         "repeats": args.repeats, "steps_per_repeat": args.steps})
-    by_key = {(r["impl"], r["devices"]): r["step_s"] for r in results}
-    for r in results:
-        r["vs_shard_map"] = r["step_s"] / by_key[("shard_map+pmean", r["devices"])]
-        r["vs_jit"] = r["step_s"] / by_key[("jit", 1)] if r["devices"] == 1 and ("jit", 1) in by_key else None
+    for r, seconds in zip(results, times.values()):  # time ratios, paired within each repeat
+        r["vs_shard_map"] = paired_ratio(seconds, times["shard_map+pmean", "-", r["devices"]])
+        r["vs_jit"] = paired_ratio(seconds, times["jit", "-", 1]) if r["devices"] == 1 and ("jit", "-", 1) in times else None
     if proc == 0:
         print(f"train step, MLP 784-512-512-10, adam, global batch {args.batch_size}, {n_proc} process(es), "
               f"median of {args.repeats} x {args.steps} steps")
@@ -369,14 +377,14 @@ def bench_ddp(args: argparse.Namespace) -> list[dict]:
             runs.setdefault((r["impl"], r["strategy"]), []).append(r["steps_per_s"])
         for r in launch_pair(["ddp-worker", *common], args.timeout)["results"]:
             runs.setdefault(("pytorch-ddp", "gloo"), []).append(r["steps_per_s"])
-    ddp = statistics.median(runs[("pytorch-ddp", "gloo")])
+    ddp = runs[("pytorch-ddp", "gloo")]
     results = []
     for (impl, strategy), values in runs.items():
         steps_per_s = statistics.median(values)
         results.append({"impl": impl, "strategy": strategy, "processes": 2, "devices": 2, "global_batch": args.batch_size,
                         "model": "mlp-784-512-512-10", "dtype": "float32", "optimizer": "adam",
                         "steps_per_s": steps_per_s, "examples_per_s": steps_per_s * args.batch_size,
-                        "step_s": 1 / steps_per_s, "vs_ddp": steps_per_s / ddp, "rounds": values})
+                        "step_s": 1 / steps_per_s, "vs_ddp": 1 / paired_ratio(ddp, values), "rounds": values})
     print(f"2 processes{' x 1 core' if args.pin else ' (not pinned)'}, MLP 784-512-512-10, adam, float32, global batch {args.batch_size}; median of "
           f"{args.rounds} alternating rounds, each the median of {args.repeats} x {args.steps} steps")
     print_table(results, [("impl", "impl", "s"), ("strategy", "strategy", "s"), ("step_s", "step ms", ".3f"),
