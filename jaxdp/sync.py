@@ -9,7 +9,10 @@ A strategy turns each device's gradients into the mean over all devices. Two kin
   with one numpy gradient pytree per local device. `host` is the only one: it exists to show what
   a collective saves.
 
-Every strategy returns a tree of the same structure and dtypes as its input.
+Every strategy returns a tree of the same structure and dtypes as its input. The train step
+calls its strategy once per step, on the gradients together with the metrics and the float
+leaves of the model state (one collective instead of three), so a strategy averages whatever
+float tree it is given, not only gradients.
 """
 
 from __future__ import annotations
