@@ -8,9 +8,10 @@ reference) it is None.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 
@@ -46,6 +47,50 @@ class CNN(nn.Module):
             x = nn.relu(x)
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes)(x)
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (GPT-2 layout: pre-LayerNorm blocks, causal attention, GELU MLP).
+
+    Parameters are float32; `dtype` is the compute dtype (bfloat16 for mixed precision: matmuls
+    and attention in bf16, LayerNorm statistics and the loss in float32). Used by
+    `python -m jaxdp.bench gpt` for throughput and MFU; `flops_per_token` is the model-FLOPs count
+    that MFU divides by.
+    """
+
+    vocab_size: int = 50304
+    seq_len: int = 1024
+    layers: int = 12
+    d_model: int = 768
+    heads: int = 12
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        batch, length = tokens.shape
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed")
+        x = embed(tokens) + nn.Embed(self.seq_len, self.d_model, dtype=self.dtype, name="pos")(jnp.arange(length))
+        head_dim = self.d_model // self.heads
+        for i in range(self.layers):
+            h = nn.LayerNorm(dtype=self.dtype, name=f"ln_attn_{i}")(x)
+            qkv = nn.DenseGeneral((3, self.heads, head_dim), dtype=self.dtype, name=f"qkv_{i}")(h)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            x = x + nn.DenseGeneral(self.d_model, axis=(-2, -1), dtype=self.dtype, name=f"proj_{i}")(attn)
+            h = nn.LayerNorm(dtype=self.dtype, name=f"ln_mlp_{i}")(x)
+            h = nn.gelu(nn.Dense(4 * self.d_model, dtype=self.dtype, name=f"fc_{i}")(h))
+            x = x + nn.Dense(self.d_model, dtype=self.dtype, name=f"fc_out_{i}")(h)
+        x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
+        return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(x).astype(jnp.float32)
+
+    def flops_per_token(self, params: Any) -> float:
+        """Training FLOPs per token, the count MFU is defined with (PaLM paper, appendix B): 6 per
+        weight (2 forward, 4 backward) for every parameter but the embedding tables (lookups, not
+        matmuls), plus 12 * layers * d_model * seq_len for attention scores and weighted values
+        (the full matrix, not halved for the causal mask)."""
+        n = sum(x.size for x in jax.tree.leaves(params))
+        n -= params["embed"]["embedding"].size + params["pos"]["embedding"].size
+        return 6 * n + 12 * self.layers * self.d_model * self.seq_len
 
 
 def build_model(name: str, num_classes: int, axis_name: str | None = None) -> nn.Module:

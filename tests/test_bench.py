@@ -42,6 +42,30 @@ def test_train_reports_jaxdp_and_both_baselines(tmp_path):
         assert r["vs_shard_map"] > 0
 
 
+TINY_GPT = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq-len", "32", "--vocab-size", "128",
+            "--batch-size", "4", "--steps", "2", "--repeats", "1"]
+
+
+def test_gpt_reports_tokens_flops_and_mfu(tmp_path):
+    out = tmp_path / "g.json"
+    proc = run_cli("gpt", *TINY_GPT, "--devices", "2", "--peak-tflops", "0.5", "--json", str(out), module="jaxdp.bench")
+    assert proc.returncode == 0, proc.stderr
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["devices"] == 2 and r["dtype"] == "bfloat16" and r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_s"])
+    # The model-FLOPs count MFU uses agrees with XLA's count of the compiled step (which adds the
+    # softmax, LayerNorms and the optimizer) to within a few tens of percent.
+    assert 0.7 < r["model_tflops_per_step"] / r["xla_tflops_per_step"] <= 1.0
+    assert r["mfu"] == pytest.approx(r["achieved_tflops"] / (0.5 * 2))
+
+
+def test_gpt_without_a_known_peak_reports_no_mfu(tmp_path):
+    out = tmp_path / "g.json"
+    proc = run_cli("gpt", *TINY_GPT, "--json", str(out), module="jaxdp.bench")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["results"][0]["mfu"] is None
+    assert "--peak-tflops" in proc.stdout
+
+
 def test_ddp_without_torch_says_how_to_install_it(tmp_path):
     (tmp_path / "torch.py").write_text("raise ImportError('No module named torch')\n")  # shadows a real torch
     proc = run_cli("ddp", module="jaxdp.bench", env=cli_env(PYTHONPATH=str(tmp_path)))
