@@ -43,10 +43,8 @@ def runs_on_host(strategy: Callable) -> bool:
 
 def fused(fn: Callable[[jax.Array], jax.Array], tree: Tree) -> Tree:
     """Apply `fn` (1-D buffer -> 1-D buffer of the same size) to the leaves of `tree`, concatenated
-    into one buffer per dtype; split the results back into the tree's shapes.
-
-    Inside the step, XLA fuses the concatenation into the gradient's last writes and each slice
-    back into the optimizer update that reads it, so fusing costs far less than a pass per leaf.
+    into one buffer per dtype; split the results back into the tree's shapes. Inside the step,
+    XLA fuses each slice back into the optimizer update that reads it.
     """
     leaves, treedef = jax.tree.flatten(tree)
     out: list[Any] = [None] * len(leaves)
@@ -128,7 +126,7 @@ def _ring_sum(flat: jax.Array, axis_name: str, n: int, mean: bool = False) -> ja
     """Ring all-reduce (sum, or mean) of a 1-D buffer over `n` devices."""
     size = flat.shape[0]
     chunk = -(-size // n)  # ceil(size / n): the last chunk is zero-padded
-    padded = jnp.pad(flat, (0, chunk * n - size)) if chunk * n != size else flat
+    padded = jnp.pad(flat, (0, chunk * n - size))
     me = jax.lax.axis_index(axis_name)
     to_next = [(j, (j + 1) % n) for j in range(n)]
 
@@ -151,7 +149,7 @@ def _ring_sum(flat: jax.Array, axis_name: str, n: int, mean: bool = False) -> ja
     for s in range(n - 1):
         acc = jax.lax.ppermute(acc, axis_name, to_next)  # the full sum of chunk (i - s)
         out = put(out, acc, me - s)
-    return out[:size] if chunk * n != size else out
+    return out[:size]
 
 
 def ring_mean(grads: Tree, axis_name: str) -> Tree:
@@ -197,4 +195,3 @@ STRATEGIES: dict[str, Callable] = {
     "ring": ring_mean,
     "host": host_mean,
 }
-
