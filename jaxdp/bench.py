@@ -173,7 +173,7 @@ def bench_collectives(args: argparse.Namespace) -> list[dict]:
     if args.ring_floor:
         strategies.append("ring-hops-only")
     registry = {**STRATEGIES, "ring-hops-only": ring_hops_only}
-    results, times_of = [], {}
+    results = []
     for nbytes in args.sizes:
         x = shard_batch(np.random.default_rng(0).standard_normal((n, max(1, nbytes // 4)), dtype=np.float32), mesh)
         calls = {}
@@ -182,16 +182,14 @@ def bench_collectives(args: argparse.Namespace) -> list[dict]:
             calls[name] = lambda fn=fn, x=x: jax.block_until_ready(fn(x))
         times = interleaved(calls, args.repeats)
         for name in strategies:
-            times_of[name, nbytes] = times[name]
             median = statistics.median(times[name])
             algbw = nbytes / median / 1e9
             results.append({"strategy": name, "devices": n, "bytes": nbytes, "size": human(nbytes),
                             "median_s": median, "min_s": min(times[name]), "repeats": args.repeats,
-                            "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n})
+                            "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n,
+                            # psum's time / this one's, paired within each repeat
+                            "busbw_vs_psum": 1 / paired_ratio(times[name], times["psum"]) if "psum" in times else None})
         del x, calls  # free this size's buffers before the next size allocates its own
-    for r in results:  # busbw ratio = psum's time / this strategy's time, paired within each repeat
-        psum = times_of.get(("psum", r["bytes"]))
-        r["busbw_vs_psum"] = 1 / paired_ratio(times_of[r["strategy"], r["bytes"]], psum) if psum else None
 
     print(f"all-reduce (mean) of a float32 buffer per device, {n} devices, median of {args.repeats}")
     print_table(results, [("strategy", "strategy", "s"), ("size", "size", "s"), ("median_s", "time ms", ".3f"),
@@ -327,10 +325,9 @@ def bench_train(args: argparse.Namespace) -> list[dict]:
         results.append({"impl": impl, "strategy": strategy, "devices": n, "processes": n_proc,
                         "global_batch": args.batch_size, "model": "mlp-784-512-512-10", "optimizer": "adam",
                         "step_s": step_s, "steps_per_s": 1 / step_s, "examples_per_s": args.batch_size / step_s,
-                        "repeats": args.repeats, "steps_per_repeat": args.steps})
-    for r, seconds in zip(results, times.values()):  # time ratios, paired within each repeat
-        r["vs_shard_map"] = paired_ratio(seconds, times["shard_map+pmean", "-", r["devices"]])
-        r["vs_jit"] = paired_ratio(seconds, times["jit", "-", 1]) if r["devices"] == 1 and ("jit", "-", 1) in times else None
+                        "repeats": args.repeats, "steps_per_repeat": args.steps,
+                        "vs_shard_map": paired_ratio(seconds, times["shard_map+pmean", "-", n]),
+                        "vs_jit": paired_ratio(seconds, times["jit", "-", 1]) if n == 1 else None})
     if proc == 0:
         print(f"train step, MLP 784-512-512-10, adam, global batch {args.batch_size}, {n_proc} process(es), "
               f"median of {args.repeats} x {args.steps} steps")
