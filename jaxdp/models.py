@@ -67,7 +67,7 @@ class GPT(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
-        batch, length = tokens.shape
+        length = tokens.shape[1]
         embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed")
         x = embed(tokens) + nn.Embed(self.seq_len, self.d_model, dtype=self.dtype, name="pos")(jnp.arange(length))
         head_dim = self.d_model // self.heads
