@@ -7,22 +7,58 @@
     state, metrics = step(state, jaxdp.shard_batch(host_batch, mesh))
     with jaxdp.Checkpointer("/tmp/run") as ckpt:   # orbax: ckpt.save(state), ckpt.restore(state)
         state = ckpt.restore(state)
+
+The names below are the public API. They load on first use (PEP 562), so importing the package,
+or `jaxdp.config` for `--help`, does not import JAX; importing has no other side effect.
 """
 
-from jaxdp import malloc_env
+from __future__ import annotations
 
-malloc_env.reexec_if_needed()  # `python -m jaxdp.train|bench` only, before JAX loads: see malloc_env.py
-
-from jaxdp.checkpoint import Checkpointer  # noqa: E402
-from jaxdp.mesh import DATA_AXIS, batch_sharding, make_mesh, replicate, replicated, shard_batch
-from jaxdp.state import TrainState, init_state, make_optimizer
-from jaxdp.step import make_eval_step, make_train_step
-from jaxdp.sync import STRATEGIES, host_mean, on_host, psum_mean, ring_allreduce, ring_mean
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Checkpointer", "DATA_AXIS", "STRATEGIES", "TrainState", "__version__", "batch_sharding", "host_mean", "init_state",
-    "make_eval_step", "make_mesh", "make_optimizer", "make_train_step", "on_host", "psum_mean",
-    "replicate", "replicated", "ring_allreduce", "ring_mean", "shard_batch",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "Checkpointer": "jaxdp.checkpoint",
+    "DATA_AXIS": "jaxdp.mesh",
+    "EXIT_CODES": "jaxdp.errors",
+    "InputError": "jaxdp.errors",
+    "MODELS": "jaxdp.registry",
+    "OPTIMIZERS": "jaxdp.registry",
+    "Preemption": "jaxdp.preemption",
+    "STRATEGIES": "jaxdp.registry",
+    "TrainState": "jaxdp.state",
+    "TrainStep": "jaxdp.step",
+    "batch_sharding": "jaxdp.mesh",
+    "host_mean": "jaxdp.host",
+    "init_state": "jaxdp.state",
+    "initialize": "jaxdp.distributed",
+    "is_on_host": "jaxdp.sync",
+    "make_eval_step": "jaxdp.step",
+    "make_mesh": "jaxdp.mesh",
+    "make_optimizer": "jaxdp.state",
+    "make_train_step": "jaxdp.step",
+    "on_host": "jaxdp.sync",
+    "psum_mean": "jaxdp.sync",
+    "replicate": "jaxdp.mesh",
+    "replicated_sharding": "jaxdp.mesh",
+    "ring_allreduce": "jaxdp.sync",
+    "ring_mean": "jaxdp.sync",
+    "shard_batch": "jaxdp.mesh",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

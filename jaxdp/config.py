@@ -1,8 +1,13 @@
 """One frozen `Config` for a training run, and the command line generated from it.
 
 Every field carries its flag group and help text, so `--help`, the README's flag table and the
-validation below cannot drift apart. Validation raises `ConfigError` with one sentence that says
-what to change; `jaxdp.train` turns it into exit code 2 without a traceback.
+validation below cannot drift apart. Choices come from `jaxdp.registry`, which names them without
+importing them: parsing flags imports no JAX. Validation raises `ConfigError` with one sentence that
+says what to change; `jaxdp.train` turns it into exit code 2 without a traceback.
+
+Why argparse and not tyro or simple_parsing: the generator below is forty lines, keeps `--help`
+free of imports, and gives every error as one line; those libraries would add a dependency for the
+same dataclass-to-flags mapping.
 """
 
 from __future__ import annotations
@@ -13,18 +18,14 @@ import math
 import os
 from typing import Any, Sequence
 
-# Names of the built-in choices. They live here (not imported from the modules that implement them)
-# so that parsing flags never imports JAX; `tests/test_config.py` checks they match the registries.
-STRATEGY_NAMES = ("psum", "ring", "host")
-MODEL_NAMES = ("mlp", "cnn")
-DATASET_NAMES = ("digits", "synthetic")  # or a path to an .npz file with `x` and `y`
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "momentum")
+from jaxdp import registry
+from jaxdp.errors import InputError
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
 
-class ConfigError(ValueError):
-    """Bad user input. The message is one sentence that says what to change."""
+class ConfigError(InputError):
+    """Bad command-line input. The message is one sentence, in flag terms, that says what to change."""
 
 
 def _field(default: Any, group: str, help: str, **kwargs: Any) -> Any:
@@ -38,12 +39,12 @@ class Config:
     batch_size: int = _field(128, "data", "global batch size, split evenly over every device of every process")
 
     # -- model ----------------------------------------------------------------------------------
-    model: str = _field("mlp", "model", "built-in model", choices=MODEL_NAMES)
+    model: str = _field("mlp", "model", "built-in model", registry=registry.MODELS)
 
     # -- optimisation ---------------------------------------------------------------------------
-    strategy: str = _field("psum", "optimisation", "gradient synchronisation across devices", choices=STRATEGY_NAMES)
+    strategy: str = _field("psum", "optimisation", "gradient synchronisation across devices", registry=registry.STRATEGIES)
     steps: int = _field(300, "optimisation", "total number of training steps (a resumed run continues up to this step)")
-    optimizer: str = _field("adam", "optimisation", "optax optimizer", choices=OPTIMIZER_NAMES)
+    optimizer: str = _field("adam", "optimisation", "optax optimizer", registry=registry.OPTIMIZERS)
     lr: float = _field(1e-3, "optimisation", "learning rate")
     momentum: float = _field(0.9, "optimisation", "momentum for --optimizer=momentum")
     weight_decay: float = _field(1e-4, "optimisation", "weight decay for --optimizer=adamw")
@@ -74,7 +75,7 @@ class Config:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value and what to do about it."""
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ConfigError(f"--{_flag(f.name)}={value!r} is not one of: {', '.join(choices)}")
@@ -94,8 +95,9 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         if self.save_every < 0:
             raise ConfigError(f"--save-every must be 0 or more, got {self.save_every}")
-        if self.dataset not in DATASET_NAMES and not self.dataset.endswith(".npz"):
-            raise ConfigError(f"--dataset={self.dataset!r} is neither a built-in dataset ({', '.join(DATASET_NAMES)}) nor a path ending in .npz")
+        if self.dataset not in registry.DATASETS and not self.dataset.endswith(".npz"):
+            raise ConfigError(f"--dataset={self.dataset!r} is neither a built-in dataset ({', '.join(registry.DATASETS)}) "
+                              f"nor a path ending in .npz")
         if self.checkpoint_dir is not None and os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
             raise ConfigError(f"--checkpoint-dir={self.checkpoint_dir!r} is a file, not a directory; point it at a directory")
         if self.num_processes is not None and self.num_processes <= 0:
@@ -116,6 +118,12 @@ class Config:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+    """A field's choices: the names in its registry now (a user may have registered more)."""
+    names = f.metadata.get("registry")
+    return None if names is None else tuple(names)
 
 
 def _metavar(f: dataclasses.Field) -> str:
@@ -143,7 +151,7 @@ def _parse_bool(text: str) -> bool:
 def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser:
     """The CLI, generated from Config's fields: one flag per field, grouped, with defaults shown."""
     parser = _Parser(
-        prog=prog,
+        prog=prog, allow_abbrev=False,  # --step is not --steps
         description="Data-parallel training of a Flax model over every device of every process.",
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32, width=100),
     )
@@ -159,8 +167,7 @@ def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser
             group.add_argument(f"--no-{_flag(f.name)}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
             group.add_argument(flag, dest=f.name, type=types[f.type], default=f.default,
-                               choices=f.metadata.get("choices"), help=help,
-                               metavar=None if f.metadata.get("choices") else _metavar(f))
+                               choices=_choices(f), help=help, metavar=None if _choices(f) else _metavar(f))
     return parser
 
 

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxdp.config import ConfigError
+from jaxdp.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +33,12 @@ class Dataset:
 
 
 def load_dataset(name: str) -> Dataset:
-    """`digits` (scikit-learn's 8x8 images), `synthetic` (28x28, learnable), or a path to an .npz."""
-    if name == "digits":
-        return _digits()
-    if name == "synthetic":
-        return synthetic()
-    return _npz(name)
+    """A built-in dataset of `jaxdp.registry.DATASETS` (digits, synthetic), or a path to an .npz."""
+    from jaxdp.registry import DATASETS
+
+    if name in DATASETS:
+        return DATASETS[name]()
+    return load_npz(name)
 
 
 def _split(x: np.ndarray, y: np.ndarray, test_fraction: float) -> tuple[np.ndarray, ...]:
@@ -49,7 +49,8 @@ def _split(x: np.ndarray, y: np.ndarray, test_fraction: float) -> tuple[np.ndarr
     return x[train], y[train], x[test], y[test]
 
 
-def _digits() -> Dataset:
+def digits() -> Dataset:
+    """scikit-learn's 8x8 images of handwritten digits, 20 % held out."""
     from sklearn.datasets import load_digits  # ships with scikit-learn: no download
 
     digits = load_digits()
@@ -68,49 +69,49 @@ def synthetic(n_train: int = 8192, n_test: int = 1024, shape: tuple[int, ...] = 
     return Dataset(x[:n_train], y[:n_train], x[n_train:], y[n_train:], num_classes)
 
 
-def _npz(path: str) -> Dataset:
+def load_npz(path: str) -> Dataset:
     """User data: an .npz with `x` (N, ...) and integer labels `y` (N,); optional `x_test`, `y_test`."""
     if not os.path.isfile(path):
-        raise ConfigError(f"--dataset file {path!r} does not exist")
+        raise InputError(f"dataset file {path!r} does not exist", argument="dataset")
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-        raise ConfigError(f"--dataset file {path!r} is not a readable .npz archive ({err})") from None
+        raise InputError(f"dataset file {path!r} is not a readable .npz archive ({err})", argument="dataset") from None
     for key in ("x", "y"):
         if key not in arrays:
-            raise ConfigError(f"--dataset file {path!r} has no array {key!r}; save it with np.savez(path, x=..., y=...)")
+            raise InputError(f"dataset file {path!r} has no array {key!r}; save it with np.savez(path, x=..., y=...)", argument="dataset")
     x, y = _check_xy(arrays["x"], arrays["y"], path, "x", "y")
     if "x_test" in arrays and "y_test" in arrays:
         x_test, y_test = _check_xy(arrays["x_test"], arrays["y_test"], path, "x_test", "y_test")
         if x_test.shape[1:] != x.shape[1:]:
-            raise ConfigError(f"--dataset file {path!r}: x_test rows have shape {x_test.shape[1:]}, x rows {x.shape[1:]}")
+            raise InputError(f"dataset file {path!r}: x_test rows have shape {x_test.shape[1:]}, x rows {x.shape[1:]}", argument="dataset")
         splits = (x, y, x_test, y_test)
     else:
         if len(x) < 2:
-            raise ConfigError(f"--dataset file {path!r} needs at least 2 examples to hold one out")
+            raise InputError(f"dataset file {path!r} needs at least 2 examples to hold one out", argument="dataset")
         splits = _split(x, y, 0.1)
     num_classes = int(max(y.max(), splits[3].max())) + 1
     return Dataset(*splits, num_classes=num_classes)
 
 
 def _check_xy(x: np.ndarray, y: np.ndarray, path: str, xname: str, yname: str) -> tuple[np.ndarray, np.ndarray]:
-    where = f"--dataset file {path!r}"
+    where = f"dataset file {path!r}"
     if x.ndim < 2 or not np.issubdtype(x.dtype, np.number):
-        raise ConfigError(f"{where}: {xname} must be a numeric array of shape (N, features...), got {x.dtype} {x.shape}")
+        raise InputError(f"{where}: {xname} must be a numeric array of shape (N, features...), got {x.dtype} {x.shape}", argument="dataset")
     if y.ndim != 1:
-        raise ConfigError(f"{where}: {yname} must be a 1-D array of integer labels, got shape {y.shape}")
+        raise InputError(f"{where}: {yname} must be a 1-D array of integer labels, got shape {y.shape}", argument="dataset")
     if len(x) != len(y):
-        raise ConfigError(f"{where}: {xname} has {len(x)} rows but {yname} has {len(y)}; they must match")
+        raise InputError(f"{where}: {xname} has {len(x)} rows but {yname} has {len(y)}; they must match", argument="dataset")
     if len(x) == 0:
-        raise ConfigError(f"{where}: {xname} is empty")
+        raise InputError(f"{where}: {xname} is empty", argument="dataset")
     if not np.issubdtype(y.dtype, np.integer) and not (np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0)):
-        raise ConfigError(f"{where}: {yname} must hold integer class labels, got {y.dtype}")
+        raise InputError(f"{where}: {yname} must hold integer class labels, got {y.dtype}", argument="dataset")
     if y.min() < 0:
-        raise ConfigError(f"{where}: {yname} has negative labels; use 0 .. num_classes - 1")
+        raise InputError(f"{where}: {yname} has negative labels; use 0 .. num_classes - 1", argument="dataset")
     x = x.astype(np.float32)
     if not np.all(np.isfinite(x)):
-        raise ConfigError(f"{where}: {xname} contains NaN or infinite values")
+        raise InputError(f"{where}: {xname} contains NaN or infinite values", argument="dataset")
     if x.ndim == 3:  # (N, H, W) images: add a channel axis
         x = x[..., None]
     return x, y.astype(np.int32)

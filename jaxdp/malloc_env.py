@@ -1,17 +1,18 @@
-"""Run `python -m jaxdp.train` / `python -m jaxdp.bench` with glibc malloc tuned for big buffers.
+"""Run the command-line entry points with glibc malloc tuned for big buffers.
 
 Why: XLA's CPU runtime allocates its buffers with malloc on every step. glibc serves requests of
 32 MB and more with a fresh mmap and unmaps them on free, so every step page-faults its big
 buffers in again (measured: psum of 64 MB per device took 381 ms instead of 45-53 ms). glibc reads
 its tuning variables once, when the process starts, so setting them from Python is too late.
 
-What: `reexec_if_needed()` runs while the `jaxdp` package is imported, before JAX is. If this
-process is `python -m jaxdp.train` or `python -m jaxdp.bench` on glibc and the variables are not
-set yet, it replaces the process (`os.execve`, same PID, same argv and interpreter flags) with one
-that has them set. Exit codes and signals are untouched: there is no parent process left to
-forward them. It happens at most once (`JAXDP_MALLOC_ENV=1` marks the new process) and never
-for other programs that import jaxdp (notebooks, pytest, user scripts), nor when an allocator
-is preloaded (tcmalloc, jemalloc). `JAXDP_MALLOC_ENV=0` turns it off.
+What: the command-line entry points (`python -m jaxdp.train`, the `jaxdp-train` script,
+`python -m jaxdp.bench`) call `reexec_if_needed()` first, before JAX is imported. On glibc, when
+the variables are not set yet, it replaces the process (`os.execve`, same PID, same argv and
+interpreter flags) with one that has them set. Exit codes and signals are untouched: there is no
+parent process left to forward them. It happens at most once (`JAXDP_MALLOC_ENV=1` marks the new
+process), never when an allocator is preloaded (tcmalloc, jemalloc), and never on import:
+notebooks, pytest and user scripts that import jaxdp are left alone. `JAXDP_MALLOC_ENV=0` turns it
+off.
 """
 
 from __future__ import annotations
@@ -26,23 +27,18 @@ MALLOC_ENV = {
     "MALLOC_ARENA_MAX": "1",                      # one arena: a buffer freed by one thread is reused by all
 }
 MARK = "JAXDP_MALLOC_ENV"  # "1": set by the re-exec (or by hand); "0": never re-exec
-ENTRY_POINTS = ("jaxdp.train", "jaxdp.bench")
 
 
 def wanted() -> bool:
-    """True when this process should re-exec itself with MALLOC_ENV."""
-    # While `python -m X` imports X's parent package, sys.argv[0] is "-m" (then it becomes a path).
-    argv = getattr(sys, "orig_argv", [])
-    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
-    launched = sys.argv[:1] == ["-m"] and module in ENTRY_POINTS
-    return (launched
-            and os.environ.get(MARK, "") not in ("0", "1")
+    """True when this process should re-exec itself with MALLOC_ENV (entry points only ask)."""
+    return (os.environ.get(MARK, "") not in ("0", "1")
             and not all(os.environ.get(k) == v for k, v in MALLOC_ENV.items())
             and not any(name in os.environ.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc"))
             and sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
 
 
 def reexec_if_needed() -> None:
+    """Call first thing in a command-line entry point, before JAX is imported."""
     if wanted():
         env = {**os.environ, **MALLOC_ENV, MARK: "1"}
         sys.stdout.flush()

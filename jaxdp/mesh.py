@@ -1,8 +1,12 @@
-"""The device mesh: one axis, `DATA_AXIS`, over every device of every process.
+"""The device mesh: one axis (default `DATA_AXIS`, "data") over every device of every process.
 
-Parameters and optimizer state are replicated (`replicated(mesh)`); batches are split along their
-leading axis (`batch_sharding(mesh)`). `shard_batch` is the one host -> device transfer of the
-input pipeline: each process hands over only its own slice of the global batch.
+Parameters and optimizer state are replicated (`replicated_sharding(mesh)`); batches are split
+along their leading axis (`batch_sharding(mesh)`). `shard_batch` is the one host -> device
+transfer of the input pipeline: each process hands over only its own slice of the global batch.
+
+The axis name is the mesh's: code ported from `pmap` whose modules name their axis (Flax's
+ImageNet example uses `BatchNorm(axis_name="batch")`) builds `make_mesh(axis_name="batch")`, and
+the step synchronises over that name.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 DATA_AXIS = "data"
 
 
-def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh named `DATA_AXIS` over `devices` (default: every device of every process).
+def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = DATA_AXIS) -> Mesh:
+    """A 1-D mesh named `axis_name` over `devices` (default: every device of every process).
 
     Devices are ordered by (process, local id), so process p owns a contiguous block of the mesh
     and therefore a contiguous block of every global batch.
@@ -25,28 +29,31 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device")
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(f"make_mesh: axis_name must be a non-empty string, got {axis_name!r}")
     devices.sort(key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(devices), (DATA_AXIS,))
+    return Mesh(np.array(devices), (axis_name,))
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
+def axis_name(mesh: Mesh) -> str:
+    """The name of the mesh's one axis, the one the step synchronises over."""
+    if len(mesh.axis_names) != 1:
+        raise ValueError(f"jaxdp needs a 1-D mesh (make_mesh), got axes {mesh.axis_names}")
+    return mesh.axis_names[0]
+
+
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device of the mesh."""
     return NamedSharding(mesh, P())
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(DATA_AXIS))
-
-
-def local_batch_size(global_batch_size: int, mesh: Mesh) -> int:
-    """Rows of each global batch that this process loads; raises if it does not split evenly."""
-    n_devices, n_processes = mesh.size, jax.process_count()
-    if global_batch_size % n_devices:
-        raise ValueError(f"batch size {global_batch_size} must be divisible by the number of devices ({n_devices})")
-    return global_batch_size // n_processes
+    """Split along the leading axis over the mesh's devices."""
+    return NamedSharding(mesh, P(axis_name(mesh)))
 
 
 def shard_batch(host_batch: Any, mesh: Mesh) -> Any:
-    """Host-local numpy pytree -> global jax.Arrays split along axis 0 over `DATA_AXIS`.
+    """Host-local numpy pytree -> global jax.Arrays split along axis 0 over the mesh.
 
     In a multi-process run each process passes only its own rows; the global batch is their
     concatenation in process order.
@@ -65,7 +72,7 @@ def shard_batch(host_batch: Any, mesh: Mesh) -> Any:
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Place a pytree of host values (identical on every process) on every device of the mesh."""
-    sharding = replicated(mesh)
+    sharding = replicated_sharding(mesh)
 
     def put(x: Any) -> jax.Array:
         x = np.asarray(x)

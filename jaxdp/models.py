@@ -1,6 +1,6 @@
 """Built-in Flax models. Modules only: nothing here knows about meshes or devices.
 
-The CNN's BatchNorm takes an optional `axis_name`: inside a jaxdp step it is `DATA_AXIS`, so batch
+The CNN's BatchNorm takes an optional `axis_name`: inside a jaxdp step it is the mesh's axis, so batch
 statistics are computed over the whole global batch (synchronised BatchNorm) and the model trains
 exactly as it would on one device; outside a mapped context (evaluation, a single-device
 reference) it is None.
@@ -37,7 +37,7 @@ class CNN(nn.Module):
 
     features: Sequence[int] = (32, 64)
     num_classes: int = 10
-    axis_name: str | None = None  # set to DATA_AXIS for synchronised BatchNorm
+    axis_name: str | None = None  # the mesh's axis name for synchronised BatchNorm
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
@@ -93,13 +93,17 @@ class GPT(nn.Module):
         return 6 * n + 12 * self.layers * self.d_model * self.seq_len
 
 
+def build_mlp(num_classes: int, axis_name: str | None = None) -> nn.Module:
+    del axis_name  # no cross-device statistics
+    return MLP(num_classes=num_classes)
+
+
+def build_cnn(num_classes: int, axis_name: str | None = None) -> nn.Module:
+    return CNN(num_classes=num_classes, axis_name=axis_name)
+
+
 def build_model(name: str, num_classes: int, axis_name: str | None = None) -> nn.Module:
-    """The built-in model called `name` (see `MODELS`)."""
-    if name == "mlp":
-        return MLP(num_classes=num_classes)
-    if name == "cnn":
-        return CNN(num_classes=num_classes, axis_name=axis_name)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    """The built-in model called `name` in `jaxdp.registry.MODELS`."""
+    from jaxdp.registry import MODELS
 
-
-MODELS = ("mlp", "cnn")
+    return MODELS[name](num_classes, axis_name)

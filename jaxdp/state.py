@@ -11,7 +11,29 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxdp.mesh import replicate, replicated
+from jaxdp.mesh import replicate, replicated_sharding
+
+
+class OptimizerTag:
+    """The optax transformation a state was made for, carried in the TrainState's static part.
+
+    It only lets `make_train_step` check that it was given the same optimizer as `init_state`.
+    Two tags always compare equal, so states made with different optimizer objects still have the
+    same tree structure (they can be compared leaf by leaf, restored into each other, and share
+    a compiled step).
+    """
+
+    def __init__(self, tx: optax.GradientTransformation | None):
+        self.tx = tx
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OptimizerTag)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "OptimizerTag(...)"
 
 
 @flax.struct.dataclass
@@ -24,6 +46,7 @@ class TrainState:
     model_state: mutable model collections (e.g. {"batch_stats": ...}); {} when the model has none.
     rng:         a raw uint32[2] PRNG key; the step derives per-step, per-device keys from it and
                  `step`, so it never changes and a resumed run draws the same numbers.
+    optimizer:   (static) which optax transformation `opt_state` belongs to; not an array.
     """
 
     step: jax.Array
@@ -31,6 +54,7 @@ class TrainState:
     opt_state: Any
     model_state: Any = flax.struct.field(default_factory=dict)
     rng: jax.Array | None = None
+    optimizer: OptimizerTag = flax.struct.field(pytree_node=False, default=OptimizerTag(None))
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
@@ -38,34 +62,52 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     """A TrainState with `params` (and `model_state`) replicated over `mesh` and a fresh `tx` state.
 
     `params` may be host or device values; in a multi-process run every process must pass the
-    same values (initialise from the same seed). `rng` is an int seed or a PRNG key.
+    same values (initialise from the same seed). `rng` is an int seed or a PRNG key. Pass the same
+    `tx` object to `make_train_step`: it checks.
     """
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     params = replicate(params, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=replicated(mesh))(params)
+    opt_state = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
     return TrainState(
         step=replicate(np.int32(0), mesh),
         params=params,
         opt_state=opt_state,
         model_state=replicate({} if model_state is None else model_state, mesh),
         rng=replicate(np.asarray(rng, dtype=np.uint32), mesh),
+        optimizer=OptimizerTag(tx),
     )
 
 
-def make_optimizer(name: str, lr: float, momentum: float = 0.9, weight_decay: float = 1e-4) -> optax.GradientTransformation:
-    """The optax optimizer behind `--optimizer`."""
-    if name == "adam":
-        return optax.adam(lr)
-    if name == "adamw":
-        return optax.adamw(lr, weight_decay=weight_decay)
-    if name == "sgd":
-        return optax.sgd(lr)
-    if name == "momentum":
-        return optax.sgd(lr, momentum=momentum)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+# ---------------------------------------------------------------------------------------------
+# The optimizers behind --optimizer (jaxdp.registry.OPTIMIZERS): (lr, momentum, weight_decay) -> tx
+# ---------------------------------------------------------------------------------------------
 
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+def adam(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
+    del momentum, weight_decay
+    return optax.adam(lr)
+
+
+def adamw(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
+    del momentum
+    return optax.adamw(lr, weight_decay=weight_decay)
+
+
+def sgd(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
+    del momentum, weight_decay
+    return optax.sgd(lr)
+
+
+def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
+    del weight_decay
+    return optax.sgd(lr, momentum=momentum)
+
+
+def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: float = 1e-4) -> optax.GradientTransformation:
+    """The optax optimizer called `name` in `jaxdp.registry.OPTIMIZERS`; `lr` may be a schedule."""
+    from jaxdp.registry import OPTIMIZERS
+
+    return OPTIMIZERS[name](lr, momentum, weight_decay)

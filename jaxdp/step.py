@@ -16,14 +16,19 @@ replicas stay identical. The old state is donated.
   `loss_fn(params, model_state, batch, rng) -> (loss, aux, new_model_state)`.
   `rng` is a raw PRNG key that differs per device and per step (derived from `state.rng`,
   `state.step` and the device's index, so a resumed run draws the same numbers).
+  Synchronised BatchNorm: `nn.BatchNorm(axis_name=...)` with the mesh's axis name computes its
+  statistics over the global batch, inside the step.
   `new_model_state` is averaged over devices, so the replicas stay identical.
 
 `metrics` holds "loss" and every entry of `aux`, each averaged over the global batch.
 
-Hazard (see platform notes): inside `shard_map` with the default `check_vma=True`, `jax.grad`
-with respect to replicated parameters already sums over devices; a strategy on top would count
-the gradient N times. The step maps with `check_vma=False`, so gradients are per-device and the
-strategy alone synchronises them; tests compare every strategy with a single-device reference.
+`make_train_step` returns a `TrainStep` for every strategy: call it, or `.lower(state, batch)` it
+for XLA's cost analysis and the compiled program.
+
+Hazard: inside `shard_map` with the default `check_vma=True`, `jax.grad` with respect to
+replicated parameters already sums over devices; a strategy on top would count the gradient N
+times. The step maps with `check_vma=False`, so gradients are per-device and the strategy alone
+synchronises them; tests compare every strategy with a single-device reference.
 """
 
 from __future__ import annotations
@@ -36,40 +41,67 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp.mesh import DATA_AXIS, replicate
+from jaxdp import host
+from jaxdp.mesh import axis_name as mesh_axis_name, replicate
 from jaxdp.state import TrainState
-from jaxdp.sync import STRATEGIES, runs_on_host
+from jaxdp.sync import is_on_host
 
 Batch = Any
 Metrics = dict[str, Any]
 
 
+class TrainStep:
+    """`step(state, batch) -> (state, metrics)`, the same type for every strategy.
+
+    `lower(state, batch)` returns JAX's `Lowered` of the compiled program (for in-graph
+    strategies, the whole step; for `host`, the per-device gradient program it runs before the
+    numpy average), for cost analysis and for reading the HLO.
+    """
+
+    def __init__(self, run: Callable[[TrainState, Batch], tuple[TrainState, Metrics]],
+                 lowerable: Any, tx: optax.GradientTransformation, strategy: Callable):
+        self._run, self._lowerable, self.tx, self.strategy = run, lowerable, tx, strategy
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        made_for = state.optimizer.tx
+        if made_for is not None and made_for is not self.tx:
+            raise ValueError("this state was made by init_state with a different optax transformation than "
+                             "the one given to make_train_step; pass the same tx object to both")
+        return self._run(state, batch)
+
+    def lower(self, state: TrainState, batch: Batch) -> Any:
+        return self._lowerable.lower(state, batch)
+
+
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
-                    strategy: str | Callable = "psum", *, stateful: bool = False
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """A function `(state, batch) -> (state, metrics)` that compiles once per input shape."""
+                    strategy: str | Callable = "psum", *, stateful: bool = False) -> TrainStep:
+    """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape."""
+    from jaxdp.registry import STRATEGIES
+
     sync = STRATEGIES[strategy] if isinstance(strategy, str) else strategy
-    local_grads = _local_grads_fn(loss_fn, stateful)
+    axis = mesh_axis_name(mesh)
+    local_grads = _local_grads_fn(loss_fn, stateful, axis)
 
     def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
 
-    if runs_on_host(sync):
-        return _host_step(local_grads, apply_update, sync, mesh)
+    if is_on_host(sync):
+        return _host_step(local_grads, apply_update, sync, mesh, tx)
 
     def device_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         metrics, model_state, grads = local_grads(state, batch)
         if mesh.size > 1:  # on one device the mean is the value; XLA would still run a 1-device all-reduce
-            grads, metrics, model_state = _sync_together(sync, grads, metrics, model_state)
+            grads, metrics, model_state = _sync_together(sync, axis, grads, metrics, model_state)
         return apply_update(state, grads, model_state), metrics
 
-    mapped = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(DATA_AXIS)),
+    mapped = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(axis)),
                            out_specs=(P(), P()), check_vma=False)
     step = jax.jit(mapped, donate_argnums=0)
     # One device runs no collective, so nothing can deadlock and steps may queue freely.
-    return _one_step_in_flight(step) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else step
+    run = _one_step_in_flight(step) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else step
+    return TrainStep(run, step, tx, sync)
 
 
 def _one_step_in_flight(step: Callable) -> Callable:
@@ -88,16 +120,15 @@ def _one_step_in_flight(step: Callable) -> Callable:
         previous = metrics
         return state, metrics
 
-    bounded.jitted = step  # for lowering / cost analysis
     return bounded
 
 
-def _local_grads_fn(loss_fn: Callable, stateful: bool) -> Callable:
+def _local_grads_fn(loss_fn: Callable, stateful: bool, axis: str) -> Callable:
     """(state, local batch) -> (metrics, new model_state, grads) on one device, unsynchronised."""
 
     def local_grads(state: TrainState, batch: Batch) -> tuple[Metrics, Any, Any]:
         if stateful:
-            rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), jax.lax.axis_index(DATA_AXIS))
+            rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), jax.lax.axis_index(axis))
 
             def objective(params):
                 loss, aux, model_state = loss_fn(params, state.model_state, batch, rng)
@@ -115,32 +146,35 @@ def _local_grads_fn(loss_fn: Callable, stateful: bool) -> Callable:
     return local_grads
 
 
-def _sync_together(sync: Callable, grads: Any, metrics: Metrics, model_state: Any) -> tuple[Any, Metrics, Any]:
+def _sync_together(sync: Callable, axis: str, grads: Any, metrics: Metrics, model_state: Any) -> tuple[Any, Metrics, Any]:
     """Average gradients, metrics and the float leaves of the model state over devices, in one
     call of the strategy: the scalars and BatchNorm statistics ride in the gradients' fused
     buffer instead of paying a collective's latency of their own (across processes on CPU each
     collective is a gloo round trip of milliseconds; README "Performance")."""
     leaves, treedef = jax.tree.flatten(model_state)
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-    grads, metrics, synced = sync((grads, metrics, [x for x, f in zip(leaves, floats) if f]), DATA_AXIS)
+    grads, metrics, synced = sync((grads, metrics, [x for x, f in zip(leaves, floats) if f]), axis)
     synced = iter(synced)
     return grads, metrics, jax.tree.unflatten(treedef, [next(synced) if f else x for x, f in zip(leaves, floats)])
 
 
-def _host_step(local_grads: Callable, apply_update: Callable, host_mean: Callable, mesh: Mesh) -> Callable:
+def _host_step(local_grads: Callable, apply_update: Callable, host_mean: Callable, mesh: Mesh,
+               tx: optax.GradientTransformation) -> TrainStep:
     """The on-host path: jitted per-device gradients -> numpy mean on the host -> jitted update.
 
     Nothing crosses devices inside XLA: every device's gradients (and loss, aux, model state)
-    are copied to host memory, averaged there (across processes too, through
-    `jaxdp.sync.set_cross_process_sum`), and copied back to every device.
+    are copied to host memory, averaged there (across processes through the run's own
+    `host.process_sum_for(mesh)` transport), and copied back to every device.
     """
+    axis = mesh_axis_name(mesh)
+    process_sum = host.process_sum_for(mesh)
 
     def per_device(state: TrainState, batch: Batch) -> Any:
         out = local_grads(state, batch)
         return jax.tree.map(lambda x: x[None], out)  # leading axis: one row per device
 
-    grads_fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)),
-                                     out_specs=P(DATA_AXIS), check_vma=False))
+    grads_fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis)),
+                                     out_specs=P(axis), check_vma=False))
     update_fn = jax.jit(apply_update, donate_argnums=0)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -148,22 +182,23 @@ def _host_step(local_grads: Callable, apply_update: Callable, host_mean: Callabl
         # Host sync point: every local device's values come to host memory.
         leaves, treedef = jax.tree.flatten(stacked)
         shards = [sorted(leaf.addressable_shards, key=lambda s: s.index[0].start) for leaf in leaves]
-        host = jax.device_get([[s.data for s in leaf_shards] for leaf_shards in shards])
-        per_device = [jax.tree.unflatten(treedef, [leaf[d][0] for leaf in host]) for d in range(len(shards[0]))]
-        metrics, model_state, grads = host_mean(per_device, num_devices=mesh.size)
+        host_values = jax.device_get([[s.data for s in leaf_shards] for leaf_shards in shards])
+        per_device = [jax.tree.unflatten(treedef, [leaf[d][0] for leaf in host_values]) for d in range(len(shards[0]))]
+        metrics, model_state, grads = host_mean(per_device, num_devices=mesh.size, process_sum=process_sum)
         grads, model_state = replicate((grads, model_state), mesh)  # host -> every device
         return update_fn(state, grads, model_state), {k: np.float32(v) for k, v in metrics.items()}
 
-    return step
+    return TrainStep(step, grads_fn, tx, host_mean)
 
 
 def make_eval_step(eval_fn: Callable, mesh: Mesh) -> Callable[[TrainState, Batch], Any]:
     """`(state, batch) -> sums`: `eval_fn(params, model_state, local_batch)` returns a pytree of
     per-device sums (e.g. correct predictions, summed loss, example count); they are summed over
     all devices."""
+    axis = mesh_axis_name(mesh)
 
     def device_eval(state: TrainState, batch: Batch) -> Any:
-        return jax.lax.psum(eval_fn(state.params, state.model_state, batch), DATA_AXIS)
+        return jax.lax.psum(eval_fn(state.params, state.model_state, batch), axis)
 
-    return jax.jit(jax.shard_map(device_eval, mesh=mesh, in_specs=(P(), P(DATA_AXIS)),
+    return jax.jit(jax.shard_map(device_eval, mesh=mesh, in_specs=(P(), P(axis)),
                                  out_specs=P(), check_vma=False))

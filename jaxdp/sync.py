@@ -1,13 +1,13 @@
-"""Gradient synchronisation strategies, registered by name in `STRATEGIES`.
+"""Gradient synchronisation strategies, registered by name in `jaxdp.registry.STRATEGIES`.
 
 A strategy turns each device's gradients into the mean over all devices. Two kinds exist:
 
 * in-graph: `fn(grads, axis_name) -> mean_grads`, called inside `shard_map` on each device's own
-  gradients. `psum` and `ring` are of this kind. A new collective is one such function plus one
-  line in `STRATEGIES`; the step, the CLI, the tests and the benchmarks pick it up from there.
-* on-host (marked with `@on_host`): `fn(local_grads) -> mean_grads`, called outside jit on a list
-  with one numpy gradient pytree per local device. `host` is the only one: it exists to show what
-  a collective saves.
+  gradients. `psum` and `ring` (here) are of this kind. A new collective is one such function plus
+  one line in `STRATEGIES`; the step, the CLI, the tests and the benchmarks pick it up from there.
+* on-host (marked with `@on_host`): `fn(local_trees, *, num_devices, process_sum) -> mean`, called
+  outside jit on a list with one numpy pytree per local device. `host` (jaxdp/host.py) is the only
+  one: it exists to show what a collective saves.
 
 Every strategy returns a tree of the same structure and dtypes as its input. The train step
 calls its strategy once per step, on the gradients together with the metrics and the float
@@ -21,7 +21,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 Tree = Any
 
@@ -32,7 +31,8 @@ def on_host(fn: Callable) -> Callable:
     return fn
 
 
-def runs_on_host(strategy: Callable) -> bool:
+def is_on_host(strategy: Callable) -> bool:
+    """True for a strategy marked with `@on_host`."""
     return getattr(strategy, "on_host", False)
 
 
@@ -78,8 +78,8 @@ def psum_mean(grads: Tree, axis_name: str) -> Tree:
 
     Within a process, XLA's all-reduce of each leaf is the fastest (fusing costs a concatenation
     and gives nothing back). Across processes on CPU every leaf is one gloo call with its own
-    latency (measured: 2-process MLP step 31 ms per leaf, 8 ms fused; README "Performance"), so
-    there the leaves travel as one buffer per dtype. On GPUs XLA combines all-reduces itself.
+    latency, so there the leaves travel as one buffer per dtype (figures in README "Performance").
+    On GPUs XLA combines all-reduces itself.
     """
     if jax.process_count() > 1:
         return fused(lambda flat: jax.lax.pmean(flat, axis_name), grads)
@@ -154,44 +154,3 @@ def _ring_sum(flat: jax.Array, axis_name: str, n: int, mean: bool = False) -> ja
 
 def ring_mean(grads: Tree, axis_name: str) -> Tree:
     return ring_allreduce(grads, axis_name, mean=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# host: the naive baseline. Device -> host numpy average -> device, outside the compiled step.
-# ---------------------------------------------------------------------------------------------
-
-# Sums the per-process host partial sums across processes (through host memory). Single-process
-# runs leave it as the identity; `jaxdp.distributed` installs a cross-process one.
-_cross_process_sum: Callable[[list[np.ndarray]], list[np.ndarray]] = lambda arrays: arrays
-
-
-def set_cross_process_sum(fn: Callable[[list[np.ndarray]], list[np.ndarray]]) -> None:
-    """Install how `host` sums its per-process partial sums across processes."""
-    global _cross_process_sum
-    _cross_process_sum = fn
-
-
-@on_host
-def host_mean(local_grads: Sequence[Tree], num_devices: int | None = None) -> Tree:
-    """Average per-device gradients in host memory.
-
-    `local_grads` holds one numpy pytree per device of this process; `num_devices` is the global
-    device count (default: len(local_grads), the single-process case).
-    """
-    num_devices = len(local_grads) if num_devices is None else num_devices
-    first, *rest = local_grads
-    leaves, treedef = jax.tree.flatten(first)
-    sums = [np.array(leaf, copy=True) for leaf in leaves]
-    for tree in rest:  # accumulate in place: no N-times-larger stack
-        for acc, leaf in zip(sums, jax.tree.leaves(tree)):
-            acc += leaf
-    sums = _cross_process_sum(sums)
-    means = [(s / num_devices).astype(s.dtype, copy=False) for s in sums]
-    return jax.tree.unflatten(treedef, means)
-
-
-STRATEGIES: dict[str, Callable] = {
-    "psum": psum_mean,
-    "ring": ring_mean,
-    "host": host_mean,
-}

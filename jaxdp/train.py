@@ -5,13 +5,10 @@
     python -m jaxdp.train --model cnn --dataset my_data.npz --batch-size 256
     python -m jaxdp.train --help                           # every flag, grouped, with defaults
 
-Exit codes: 0 success, 2 bad input (one line on stderr; --debug for the traceback), 1 any other
-error, 75 preempted: with --checkpoint-dir, SIGTERM or SIGUSR1 (SLURM's --signal) makes every
-process finish its current step, save a checkpoint and stop; rerun the same command to resume
-(75 is EX_TEMPFAIL from sysexits.h: "temporary failure, try again"), 69 a peer process of a
-multi-process run died or never arrived: every survivor prints one line naming it and exits
-within a second of the death, or after --peer-timeout for one that never arrives (69 is
-EX_UNAVAILABLE; see jaxdp/distributed.py).
+Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
+--debug for the traceback), 69 a peer process died or never arrived, 75 preempted (with
+--checkpoint-dir, SIGTERM or SIGUSR1 make every process finish its step, save and stop; rerun the
+same command to resume), 130 interrupted.
 
 The file reads top to bottom in data-flow order: distribution, mesh, data, model and
 optimizer, update step, checkpoint, loop, evaluation.
@@ -26,9 +23,10 @@ import traceback
 from typing import Any, Sequence
 
 from jaxdp.config import Config, ConfigError, parse_args
+from jaxdp.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, InputError
 
-
-EXIT_PREEMPTED = 75  # stopped by SIGTERM / SIGUSR1 after saving a checkpoint: rerun to resume
+# Which flag fed each library argument that an InputError may name.
+FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices"}
 
 
 @dataclasses.dataclass
@@ -47,15 +45,16 @@ def train(config: Config) -> Result:
     import optax
 
     from jaxdp import data, distributed, models
-    from jaxdp.checkpoint import Checkpointer, Preemption
-    from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
+    from jaxdp.checkpoint import Checkpointer
+    from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter
+    from jaxdp.preemption import Preemption
     from jaxdp.state import init_state, make_optimizer
     from jaxdp.step import make_eval_step, make_train_step
 
     # ---- distribution and mesh ---------------------------------------------------------------
     distributed.initialize(config)
-    mesh = make_mesh(distributed.global_devices(config))
+    mesh = make_mesh(distributed.mesh_devices(config.devices))
     is_main = jax.process_index() == 0  # process 0 prints and writes logs; all take part in compute
     n_processes, process = jax.process_count(), jax.process_index()
     if config.batch_size % mesh.size:
@@ -74,7 +73,7 @@ def train(config: Config) -> Result:
         return shard_batch(local, mesh)
 
     # ---- model and optimizer -----------------------------------------------------------------
-    model = models.build_model(config.model, dataset.num_classes, axis_name=DATA_AXIS)
+    model = models.build_model(config.model, dataset.num_classes, axis_name=axis_name(mesh))
     variables = model.init(jax.random.PRNGKey(config.seed), dataset.x_train[:1])
     params = variables.pop("params")
     model_state = dict(variables)  # e.g. {"batch_stats": ...}; {} for the MLP
@@ -110,7 +109,7 @@ def train(config: Config) -> Result:
             if int(state.step) > config.steps:
                 raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {int(state.step)}, past "
                                   f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
-        except ConfigError:
+        except InputError:
             checkpointer.close()  # nothing was written: bad input leaves the directory as it was
             raise
     start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
@@ -119,7 +118,7 @@ def train(config: Config) -> Result:
     writer = MetricsWriter(is_main=is_main, total_steps=config.steps, start_step=start_step,
                            metrics_file=config.metrics_file, log_dir=config.log_dir, progress=config.progress)
     history, preempted = [], False
-    preemption = Preemption(mesh) if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
+    preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     try:
         for step in range(start_step, config.steps):
             state, metrics = train_step(state, batch_at(step))
@@ -168,31 +167,46 @@ def train(config: Config) -> Result:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxdp.train ARGS`, returning the exit code (jaxdp/errors.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s",
                         force=True)  # importing orbax already gave the root logger a handler
     try:
         result = train(parse_args(argv))
-        return EXIT_PREEMPTED if result.preempted else 0
-    except ConfigError as err:
+        return EXIT_PREEMPTED if result.preempted else EXIT_OK
+    except InputError as err:
         if debug:
             traceback.print_exc()
-        print(f"jaxdp: error: {err}", file=sys.stderr)
-        return 2
+        print(f"jaxdp: error: {cli_message(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("jaxdp: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as err:  # anything else is a bug or an environment problem: say so in one line
-        from jaxdp.distributed import give_peer_watch_a_moment
+        from jaxdp.peer_watch import wait_for_verdict
 
-        give_peer_watch_a_moment()  # a lost peer is reported as such (exit 69), not as its echo here
+        wait_for_verdict()  # a lost peer is reported as such (exit 69), not as its echo here
         if debug:
             traceback.print_exc()
         else:
             print(f"jaxdp: error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
+
+
+def cli_message(err: InputError) -> str:
+    """A library's InputError in flag terms: prefixed with the flag that fed its argument."""
+    flag = FLAG_OF_ARGUMENT.get(err.argument or "")
+    return f"{flag}: {err}" if flag and not isinstance(err, ConfigError) else str(err)
+
+
+def cli() -> None:
+    """The `jaxdp-train` script and `python -m jaxdp.train`: tune malloc first, then run."""
+    from jaxdp import malloc_env
+
+    malloc_env.reexec_if_needed()  # before JAX is imported: see jaxdp/malloc_env.py
+    sys.exit(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -20,21 +20,16 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from helpers import free_port
 
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("srun", "sinfo", "scontrol")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 NODE = "localhost"  # resolves everywhere; the coordinator JAX derives from the node list is this host
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:

@@ -6,11 +6,13 @@ No timing assertions: speed is what the benchmark measures, not what the tests c
 import importlib.util
 import json
 import shlex
+import subprocess
+import sys
 
 import pytest
 
-from conftest import cli_env, run_cli
-from jaxdp.sync import STRATEGIES
+from helpers import ROOT, cli_env, commands, readme_blocks, run_cli
+from jaxdp.registry import STRATEGIES
 
 
 def test_collectives_json_table_and_plot(tmp_path):
@@ -28,6 +30,7 @@ def test_collectives_json_table_and_plot(tmp_path):
     assert "busbw" in proc.stdout and all(name in proc.stdout for name in STRATEGIES)
 
 
+@pytest.mark.slow
 def test_train_reports_jaxdp_and_both_baselines(tmp_path):
     out = tmp_path / "t.json"
     proc = run_cli("train", "--devices", "1,2", "--steps", "2", "--repeats", "1", "--batch-size", "16",
@@ -72,6 +75,7 @@ def test_ddp_without_torch_says_how_to_install_it(tmp_path):
     assert proc.returncode == 2 and "pip install -e '.[bench]'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_ddp_comparison_runs_both_sides(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "d.json"
@@ -90,9 +94,8 @@ SHRINK = {"collectives": ["--sizes", "1KB,64KB", "--repeats", "1"],
           "ddp": ["--rounds", "1", "--steps", "2", "--repeats", "1", "--batch-size", "16"]}
 
 
+@pytest.mark.slow
 def test_readme_performance_commands(tmp_path):
-    from test_readme import commands, readme_blocks
-
     shown = [c for b in readme_blocks("tests/test_bench.py::test_readme_performance_commands") for c in commands(b)]
     bench = [shlex.split(c) for c in shown if c.startswith("python -m jaxdp.bench ")]
     assert bench and len(bench) == len(shown), shown
@@ -120,3 +123,37 @@ def test_cli_reexecs_itself_once_with_the_malloc_env(tmp_path):
     # Exit codes pass through: the re-exec'd process is the process (os.execve, same PID).
     proc = run_cli("--bogus", env=base)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unrecognized arguments" in proc.stderr
+
+
+def test_workers_are_hidden_from_help_but_parse():
+    from jaxdp.bench import ddp
+    from jaxdp.bench.__main__ import build_parser
+
+    parser = build_parser()
+    assert "worker" not in parser.format_help()
+    args = parser.parse_args(["train-worker", "--port", "1234", "--rank", "1", "--strategies", "psum"])
+    assert args.run is ddp.run_train_worker and args.strategies == ["psum"] and args.pin
+    assert parser.parse_args(["ddp-worker", "--port", "1234", "--rank", "0", "--no-pin"]).run is ddp.run_ddp_worker
+
+
+def test_train_worker_passes_options_and_leaves_its_args_alone(monkeypatch):
+    from jaxdp.bench import ddp, train
+    from jaxdp.bench.__main__ import build_parser
+
+    seen = []
+    monkeypatch.setattr(train, "run", lambda options: seen.append(options) or [])
+    args = build_parser().parse_args(["train-worker", "--port", "1234", "--rank", "1", "--no-pin", "--steps", "3"])
+    before = vars(args).copy()
+    assert ddp.run_train_worker(args) == []
+    assert vars(args) == before
+    (options,) = seen
+    assert options == train.Options(devices=(1,), steps=3, repeats=7, batch_size=256, strategies=None, json=None,
+                                    coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1)
+
+
+def test_parser_and_benchmark_modules_import_no_jax():
+    # __main__ re-execs the process (malloc_env) before anything loads JAX: only `run` may import it.
+    code = ("import sys; from jaxdp.bench.__main__ import build_parser; build_parser(); "
+            "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch')) or 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=cli_env())
+    assert proc.returncode == 0, proc.stderr

@@ -20,10 +20,11 @@ import optax
 import pytest
 
 import jaxdp
-from conftest import ROOT, cli_env
+from helpers import ROOT, cli_env
 from jaxdp.config import parse_args
 from jaxdp.models import MLP
-from jaxdp.train import EXIT_PREEMPTED, main, train
+from jaxdp.errors import EXIT_PREEMPTED
+from jaxdp.train import main, train
 
 FAST = ["--log-every", "1", "--no-progress"]
 
@@ -305,7 +306,7 @@ def test_kill_9_during_a_real_save_leaves_the_previous_checkpoint(tmp_path, capl
 
 def test_readme_commands(tmp_path, monkeypatch):
     """The README's stop-and-resume commands, run in this process from a scratch directory."""
-    from test_readme import commands, readme_blocks
+    from helpers import commands, readme_blocks
 
     monkeypatch.chdir(tmp_path)
     (block,) = readme_blocks("tests/test_checkpoint.py::test_readme_commands")
@@ -321,7 +322,7 @@ def test_readme_commands(tmp_path, monkeypatch):
 def test_readme_notebook_block(tmp_path, monkeypatch):
     """The README's notebook snippet after its flax.linen example (100 steps), twice: the first run
     trains on to 300 saving every 50; the second restores step 300 and has nothing left to do."""
-    from test_readme import readme_blocks
+    from helpers import readme_blocks
 
     monkeypatch.chdir(tmp_path)
     linen = next(b for b in readme_blocks("tests/test_readme.py::test_python_blocks") if "flax.linen" in b.code)

@@ -6,22 +6,15 @@ and exit 75. The run then resumes as 2 processes, and finally as 1 process with 
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-from conftest import ROOT, cli_env
+from helpers import ROOT, cli_env, free_port
 from jaxdp.config import parse_args
 from jaxdp.train import EXIT_PREEMPTED, train
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_two_processes(tmp_path, name, *flags):

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from jaxdp.train import main
 
 

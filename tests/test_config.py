@@ -5,14 +5,17 @@ import dataclasses
 import pytest
 
 import jaxdp
-from jaxdp import config, models, state
+from jaxdp import config, registry
 from jaxdp.config import Config, ConfigError, build_parser, parse_args
 
 
-def test_choice_lists_match_the_registries():
-    assert config.STRATEGY_NAMES == tuple(jaxdp.STRATEGIES)
-    assert config.MODEL_NAMES == models.MODELS
-    assert config.OPTIMIZER_NAMES == state.OPTIMIZERS
+def test_choices_are_the_registries_names():
+    parser = build_parser()
+    choices = {action.dest: tuple(action.choices) for action in parser._actions if action.choices}
+    assert choices == {"strategy": tuple(registry.STRATEGIES), "model": tuple(registry.MODELS),
+                       "optimizer": tuple(registry.OPTIMIZERS)}
+    assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
+    assert jaxdp.STRATEGIES["ring"] is jaxdp.ring_mean  # resolved lazily, the real function
 
 
 def test_every_field_is_a_flag_in_a_group_and_help_shows_defaults():

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import jaxdp
-from conftest import ROOT, cli_env, run_cli
-from jaxdp import distributed
+from helpers import ROOT, cli_env, free_port, run_cli
+from jaxdp import cluster
 from jaxdp.config import Config, ConfigError
-from jaxdp.distributed import EXIT_PEER_LOST, Cluster, detect
+from jaxdp.cluster import Cluster, detect
+from jaxdp.errors import EXIT_PEER_LOST
 from jaxdp.train import main
-from slurm_cluster import free_port
 
 # Few steps, a small batch: each process starts JAX in ~2 s on a 2-core machine.
 RUN = ["--dataset", "digits", "--steps", "6", "--batch-size", "64", "--log-every", "1", "--no-progress"]
@@ -83,6 +83,30 @@ def test_two_processes_train_like_one_process_with_as_many_devices(tmp_path, str
 
 
 # ---------------------------------------------------------------------------------------------
+# A user's own script: jax.distributed.initialize by hand, then only the notebook API.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_notebook_api_in_a_user_started_two_process_run_matches_one_process(tmp_path):
+    """2 processes x 2 devices started with jax.distributed.initialize alone (no jaxdp.train, no
+    jaxdp.initialize) train like 1 process x 4 devices, for every strategy. (The host strategy
+    once summed only its own process's devices here and trained on half the gradient.)"""
+    script, strategies, port = str(ROOT / "tests" / "scripts" / "notebook_api_run.py"), ",".join(jaxdp.STRATEGIES), free_port()
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path / "two.json"), strategies, f"127.0.0.1:{port}",
+                               "2", str(i), "2"], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    one = subprocess.run([sys.executable, script, str(tmp_path / "one.json"), strategies, "-", "1", "0", "4"],
+                         cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:]
+    two, reference = (json.loads((tmp_path / name).read_text()) for name in ("two.json", "one.json"))
+    assert sorted(two) == sorted(jaxdp.STRATEGIES)
+    for strategy in jaxdp.STRATEGIES:  # per-step losses, then the sum of the first kernel after training
+        np.testing.assert_allclose(two[strategy], reference[strategy], rtol=1e-6, err_msg=strategy)
+
+
+# ---------------------------------------------------------------------------------------------
 # Failure: every survivor exits with EXIT_PEER_LOST and names the missing process.
 # ---------------------------------------------------------------------------------------------
 
@@ -98,14 +122,11 @@ def test_killing_one_process_stops_the_other_naming_it(tmp_path, victim):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (tmp_path / "p0.err").read_text()
             time.sleep(0.1)
         procs[victim].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
         survivor = procs[1 - victim]
-        rc = survivor.wait(timeout=120)
-        elapsed = time.monotonic() - killed
+        rc = survivor.wait(timeout=60)  # the peer watch notices a closed connection at once
     finally:
         wait_all(procs, timeout=10)
     err = (tmp_path / f"p{1 - victim}.err").read_text()
-    assert elapsed < 30, elapsed  # the peer watch notices a closed connection at once
     if victim == 1:
         assert rc == EXIT_PEER_LOST, err[-2000:]
         assert "jaxdp: error: process 1 (one of 2) stopped while process 0 was still running" in err
@@ -116,10 +137,8 @@ def test_killing_one_process_stops_the_other_naming_it(tmp_path, victim):
 
 
 def test_a_process_that_never_arrives_is_named(tmp_path):
-    start_time = time.monotonic()
     proc = start(0, free_port(), tmp_path, *RUN, "--devices", "4", "--peer-timeout", "3")
     assert wait_all([proc], timeout=60) == [EXIT_PEER_LOST]
-    assert time.monotonic() - start_time < 30
     err = (tmp_path / "p0.err").read_text().strip().splitlines()
     assert err[-1].startswith("jaxdp: error: process 1 did not join within --peer-timeout=3 s"), err
 
@@ -166,29 +185,29 @@ SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM
     ("a-b.example.org", ["a-b.example.org"]),
 ])
 def test_expand_nodelist(nodelist, hosts):
-    assert distributed.expand_nodelist(nodelist) == hosts
+    assert cluster.expand_nodelist(nodelist) == hosts
 
 
 def test_expand_tasks_per_node_and_bad_specs():
-    assert distributed.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    assert distributed.expand_tasks_per_node("8") == [8]
+    assert cluster.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert cluster.expand_tasks_per_node("8") == [8]
     with pytest.raises(ConfigError):
-        distributed.expand_tasks_per_node("two")
+        cluster.expand_tasks_per_node("two")
     with pytest.raises(ConfigError):
-        distributed.expand_nodelist("node[a-c]")
+        cluster.expand_nodelist("node[a-c]")
 
 
 @pytest.mark.parametrize("address, parsed", [
     ("10.0.0.1:12345", ("10.0.0.1", 12345)), ("node01:1", ("node01", 1)), ("[::1]:8476", ("::1", 8476)),
 ])
 def test_parse_address(address, parsed):
-    assert distributed.parse_address(address) == parsed
+    assert cluster.parse_address(address) == parsed
 
 
 @pytest.mark.parametrize("address", ["node01", ":1234", "node01:0", "node01:65536", "node01:port", "a b:1", "::1:80"])
 def test_parse_address_rejects(address):
     with pytest.raises(ConfigError, match="is not HOST:PORT"):
-        distributed.parse_address(address)
+        cluster.parse_address(address)
 
 
 def test_detect_prefers_flags_then_jax_environment_then_slurm_then_single():
@@ -207,8 +226,8 @@ def test_slurm_details():
     assert detect(Config(), {**SRUN_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == Cluster("single")
     batch_script = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_NODELIST"}
     assert detect(Config(), batch_script) == Cluster("single")
-    assert distributed._in_batch_script_of_several_tasks(batch_script)  # initialize warns: use srun
-    assert not distributed._in_batch_script_of_several_tasks(SRUN_TASK)
+    assert cluster.in_batch_script_of_several_tasks(batch_script)  # initialize warns: use srun
+    assert not cluster.in_batch_script_of_several_tasks(SRUN_TASK)
     with pytest.raises(ConfigError, match="SLURM_PROCID=8 must be between 0 and SLURM_NTASKS - 1 = 7"):
         detect(Config(), {**SRUN_TASK, "SLURM_PROCID": "8"})
     with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='two' is not an integer"):
@@ -224,12 +243,12 @@ def test_slurm_details():
     ("JAX_LOCAL_DEVICE_IDS decides", {"JAX_LOCAL_DEVICE_IDS": "0,1"}, None),
 ])
 def test_slurm_gpu_layouts(layout, extra, expected):
-    assert distributed.slurm_local_device_ids({**SRUN_TASK, **extra}) == expected, layout
+    assert cluster.slurm_local_device_ids({**SRUN_TASK, **extra}) == expected, layout
 
 
 def test_readme_two_processes(tmp_path):
     """The README's two-process command, as shown (on a free port), from a scratch directory."""
-    from test_readme import readme_blocks, run_shell, sandbox
+    from helpers import readme_blocks, run_shell, sandbox
 
     (block,) = readme_blocks("tests/test_multiprocess.py::test_readme_two_processes")
     assert block.code.count("--process-id") == 2 and "127.0.0.1:12355" in block.code

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli_env
+from helpers import ROOT, cli_env
 from slurm_cluster import SlurmCluster
 
 RUN = ["--steps", "5", "--batch-size", "64", "--log-every", "1", "--no-progress"]

@@ -189,7 +189,7 @@ def test_one_ring_per_step_carries_gradients_metrics_and_model_state(devices):
     state = jaxdp.init_state(params, tx, mesh, model_state=model_state)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", stateful=True)
     batch = jaxdp.shard_batch(next(batches(1, 32, (12,))), mesh)
-    text = step.jitted.lower(state, batch).as_text()
+    text = step.lower(state, batch).as_text()
     assert text.count("collective_permute") == 2 * (n - 1)
     assert "all_reduce" not in text
 
@@ -232,7 +232,7 @@ def test_psum_step_is_the_hand_written_step_plus_its_step_counter(devices, n):
                                           out_specs=(P(), P(), P()), check_vma=False), donate_argnums=(0, 1)
                             ).lower(p, jax.jit(tx.init)(p), jaxdp.shard_batch(batch, mesh))
     step = jaxdp.make_train_step(loss_fn, tx, mesh, "psum")
-    ours = getattr(step, "jitted", step).lower(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(batch, mesh))
+    ours = step.lower(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(batch, mesh))
     ours, reference = ops(ours.compile()), ops(reference.compile())
     assert ours - reference == collections.Counter({"fusion": 1}), (ours, reference)
     assert not reference - ours, (ours, reference)

@@ -1,0 +1,17 @@
+"""Benchmarks: the all-reduce strategies, the train step, and jaxdp against PyTorch DDP.
+
+    python -m jaxdp.bench collectives --devices 8 --sizes 1KB,64KB,1MB,16MB,64MB --json c.json --plot c.png
+    python -m jaxdp.bench train --devices 1,8 --json t.json
+    python -m jaxdp.bench train --devices 1 --coordinator-address 127.0.0.1:PORT --num-processes 2 --process-id I
+    python -m jaxdp.bench ddp --json d.json        # needs torch: pip install -e '.[bench]'
+    python -m jaxdp.bench gpt --json g.json        # on a GPU: bf16 GPT-2-small step, tokens/s, MFU
+
+One module per benchmark (collectives, train, gpt, ddp) says what it measures; `python -m
+jaxdp.bench <command> --help` lists its flags.
+
+Method: every figure is the median over --repeats; configurations are interleaved within each
+repeat, in an order that rotates from repeat to repeat, so background load hits all of them
+alike. Every ratio is paired: the median over repeats (ddp: rounds) of the ratio of two cases'
+times in the same repeat. Python's garbage collector is paused while timing. One "step" time is
+the wall time of --steps back-to-back steps / --steps, after warm-up.
+"""

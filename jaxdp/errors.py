@@ -1,0 +1,35 @@
+"""Exit codes of the command-line tools, and the one exception type for bad user input.
+
+Every exit code jaxdp's commands use is defined here and nowhere else; the README's table is
+checked against this module by a test. Codes above 2 come from BSD's sysexits.h where one fits.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_ERROR = 1            # anything unexpected: a bug or an environment problem (--debug: traceback)
+EXIT_BAD_INPUT = 2        # bad flags, files or config: one line on stderr, nothing changed on disk
+EXIT_PEER_LOST = 69       # EX_UNAVAILABLE: a peer process of a multi-process run died or never arrived
+EXIT_PREEMPTED = 75       # EX_TEMPFAIL: stopped by SIGTERM / SIGUSR1 after saving a checkpoint; rerun to resume
+EXIT_INTERRUPTED = 130    # Ctrl-C (128 + SIGINT), as shells report it
+
+EXIT_CODES = {
+    EXIT_OK: "success",
+    EXIT_ERROR: "an unexpected error (rerun with --debug for the traceback)",
+    EXIT_BAD_INPUT: "bad input: a one-line message says what to change",
+    EXIT_PEER_LOST: "a peer process died, never arrived or stopped answering",
+    EXIT_PREEMPTED: "preempted: a checkpoint was saved; rerun the same command to resume",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+class InputError(ValueError):
+    """Bad input to a library call, said in one sentence that tells what to change.
+
+    `argument` names the parameter in the library's terms ("directory", "dataset", "devices"); the
+    command line prefixes the message with the flag that fed that parameter.
+    """
+
+    def __init__(self, message: str, *, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument

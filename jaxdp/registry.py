@@ -1,0 +1,81 @@
+"""The registries of built-in choices: strategies, models, datasets, optimizers.
+
+Each entry is a name and the import path of what it names. Entries resolve lazily, on first
+access, so the command line can list the choices (`--help`, flag errors) without importing JAX,
+and each name is written exactly once: adding a strategy is its own function plus one line here.
+
+    from jaxdp.registry import STRATEGIES
+    list(STRATEGIES)            # ["psum", "ring", "host"]: names only, nothing imported
+    STRATEGIES["ring"]          # jaxdp.sync.ring_mean, imported now
+    STRATEGIES.register("mine", my_strategy)   # a user's own, then usable by name everywhere
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Iterator, Mapping
+
+
+class Registry(Mapping[str, Any]):
+    """A name -> object mapping whose entries are "module:attribute" paths imported on access."""
+
+    def __init__(self, kind: str, entries: Mapping[str, str]):
+        self.kind = kind
+        self._paths: dict[str, str] = dict(entries)
+        self._loaded: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._paths:
+            raise KeyError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self._paths)}")
+        if name not in self._loaded:
+            module, _, attribute = self._paths[name].partition(":")
+            self._loaded[name] = getattr(importlib.import_module(module), attribute)
+        return self._loaded[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self._paths!r})"
+
+    def register(self, name: str, obj: Any) -> Any:
+        """Add a user's own entry (an object, not a path); returns it, so it can decorate."""
+        if name in self._paths:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._paths[name] = f"<registered {obj!r}>"
+        self._loaded[name] = obj
+        return obj
+
+    def decorator(self, name: str) -> Callable[[Any], Any]:
+        return lambda obj: self.register(name, obj)
+
+
+# Gradient synchronisation: in-graph `fn(tree, axis_name)`, or on-host (see jaxdp/sync.py).
+STRATEGIES = Registry("strategy", {
+    "psum": "jaxdp.sync:psum_mean",
+    "ring": "jaxdp.sync:ring_mean",
+    "host": "jaxdp.host:host_mean",
+})
+
+# Built-in models: `build(num_classes, axis_name) -> flax.linen.Module`.
+MODELS = Registry("model", {
+    "mlp": "jaxdp.models:build_mlp",
+    "cnn": "jaxdp.models:build_cnn",
+})
+
+# Built-in datasets: `load() -> jaxdp.data.Dataset`. A path to an .npz file is the other choice.
+DATASETS = Registry("dataset", {
+    "digits": "jaxdp.data:digits",
+    "synthetic": "jaxdp.data:synthetic",
+})
+
+# optax optimizers: `build(learning_rate, momentum, weight_decay) -> optax.GradientTransformation`.
+OPTIMIZERS = Registry("optimizer", {
+    "adam": "jaxdp.state:adam",
+    "adamw": "jaxdp.state:adamw",
+    "sgd": "jaxdp.state:sgd",
+    "momentum": "jaxdp.state:momentum",
+})

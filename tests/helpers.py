@@ -1,0 +1,114 @@
+"""Helpers shared by the tests: subprocess launches of the CLI, free ports, JSONL records.
+
+Tests import these (`from helpers import run_cli`), never each other's modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment for a CLI subprocess: no inherited device-count flag, so the CLI decides."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, module: str = "jaxdp.train", timeout: float = 240, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS...` in the repository root; output captured as text."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=kwargs.pop("cwd", ROOT), env=kwargs.pop("env", cli_env()), **kwargs)
+
+
+def records(path: Path) -> list[dict]:
+    """Every JSON Lines record of a metrics file (each line must parse as JSON)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+# ---- README blocks (tests/test_readme.py explains the markers) ---------------------------------
+
+README = ROOT / "README.md"
+SHELLS = ("bash", "sh", "shell", "console")
+MARKER = re.compile(r"<!--\s*(test-command|run:\s*(?P<node>\S+)|not-run:\s*(?P<reason>.*?))\s*-->")
+LOOKS_LIKE_A_COMMAND = re.compile(r"^\s*(\$ |python|pip |docker |podman |buildah |srun |sbatch |salloc |bash |\.venv/|jaxdp-)", re.M)
+REQUIRED_HEADINGS = ("## Multi-host and SLURM", "## Checkpoints and resume", "## Performance", "## Troubleshooting")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    lang: str
+    code: str
+    line: int            # 1-based line of the opening fence
+    marker: str | None   # "test-command", "run", "not-run" or None
+    target: str = ""     # the test node id of a run marker, the reason of a not-run marker
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def blocks(text: str | None = None) -> list[Block]:
+    """Every fenced code block of README.md with the marker on the line before it (if any)."""
+    lines = (README.read_text() if text is None else text).splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        m = MARKER.fullmatch(previous.strip())
+        marker = target = None
+        if m:
+            marker = m.group(1).split(":")[0]
+            target = m.group("node") or m.group("reason") or ""
+        out.append(Block(fence.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1, marker, target or ""))
+        i = end + 1
+    return out
+
+
+def readme_blocks(node: str) -> list[Block]:
+    """The blocks a test runs: those marked `<!-- run: NODE -->`. Tests elsewhere call this too."""
+    return [b for b in blocks() if b.marker == "run" and b.target == node]
+
+
+def commands(block: Block) -> list[str]:
+    """Shell commands of a block: comments dropped, backslash continuations joined."""
+    text = re.sub(r"\\\n\s*", " ", block.code)
+    return [line.split("  #")[0].strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def sandbox(tmp_path: Path) -> dict[str, str]:
+    """A scratch working directory that sees the repository (symlinks), and an environment whose
+    `python`, `hadolint`, ... are this interpreter's, with no inherited device-count flag."""
+    for entry in ROOT.iterdir():
+        if entry.name != ".git":
+            (tmp_path / entry.name).symlink_to(entry)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
