@@ -253,13 +253,10 @@ def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_p
     flags = ["--checkpoint-dir", ckpt, "--metrics-file", metrics, *FAST]
     proc = start_cli(*flags, "--steps", 100_000)
     wait_for_records(metrics, proc, n=3)
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
-    elapsed = time.monotonic() - sent
+    _, stderr = proc.communicate(timeout=60)  # a hang guard, not a timing
 
     assert proc.returncode == EXIT_PREEMPTED == 75, stderr
-    assert elapsed < 60
     stopped = records(metrics)[-1]["step"]  # the step in progress when the signal came, finished
     assert sorted(p.name for p in ckpt.iterdir()) == [str(stopped)]
     assert f"preempted (SIGTERM): saved step {stopped}" in stderr.strip().splitlines()[-1]

@@ -48,11 +48,9 @@ def test_two_processes_stop_together_save_and_resume_on_two_then_one(tmp_path):
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "training did not start"
         time.sleep(0.05)
-    sent = time.monotonic()
     procs[1].send_signal(signal.SIGUSR1)
     codes, logs = wait_all(procs, tmp_path, "first", timeout=60)
     assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], logs
-    assert time.monotonic() - sent < 60
     stopped = max(step_losses(metrics))
     assert sorted(p.name for p in ckpt.iterdir()) == [str(stopped)]  # one step, saved by both together
     assert f"preempted (SIGTERM or SIGUSR1 on another process): saved step {stopped}" in logs[0]

@@ -1,20 +1,19 @@
 """`python -m jaxdp.train` end to end, and every bad input: exit 2, one line, no traceback."""
 
 import json
-import time
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from helpers import run_cli
+from helpers import ROOT, cli_env, run_cli
 from jaxdp.train import main
 
 
-def test_default_ring_run_reaches_90_percent_within_a_minute(tmp_path):
+def test_default_ring_run_reaches_90_percent(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    start = time.perf_counter()
     proc = run_cli("--strategy=ring", "--metrics-file", str(metrics), "--log-dir", str(tmp_path / "tb"))
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps, done = records[:-1], records[-1]
@@ -23,7 +22,6 @@ def test_default_ring_run_reaches_90_percent_within_a_minute(tmp_path):
     assert done["event"] == "done" and done["devices"] == 8 and done["eval_accuracy"] >= 0.90
     assert "eval_accuracy=" in proc.stdout
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
-    assert elapsed < 60
 
 
 def test_cnn_on_user_npz_with_host_strategy(tmp_path):
@@ -91,6 +89,31 @@ def test_bad_input_in_a_real_process_has_no_traceback_unless_debug(tmp_path):
     assert proc.returncode == 2 and "Traceback" in proc.stderr
 
 
-def test_help_lists_grouped_flags():
-    proc = run_cli("--help")
-    assert proc.returncode == 0 and "checkpointing:" in proc.stdout and "--coordinator-address" in proc.stdout
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """Module names from `python -X importtime` output ("import time: self | cumulative | name")."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--strategy", "tree"], 2), (["--step", "3"], 2)])
+def test_help_and_flag_errors_import_no_jax(argv, code):
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "jaxdp.train", *argv], capture_output=True,
+                          text=True, cwd=ROOT, env=cli_env(JAXDP_MALLOC_ENV="0"), timeout=60)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    modules = imported_modules(proc.stderr)
+    assert "jaxdp.config" in modules  # the measurement works
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax"))
+    assert not heavy, heavy
+    if code == 0:
+        assert "checkpointing:" in proc.stdout and "--coordinator-address" in proc.stdout
+    else:  # one line; --step is not taken as an abbreviation of --steps
+        assert proc.stderr.count("jaxdp: error:") == 1 and "Traceback" not in proc.stderr
+
+
+def test_importing_the_package_has_no_side_effects():
+    code = ("import os, sys, jaxdp, jaxdp.config, jaxdp.train; "
+            "print('jax' in sys.modules, os.environ.get('JAXDP_MALLOC_ENV'), os.getpid())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={k: v for k, v in cli_env().items() if k != "JAXDP_MALLOC_ENV"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    jax_loaded, marker, _ = proc.stdout.split()
+    assert (jax_loaded, marker) == ("False", "None")  # no JAX, no re-exec

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -65,11 +64,8 @@ def check(nb: nbformat.NotebookNode) -> None:
 def test_quickstart_notebook_executes_and_curves_coincide(tmp_path):
     copy = tmp_path / NOTEBOOK.name
     shutil.copy(NOTEBOOK, copy)
-    start = time.perf_counter()
     nb = execute(copy, tmp_path)
-    elapsed = time.perf_counter() - start
     check(nb)
-    assert elapsed < 120, f"the quickstart took {elapsed:.0f}s; it should take well under a minute"
 
 
 def test_committed_notebook_has_its_outputs():
