@@ -44,10 +44,12 @@ log = logging.getLogger("jaxdp")
 
 # Config groups whose fields decide what a checkpoint contains or which batches come next: a resumed
 # run must use the same values. Every other field may change on resume: --steps (the total to train
-# to), --strategy (psum, ring and host compute the same mean; only bit-identity is lost), the device
-# and process count (the state is replicated), checkpointing and logging.
+# to), --strategy (psum, ring and host compute the same mean; only bit-identity is lost), the
+# learning rate and its schedule and clipping (to recover from a divergence; the optimizer state's
+# shapes are checked separately), the device and process count (the state is replicated),
+# checkpointing and logging.
 _RESUME_GROUPS = ("data", "model", "optimisation")
-_MAY_CHANGE_ON_RESUME = ("steps", "strategy")
+_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "lr", "schedule", "warmup_steps", "final_lr_fraction", "clip_norm")
 
 UNREADABLE_SUFFIX = ".unreadable"
 _BARRIER_IDS = itertools.count()  # every process counts alike, so their barrier names agree

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
+import sys
+import tomllib
 from typing import Any, Sequence
 
 from jaxdp import registry
 from jaxdp.errors import InputError
+
+TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/tokens.py), for --model gpt
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
@@ -35,17 +40,28 @@ def _field(default: Any, group: str, help: str, **kwargs: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Config:
     # -- data -----------------------------------------------------------------------------------
-    dataset: str = _field("digits", "data", "built-in dataset (digits, synthetic) or a path to an .npz file with arrays x and y")
-    batch_size: int = _field(128, "data", "global batch size, split evenly over every device of every process")
+    dataset: str = _field("digits", "data", "built-in dataset (digits, synthetic), an .npz file with arrays x and y, or for --model gpt a token stream: .txt (bytes), .bin or .npy (token ids)")
+    batch_size: int = _field(128, "data", "global batch size (in sequences for gpt), split evenly over every device of every process; with --grad-accum K each step takes K such batches")
+    vocab_size: int | None = _field(None, "data", "vocabulary size of a .bin or .npy token file (a .txt file is bytes: 256)")
+    seq_len: int = _field(128, "data", "tokens per training sequence (gpt)")
 
     # -- model ----------------------------------------------------------------------------------
     model: str = _field("mlp", "model", "built-in model", registry=registry.MODELS)
+    layers: int = _field(4, "model", "transformer blocks (gpt)")
+    d_model: int = _field(256, "model", "model width (gpt)")
+    heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
+    precision: str = _field("fp32", "model", "compute dtype; parameters and optimizer state stay fp32", choices_fixed=("fp32", "bf16"))
 
     # -- optimisation ---------------------------------------------------------------------------
     strategy: str = _field("psum", "optimisation", "gradient synchronisation across devices", registry=registry.STRATEGIES)
     steps: int = _field(300, "optimisation", "total number of training steps (a resumed run continues up to this step)")
     optimizer: str = _field("adam", "optimisation", "optax optimizer", registry=registry.OPTIMIZERS)
-    lr: float = _field(1e-3, "optimisation", "learning rate")
+    lr: float = _field(1e-3, "optimisation", "peak learning rate")
+    schedule: str = _field("constant", "optimisation", "learning-rate schedule over --steps", registry=registry.SCHEDULES)
+    warmup_steps: int = _field(0, "optimisation", "linear warm-up steps from 0 to --lr (warmup-cosine)")
+    final_lr_fraction: float = _field(0.1, "optimisation", "the cosine schedules end at this fraction of --lr")
+    clip_norm: float = _field(0.0, "optimisation", "clip the global gradient norm to this value (0: no clipping)")
+    grad_accum: int = _field(1, "optimisation", "micro-batches per step: gradients accumulate on each device and are synchronised once per step")
     momentum: float = _field(0.9, "optimisation", "momentum for --optimizer=momentum")
     weight_decay: float = _field(1e-4, "optimisation", "weight decay for --optimizer=adamw")
     seed: int = _field(0, "optimisation", "seed for parameters, data order and dropout")
@@ -64,6 +80,8 @@ class Config:
 
     # -- logging --------------------------------------------------------------------------------
     log_every: int = _field(10, "logging", "log metrics every N steps")
+    eval_every: int = _field(0, "logging", "evaluate on the held-out split every N steps (0: only at the end)")
+    eval_batches: int = _field(0, "logging", "at most this many global batches per evaluation (0: the whole held-out split)")
     metrics_file: str | None = _field(None, "logging", "JSON Lines file: one object per logged step, then one with \"event\": \"done\"")
     log_dir: str | None = _field(None, "logging", "TensorBoard event directory")
     progress: bool = _field(True, "logging", "show a progress bar on process 0")
@@ -88,6 +106,22 @@ class Config:
             if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 what = "a positive number" if name == "lr" else "a finite number >= 0"
                 raise ConfigError(f"--{_flag(name)} must be {what}, got {value}")
+        for name in ("seq_len", "layers", "d_model", "heads", "grad_accum"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "eval_batches"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
+        if self.d_model % self.heads:
+            raise ConfigError(f"--heads={self.heads} must divide --d-model={self.d_model}")
+        if self.vocab_size is not None and self.vocab_size <= 1:
+            raise ConfigError(f"--vocab-size must be at least 2, got {self.vocab_size}")
+        if not math.isfinite(self.clip_norm) or self.clip_norm < 0:
+            raise ConfigError(f"--clip-norm must be a finite number >= 0 (0: no clipping), got {self.clip_norm}")
+        if not math.isfinite(self.final_lr_fraction) or not 0 <= self.final_lr_fraction <= 1:
+            raise ConfigError(f"--final-lr-fraction must be between 0 and 1, got {self.final_lr_fraction}")
+        if self.schedule == "warmup-cosine" and self.warmup_steps >= max(self.steps, 1):
+            raise ConfigError(f"--warmup-steps={self.warmup_steps} must be smaller than --steps={self.steps}")
         if self.devices is not None and self.devices <= 0:
             raise ConfigError(f"--devices must be a positive integer, got {self.devices}")
         for name in ("log_every", "keep"):
@@ -95,9 +129,16 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         if self.save_every < 0:
             raise ConfigError(f"--save-every must be 0 or more, got {self.save_every}")
-        if self.dataset not in registry.DATASETS and not self.dataset.endswith(".npz"):
+        token_file = self.dataset.lower().endswith(TOKEN_SUFFIXES)
+        if self.model == "gpt" and not token_file:
+            raise ConfigError(f"--model=gpt trains on a token stream: give --dataset a .txt, .bin or .npy file, "
+                              f"not {self.dataset!r}")
+        if self.model != "gpt" and token_file:
+            raise ConfigError(f"--dataset={self.dataset!r} is a token stream, for --model=gpt; "
+                              f"--model={self.model} needs a built-in dataset or an .npz file")
+        if self.dataset not in registry.DATASETS and not self.dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)):
             raise ConfigError(f"--dataset={self.dataset!r} is neither a built-in dataset ({', '.join(registry.DATASETS)}) "
-                              f"nor a path ending in .npz")
+                              f"nor a path ending in .npz, .txt, .bin or .npy")
         if self.checkpoint_dir is not None and os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
             raise ConfigError(f"--checkpoint-dir={self.checkpoint_dir!r} is a file, not a directory; point it at a directory")
         if self.num_processes is not None and self.num_processes <= 0:
@@ -122,7 +163,7 @@ def _flag(name: str) -> str:
 
 def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
     """A field's choices: the names in its registry now (a user may have registered more)."""
-    names = f.metadata.get("registry")
+    names = f.metadata.get("registry", f.metadata.get("choices_fixed"))
     return None if names is None else tuple(names)
 
 
@@ -168,10 +209,61 @@ def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser
         else:
             group.add_argument(flag, dest=f.name, type=types[f.type], default=f.default,
                                choices=_choices(f), help=help, metavar=None if _choices(f) else _metavar(f))
+    parser.add_argument("--config", metavar="PATH", help="a TOML file of flag values (keys: the flag names, for "
+                        "example batch-size = 64); flags on the command line override it")
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
-    """Parse command-line flags into a validated Config (ConfigError on bad input)."""
-    namespace = build_parser().parse_args(argv)
-    return Config(**vars(namespace))
+    """Parse command-line flags into a validated Config (ConfigError on bad input).
+
+    `--config run.toml` supplies defaults whose keys are the flag names (`batch-size = 64`);
+    flags given on the command line override them.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = _Parser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    parser = build_parser()
+    if known.config:
+        parser.set_defaults(**read_config_file(known.config))
+    namespace = vars(parser.parse_args(argv))
+    namespace.pop("config")
+    return Config(**namespace)
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A TOML file of flag-name keys -> {field name: value}, type-checked; ConfigError otherwise."""
+    where = f"--config={path!r}"
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{where} does not exist") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"{where} is not a readable TOML file ({err})") from None
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    values = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"{where}: unknown key {key!r}; the keys are the flag names without dashes in "
+                              f"front, for example batch-size = 64")
+        expected = {"int": (int,), "int | None": (int,), "float": (int, float), "str": (str,), "str | None": (str,),
+                    "bool": (bool,)}[fields[name].type]
+        if isinstance(value, bool) and bool not in expected or not isinstance(value, expected):
+            raise ConfigError(f"{where}: {key} = {value!r} should be {' or '.join(t.__name__ for t in expected)}")
+        values[name] = float(value) if fields[name].type == "float" else value
+    return values
+
+
+def config_toml(config: Config) -> str:
+    """The effective config as a TOML file that `--config` reads back (fields that are None are left out)."""
+    lines = ["# the effective configuration of a jaxdp run; rerun it with --config this-file"]
+    for f in dataclasses.fields(Config):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+        lines.append(f"{_flag(f.name)} = {text}")
+    return "\n".join(lines) + "\n"

@@ -25,19 +25,41 @@ from jaxdp.errors import InputError
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
+    """A classification dataset in memory. Token streams (jaxdp/tokens.py) have the same methods."""
+
     x_train: np.ndarray
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
 
+    kind = "classification"
 
-def load_dataset(name: str) -> Dataset:
-    """A built-in dataset of `jaxdp.registry.DATASETS` (digits, synthetic), or a path to an .npz."""
+    def example(self) -> np.ndarray:
+        """One input row, for initialising a model."""
+        return self.x_train[:1]
+
+    def train_batch(self, batch_size: int, step: int, seed: int, process_index: int = 0,
+                    process_count: int = 1) -> dict[str, np.ndarray]:
+        return local_batch(self.x_train, self.y_train, batch_size, step, seed, process_index, process_count)
+
+    def eval_batches(self, batch_size: int, process_index: int = 0, process_count: int = 1,
+                     max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        n = len(self.x_test) if not max_batches else min(len(self.x_test), max_batches * batch_size)
+        return eval_batches(self.x_test[:n], self.y_test[:n], batch_size, process_index, process_count)
+
+
+def load_dataset(name: str, *, seq_len: int = 128, vocab_size: int | None = None) -> Dataset:
+    """A built-in dataset of `jaxdp.registry.DATASETS` (digits, synthetic), a path to an .npz, or a
+    token stream (.txt, .bin, .npy: `jaxdp.tokens.TokenDataset`, cut into `seq_len` windows)."""
     from jaxdp.registry import DATASETS
 
     if name in DATASETS:
         return DATASETS[name]()
+    if name.lower().endswith((".txt", ".bin", ".npy")):
+        from jaxdp.tokens import load_tokens
+
+        return load_tokens(name, seq_len, vocab_size)
     return load_npz(name)
 
 

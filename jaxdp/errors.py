@@ -9,6 +9,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_ERROR = 1            # anything unexpected: a bug or an environment problem (--debug: traceback)
 EXIT_BAD_INPUT = 2        # bad flags, files or config: one line on stderr, nothing changed on disk
+EXIT_DIVERGED = 65        # EX_DATAERR: the loss or gradient norm became NaN or infinite; nothing bad was saved
 EXIT_PEER_LOST = 69       # EX_UNAVAILABLE: a peer process of a multi-process run died or never arrived
 EXIT_PREEMPTED = 75       # EX_TEMPFAIL: stopped by SIGTERM / SIGUSR1 after saving a checkpoint; rerun to resume
 EXIT_INTERRUPTED = 130    # Ctrl-C (128 + SIGINT), as shells report it
@@ -17,6 +18,7 @@ EXIT_CODES = {
     EXIT_OK: "success",
     EXIT_ERROR: "an unexpected error (rerun with --debug for the traceback)",
     EXIT_BAD_INPUT: "bad input: a one-line message says what to change",
+    EXIT_DIVERGED: "training diverged (NaN or infinite loss or gradient norm); the last checkpoint is intact",
     EXIT_PEER_LOST: "a peer process died, never arrived or stopped answering",
     EXIT_PREEMPTED: "preempted: a checkpoint was saved; rerun the same command to resume",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",

@@ -1,7 +1,25 @@
 """Where metrics go: a JSON Lines file, TensorBoard, and a progress bar. Process 0 only.
 
 Every method is a no-op on other processes, so the trainer calls them unconditionally and the
-process-0 role is decided once, here.
+process-0 role is decided once, here. A custom loop in a notebook uses the same pieces:
+
+    writer = jaxdp.MetricsWriter(is_main=jax.process_index() == 0, total_steps=1000, metrics_file="m.jsonl")
+    for step in range(1000):
+        state, metrics = train_step(state, batch)
+        if step == 0:
+            writer.first_step_done(1)        # compilation: timed apart; rates start here
+        writer.step()
+        if (step + 1) % 10 == 0:
+            host = jax.device_get(metrics)   # a host sync point
+            jaxdp.check_finite(step + 1, host)  # raises jaxdp.Diverged naming the step
+            writer.log(step + 1, host)
+
+The file: one JSON object per line, always valid JSON. A run's first record is
+`{"event": "start", "config": {...}, ...}` (a resumed run appends another, with "resumed_from"),
+then one record per logged step (`step`, `loss`, the model's metrics, `lr`, `steps_per_sec`, ...),
+`{"event": "eval", ...}` records from periodic evaluation, and a last `{"event": "done", ...}` with
+the held-out metrics. A value that is not a finite number is written as the string "NaN",
+"Infinity" or "-Infinity" (bare NaN is not JSON).
 """
 
 from __future__ import annotations
@@ -11,18 +29,85 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from tqdm import tqdm
 
 
+class Diverged(ArithmeticError):
+    """A training metric became NaN or infinite: `step` is the first step where it was seen."""
+
+    def __init__(self, step: int, name: str, value: float):
+        super().__init__(f"{name} became {value} at step {step}")
+        self.step, self.name, self.value = step, name, value
+
+
+def check_finite(step: int, metrics: Mapping[str, Any], names: tuple[str, ...] = ("loss", "grad_norm")) -> None:
+    """Raise `Diverged` if any of `names` in `metrics` (host values) is NaN or infinite."""
+    for name in names:
+        if name in metrics and not math.isfinite(float(metrics[name])):
+            raise Diverged(step, name, float(metrics[name]))
+
+
+class Periodic:
+    """`action(step, ...)` every `every` steps (never when `every` is 0), like clu's periodic actions.
+
+        evaluate = jaxdp.Periodic(100, lambda step, state: run_eval(state))
+        evaluate(step, state)   # runs on steps 100, 200, ...
+    """
+
+    def __init__(self, every: int, action: Callable[..., Any]):
+        self.every, self.action = every, action
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def __call__(self, step: int, *args: Any, **kwargs: Any) -> Any:
+        return self.action(step, *args, **kwargs) if self.due(step) else None
+
+
+# Dense peak of one device, TFLOP/s, by a substring of JAX's `device_kind` (vendor data sheets, SXM
+# parts, without sparsity), for MFU. Other devices report no MFU.
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def peak_tflops(device_kind: str, dtype: str) -> float | None:
+    """A known device's dense peak for `dtype` ("bfloat16"/"bf16"), else None."""
+    if dtype not in ("bfloat16", "bf16"):
+        return None
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_kind), None)
+
+
+def json_safe(value: Any) -> Any:
+    """Floats that JSON cannot hold as numbers become "NaN", "Infinity" or "-Infinity"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 class MetricsWriter:
+    """JSON Lines, TensorBoard and a progress bar for one run, written by process 0.
+
+    `examples_per_step`, `tokens_per_step` and `flops_per_step` turn the measured step rate into
+    examples/s, tokens/s and, with `peak_flops` (of all devices together), MFU.
+    """
+
     def __init__(self, *, is_main: bool, total_steps: int, start_step: int = 0,
-                 metrics_file: str | None = None, log_dir: str | None = None, progress: bool = True):
+                 metrics_file: str | None = None, log_dir: str | None = None, progress: bool = True,
+                 examples_per_step: int | None = None, tokens_per_step: int | None = None,
+                 flops_per_step: float | None = None, peak_flops: float | None = None):
         self.is_main = is_main
         self._jsonl = self._tensorboard = self._bar = None
         self._t0 = time.perf_counter()
         self._last = (start_step, self._t0)
+        self._total, self._progress = total_steps, progress
+        self._per_step = {"examples_per_sec": examples_per_step, "tokens_per_sec": tokens_per_step}
+        self._flops_per_step, self._peak_flops = flops_per_step, peak_flops
+        self.compile_s: float | None = None
         if not is_main:
             return
         if metrics_file:
@@ -35,33 +120,62 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir)
-        if progress:
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._jsonl:
+            self._jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+
+    def event(self, name: str, step: int, **fields: Any) -> dict[str, Any]:
+        """A record that is not a logged step: `{"event": name, "step": step, **fields}`. The run's
+        first is "start", with its configuration (a resumed run appends another)."""
+        record = {"event": name, "step": step, **fields}
+        if self.is_main:
+            self._write(record)
+        return record
+
+    def first_step_done(self, step: int) -> float:
+        """Call once the first step's result is ready: its time is compilation plus one step, and
+        is reported apart (`compile_s`); rates and the progress bar's ETA start from here."""
+        now = time.perf_counter()
+        self.compile_s = now - self._last[1]
+        self._last = (step, now)
+        if self.is_main and self._progress:
+            self._bar = tqdm(total=self._total, initial=step, unit="step", dynamic_ncols=True,
                              file=sys.stderr, mininterval=0.5)
+        return self.compile_s
 
     def step(self, n: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)
 
-    def log(self, step: int, metrics: dict[str, Any], examples_per_step: int) -> dict[str, Any]:
+    def log(self, step: int, metrics: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Write one logged step; `metrics` are host values. Returns the record written."""
         now = time.perf_counter()
         last_step, last_time = self._last
         self._last = (step, now)
-        rate = (step - last_step) / (now - last_time) if now > last_time else math.nan
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()},
-                  "steps_per_sec": rate, "examples_per_sec": rate * examples_per_step,
-                  "elapsed_s": now - self._t0}
+        # No rate for a log point right after the first (compiling) step: null, not a made-up number.
+        rate = (step - last_step) / (now - last_time) if now > last_time and step > last_step else None
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}, **(extra or {}), "steps_per_sec": rate}
+        for name, per_step in self._per_step.items():
+            if per_step:
+                record[name] = None if rate is None else rate * per_step
+        if self._flops_per_step and self._peak_flops:
+            record["mfu"] = None if rate is None else rate * self._flops_per_step / self._peak_flops
+        record["elapsed_s"] = now - self._t0
         if not self.is_main:
             return record
-        if self._jsonl:
-            self._jsonl.write(json.dumps(record) + "\n")
-        if self._tensorboard:
-            for name, value in record.items():
-                if name != "step":
-                    self._tensorboard.add_scalar(f"train/{name}", value, step)
+        self._write(record)
+        self._scalars("train", record, step)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        return record
+
+    def eval(self, step: int, results: Mapping[str, Any]) -> dict[str, Any]:
+        """A periodic held-out evaluation: `{"event": "eval", "step": ..., **results}`."""
+        record = {"event": "eval", "step": step, **results}
+        if self.is_main:
+            self._write(record)
+            self._scalars("eval", results, step)
         return record
 
     def done(self, step: int, summary: dict[str, Any]) -> dict[str, Any]:
@@ -71,13 +185,15 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._jsonl:
-            self._jsonl.write(json.dumps(record) + "\n")
-        if self._tensorboard:
-            for name, value in summary.items():
-                if isinstance(value, (int, float)):
-                    self._tensorboard.add_scalar(f"eval/{name}", value, step)
+        self._write(record)
+        self._scalars("eval", summary, step)
         return record
+
+    def _scalars(self, prefix: str, values: Mapping[str, Any], step: int) -> None:
+        if self._tensorboard:
+            for name, value in values.items():
+                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(f"{prefix}/{name}", value, step)
 
     def close(self) -> None:
         for handle in (self._bar, self._jsonl, self._tensorboard):
@@ -99,7 +215,7 @@ def _keep_records_up_to(path: str, step: int) -> None:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and record.get("event") != "done" and record.get("step", 0) <= step:
+            if isinstance(record, dict) and record.get("event") != "done" and (record.get("step") or 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:

@@ -21,15 +21,16 @@ class MLP(nn.Module):
     hidden: Sequence[int] = (256, 256)
     num_classes: int = 10
     dropout_rate: float = 0.0
+    dtype: Any = jnp.float32  # compute dtype; parameters stay float32
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
         x = x.reshape((x.shape[0], -1))
         for width in self.hidden:
-            x = nn.relu(nn.Dense(width)(x))
+            x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
             if self.dropout_rate:
                 x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
-        return nn.Dense(self.num_classes)(x)
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
 
 class CNN(nn.Module):
@@ -38,15 +39,16 @@ class CNN(nn.Module):
     features: Sequence[int] = (32, 64)
     num_classes: int = 10
     axis_name: str | None = None  # the mesh's axis name for synchronised BatchNorm
+    dtype: Any = jnp.float32  # compute dtype; parameters and batch statistics stay float32
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
         for width in self.features:
-            x = nn.Conv(width, (3, 3))(x)
-            x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
+            x = nn.Conv(width, (3, 3), dtype=self.dtype)(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name, dtype=self.dtype)(x)
             x = nn.relu(x)
         x = jnp.mean(x, axis=(1, 2))
-        return nn.Dense(self.num_classes)(x)
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
 
 
 class GPT(nn.Module):
@@ -93,17 +95,28 @@ class GPT(nn.Module):
         return 6 * n + 12 * self.layers * self.d_model * self.seq_len
 
 
-def build_mlp(num_classes: int, axis_name: str | None = None) -> nn.Module:
+def build_mlp(config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
     del axis_name  # no cross-device statistics
-    return MLP(num_classes=num_classes)
+    return MLP(num_classes=num_outputs, dtype=compute_dtype(config.precision))
 
 
-def build_cnn(num_classes: int, axis_name: str | None = None) -> nn.Module:
-    return CNN(num_classes=num_classes, axis_name=axis_name)
+def build_cnn(config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
+    return CNN(num_classes=num_outputs, axis_name=axis_name, dtype=compute_dtype(config.precision))
 
 
-def build_model(name: str, num_classes: int, axis_name: str | None = None) -> nn.Module:
-    """The built-in model called `name` in `jaxdp.registry.MODELS`."""
+def build_gpt(config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
+    del axis_name
+    return GPT(vocab_size=num_outputs, seq_len=config.seq_len, layers=config.layers, d_model=config.d_model,
+               heads=config.heads, dtype=compute_dtype(config.precision))
+
+
+def compute_dtype(precision: str) -> Any:
+    """--precision to a dtype: "fp32" or "bf16" (parameters stay float32 either way)."""
+    return {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+
+
+def build_model(name: str, config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
+    """The built-in model called `name` in `jaxdp.registry.MODELS`, sized by `config`'s fields."""
     from jaxdp.registry import MODELS
 
-    return MODELS[name](num_classes, axis_name)
+    return MODELS[name](config, num_outputs, axis_name)

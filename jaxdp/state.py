@@ -106,8 +106,40 @@ def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTra
     return optax.sgd(lr, momentum=momentum)
 
 
-def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: float = 1e-4) -> optax.GradientTransformation:
-    """The optax optimizer called `name` in `jaxdp.registry.OPTIMIZERS`; `lr` may be a schedule."""
+def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: float = 1e-4, *,
+                   clip_norm: float = 0.0) -> optax.GradientTransformation:
+    """The optax optimizer called `name` in `jaxdp.registry.OPTIMIZERS`; `lr` may be a schedule.
+    `clip_norm` > 0 clips the global gradient norm first (optax.clip_by_global_norm)."""
     from jaxdp.registry import OPTIMIZERS
 
-    return OPTIMIZERS[name](lr, momentum, weight_decay)
+    tx = OPTIMIZERS[name](lr, momentum, weight_decay)
+    return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedules behind --schedule (jaxdp.registry.SCHEDULES): (lr, steps, warmup, final) -> schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def constant_schedule(lr: float, steps: int, warmup_steps: int, final_fraction: float) -> optax.Schedule:
+    del steps, final_fraction
+    if warmup_steps:
+        return optax.linear_schedule(0.0, lr, warmup_steps)
+    return optax.constant_schedule(lr)
+
+
+def cosine_schedule(lr: float, steps: int, warmup_steps: int, final_fraction: float) -> optax.Schedule:
+    del warmup_steps
+    return optax.cosine_decay_schedule(lr, max(steps, 1), alpha=final_fraction)
+
+
+def warmup_cosine_schedule(lr: float, steps: int, warmup_steps: int, final_fraction: float) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(steps, warmup_steps + 1),
+                                              end_value=lr * final_fraction)
+
+
+def make_schedule(name: str, lr: float, steps: int, warmup_steps: int = 0, final_fraction: float = 0.1) -> optax.Schedule:
+    """The learning rate as a function of the step, by its name in `jaxdp.registry.SCHEDULES`."""
+    from jaxdp.registry import SCHEDULES
+
+    return SCHEDULES[name](lr, steps, warmup_steps, final_fraction)

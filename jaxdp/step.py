@@ -74,13 +74,23 @@ class TrainStep:
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
-                    strategy: str | Callable = "psum", *, stateful: bool = False) -> TrainStep:
-    """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape."""
+                    strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
+                    grad_norm: bool = False) -> TrainStep:
+    """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
+
+    `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
+    gradients on the device (a `lax.scan`, so one micro-batch's activations live at a time) and
+    synchronises once per step: the same update as one step on the whole batch, with one
+    collective instead of K (PyTorch's `no_sync`). `grad_norm=True` adds `metrics["grad_norm"]`,
+    the global norm of the averaged gradient (before clipping), which the NaN guard reads.
+    """
     from jaxdp.registry import STRATEGIES
 
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"make_train_step: grad_accum must be a positive integer, got {grad_accum!r}")
     sync = STRATEGIES[strategy] if isinstance(strategy, str) else strategy
     axis = mesh_axis_name(mesh)
-    local_grads = _local_grads_fn(loss_fn, stateful, axis)
+    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
 
     def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -88,12 +98,14 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
 
     if is_on_host(sync):
-        return _host_step(local_grads, apply_update, sync, mesh, tx)
+        return _host_step(local_grads, apply_update, sync, mesh, tx, grad_norm)
 
     def device_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         metrics, model_state, grads = local_grads(state, batch)
         if mesh.size > 1:  # on one device the mean is the value; XLA would still run a 1-device all-reduce
             grads, metrics, model_state = _sync_together(sync, axis, grads, metrics, model_state)
+        if grad_norm:
+            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
         return apply_update(state, grads, model_state), metrics
 
     mapped = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(axis)),
@@ -124,11 +136,13 @@ def _one_step_in_flight(step: Callable) -> Callable:
 
 
 def _local_grads_fn(loss_fn: Callable, stateful: bool, axis: str) -> Callable:
-    """(state, local batch) -> (metrics, new model_state, grads) on one device, unsynchronised."""
+    """(state, local batch, micro-batch index) -> (metrics, new model_state, grads) on one device,
+    unsynchronised."""
 
-    def local_grads(state: TrainState, batch: Batch) -> tuple[Metrics, Any, Any]:
+    def local_grads(state: TrainState, batch: Batch, micro: Any = 0) -> tuple[Metrics, Any, Any]:
         if stateful:
             rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), jax.lax.axis_index(axis))
+            rng = jax.random.fold_in(rng, micro) if not isinstance(micro, int) or micro else rng
 
             def objective(params):
                 loss, aux, model_state = loss_fn(params, state.model_state, batch, rng)
@@ -146,6 +160,38 @@ def _local_grads_fn(loss_fn: Callable, stateful: bool, axis: str) -> Callable:
     return local_grads
 
 
+def _accumulated(local_grads: Callable, k: int) -> Callable:
+    """`local_grads` over K micro-batches of the device's slice: gradients and metrics averaged over
+    them (equal sizes, so the mean of the means is the mean over the slice), the model state
+    threaded from one micro-batch to the next. No collective runs inside."""
+    if k == 1:
+        return local_grads
+
+    def accumulate(state: TrainState, batch: Batch) -> tuple[Metrics, Any, Any]:
+        def split(x: jax.Array) -> jax.Array:
+            if x.shape[0] % k:
+                raise ValueError(f"grad_accum={k} does not divide this device's {x.shape[0]} rows")
+            return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+        micro_batches = jax.tree.map(split, batch)
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        metrics, _, grads = jax.eval_shape(local_grads, state, first, jnp.int32(0))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metrics, grads))
+
+        def body(carry, i):
+            (metric_sum, grad_sum), model_state = carry
+            micro = jax.tree.map(lambda x: x[i], micro_batches)
+            metrics, model_state, grads = local_grads(state.replace(model_state=model_state), micro, i)
+            sums = jax.tree.map(jnp.add, (metric_sum, grad_sum), (metrics, grads))
+            return (sums, model_state), None
+
+        ((metric_sum, grad_sum), model_state), _ = jax.lax.scan(body, (zeros, state.model_state), jnp.arange(k))
+        metrics, grads = jax.tree.map(lambda total: total / k, (metric_sum, grad_sum))
+        return metrics, model_state, grads
+
+    return accumulate
+
+
 def _sync_together(sync: Callable, axis: str, grads: Any, metrics: Metrics, model_state: Any) -> tuple[Any, Metrics, Any]:
     """Average gradients, metrics and the float leaves of the model state over devices, in one
     call of the strategy: the scalars and BatchNorm statistics ride in the gradients' fused
@@ -159,7 +205,7 @@ def _sync_together(sync: Callable, axis: str, grads: Any, metrics: Metrics, mode
 
 
 def _host_step(local_grads: Callable, apply_update: Callable, host_mean: Callable, mesh: Mesh,
-               tx: optax.GradientTransformation) -> TrainStep:
+               tx: optax.GradientTransformation, grad_norm: bool) -> TrainStep:
     """The on-host path: jitted per-device gradients -> numpy mean on the host -> jitted update.
 
     Nothing crosses devices inside XLA: every device's gradients (and loss, aux, model state)
@@ -185,6 +231,8 @@ def _host_step(local_grads: Callable, apply_update: Callable, host_mean: Callabl
         host_values = jax.device_get([[s.data for s in leaf_shards] for leaf_shards in shards])
         per_device = [jax.tree.unflatten(treedef, [leaf[d][0] for leaf in host_values]) for d in range(len(shards[0]))]
         metrics, model_state, grads = host_mean(per_device, num_devices=mesh.size, process_sum=process_sum)
+        if grad_norm:
+            metrics["grad_norm"] = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
         grads, model_state = replicate((grads, model_state), mesh)  # host -> every device
         return update_fn(state, grads, model_state), {k: np.float32(v) for k, v in metrics.items()}
 

@@ -18,22 +18,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
+import time
 import traceback
 from typing import Any, Sequence
 
-from jaxdp.config import Config, ConfigError, parse_args
-from jaxdp.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, InputError
+STARTED = time.perf_counter()  # this module loads first (before JAX): the run's start-up starts here
+
+from jaxdp.config import Config, ConfigError, config_toml, parse_args  # noqa: E402
+from jaxdp.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK,  # noqa: E402
+                          EXIT_PREEMPTED, InputError)
+from jaxdp.metrics import Diverged  # noqa: E402
 
 # Which flag fed each library argument that an InputError may name.
-FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices"}
+FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
+                    "vocab_size": "--vocab-size"}
 
 
 @dataclasses.dataclass
 class Result:
     state: Any                 # the final TrainState (replicated jax.Arrays)
-    history: list[dict]        # every logged record, as written to --metrics-file
-    summary: dict[str, Any]    # the final "done" record: eval_loss, eval_accuracy, ...
+    history: list[dict]        # every logged step record, as written to --metrics-file
+    summary: dict[str, Any]    # the final "done" record: eval_loss, eval_accuracy or eval_perplexity, ...
     preempted: bool = False    # stopped early by a preemption signal; the checkpoint holds `state`
 
 
@@ -41,15 +48,13 @@ def train(config: Config) -> Result:
     # JAX is imported here, after the flags are parsed, because distributed.initialize must run
     # before JAX starts its backend.
     import jax
-    import jax.numpy as jnp
-    import optax
 
-    from jaxdp import data, distributed, models
+    from jaxdp import data, distributed, models, tasks
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
-    from jaxdp.metrics import MetricsWriter
+    from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops
     from jaxdp.preemption import Preemption
-    from jaxdp.state import init_state, make_optimizer
+    from jaxdp.state import init_state, make_optimizer, make_schedule
     from jaxdp.step import make_eval_step, make_train_step
 
     # ---- distribution and mesh ---------------------------------------------------------------
@@ -62,41 +67,40 @@ def train(config: Config) -> Result:
                           f"({mesh.size}); try {max(mesh.size, config.batch_size // mesh.size * mesh.size)}")
 
     # ---- input pipeline ----------------------------------------------------------------------
-    dataset = data.load_dataset(config.dataset)
+    dataset = data.load_dataset(config.dataset, seq_len=config.seq_len, vocab_size=config.vocab_size)
     if config.model == "cnn" and dataset.x_train.ndim != 4:
         raise ConfigError(f"--model=cnn needs image data of shape (N, H, W[, C]), got rows of shape "
                           f"{dataset.x_train.shape[1:]}; use --model=mlp")
+    rows_per_step = config.batch_size * config.grad_accum  # --grad-accum K: K micro-batches per step
 
     def batch_at(step: int) -> Any:  # host numpy -> device; the only per-step host->device copy
-        local = data.local_batch(dataset.x_train, dataset.y_train, config.batch_size, step, config.seed,
-                                 process, n_processes)
-        return shard_batch(local, mesh)
+        return shard_batch(dataset.train_batch(rows_per_step, step, config.seed, process, n_processes), mesh)
 
-    # ---- model and optimizer -----------------------------------------------------------------
-    model = models.build_model(config.model, dataset.num_classes, axis_name=axis_name(mesh))
-    variables = model.init(jax.random.PRNGKey(config.seed), dataset.x_train[:1])
+    # ---- model, loss and optimizer -----------------------------------------------------------
+    tokens = dataset.kind == "tokens"
+    model = models.build_model(config.model, config, dataset.vocab_size if tokens else dataset.num_classes,
+                               axis_name(mesh))
+    variables = jax.jit(model.init)(jax.random.PRNGKey(config.seed), dataset.example())
     params = variables.pop("params")
-    model_state = dict(variables)  # e.g. {"batch_stats": ...}; {} for the MLP
-    tx = make_optimizer(config.optimizer, config.lr, config.momentum, config.weight_decay)
-
-    def loss_fn(params, model_state, batch, rng):
-        logits, new_model_state = model.apply({"params": params, **model_state}, batch["x"], train=True,
-                                              rngs={"dropout": rng}, mutable=list(model_state))
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
-        return loss, {"accuracy": accuracy}, new_model_state
-
-    def eval_fn(params, model_state, batch):  # per-device sums, psum'd by make_eval_step
-        logits = model.apply({"params": params, **model_state}, batch["x"], train=False)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-        correct = jnp.argmax(logits, -1) == batch["y"]
-        return {"loss": jnp.sum(losses * batch["mask"]), "correct": jnp.sum(correct * batch["mask"]),
-                "count": jnp.sum(batch["mask"])}
+    model_state = dict(variables)  # e.g. {"batch_stats": ...}; {} for the MLP and GPT
+    task = tasks.for_dataset(dataset.kind, model)
+    schedule = make_schedule(config.schedule, config.lr, config.steps, config.warmup_steps, config.final_lr_fraction)
+    tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
 
     # ---- update step -------------------------------------------------------------------------
     state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed)
-    train_step = make_train_step(loss_fn, tx, mesh, config.strategy, stateful=True)
-    eval_step = make_eval_step(eval_fn, mesh)
+    train_step = make_train_step(task.loss_fn, tx, mesh, config.strategy, stateful=True,
+                                 grad_accum=config.grad_accum, grad_norm=True)
+    eval_step = make_eval_step(task.eval_fn, mesh)
+
+    def evaluate(state: Any) -> dict[str, float]:
+        """Held-out metrics over the held-out split (at most --eval-batches global batches)."""
+        rows = config.batch_size if tokens else mesh.size * max(1, 256 // mesh.size)
+        totals: dict[str, float] = {}
+        for batch in dataset.eval_batches(rows, process, n_processes, config.eval_batches or None):
+            sums = jax.device_get(eval_step(state, shard_batch(batch, mesh)))  # host sync point
+            totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
+        return task.summarize(totals)
 
     # ---- checkpoint --------------------------------------------------------------------------
     # Every process restores the same checkpoint, and all save together (orbax saves collectively).
@@ -112,39 +116,74 @@ def train(config: Config) -> Result:
         except InputError:
             checkpointer.close()  # nothing was written: bad input leaves the directory as it was
             raise
+        if is_main:  # the effective config, beside the checkpoints: `--config DIR/config.toml` reruns it
+            write_text_atomically(os.path.join(checkpointer.directory, "config.toml"), config_toml(config))
     start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
 
     # ---- training loop -----------------------------------------------------------------------
-    writer = MetricsWriter(is_main=is_main, total_steps=config.steps, start_step=start_step,
-                           metrics_file=config.metrics_file, log_dir=config.log_dir, progress=config.progress)
-    history, preempted = [], False
+    device_kind = mesh.devices.flat[0].device_kind
+    tokens_per_step = rows_per_step * config.seq_len if tokens else None
+    peak = peak_tflops(device_kind, config.precision)
+    writer = MetricsWriter(
+        is_main=is_main, total_steps=config.steps, start_step=start_step, metrics_file=config.metrics_file,
+        log_dir=config.log_dir, progress=config.progress, examples_per_step=rows_per_step,
+        tokens_per_step=tokens_per_step,
+        flops_per_step=model.flops_per_token(params) * tokens_per_step if tokens else None,
+        peak_flops=peak * 1e12 * mesh.size if peak else None)
+    startup_s = time.perf_counter() - STARTED
+    writer.event("start", start_step, resumed_from=start_step or None, config=config.to_dict(), processes=n_processes,
+                 devices=mesh.size, device_kind=device_kind, jax=jax.__version__,
+                 malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s)
+    if start_step and is_main:
+        print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
+    history, preempted, done = [], False, start_step
+    pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked for NaN / Inf
+
+    def checked() -> dict[str, float]:
+        """Host sync point: every pending step's metrics come to the host and are checked for
+        non-finite values (Diverged names the first bad step); returns the latest step's."""
+        host = jax.device_get(pending)
+        pending.clear()
+        for step, metrics in host:
+            check_finite(step, metrics)
+        return host[-1][1] if host else {}
+
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     try:
         for step in range(start_step, config.steps):
             state, metrics = train_step(state, batch_at(step))
             done = step + 1
+            pending.append((done, metrics))
+            if step == start_step:  # the first step compiles: time it apart, then start the clock
+                jax.block_until_ready(metrics)  # host sync point (once)
+                writer.first_step_done(done)
             writer.step()
             if done % config.log_every == 0 or done == config.steps:
-                history.append(writer.log(done, jax.device_get(metrics), config.batch_size))  # host sync point
+                history.append(writer.log(done, checked(), {"lr": float(schedule(done - 1))}))
+            if config.eval_every and done % config.eval_every == 0 and done < config.steps:
+                checked()
+                writer.eval(done, evaluate(state))
             if checkpointer and checkpointer.should_save(done):
+                checked()  # never write a non-finite state over a good checkpoint
                 checkpointer.save(state)
             # Multi-process: a tiny all-reduce, so every process stops after the same step.
             if preemption and done < config.steps and preemption.should_stop(state):
+                checked()
                 checkpointer.save(state)  # no-op if this step was just saved
                 preempted = True
                 break
         if not preempted:
             # ---- evaluation ----------------------------------------------------------------------
-            eval_batch = mesh.size * max(1, 256 // mesh.size)
-            totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-            for batch in data.eval_batches(dataset.x_test, dataset.y_test, eval_batch, process, n_processes):
-                sums = jax.device_get(eval_step(state, shard_batch(batch, mesh)))
-                totals = {k: totals[k] + float(sums[k]) for k in totals}
-            summary = {"eval_loss": totals["loss"] / totals["count"], "eval_accuracy": totals["correct"] / totals["count"],
-                       "strategy": config.strategy, "devices": mesh.size, "processes": n_processes}
+            checked()
+            summary = {**evaluate(state), "strategy": config.strategy, "devices": mesh.size, "processes": n_processes,
+                       "startup_s": startup_s, "compile_s": writer.compile_s}
             if checkpointer:
                 checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
             summary = writer.done(config.steps, summary)
+    except Diverged as err:  # nothing non-finite was saved: the check runs before every save
+        writer.event("diverged", err.step, metric=err.name, value=err.value)
+        err.last_checkpoint = checkpointer.latest_step() if checkpointer else None
+        raise
     finally:
         writer.close()
         if checkpointer:
@@ -160,9 +199,10 @@ def train(config: Config) -> Result:
                   f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
         return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
     if is_main:
-        print(f"eval_accuracy={summary['eval_accuracy']:.4f} eval_loss={summary['eval_loss']:.4f} "
-              f"steps={config.steps} strategy={config.strategy} devices={mesh.size} "
-              f"time={summary['elapsed_s']:.1f}s")
+        held_out = " ".join(f"{k}={v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
+        print(f"{held_out} steps={config.steps} strategy={config.strategy} devices={mesh.size} "
+              f"time={time.perf_counter() - STARTED:.1f}s (start-up {startup_s:.1f}s, "
+              f"first step with compilation {writer.compile_s or 0:.1f}s)")
     return Result(state=state, history=history, summary=summary)
 
 
@@ -180,6 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"jaxdp: error: {cli_message(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Diverged as err:
+        last = getattr(err, "last_checkpoint", None)
+        kept = f"; the last checkpoint (step {last}) is intact" if last else ""
+        print(f"jaxdp: error: training diverged: {err.name} became {err.value} at step {err.step}; lower --lr or "
+              f"set --clip-norm{kept} (exit code {EXIT_DIVERGED})", file=sys.stderr)
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print("jaxdp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -198,6 +244,14 @@ def cli_message(err: InputError) -> str:
     """A library's InputError in flag terms: prefixed with the flag that fed its argument."""
     flag = FLAG_OF_ARGUMENT.get(err.argument or "")
     return f"{flag}: {err}" if flag and not isinstance(err, ConfigError) else str(err)
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """Write `path` through a temporary file and a rename, so a crash never leaves half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def cli() -> None:

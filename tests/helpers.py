@@ -37,9 +37,35 @@ def run_cli(*args: str, module: str = "jaxdp.train", timeout: float = 240, **kwa
                           timeout=timeout, cwd=kwargs.pop("cwd", ROOT), env=kwargs.pop("env", cli_env()), **kwargs)
 
 
+def _no_bare_constants(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")  # Python's json module would accept NaN; JSON.parse does not
+
+
 def records(path: Path) -> list[dict]:
-    """Every JSON Lines record of a metrics file (each line must parse as JSON)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+    """Every JSON Lines record of a metrics file; each line must be strict JSON (no bare NaN)."""
+    return [json.loads(line, parse_constant=_no_bare_constants) for line in Path(path).read_text().splitlines()]
+
+
+def step_records(path: Path) -> list[dict]:
+    """The logged-step records of a metrics file (not start / eval / done events)."""
+    return [r for r in records(path) if "event" not in r]
+
+
+def write_corpus(path: Path, sentences: int = 1500, seed: int = 0) -> Path:
+    """A text file a small model can learn: sentences of a few dozen words in a fixed grammar."""
+    import random
+
+    rng = random.Random(seed)
+    nouns = "cat dog fox bird horse mouse owl frog".split()
+    verbs = "sees chases likes follows hears finds".split()
+    adjectives = "quick lazy brown small big old young red".split()
+    places = "in the garden|under the tree|by the river|on the hill|near the house".split("|")
+    lines = []
+    for _ in range(sentences):
+        subject, obj = rng.sample(nouns, 2)
+        lines.append(f"The {rng.choice(adjectives)} {subject} {rng.choice(verbs)} the {obj} {rng.choice(places)}.")
+    Path(path).write_text(" ".join(lines) + "\n")
+    return Path(path)
 
 
 # ---- README blocks (tests/test_readme.py explains the markers) ---------------------------------

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jaxdp
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, records
 from jaxdp.config import parse_args
 from jaxdp.models import MLP
 from jaxdp.errors import EXIT_PREEMPTED
@@ -31,10 +31,6 @@ FAST = ["--log-every", "1", "--no-progress"]
 
 def run(*flags: str):
     return train(parse_args([*FAST, *map(str, flags)]))
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def step_records(path: Path) -> list[dict]:
@@ -242,7 +238,7 @@ def start_cli(*flags: str) -> subprocess.Popen:
 def wait_for_records(metrics: Path, proc: subprocess.Popen, n: int = 1, timeout: float = 120) -> None:
     """Until `metrics` holds `n` step records, i.e. training is under way (compile done)."""
     deadline = time.monotonic() + timeout
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+    while not (metrics.exists() and sum('"event"' not in line for line in metrics.read_text().splitlines()) >= n):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.05)

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env, run_cli
+from helpers import ROOT, cli_env, records, run_cli, step_records
 from jaxdp.train import main
 
 
@@ -15,8 +15,7 @@ def test_default_ring_run_reaches_90_percent(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = run_cli("--strategy=ring", "--metrics-file", str(metrics), "--log-dir", str(tmp_path / "tb"))
     assert proc.returncode == 0, proc.stderr
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steps, done = records[:-1], records[-1]
+    steps, done = step_records(metrics), records(metrics)[-1]
     assert [r["step"] for r in steps] == list(range(10, 301, 10))
     assert all(np.isfinite(r["loss"]) for r in steps) and steps[-1]["loss"] < steps[0]["loss"]
     assert done["event"] == "done" and done["devices"] == 8 and done["eval_accuracy"] >= 0.90

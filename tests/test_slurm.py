@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, records, step_records
 from slurm_cluster import SlurmCluster
 
 RUN = ["--steps", "5", "--batch-size", "64", "--log-every", "1", "--no-progress"]
@@ -96,7 +96,7 @@ def test_cpu_sbatch_example_requeues_itself_when_preempted_and_resumes(slurm, tm
     job_id = proc.stdout.strip().split(";")[0]
     log = lambda: (output.read_text() if output.exists() else "")[-3000:]  # noqa: E731
     try:
-        poll("the first logged step in the metrics file", lambda: metrics.exists() and '"step"' in metrics.read_text(),
+        poll("the first logged step in the metrics file", lambda: metrics.exists() and '"loss"' in metrics.read_text(),
              timeout=90)
         signal = slurm.run(["scancel", "--signal=USR1", job_id], timeout=10)
         assert signal.returncode == 0, signal.stderr
@@ -115,9 +115,9 @@ def test_cpu_sbatch_example_requeues_itself_when_preempted_and_resumes(slurm, tm
     saved_step, checkpoint_dir = int(saved.group(1)), Path(saved.group(2))
     assert checkpoint_dir == tmp_path / "checkpoints" / f"jaxdp-cpu-{job_id}", checkpoint_dir  # the script's default
     assert "eval_accuracy=" in output.read_text(), log()
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert records[-1]["event"] == "done" and records[-1]["step"] == 200 and records[-1]["processes"] == 2
-    assert [r["step"] for r in records[:-1]] == list(range(10, 201, 10))  # every step once, in order
+    logged = records(metrics)
+    assert logged[-1]["event"] == "done" and logged[-1]["step"] == 200 and logged[-1]["processes"] == 2
+    assert [r["step"] for r in step_records(metrics)] == list(range(10, 201, 10))  # every step once, in order
     # Resumed, not restarted: the first run's records up to the saved step are kept verbatim (a fresh
     # run truncates the file, and its timings would differ); the second run wrote only the later ones.
     kept = [line for line in first_run if json.loads(line)["step"] <= saved_step]

@@ -17,15 +17,10 @@ from jaxdp.bench.timing import interleaved
 
 # Dense bfloat16 peak of one device, TFLOP/s, by a substring of jax's `device_kind` (vendor data
 # sheets, SXM parts, without sparsity). Other devices need --peak-tflops for an MFU.
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
-
-
 def peak_tflops(device: Any, dtype: str, override: float | None) -> float | None:
-    if override:
-        return override
-    if dtype != "bfloat16":
-        return None
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device.device_kind), None)
+    from jaxdp.metrics import peak_tflops as known_peak
+
+    return override or known_peak(device.device_kind, dtype)
 
 
 def register(subparsers: Any) -> None:

@@ -1,0 +1,132 @@
+"""Token streams for language models: a text file, or nanoGPT-style token id files, memory-mapped.
+
+    python -m jaxdp.train --model gpt --dataset my_book.txt                 # bytes: vocabulary 256
+    python -m jaxdp.train --model gpt --dataset train.bin --vocab-size 50304  # uint16 ids (uint32 above 65536)
+    python -m jaxdp.train --model gpt --dataset tokens.npy --vocab-size 50304 # any integer .npy
+
+The file is memory-mapped, never read whole: a step reads only the windows of its own process's
+slice of the global batch. The stream is cut into non-overlapping windows of `seq_len + 1` tokens
+(inputs, and the same shifted by one as targets). The last `HELD_OUT_FRACTION` of the tokens is the
+held-out split, fixed whatever the seed; the windows before it are the training set, and global
+batch `step` is the same pure function of (seed, step) as for every dataset (`jaxdp.data`), so
+resume and multi-process runs see exactly the batches a single uninterrupted run sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Iterator
+
+import numpy as np
+
+from jaxdp.data import global_batch_indices
+from jaxdp.errors import InputError
+
+HELD_OUT_FRACTION = 0.1  # the tail of the stream: a fixed split, independent of --seed
+SUFFIXES = (".txt", ".bin", ".npy")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDataset:
+    """A memory-mapped stream of token ids cut into windows of `seq_len + 1` tokens."""
+
+    path: str
+    tokens: np.ndarray     # 1-D, memory-mapped: never copied whole
+    vocab_size: int
+    seq_len: int
+    n_train_tokens: int    # tokens[:n_train_tokens] train; the rest is held out
+
+    kind = "tokens"
+
+    @property
+    def train_windows(self) -> int:
+        return (self.n_train_tokens - 1) // self.seq_len
+
+    @property
+    def held_out_windows(self) -> int:
+        return (len(self.tokens) - self.n_train_tokens - 1) // self.seq_len
+
+    def example(self) -> np.ndarray:
+        """One input row, for initialising a model."""
+        return np.zeros((1, self.seq_len), np.int32)
+
+    def _windows(self, starts: np.ndarray) -> dict[str, np.ndarray]:
+        rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts]).astype(np.int32)
+        if rows.size and (rows.max() >= self.vocab_size or rows.min() < 0):
+            bad = int(rows.max() if rows.max() >= self.vocab_size else rows.min())
+            raise InputError(f"dataset file {self.path!r} holds token id {bad}, outside the vocabulary of "
+                             f"{self.vocab_size}; pass the tokenizer's vocabulary size", argument="vocab_size")
+        return {"x": rows[:, :-1], "y": rows[:, 1:]}
+
+    def train_batch(self, batch_size: int, step: int, seed: int, process_index: int = 0,
+                    process_count: int = 1) -> dict[str, np.ndarray]:
+        """This process's contiguous slice of global batch `step` (reads only those windows)."""
+        per_process = batch_size // process_count
+        windows = global_batch_indices(self.train_windows, batch_size, step, seed)
+        mine = windows[process_index * per_process:(process_index + 1) * per_process]
+        return self._windows(mine * self.seq_len)
+
+    def eval_batches(self, batch_size: int, process_index: int = 0, process_count: int = 1,
+                     max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """The held-out windows in global batches (the last zero-padded, `mask` 0 on padding rows)."""
+        per_process = batch_size // process_count
+        total = self.held_out_windows
+        if max_batches:
+            total = min(total, max_batches * batch_size)
+        for start in range(0, total, batch_size):
+            rows = np.arange(start, start + batch_size)[process_index * per_process:(process_index + 1) * per_process]
+            real = rows < total
+            batch = self._windows(self.n_train_tokens + np.where(real, rows, 0) * self.seq_len)
+            yield {**batch, "mask": real.astype(np.float32)}
+
+
+def load_tokens(path: str, seq_len: int, vocab_size: int | None = None) -> TokenDataset:
+    """Memory-map `path` (.txt bytes, .bin uint16/uint32 ids, or an integer .npy) as a TokenDataset."""
+    where = f"dataset file {path!r}"
+    if not os.path.isfile(path):
+        raise InputError(f"{where} does not exist", argument="dataset")
+    suffix = os.path.splitext(path)[1].lower()
+    try:
+        if suffix == ".txt":
+            if vocab_size not in (None, 256):
+                raise InputError(f"{where} is text, read as bytes: its vocabulary is 256, not {vocab_size}",
+                                 argument="vocab_size")
+            tokens, vocab_size = np.memmap(path, dtype=np.uint8, mode="r"), 256
+        elif suffix == ".bin":
+            if vocab_size is None:
+                raise InputError(f"{where} holds raw token ids: give its vocabulary size (uint16 ids up to "
+                                 f"65536, uint32 above)", argument="vocab_size")
+            dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+            if os.path.getsize(path) % np.dtype(dtype).itemsize:
+                raise InputError(f"{where} is not a whole number of {np.dtype(dtype).name} token ids", argument="dataset")
+            tokens = np.memmap(path, dtype=dtype, mode="r")
+        elif suffix == ".npy":
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+                raise InputError(f"{where} must hold a 1-D array of integer token ids, got {tokens.dtype} "
+                                 f"{tokens.shape}", argument="dataset")
+            if vocab_size is None:
+                raise InputError(f"{where} holds token ids: give its vocabulary size", argument="vocab_size")
+        else:
+            raise InputError(f"{where} is not a token stream: use a .txt, .bin or .npy file", argument="dataset")
+    except (OSError, ValueError) as err:
+        if isinstance(err, InputError):
+            raise
+        raise InputError(f"{where} cannot be read as {suffix} tokens ({err})", argument="dataset") from None
+    n_train = len(tokens) - math.ceil(len(tokens) * HELD_OUT_FRACTION)
+    dataset = TokenDataset(path, tokens, int(vocab_size), seq_len, n_train)
+    if dataset.train_windows < 1 or dataset.held_out_windows < 1:
+        need = math.ceil((seq_len + 2) / HELD_OUT_FRACTION)
+        raise InputError(f"{where} has {len(tokens)} tokens, too few for windows of {seq_len + 1} tokens in both "
+                         f"the training split and the {HELD_OUT_FRACTION:.0%} held out; give at least {need} "
+                         f"tokens or a shorter sequence length", argument="dataset")
+    return dataset
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy in nats of the token frequencies: the loss of the best model that ignores context."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
