@@ -23,6 +23,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Checkpointer": "jaxdp.checkpoint",
     "DATA_AXIS": "jaxdp.mesh",
+    "Diverged": "jaxdp.metrics",
+    "MetricsWriter": "jaxdp.metrics",
+    "Periodic": "jaxdp.metrics",
+    "check_finite": "jaxdp.metrics",
     "EXIT_CODES": "jaxdp.errors",
     "InputError": "jaxdp.errors",
     "MODELS": "jaxdp.registry",

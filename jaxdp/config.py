@@ -93,10 +93,10 @@ class Config:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value and what to do about it."""
         for f in dataclasses.fields(self):
-            choices = _choices(f)
+            allowed = choices(f)
             value = getattr(self, f.name)
-            if choices and value not in choices:
-                raise ConfigError(f"--{_flag(f.name)}={value!r} is not one of: {', '.join(choices)}")
+            if allowed and value not in allowed:
+                raise ConfigError(f"--{_flag(f.name)}={value!r} is not one of: {', '.join(allowed)}")
         if self.batch_size <= 0:
             raise ConfigError(f"--batch-size must be a positive integer, got {self.batch_size}")
         if self.steps < 0:
@@ -161,7 +161,7 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+def choices(f: dataclasses.Field) -> tuple[str, ...] | None:
     """A field's choices: the names in its registry now (a user may have registered more)."""
     names = f.metadata.get("registry", f.metadata.get("choices_fixed"))
     return None if names is None else tuple(names)
@@ -208,7 +208,7 @@ def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser
             group.add_argument(f"--no-{_flag(f.name)}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
             group.add_argument(flag, dest=f.name, type=types[f.type], default=f.default,
-                               choices=_choices(f), help=help, metavar=None if _choices(f) else _metavar(f))
+                               choices=choices(f), help=help, metavar=None if choices(f) else _metavar(f))
     parser.add_argument("--config", metavar="PATH", help="a TOML file of flag values (keys: the flag names, for "
                         "example batch-size = 64); flags on the command line override it")
     return parser

@@ -11,6 +11,8 @@ the step synchronises over that name.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -32,7 +34,17 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str = DATA
     if not isinstance(axis_name, str) or not axis_name:
         raise ValueError(f"make_mesh: axis_name must be a non-empty string, got {axis_name!r}")
     devices.sort(key=lambda d: (d.process_index, d.id))
+    if len(devices) == 1 and devices[0].platform == "cpu":
+        _warn_one_cpu_device()
     return Mesh(np.array(devices), (axis_name,))
+
+
+@functools.cache
+def _warn_one_cpu_device() -> None:
+    """Once per process: a 1-device CPU mesh runs every strategy as a no-op, which surprises."""
+    warnings.warn("jaxdp.make_mesh: JAX sees one CPU device, so there is nothing to synchronise and every "
+                  "strategy trains like one device; to simulate 8, run jax.config.update('jax_num_cpu_devices', 8) "
+                  "before anything touches JAX's devices (or restart the kernel and do it first)", stacklevel=3)
 
 
 def axis_name(mesh: Mesh) -> str:

@@ -13,7 +13,8 @@ def test_choices_are_the_registries_names():
     parser = build_parser()
     choices = {action.dest: tuple(action.choices) for action in parser._actions if action.choices}
     assert choices == {"strategy": tuple(registry.STRATEGIES), "model": tuple(registry.MODELS),
-                       "optimizer": tuple(registry.OPTIMIZERS)}
+                       "optimizer": tuple(registry.OPTIMIZERS), "schedule": tuple(registry.SCHEDULES),
+                       "precision": ("fp32", "bf16")}
     assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
     assert jaxdp.STRATEGIES["ring"] is jaxdp.ring_mean  # resolved lazily, the real function
 

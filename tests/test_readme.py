@@ -142,10 +142,16 @@ PYTHON_CHECKS = {
     "nnx": 'assert len(jax.devices()) == 8 and int(state.step) == 100\n'
            'assert float(metrics["loss"]) < 0.5 and np.mean(np.argmax(model(batch["x"]), -1) == batch["y"]) > 0.9\n'
            'assert type(params).__name__ == "State" and not jax.tree.leaves(rest)\n',
+    # nnx with BatchNorm and dropout: the statistics were trained, synchronised, and put back
+    "nnx-batchnorm": 'assert len(jax.devices()) == 8 and int(state.step) == 100\n'
+                     'assert float(metrics["loss"]) < 0.5 and np.mean(np.argmax(model(batch["x"]), -1) == batch["y"]) > 0.9\n'
+                     'stats = jax.tree.leaves(state.model_state)\n'
+                     'assert stats and all(len({a.tobytes() for a in (s.data for s in x.addressable_shards)}) == 1 for x in stats)\n'
+                     'assert float(np.abs(np.asarray(model.norm.mean.value)).sum()) > 0\n',
 }
 @pytest.mark.parametrize("block", readme_blocks("tests/test_readme.py::test_python_blocks"), ids=lambda b: b.id)
 def test_python_blocks(block, tmp_path):
-    kind = "nnx" if "from flax import nnx" in block.code else "linen"
+    kind = ("nnx-batchnorm" if "BatchNorm" in block.code else "nnx") if "from flax import nnx" in block.code else "linen"
     program = ('import jax\njax.config.update("jax_num_cpu_devices", 8)  # as a CPU-only user would\n'
                + block.code + PYTHON_CHECKS[kind] + 'print("checks passed")\n')
     env = sandbox(tmp_path)
@@ -157,7 +163,7 @@ def test_python_blocks(block, tmp_path):
 def test_both_flax_apis_are_shown():
     kinds = sorted("nnx" if "from flax import nnx" in b.code else "linen"
                    for b in readme_blocks("tests/test_readme.py::test_python_blocks"))
-    assert kinds == ["linen", "nnx"]
+    assert kinds == ["linen", "nnx", "nnx"]
 
 
 # ---- the CLI reference ------------------------------------------------------------------------
@@ -169,7 +175,12 @@ def cli_reference() -> str:
     """The README's flag tables, one per flag group, generated from jaxdp.config.Config."""
     from jaxdp import config
 
-    lines = []
+    parser = config.build_parser()
+    lines = ["| flag | meaning |", "| --- | --- |"]
+    for action in parser._action_groups[1]._group_actions:  # argparse's "options": --help, --config
+        if action.dest not in ("help",):
+            lines.append(f"| `{action.option_strings[0]} {action.metavar}` | {action.help} |")
+    lines.append("")
     for group in config.GROUPS:
         lines += [f"**{group}**", "", "| flag | default | meaning |", "| --- | --- | --- |"]
         for f in dataclasses.fields(config.Config):
@@ -178,8 +189,8 @@ def cli_reference() -> str:
             flag = f"--{f.name.replace('_', '-')}"
             if f.type == "bool":
                 usage = f"`{flag}`, `--no-{flag[2:]}`"
-            elif f.metadata.get("choices"):
-                usage = f"`{flag} {{{','.join(f.metadata['choices'])}}}`"
+            elif config.choices(f):
+                usage = f"`{flag} {{{','.join(config.choices(f))}}}`"
             else:
                 usage = f"`{flag} {config._metavar(f)}`"
             default = "" if f.default is None else f"`{f.default}`"
@@ -216,3 +227,12 @@ if __name__ == "__main__":  # regenerate the CLI reference in README.md
     start, end = text.index(CLI_START), text.index(CLI_END)
     README.write_text(text[:text.index("\n", start) + 1] + cli_reference() + "\n" + text[end:])
     print("README.md: CLI reference regenerated")
+
+
+def test_exit_code_table_is_jaxdp_errors():
+    from jaxdp.errors import EXIT_CODES
+
+    text = README.read_text()
+    table = text[text.index("<!-- exit-codes -->"):text.index("<!-- /exit-codes -->")]
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|$", table, re.M)
+    assert {int(code): meaning for code, meaning in rows} == EXIT_CODES

@@ -204,3 +204,24 @@ def test_first_record_time_and_resume_message(tmp_path):
     steps = [r for r in step_records(metrics)]
     assert [r["step"] for r in steps] == [2, 4, 6] and all(r["steps_per_sec"] > 0 for r in steps)
     assert json.dumps(records(metrics))  # round-trips
+
+
+@pytest.mark.slow
+def test_readme_gpt_commands(tmp_path):
+    """The README's "Train a GPT on your text" commands, shrunk to a few steps of a tiny model."""
+    import shlex
+
+    from helpers import commands, readme_blocks, run_shell, sandbox
+
+    (block,) = readme_blocks("tests/test_train_lm.py::test_readme_gpt_commands")
+    shown = commands(block)
+    assert shown[0].startswith("cat ") and len(shown) == 3
+    env = sandbox(tmp_path)
+    run_shell(shown[0], tmp_path, env)
+    (np.frombuffer((tmp_path / "corpus.txt").read_bytes(), np.uint8).astype(np.uint16) * 7).tofile(tmp_path / "train.bin")
+    shrink = ["--steps", "6", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch-size", "8",
+              "--warmup-steps", "2", "--eval-every", "3", "--eval-batches", "2", "--no-progress", "--devices", "2"]
+    for command in shown[1:]:
+        run_shell(shlex.join([*shlex.split(command), *shrink]), tmp_path, env)
+    done = records(tmp_path / "gpt.jsonl")[-1]
+    assert done["event"] == "done" and np.isfinite(done["eval_loss"]) and (tmp_path / "gpt-ckpt" / "config.toml").exists()
