@@ -125,7 +125,8 @@ class Checkpointer:
             for name, value in resume_fields(self.config).items():
                 if name in saved and saved[name] != value:
                     raise InputError(f"{where} made with {name}={saved[name]!r}, but this run has {name}={value!r}; "
-                                     f"use the same {name} or another checkpoint directory", argument="directory")
+                                     f"use the same {name} or another checkpoint directory", argument="directory",
+                                     setting=name)
         wanted = _flat_shapes(state)
         for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):

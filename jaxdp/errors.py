@@ -29,9 +29,11 @@ class InputError(ValueError):
     """Bad input to a library call, said in one sentence that tells what to change.
 
     `argument` names the parameter in the library's terms ("directory", "dataset", "devices"); the
-    command line prefixes the message with the flag that fed that parameter.
+    command line prefixes the message with the flag that fed that parameter. `setting` names a
+    `jaxdp.config.Config` field the message mentions as `name=value`; the command line spells it
+    as its flag.
     """
 
-    def __init__(self, message: str, *, argument: str | None = None):
+    def __init__(self, message: str, *, argument: str | None = None, setting: str | None = None):
         super().__init__(message)
-        self.argument = argument
+        self.argument, self.setting = argument, setting

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -241,9 +242,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli_message(err: InputError) -> str:
-    """A library's InputError in flag terms: prefixed with the flag that fed its argument."""
+    """A library's InputError in flag terms: prefixed with the flag that fed its argument, and a
+    config setting it names spelled as its flag."""
+    if isinstance(err, ConfigError):
+        return str(err)
+    message = str(err)
+    if err.setting:
+        flag = "--" + err.setting.replace("_", "-")
+        message = re.sub(rf"\b(?<!-){re.escape(err.setting)}\b", flag, message)
     flag = FLAG_OF_ARGUMENT.get(err.argument or "")
-    return f"{flag}: {err}" if flag and not isinstance(err, ConfigError) else str(err)
+    return f"{flag}: {message}" if flag else message
 
 
 def write_text_atomically(path: str, text: str) -> None:

@@ -168,9 +168,9 @@ def test_checkpoint_of_another_config_or_shape_exits_2_and_changes_nothing(tmp_p
     before = tree_digest(ckpt)
     capsys.readouterr()
 
-    assert main([*base, "--lr", "0.01"]) == 2
+    assert main([*base, "--seed", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "made with --lr=0.001, but this run has --lr=0.01" in err[0], err
+    assert len(err) == 1 and "made with --seed=0, but this run has --seed=1; use the same --seed" in err[0], err
 
     np.savez(data, x=rng.standard_normal((64, 7)), y=y)  # same flags, wider rows: other parameter shapes
     assert main(base) == 2
