@@ -44,6 +44,7 @@ class Config:
     batch_size: int = _field(128, "data", "global batch size (in sequences for gpt), split evenly over every device of every process; with --grad-accum K each step takes K such batches")
     vocab_size: int | None = _field(None, "data", "vocabulary size of a .bin or .npy token file (a .txt file is bytes: 256)")
     seq_len: int = _field(128, "data", "tokens per training sequence (gpt)")
+    prefetch: int = _field(2, "data", "batches prepared and copied to the devices ahead of the step that needs them, on a background thread (0: none)")
 
     # -- model ----------------------------------------------------------------------------------
     model: str = _field("mlp", "model", "built-in model", registry=registry.MODELS)
@@ -51,6 +52,7 @@ class Config:
     d_model: int = _field(256, "model", "model width (gpt)")
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
     precision: str = _field("fp32", "model", "compute dtype; parameters and optimizer state stay fp32", choices_fixed=("fp32", "bf16"))
+    attention: str = _field("auto", "model", "gpt attention: cuDNN flash attention on NVIDIA GPUs with bf16 (auto), or force xla / cudnn", choices_fixed=("auto", "xla", "cudnn"))
 
     # -- optimisation ---------------------------------------------------------------------------
     strategy: str = _field("psum", "optimisation", "gradient synchronisation across devices", registry=registry.STRATEGIES)
@@ -85,6 +87,7 @@ class Config:
     metrics_file: str | None = _field(None, "logging", "JSON Lines file: one object per logged step, then one with \"event\": \"done\"")
     log_dir: str | None = _field(None, "logging", "TensorBoard event directory")
     progress: bool = _field(True, "logging", "show a progress bar on process 0")
+    compile_cache: str = _field("auto", "logging", "JAX's persistent compilation cache: a directory, auto ($JAXDP_COMPILE_CACHE, else ~/.cache/jaxdp/xla), or off")
     debug: bool = _field(False, "logging", "show full tracebacks on errors")
 
     def __post_init__(self) -> None:
@@ -109,7 +112,7 @@ class Config:
         for name in ("seq_len", "layers", "d_model", "heads", "grad_accum"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "eval_batches"):
+        for name in ("warmup_steps", "eval_every", "eval_batches", "prefetch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.d_model % self.heads:

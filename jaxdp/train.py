@@ -48,18 +48,24 @@ class Result:
 def train(config: Config) -> Result:
     # JAX is imported here, after the flags are parsed, because distributed.initialize must run
     # before JAX starts its backend.
+    from jaxdp import runtime
+
+    runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
     from jaxdp import data, distributed, models, tasks
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops
+    from jaxdp.prefetch import Prefetcher
     from jaxdp.preemption import Preemption
     from jaxdp.state import init_state, make_optimizer, make_schedule
     from jaxdp.step import make_eval_step, make_train_step
 
     # ---- distribution and mesh ---------------------------------------------------------------
     distributed.initialize(config)
+    cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
+    cache = runtime.CacheHits()
     mesh = make_mesh(distributed.mesh_devices(config.devices))
     is_main = jax.process_index() == 0  # process 0 prints and writes logs; all take part in compute
     n_processes, process = jax.process_count(), jax.process_index()
@@ -76,6 +82,8 @@ def train(config: Config) -> Result:
 
     def batch_at(step: int) -> Any:  # host numpy -> device; the only per-step host->device copy
         return shard_batch(dataset.train_batch(rows_per_step, step, config.seed, process, n_processes), mesh)
+    # The loop below takes its batches from a Prefetcher: `--prefetch` batches ahead, made and put
+    # on the devices by a background thread while the current step runs.
 
     # ---- model, loss and optimizer -----------------------------------------------------------
     tokens = dataset.kind == "tokens"
@@ -133,7 +141,7 @@ def train(config: Config) -> Result:
         peak_flops=peak * 1e12 * mesh.size if peak else None)
     startup_s = time.perf_counter() - STARTED
     writer.event("start", start_step, resumed_from=start_step or None, config=config.to_dict(), processes=n_processes,
-                 devices=mesh.size, device_kind=device_kind, jax=jax.__version__,
+                 devices=mesh.size, device_kind=device_kind, jax=jax.__version__, compile_cache=cache_dir,
                  malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s)
     if start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
@@ -150,9 +158,10 @@ def train(config: Config) -> Result:
         return host[-1][1] if host else {}
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
+    batches = Prefetcher(batch_at, start_step, config.steps, depth=config.prefetch)
     try:
-        for step in range(start_step, config.steps):
-            state, metrics = train_step(state, batch_at(step))
+        for step, batch in batches:
+            state, metrics = train_step(state, batch)
             done = step + 1
             pending.append((done, metrics))
             if step == start_step:  # the first step compiles: time it apart, then start the clock
@@ -177,7 +186,7 @@ def train(config: Config) -> Result:
             # ---- evaluation ----------------------------------------------------------------------
             checked()
             summary = {**evaluate(state), "strategy": config.strategy, "devices": mesh.size, "processes": n_processes,
-                       "startup_s": startup_s, "compile_s": writer.compile_s}
+                       "startup_s": startup_s, "compile_s": writer.compile_s, "compile_cache_hits": cache.hits}
             if checkpointer:
                 checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
             summary = writer.done(config.steps, summary)
@@ -186,6 +195,8 @@ def train(config: Config) -> Result:
         err.last_checkpoint = checkpointer.latest_step() if checkpointer else None
         raise
     finally:
+        batches.close()
+        cache.close()
         writer.close()
         if checkpointer:
             checkpointer.close()  # waits for the last save to be written

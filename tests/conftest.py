@@ -1,9 +1,14 @@
 """Eight simulated CPU devices for every test, set once before JAX starts its backend."""
 
 import os
+import tempfile
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+# One persistent compilation cache for the whole session (in-process runs and every CLI subprocess,
+# which inherit the environment), never the user's own ~/.cache.
+os.environ.setdefault("JAXDP_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), f"jaxdp-test-cache-{os.getuid()}"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

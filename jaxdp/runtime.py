@@ -1,0 +1,106 @@
+"""Process-wide JAX settings the command line makes before it compiles anything.
+
+* JAX's persistent compilation cache, on by default for `python -m jaxdp.train`: a second run of
+  the same program loads its compiled steps from disk instead of compiling them again
+  (`--compile-cache DIR`, `auto` or `off`). Several processes may share one directory.
+* XLA flags for data parallelism on GPUs, each kept for a documented effect (README "Performance").
+  Flags the user already set in XLA_FLAGS win.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_ENV = "JAXDP_COMPILE_CACHE"  # the directory `--compile-cache auto` uses, when set
+
+# flag -> value, with the reason. Only flags with a documented effect on data-parallel training:
+GPU_XLA_FLAGS = {
+    # Lets XLA schedule the gradient all-reduce's start early and its end late, so NCCL runs while
+    # the rest of the backward pass computes (JAX's GPU performance tips; on by default in
+    # NVIDIA's JAX containers). No effect on one GPU, where there is no collective.
+    "--xla_gpu_enable_latency_hiding_scheduler": "true",
+}
+# Left at XLA's defaults, for want of a measurement that justifies a change: the all-reduce
+# combine threshold (the step already fuses its gradients into one buffer per dtype for the
+# ring, and XLA combines psum's leaves itself), and CUDA_DEVICE_MAX_CONNECTIONS (it orders
+# kernels for tensor-parallel overlap, which data parallelism does not do, and NVIDIA advises
+# against it on Blackwell).
+
+
+def cache_directory(setting: str) -> str | None:
+    """`--compile-cache` to a directory: a path, `auto` ($JAXDP_COMPILE_CACHE, else the user's
+    cache directory), or None for `off`."""
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return os.path.abspath(os.path.expanduser(setting))
+    if os.environ.get(CACHE_ENV):
+        return os.path.abspath(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return os.path.join(base, "jaxdp", "xla")
+
+
+def enable_compile_cache(setting: str) -> str | None:
+    """Point JAX's persistent compilation cache at `cache_directory(setting)`; returns it.
+
+    Every compiled program is cached, however quickly it compiled (JAX's default skips programs
+    that compile in under a second: on a laptop that is most of a small model's steps). A
+    directory that cannot be created turns the cache off with a warning; it never stops a run.
+    """
+    import jax
+
+    directory = cache_directory(setting)
+    if directory is None:
+        return None
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        import logging
+
+        logging.getLogger("jaxdp").warning("jaxdp: warning: compilation cache %s unusable (%s); compiling "
+                                           "without it", directory, err.strerror or err)
+        return None
+    if jax.config.jax_compilation_cache_dir not in (None, directory):
+        try:  # a process that already used another cache directory (a notebook, a test session)
+            from jax._src import compilation_cache
+
+            compilation_cache.reset_cache()
+        except (ImportError, AttributeError):
+            pass
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+def add_gpu_xla_flags(environ: "os._Environ | dict" = os.environ) -> list[str]:
+    """Add GPU_XLA_FLAGS to XLA_FLAGS (before JAX starts its backend); returns the flags added.
+    A flag already in XLA_FLAGS keeps the user's value. CPU builds of XLA accept and ignore them."""
+    current = environ.get("XLA_FLAGS", "")
+    added = [f"{flag}={value}" for flag, value in GPU_XLA_FLAGS.items() if flag not in current]
+    if added:
+        environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added
+
+
+class CacheHits:
+    """Counts the compiled programs this process loaded from the persistent cache."""
+
+    def __init__(self) -> None:
+        import jax.monitoring
+
+        self.hits = 0
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_event(self, event: str, **kwargs: object) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.hits += 1
+
+    def close(self) -> None:
+        import jax.monitoring
+
+        try:
+            jax.monitoring.unregister_event_listener(self._on_event)
+        except (AssertionError, ValueError):
+            pass

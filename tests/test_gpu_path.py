@@ -1,0 +1,134 @@
+"""The GPU path, checked on CPU: the attention choice, the prefetching input pipeline, the
+persistent compilation cache, and the dependency pins."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import threading
+import tomllib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from packaging.requirements import Requirement
+
+from helpers import ROOT, records, run_cli, write_corpus
+from jaxdp.config import parse_args
+from jaxdp.models import GPT, attention_implementation
+from jaxdp.prefetch import Prefetcher
+from jaxdp.train import train
+
+
+@dataclasses.dataclass
+class FakeDevice:
+    platform: str
+    device_kind: str
+    compute_capability: str = "0"
+
+
+H100 = FakeDevice("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, expected", [
+    (H100, jnp.bfloat16, 64, "cudnn"),                       # GPT-2-small on an H100: cuDNN flash attention
+    (H100, jnp.float16, 128, "cudnn"),
+    (H100, jnp.float32, 64, "xla"),                          # cuDNN's flash attention is 16-bit only
+    (H100, jnp.bfloat16, 256, "xla"),                        # head size above what it supports
+    (FakeDevice("gpu", "NVIDIA Tesla V100", "7.0"), jnp.bfloat16, 64, "xla"),  # before Ampere
+    (FakeDevice("gpu", "AMD Instinct MI300X"), jnp.bfloat16, 64, "xla"),
+    (FakeDevice("cpu", "cpu"), jnp.bfloat16, 64, "xla"),
+])
+def test_attention_auto_picks_cudnn_only_where_it_runs(device, dtype, head_dim, expected):
+    assert attention_implementation("auto", dtype, head_dim, device) == expected
+    assert attention_implementation("xla", dtype, head_dim, device) == "xla"  # an explicit choice wins
+
+
+def test_gpt_on_cpu_uses_xla_attention_and_rejects_unknown_names():
+    assert attention_implementation("auto", jnp.bfloat16, 64) == "xla"  # this machine: CPU
+    model = GPT(vocab_size=64, seq_len=16, layers=1, d_model=32, heads=2, dtype=jnp.bfloat16)
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)
+    explicit = GPT(vocab_size=64, seq_len=16, layers=1, d_model=32, heads=2, dtype=jnp.bfloat16, attention="xla")
+    np.testing.assert_array_equal(model.apply(params, tokens), explicit.apply(params, tokens))
+    assert "cudnn" not in jax.jit(model.apply).lower(params, tokens).as_text()
+    with pytest.raises(ValueError, match="attention must be auto, xla or cudnn"):
+        GPT(vocab_size=64, seq_len=16, layers=1, d_model=32, heads=2, attention="flash").init(jax.random.PRNGKey(0), tokens)
+
+
+# ---- prefetch -----------------------------------------------------------------------------------
+
+
+def test_prefetch_prepares_the_next_batches_while_the_current_step_runs():
+    """Proof of overlap without a clock: the consumer holds batch k and waits until the producer has
+    made batch k + 2 (possible only if making batches runs concurrently with the loop's body)."""
+    made = {k: threading.Event() for k in range(8)}
+
+    def make(step):
+        made[step].set()
+        return {"x": np.full((4,), step)}
+
+    seen = []
+    with Prefetcher(make, 0, 8, depth=2) as batches:
+        for step, batch in batches:
+            seen.append(int(batch["x"][0]))
+            if step + 2 < 8:
+                assert made[step + 2].wait(timeout=30), f"batch {step + 2} was not prepared during step {step}"
+    assert seen == list(range(8))  # in order, each once
+
+
+def test_prefetch_raises_the_thread_error_at_its_step_and_depth_zero_is_inline():
+    def make(step):
+        if step == 3:
+            raise OSError("disk gone")
+        return step
+
+    got = []
+    with pytest.raises(OSError, match="disk gone"):
+        with Prefetcher(make, 0, 6, depth=2) as batches:
+            for _, batch in batches:
+                got.append(batch)
+    assert got == [0, 1, 2]
+    calls = []
+    with Prefetcher(lambda s: calls.append(s) or s, 5, 8, depth=0) as batches:
+        assert [b for _, b in batches] == [5, 6, 7] and calls == [5, 6, 7]
+
+
+def test_prefetched_training_equals_unprefetched(tmp_path):
+    corpus = write_corpus(tmp_path / "c.txt", sentences=300)
+    common = ["--model", "gpt", "--dataset", str(corpus), "--layers", "1", "--d-model", "32", "--heads", "2",
+              "--seq-len", "16", "--batch-size", "16", "--steps", "6", "--log-every", "1", "--no-progress"]
+    losses = [[r["loss"] for r in train(parse_args([*common, "--prefetch", depth])).history] for depth in ("0", "3")]
+    assert losses[0] == losses[1]
+
+
+# ---- compilation cache ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_run_loads_its_compiled_programs_from_the_cache(tmp_path):
+    cache = tmp_path / "cache"
+    done = {}
+    for run, setting in (("first", str(cache)), ("second", str(cache)), ("off", "off")):
+        proc = run_cli("--steps", "3", "--no-progress", "--compile-cache", setting,
+                       "--metrics-file", str(tmp_path / f"{run}.jsonl"))
+        assert proc.returncode == 0, proc.stderr
+        start, *_, done[run] = records(tmp_path / f"{run}.jsonl")
+        assert start["compile_cache"] == (None if setting == "off" else str(cache))
+    assert done["first"]["compile_cache_hits"] == 0 and any(cache.rglob("*"))
+    assert done["second"]["compile_cache_hits"] > 0  # the train and eval steps came from disk
+    assert done["off"]["compile_cache_hits"] == 0
+
+
+# ---- pins -----------------------------------------------------------------------------------------
+
+
+def test_installed_versions_are_inside_the_pins_and_the_cuda_extra_matches_jax():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    for name in ("jax", "flax", "optax", "orbax-checkpoint", "chex"):
+        assert pins[name].specifier.contains(importlib.metadata.version(name)), (name, str(pins[name]))
+    assert "0.11.2" in pins["jax"].specifier  # the JAX that current GPU images ship (CUDA 13)
+    cuda = [Requirement(r) for r in project["optional-dependencies"]["cuda"]]
+    assert cuda[0].name == "jax" and cuda[0].extras == {"cuda13"} and cuda[0].specifier == pins["jax"].specifier
