@@ -54,37 +54,19 @@ class Registry(Mapping[str, Any]):
 
 
 # Gradient synchronisation: in-graph `fn(tree, axis_name)`, or on-host (see jaxdp/sync.py).
-STRATEGIES = Registry("strategy", {
-    "psum": "jaxdp.sync:psum_mean",
-    "ring": "jaxdp.sync:ring_mean",
-    "host": "jaxdp.host:host_mean",
-})
+STRATEGIES = Registry("strategy", {"psum": "jaxdp.sync:psum_mean", "ring": "jaxdp.sync:ring_mean", "host": "jaxdp.host:host_mean"})
 
 # Built-in models: `build(config, num_outputs, axis_name) -> flax.linen.Module`; num_outputs is the
 # number of classes, or the vocabulary size for gpt.
-MODELS = Registry("model", {
-    "mlp": "jaxdp.models:build_mlp",
-    "cnn": "jaxdp.models:build_cnn",
-    "gpt": "jaxdp.models:build_gpt",
-})
+MODELS = Registry("model", {"mlp": "jaxdp.models:build_mlp", "cnn": "jaxdp.models:build_cnn", "gpt": "jaxdp.models:build_gpt"})
 
 # Built-in datasets: `load() -> jaxdp.data.Dataset`. A path to an .npz file is the other choice.
-DATASETS = Registry("dataset", {
-    "digits": "jaxdp.data:digits",
-    "synthetic": "jaxdp.data:synthetic",
-})
+DATASETS = Registry("dataset", {"digits": "jaxdp.data:digits", "synthetic": "jaxdp.data:synthetic"})
 
 # Learning-rate schedules: `build(lr, steps, warmup_steps, final_fraction) -> optax.Schedule`.
-SCHEDULES = Registry("schedule", {
-    "constant": "jaxdp.state:constant_schedule",
-    "cosine": "jaxdp.state:cosine_schedule",
-    "warmup-cosine": "jaxdp.state:warmup_cosine_schedule",
-})
+SCHEDULES = Registry("schedule", {"constant": "jaxdp.state:constant_schedule", "cosine": "jaxdp.state:cosine_schedule",
+                                  "warmup-cosine": "jaxdp.state:warmup_cosine_schedule"})
 
 # optax optimizers: `build(learning_rate, momentum, weight_decay) -> optax.GradientTransformation`.
-OPTIMIZERS = Registry("optimizer", {
-    "adam": "jaxdp.state:adam",
-    "adamw": "jaxdp.state:adamw",
-    "sgd": "jaxdp.state:sgd",
-    "momentum": "jaxdp.state:momentum",
-})
+OPTIMIZERS = Registry("optimizer", {"adam": "jaxdp.state:adam", "adamw": "jaxdp.state:adamw", "sgd": "jaxdp.state:sgd",
+                                    "momentum": "jaxdp.state:momentum"})

@@ -87,22 +87,18 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
 
 
 def adam(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    del momentum, weight_decay
     return optax.adam(lr)
 
 
 def adamw(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    del momentum
     return optax.adamw(lr, weight_decay=weight_decay)
 
 
 def sgd(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    del momentum, weight_decay
     return optax.sgd(lr)
 
 
 def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    del weight_decay
     return optax.sgd(lr, momentum=momentum)
 
 
