@@ -5,6 +5,7 @@ No timing assertions: speed is what the benchmark measures, not what the tests c
 
 import importlib.util
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -67,6 +68,53 @@ def test_gpt_without_a_known_peak_reports_no_mfu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())["results"][0]["mfu"] is None
     assert "--peak-tflops" in proc.stdout
+
+
+def test_gpt_batch_size_flags_write_one_list():
+    from jaxdp.bench.__main__ import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["gpt"]).batch_sizes == [16]
+    assert parser.parse_args(["gpt", "--batch-size", "8"]).batch_sizes == [8]
+    assert parser.parse_args(["gpt", "--batch-sizes", "16,32"]).batch_sizes == [16, 32]
+    assert parser.parse_args(["gpt", "--batch-sizes", "16,32", "--batch-size", "4"]).batch_sizes == [4]  # later wins
+    for bad in (["--batch-size", "16,32"], ["--batch-sizes", "16,0"], ["--batch-sizes", "16,"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["gpt", *bad])
+
+
+TINY_VS_TORCH = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab-size", "64",
+                 "--batch-sizes", "2,4", "--steps", "1", "--repeats", "1", "--vs-torch"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # torch.compile (inductor) builds C++ on the CPU: minutes with a cold cache
+def test_gpt_vs_torch_reports_both_sides_per_batch_size(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "g.json"
+    proc = run_cli("gpt", *TINY_VS_TORCH, "--peak-tflops", "0.5", "--json", str(out), module="jaxdp.bench", timeout=540)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    rows = {(r["impl"], r["global_batch"]): r for r in report["results"]}
+    assert set(rows) == {(impl, b) for impl in ("jaxdp", "torch") for b in (2, 4)}
+    assert report["torch"] and report["machine"]["jax"]
+    for b in (2, 4):
+        jaxdp, torch = rows[("jaxdp", b)], rows[("torch", b)]
+        assert jaxdp["params"] == torch["params"] > 0  # the same model, layer for layer
+        assert jaxdp["model_tflops_per_step"] == torch["model_tflops_per_step"]  # the same FLOP formula
+        assert jaxdp["vs_torch"] > 0 and torch["vs_torch"] is None
+        assert isinstance(torch["compiled"], bool) and (torch["compiled"] or torch["note"])
+        for r in (jaxdp, torch):
+            assert r["tokens_per_s"] == pytest.approx(b * 16 / r["step_s"])
+            assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5)
+    table_rows = re.findall(r"^(jaxdp|torch) +(\d+) ", proc.stdout, re.M)  # one per (impl, batch size)
+    assert "x torch" in proc.stdout and sorted((impl, int(b)) for impl, b in table_rows) == sorted(rows)
+
+
+def test_gpt_vs_torch_without_torch_says_how_to_install_it(tmp_path):
+    (tmp_path / "torch.py").write_text("raise ImportError('No module named torch')\n")  # shadows a real torch
+    proc = run_cli("gpt", "--vs-torch", module="jaxdp.bench", env=cli_env(PYTHONPATH=str(tmp_path)))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "pip install -e '.[bench]'" in proc.stderr
 
 
 def test_ddp_without_torch_says_how_to_install_it(tmp_path):

@@ -5,9 +5,10 @@
     python -m jaxdp.bench train --devices 1 --coordinator-address 127.0.0.1:PORT --num-processes 2 --process-id I
     python -m jaxdp.bench ddp --json d.json        # needs torch: pip install -e '.[bench]'
     python -m jaxdp.bench gpt --json g.json        # on a GPU: bf16 GPT-2-small step, tokens/s, MFU
+    python -m jaxdp.bench gpt --batch-sizes 16,32 --vs-torch --json g.json   # the same GPT in PyTorch beside it (needs torch)
 
-One module per benchmark (collectives, train, gpt, ddp) says what it measures; `python -m
-jaxdp.bench <command> --help` lists its flags.
+One module per benchmark (collectives, train, gpt, ddp; torch_gpt is gpt's PyTorch side) says
+what it measures; `python -m jaxdp.bench <command> --help` lists its flags.
 
 Method: every figure is the median over --repeats; configurations are interleaved within each
 repeat, in an order that rotates from repeat to repeat, so background load hits all of them

@@ -45,12 +45,18 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run_ddp_worker)
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def import_torch() -> Any:
+    """torch, or exit 2 with TORCH_HINT on one line: torch is a benchmark-only extra."""
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         print(f"jaxdp.bench: {TORCH_HINT}", file=sys.stderr)
         raise SystemExit(2)
+    return torch
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    torch = import_torch()
     common = ["--steps", str(args.steps), "--repeats", str(args.repeats), "--batch-size", str(args.batch_size)]
     common += [] if args.pin else ["--no-pin"]
     runs: dict[tuple[str, str], list[float]] = {}  # (impl, strategy) -> steps/s of each round
