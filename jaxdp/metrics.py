@@ -43,22 +43,24 @@ class MetricsWriter:
         if self._bar is not None:
             self._bar.update(n)
 
-    def log(self, step: int, metrics: dict[str, Any], examples_per_step: int) -> dict[str, Any]:
-        """Write one logged step; `metrics` are host values. Returns the record written."""
+    def log(self, step: int, metrics: dict[str, Any], examples_per_step: int,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write one logged step; `metrics` are host values; `extra` keys are added as they are
+        (e.g. the straggler report of jaxdp/heartbeat.py). Returns the record written."""
         now = time.perf_counter()
         last_step, last_time = self._last
         self._last = (step, now)
         rate = (step - last_step) / (now - last_time) if now > last_time else math.nan
         record = {"step": step, **{k: float(v) for k, v in metrics.items()},
                   "steps_per_sec": rate, "examples_per_sec": rate * examples_per_step,
-                  "elapsed_s": now - self._t0}
+                  "elapsed_s": now - self._t0, **(extra or {})}
         if not self.is_main:
             return record
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tensorboard:
             for name, value in record.items():
-                if name != "step":
+                if name != "step" and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(f"train/{name}", value, step)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)

@@ -6,7 +6,8 @@
     python -m jaxdp.train --help                           # every flag, grouped, with defaults
 
 Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
---debug for the traceback), 69 a peer process died or never arrived, 75 preempted (with
+--debug for the traceback), 69 a peer process died, never arrived or stalled, 73 a checkpoint could
+not be written (disk full), 75 preempted (with
 --checkpoint-dir, SIGTERM or SIGUSR1 make every process finish its step, save and stop; rerun the
 same command to resume), 130 interrupted.
 
@@ -19,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 import traceback
 from typing import Any, Sequence
 
 from jaxdp.config import Config, ConfigError, parse_args
-from jaxdp.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, InputError
+from jaxdp.errors import (EXIT_BAD_INPUT, EXIT_CANNOT_SAVE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED,
+                          CheckpointWriteError, InputError)
 
 # Which flag fed each library argument that an InputError may name.
 FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices"}
@@ -44,7 +47,7 @@ def train(config: Config) -> Result:
     import jax.numpy as jnp
     import optax
 
-    from jaxdp import data, distributed, models
+    from jaxdp import data, distributed, heartbeat, models
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter
@@ -119,13 +122,21 @@ def train(config: Config) -> Result:
                            metrics_file=config.metrics_file, log_dir=config.log_dir, progress=config.progress)
     history, preempted = [], False
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
+    # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py); threads, no host sync here.
+    beat = heartbeat.for_run(config.stall_timeout)
     try:
         for step in range(start_step, config.steps):
-            state, metrics = train_step(state, batch_at(step))
+            batch = batch_at(step)
+            dispatch = time.perf_counter()
+            state, metrics = train_step(state, batch)
             done = step + 1
+            beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
             writer.step()
             if done % config.log_every == 0 or done == config.steps:
-                history.append(writer.log(done, jax.device_get(metrics), config.batch_size))  # host sync point
+                history.append(writer.log(done, jax.device_get(metrics), config.batch_size,  # host sync point
+                                          extra=beat.stragglers()))
+            if checkpointer:
+                checkpointer.poll()  # a background save that failed stops the run here (exit 73)
             if checkpointer and checkpointer.should_save(done):
                 checkpointer.save(state)
             # Multi-process: a tiny all-reduce, so every process stops after the same step.
@@ -133,6 +144,7 @@ def train(config: Config) -> Result:
                 checkpointer.save(state)  # no-op if this step was just saved
                 preempted = True
                 break
+        beat.stop()
         if not preempted:
             # ---- evaluation ----------------------------------------------------------------------
             eval_batch = mesh.size * max(1, 256 // mesh.size)
@@ -146,6 +158,7 @@ def train(config: Config) -> Result:
                 checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
             summary = writer.done(config.steps, summary)
     finally:
+        beat.stop()
         writer.close()
         if checkpointer:
             checkpointer.close()  # waits for the last save to be written
@@ -180,6 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"jaxdp: error: {cli_message(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except CheckpointWriteError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"jaxdp: error: {err}", file=sys.stderr)
+        return EXIT_CANNOT_SAVE
     except KeyboardInterrupt:
         print("jaxdp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
