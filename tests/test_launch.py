@@ -126,3 +126,33 @@ def test_kill_9_of_one_child_restarts_from_the_checkpoint_and_loses_no_step(tmp_
     assert sorted(got) == sorted(expected) == list(range(1, 301))  # every step once
     np.testing.assert_allclose([got[s] for s in sorted(got)], [expected[s] for s in sorted(got)], rtol=1e-5)
     assert records(metrics)[-1]["event"] == "done"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_readme_launcher(tmp_path):
+    """The README's two-process command through the launcher, as shown, from a scratch directory."""
+    from helpers import readme_blocks, run_shell, sandbox
+
+    (block,) = readme_blocks("tests/test_launch.py::test_readme_launcher")
+    assert block.code.startswith("python -m jaxdp.launch --nproc-per-node 2 -- ")
+    run_shell(block.code, cwd=tmp_path, env=sandbox(tmp_path), timeout=180)
+    done = records(tmp_path / "run.jsonl")[-1]
+    assert done["event"] == "done" and done["processes"] == 2 and done["devices"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_readme_launcher_restarts(tmp_path):
+    """The Launcher section's commands: a checkpointed run, and a script of one's own (written here)."""
+    from helpers import commands, readme_blocks, run_shell, sandbox
+
+    (block,) = readme_blocks("tests/test_launch.py::test_readme_launcher_restarts")
+    env = sandbox(tmp_path)
+    (tmp_path / "my_script.py").write_text(
+        "import jax, jaxdp\njaxdp.initialize()\nprint(f'process {jax.process_index()} of {jax.process_count()}')\n")
+    train, script = commands(block)
+    run_shell(train, cwd=tmp_path, env=env, timeout=180)
+    assert "40" in os.listdir(tmp_path / "ckpt")
+    proc = run_shell(script, cwd=tmp_path, env=env, timeout=180)
+    assert "started 2 processes" in proc.stderr
