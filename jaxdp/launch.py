@@ -64,7 +64,10 @@ def bindings(count: int, cores: Sequence[int]) -> list[set[int]]:
 
 
 def has_accelerator() -> bool:
-    """True on a host with an NVIDIA GPU or a TPU (by their device files; no JAX import)."""
+    """True on a host with an NVIDIA GPU or a TPU (by their device files; no JAX import), unless
+    JAX_PLATFORMS asks for the CPU only."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
     return any(os.path.exists(path) for path in ("/dev/nvidiactl", "/dev/accel0", "/dev/vfio/0"))
 
 
