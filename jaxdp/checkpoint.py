@@ -11,6 +11,8 @@ A checkpoint is one step directory of an orbax `CheckpointManager`:
 
     DIR/15/state/                     the TrainState: step, params, opt_state, model_state, rng
     DIR/15/meta/                      JSON: the step, the data position, the Config of the run
+    DIR/15/jaxdp_checksums.json       sha256 of every array of the state (see "Integrity" below)
+    DIR/.jaxdp-lock                   held by the run that writes DIR (jaxdp/dirlock.py)
     DIR/20.orbax-checkpoint-tmp/      a save that has not finished (or was killed): never restored
     DIR/20.unreadable/                a checkpoint that failed to restore, moved aside (never deleted)
 
@@ -18,16 +20,37 @@ Resuming is exact: everything a step reads is in the TrainState, and the batch a
 pure function of (seed, step) (see jaxdp/data.py), so the data position to save is the step itself.
 It is recorded explicitly anyway (`data_position`), and checked against the state on restore.
 
+Integrity: orbax has no checksums, and a data file with 4 bytes overwritten restores silently wrong
+arrays. So every save records the sha256 of each array's bytes. They are computed from the host
+copy the save makes anyway, in a background thread (off the training path), and written next to
+the step once orbax has committed it (at the next save, `poll` or `close`). A restore checks every
+restored array against them; a mismatch is a damaged checkpoint like any other. A step without the
+file (saved by an older jaxdp, or killed between commit and checksums) is restored unchecked.
+
+A damaged checkpoint is told apart from one made with other flags by what failed: a description
+(`state/_METADATA`, `meta`) that cannot be read or lists no arrays is damage; a complete description
+whose arrays or config differ from this run's is "made with other flags" (InputError).
+
+A save that cannot be written (disk full, permissions) raises `CheckpointWriteError` (the CLI exits
+with EXIT_CANNOT_SAVE) at the save that failed if it fails at once, else at the next `poll` (the
+loop calls it after every step), `save` or `close`: one line naming the step and the reason.
+
 Errors about the caller's input raise `jaxdp.errors.InputError` naming the `directory` (the CLI
 says `--checkpoint-dir`); a damaged checkpoint is never an error: it is moved aside with one warning.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import errno
+import hashlib
 import itertools
+import json
 import logging
 import os
+import re
 import socket
 import sys
 from typing import Any
@@ -37,7 +60,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxdp.config import Config
-from jaxdp.errors import InputError
+from jaxdp.dirlock import DirectoryLock
+from jaxdp.errors import CheckpointWriteError, InputError
 from jaxdp.state import TrainState
 
 log = logging.getLogger("jaxdp")
@@ -52,6 +76,7 @@ _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "strategy", "lr", "schedule", "warmup_steps", "final_lr_fraction", "clip_norm")
 
 UNREADABLE_SUFFIX = ".unreadable"
+CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits
 _BARRIER_IDS = itertools.count()  # every process counts alike, so their barrier names agree
 
 
@@ -74,11 +99,24 @@ class Checkpointer:
         self.save_every = save_every
         self.config = config
         _check_writable(self.directory)
+        self._lock = DirectoryLock(self.directory, *_process_and_client())  # InputError: in use, or not shared
+        # Orbax logs a failed background write from its own threads, with tracebacks; jaxdp reports
+        # it in one line (CheckpointWriteError). Quiet while this checkpointer lives (--debug: not).
+        self._quiet = contextlib.ExitStack()
+        self._quiet.enter_context(_quiet())
+        _ignore_closed_event_loop_errors()
+        self._checksums = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-checksums")
+        self._pending: tuple[int, concurrent.futures.Future] | None = None  # saved step, its checksums
         # Old checkpoints (beyond `keep`) are deleted in a background thread, off the training path;
         # close() waits for that as well as for the last save.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_background_delete=True,
                                                enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handlers())
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handlers())
+        except BaseException:
+            self._lock.release()
+            self._quiet.close()
+            raise
 
     # -- restore --------------------------------------------------------------------------------
 
@@ -99,13 +137,16 @@ class Checkpointer:
         restored = None
         for step in reversed(self._manager.all_steps()):
             try:
-                meta, shapes = self._read_description(step)
+                with _quiet():
+                    meta, shapes = self._read_description(step)
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
                 continue
             self._check_compatible(step, meta, shapes, state)  # InputError: stop, change nothing
             try:
-                restored = self._restore_step(step, state)
+                with _quiet():
+                    restored = self._restore_step(step, state)
+                    self._verify(step, restored)
                 break
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
@@ -115,7 +156,25 @@ class Checkpointer:
     def _read_description(self, step: int) -> tuple[dict, dict]:
         """The meta JSON of checkpoint `step` and the shapes of its state (reads no arrays)."""
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        return meta, _flat_shapes(self._manager.item_metadata(step)["state"])
+        if not isinstance(meta, dict) or "step" not in meta:
+            raise ValueError("its meta/metadata is missing or not jaxdp's")
+        description = self._manager.item_metadata(step).get("state")
+        shapes = {} if description is None else _flat_shapes(description)
+        if not shapes:  # a checkpoint always holds arrays: their description is gone (state/_METADATA)
+            raise ValueError("state/_METADATA, the description of its arrays, is missing or unreadable")
+        return meta, shapes
+
+    def _verify(self, step: int, restored: TrainState) -> None:
+        """ValueError if an array of checkpoint `step` differs from what was saved (CHECKSUMS_FILE)."""
+        path = os.path.join(self.directory, str(step), CHECKSUMS_FILE)
+        if not os.path.exists(path):
+            return  # saved by an older jaxdp, or stopped between commit and checksums: nothing to check
+        with open(path) as f:
+            expected = json.load(f)
+        actual = _checksums(jax.device_get(restored))
+        for name, digest in expected.items():
+            if actual.get(name) != digest:
+                raise ValueError(f"array {name} does not match the checksum recorded when it was saved")
 
     def _check_compatible(self, step: int, meta: dict, stored: dict, state: TrainState) -> None:
         """InputError if checkpoint `step` was made by a different config or holds other shapes."""
@@ -165,8 +224,7 @@ class Checkpointer:
             source = os.path.join(self.directory, str(step))
             target = _unused_name(source + UNREADABLE_SUFFIX)
             resumed = f"resuming from step {restored_step}" if restored_step else "starting from step 0"
-            _warn(f"checkpoint {source} could not be read ({type(err).__name__}: {_first_line(err)}); "
-                  f"moved it to {target}, {resumed}")
+            _warn(f"checkpoint {source} could not be read ({_first_line(err)}); moved it to {target}, {resumed}")
             if jax.process_index() == 0:
                 os.replace(source, target)
         # Hazard: every process must see the renames before any of them saves again. (Damage is
@@ -189,19 +247,61 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         if step in self._manager.all_steps():
             return False
+        self._finish_pending()  # orbax waits for the previous save here anyway
         meta = {"step": step, "data_position": step, "config": None if self.config is None else self.config.to_dict(),
                 "processes": jax.process_count(), "devices": jax.device_count()}
         host_state = jax.device_get(state)
         args = ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta))
-        return self._manager.save(step, args=args, force=True)
+        try:
+            with _quiet():
+                saved = self._manager.save(step, args=args, force=True)
+        except Exception as err:  # noqa: BLE001 - could not even start writing: say so now
+            raise _write_error(step, self.directory, err) from None
+        if saved:
+            self._pending = (step, self._checksums.submit(_checksums, host_state))
+        return saved
+
+    def poll(self) -> None:
+        """Cheap; call after every step. Raises CheckpointWriteError once a background save has failed,
+        and writes the checksums of a save that has finished."""
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        """Wait for the save in flight; CheckpointWriteError if it failed; then write its checksums."""
+        if self._pending is None:
+            return
+        step, checksums = self._pending
+        self._pending = None
+        try:
+            with _quiet():
+                self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - the background write failed
+            raise _write_error(step, self.directory, err) from None
+        step_dir = os.path.join(self.directory, str(step))
+        if jax.process_index() == 0 and os.path.isdir(step_dir):
+            target = os.path.join(step_dir, CHECKSUMS_FILE)
+            try:
+                with open(target + ".tmp", "w") as f:
+                    json.dump(checksums.result(), f, indent=0)
+                os.replace(target + ".tmp", target)
+            except OSError as err:
+                raise _write_error(step, self.directory, err) from None
 
     def wait(self) -> None:
-        """Block until every save has been written and committed."""
+        """Block until every save has been written and committed (CheckpointWriteError if one failed)."""
+        self._finish_pending()
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._finish_pending()
+            self._manager.wait_until_finished()
+            self._manager.close()
+        finally:
+            self._checksums.shutdown(wait=False)
+            self._lock.release()
+            self._quiet.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -261,9 +361,66 @@ def _describe(shape_dtype: tuple[tuple[int, ...], str]) -> str:
     return f"{dtype}{list(shape)}"
 
 
-def _first_line(err: Exception) -> str:
+def _first_line(err: BaseException) -> str:
+    """One readable line about `err`: no pybind reprs, no tracebacks, at most 200 characters."""
     text = str(err).strip().splitlines()
-    return text[0][:200] if text else ""
+    line = text[0] if text else type(err).__name__
+    line = re.split(r"\s*(?:See full TensorStore details|<bound method|<built-in method)", line)[0].rstrip(" .:;")
+    return line[:200] or type(err).__name__
+
+
+def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWriteError:
+    """One line: which save failed, why, and what is left."""
+    cause = err
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        why = "no space left on the device"
+    elif isinstance(cause, OSError):
+        why = cause.strerror or _first_line(cause)
+    elif "No space left" in str(err):
+        why = "no space left on the device"
+    else:
+        why = _first_line(err)
+    return CheckpointWriteError(f"cannot write checkpoint step {step} to {directory}: {why}; the earlier "
+                                f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
+
+
+def _checksums(tree: Any) -> dict[str, str]:
+    """{"params/Dense_0/kernel": sha256 of its bytes} for a host (numpy) copy of a state."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path): hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
+            for path, leaf in leaves}
+
+
+def _process_and_client() -> tuple[int, int, Any]:
+    """(process index, count, coordination client or None): for the directory lock's shared check."""
+    if jax.process_count() == 1:
+        return 0, 1, None
+    from jaxdp.host import coordination_client
+
+    return jax.process_index(), jax.process_count(), coordination_client()
+
+
+_NOISY_LOGGERS = ("absl", "asyncio", "orbax", "jax._src.distributed")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Orbax and asyncio log every failed read or write with a traceback (100s of lines for one
+    damaged checkpoint); jaxdp reports each failure in one line instead. --debug (INFO) keeps them."""
+    if logging.getLogger().isEnabledFor(logging.INFO):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _warn(message: str) -> None:

@@ -74,6 +74,7 @@ class Config:
     num_processes: int | None = _field(None, "distribution", "number of processes in a multi-process run")
     process_id: int | None = _field(None, "distribution", "this process's index, 0 .. num-processes - 1")
     peer_timeout: int = _field(60, "distribution", "seconds a multi-process run waits for every process to join, and for a silent process before giving up (a process that dies is noticed at once)")
+    stall_timeout: int = _field(20, "distribution", "seconds a multi-process run waits for a process that is alive but makes no progress (stopped, stuck) once another process finished the same step; checked from step 2 on, so compilation never counts")
 
     # -- checkpointing --------------------------------------------------------------------------
     checkpoint_dir: str | None = _field(None, "checkpointing", "orbax checkpoint directory; a run pointed at one that holds a checkpoint resumes from it")
@@ -152,12 +153,41 @@ class Config:
             raise ConfigError(f"--process-id={self.process_id} must be smaller than --num-processes={self.num_processes}")
         if self.peer_timeout <= 0:
             raise ConfigError(f"--peer-timeout must be a positive number of seconds, got {self.peer_timeout}")
+        _check_inputs(self)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+SEED_RANGE = 2**32  # numpy's and JAX's seeds are unsigned 32-bit on every path that takes --seed
+
+
+def _check_inputs(config: Config) -> None:
+    """Values that used to fail only after JAX started (or at the first save): fail before it."""
+    if config.stall_timeout <= 0:
+        raise ConfigError(f"--stall-timeout must be a positive number of seconds, got {config.stall_timeout}")
+    if not 0 <= config.seed < SEED_RANGE:
+        raise ConfigError(f"--seed must be between 0 and {SEED_RANGE - 1}, got {config.seed}")
+    for name in ("checkpoint_dir", "metrics_file", "log_dir"):
+        path = getattr(config, name)
+        if path is None:
+            continue
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
+            raise ConfigError(f"--{_flag(name)}={path!r} is not valid UTF-8 (checkpoint and log libraries "
+                              f"need UTF-8 paths); rename it") from None
+        if name == "checkpoint_dir":
+            continue  # jaxdp.checkpoint probes it (a file on the way: "not a writable directory")
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
+        if parent and not os.path.isdir(parent):
+            raise ConfigError(f"--{_flag(name)}={path!r} is under {parent!r}, which is a file, not a directory; "
+                              f"point it at a path in a directory")
 
 
 def _flag(name: str) -> str:

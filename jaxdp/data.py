@@ -149,14 +149,24 @@ def _epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def global_batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
-    """Row indices of global batch `step` (0-based) in an endless sequence of shuffled epochs."""
-    positions = step * batch_size + np.arange(batch_size)
-    epochs, offsets = np.divmod(positions, n)
-    out = np.empty(batch_size, dtype=np.int64)
-    for epoch in np.unique(epochs):
-        mask = epochs == epoch
-        out[mask] = _epoch_permutation(n, seed, int(epoch))[offsets[mask]]
+def global_batch_indices(n: int, batch_size: int, step: int, seed: int,
+                         start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Row indices of global batch `step` (0-based) in an endless sequence of shuffled epochs.
+
+    `start`, `stop`: only rows start..stop-1 of that batch (a process's slice). The positions of a
+    batch are consecutive, so each epoch they cross contributes one contiguous slice of its
+    permutation: O(stop - start) work plus one permutation per epoch crossed, whatever the ratio of
+    batch size to dataset size (a batch of 4M rows of a 1,437-row dataset: one pass, not 2,900).
+    """
+    stop = batch_size if stop is None else stop
+    first, last = step * batch_size + start, step * batch_size + stop  # positions first..last-1
+    out = np.empty(last - first, dtype=np.int64)
+    position = first
+    while position < last:
+        epoch, offset = divmod(position, n)
+        take = min(n - offset, last - position)
+        out[position - first:position - first + take] = _epoch_permutation(n, seed, epoch)[offset:offset + take]
+        position += take
     return out
 
 
@@ -164,8 +174,8 @@ def local_batch(x: np.ndarray, y: np.ndarray, batch_size: int, step: int, seed: 
                 process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
     """This process's contiguous slice of global batch `step`."""
     per_process = batch_size // process_count
-    rows = global_batch_indices(len(x), batch_size, step, seed)
-    rows = rows[process_index * per_process:(process_index + 1) * per_process]
+    rows = global_batch_indices(len(x), batch_size, step, seed, process_index * per_process,
+                                (process_index + 1) * per_process)
     return {"x": x[rows], "y": y[rows]}
 
 

@@ -17,14 +17,16 @@ of every process.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import threading
 
 import jax
 
 from jaxdp import peer_watch
-from jaxdp.cluster import (SLURM_NTASKS, Cluster, detect, in_batch_script_of_several_tasks)
+from jaxdp.cluster import (SLURM_NTASKS, Cluster, detect, in_batch_script_of_several_tasks, parse_address)
 from jaxdp.config import Config, ConfigError
 
 log = logging.getLogger("jaxdp")
@@ -39,6 +41,7 @@ def initialize(config: Config | None = None) -> Cluster:
     device count is left to JAX (or XLA_FLAGS). With a config (the CLI), a CPU-only host simulates
     `config.devices` devices (default 8).
     """
+    given = config is not None
     if config is None:
         config = Config(progress=False)
     else:
@@ -54,6 +57,8 @@ def initialize(config: Config | None = None) -> Cluster:
         alarm = threading.Timer(timeout, _never_arrived, args=(cluster, timeout))
         alarm.daemon = True
         alarm.start()
+        if cluster.process_id == 0:
+            _check_port_free(cluster.coordinator_address)
         try:
             jax.distributed.initialize(
                 coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
@@ -69,7 +74,30 @@ def initialize(config: Config | None = None) -> Cluster:
     collectives = {"cpu": "; gloo collectives", "gpu": "; NCCL collectives"}.get(platform, "")
     log.info("jaxdp.distributed: %s; %d %s devices here%s", cluster.describe(), jax.local_device_count(),
              platform, collectives if cluster.multi_process else "")
+    if given and cluster.multi_process:  # the same flags everywhere, or exit 2 on every process
+        from jaxdp import agreement
+        from jaxdp.host import coordination_client
+
+        agreement.check(coordination_client(), config, cluster.process_id, cluster.num_processes,
+                        config.peer_timeout, lambda: len(process_devices(config.devices)))
     return cluster
+
+
+def _check_port_free(address: str) -> None:
+    """ConfigError if the coordinator's port is taken on this machine (JAX says only "Failed to
+    start RPC server" and exits 1). Checked by process 0, which hosts the coordinator."""
+    _, port = parse_address(address)
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would
+                probe.bind((host, port))
+            return
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ConfigError(f"--coordinator-address={address}: port {port} is already in use on this machine "
+                                  f"(another run, or another program); pick a free port") from None
+            continue  # no IPv6 here: try IPv4
 
 
 def _never_arrived(cluster: Cluster, timeout: int) -> None:

@@ -10,7 +10,8 @@ EXIT_OK = 0
 EXIT_ERROR = 1            # anything unexpected: a bug or an environment problem (--debug: traceback)
 EXIT_BAD_INPUT = 2        # bad flags, files or config: one line on stderr, nothing changed on disk
 EXIT_DIVERGED = 65        # EX_DATAERR: the loss or gradient norm became NaN or infinite; nothing bad was saved
-EXIT_PEER_LOST = 69       # EX_UNAVAILABLE: a peer process of a multi-process run died or never arrived
+EXIT_PEER_LOST = 69       # EX_UNAVAILABLE: a peer process of a multi-process run died, never arrived or stalled
+EXIT_CANNOT_SAVE = 73     # EX_CANTCREAT: a checkpoint could not be written (disk full, permissions); earlier ones are intact
 EXIT_PREEMPTED = 75       # EX_TEMPFAIL: stopped by SIGTERM / SIGUSR1 after saving a checkpoint; rerun to resume
 EXIT_INTERRUPTED = 130    # Ctrl-C (128 + SIGINT), as shells report it
 
@@ -20,6 +21,7 @@ EXIT_CODES = {
     EXIT_BAD_INPUT: "bad input: a one-line message says what to change",
     EXIT_DIVERGED: "training diverged (NaN or infinite loss or gradient norm); the last checkpoint is intact",
     EXIT_PEER_LOST: "a peer process died, never arrived or stopped answering",
+    EXIT_CANNOT_SAVE: "a checkpoint could not be written (disk full, permissions); the earlier ones are intact",
     EXIT_PREEMPTED: "preempted: a checkpoint was saved; rerun the same command to resume",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
@@ -37,3 +39,11 @@ class InputError(ValueError):
     def __init__(self, message: str, *, argument: str | None = None, setting: str | None = None):
         super().__init__(message)
         self.argument, self.setting = argument, setting
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint save failed (disk full, permissions, a vanished directory): exit EXIT_CANNOT_SAVE.
+
+    The message is one line that names the step and the directory. Earlier checkpoints are intact;
+    the failed save is left as `<step>.orbax-checkpoint-tmp`, which is never restored.
+    """

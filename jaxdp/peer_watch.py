@@ -28,6 +28,9 @@ from jaxdp.errors import EXIT_PEER_LOST
 
 _WATCH_KEY = "jaxdp/peer_watch"
 _running = threading.Event()  # set while this process runs; cleared at exit, when links may close
+_links: list[socket.socket] = []  # this process's connections: to every peer (process 0), or to process 0
+_failing = threading.Lock()
+_VERDICT = b"!"  # a line "!<message>" on a link: the sender found a stalled process (jaxdp/heartbeat.py)
 
 
 def start(client: Any, cluster: Cluster, timeout_s: float) -> None:
@@ -55,12 +58,14 @@ def start(client: Any, cluster: Cluster, timeout_s: float) -> None:
             fail(f"process(es) {missing} joined JAX but not the jaxdp peer watch within {timeout_s} s")
         finally:
             server.close()
+        _links.extend(links.values())
         target = lambda: _watch_peers(links, count)  # noqa: E731
     else:
         host, _ = parse_address(cluster.coordinator_address)
         port = int(client.blocking_key_value_get(_WATCH_KEY, int(timeout_s * 1000)))
         link = socket.create_connection((host, port), timeout=timeout_s)
         link.sendall(f"{me}\n".encode())
+        _links.append(link)
         target = lambda: _watch_coordinator(link, me, count)  # noqa: E731
     _running.set()
     atexit.register(_running.clear)  # runs before JAX's own exit handler (registered earlier)
@@ -88,10 +93,12 @@ def _watch_peers(links: dict[int, socket.socket], count: int) -> None:
         for key, _ in selector.select():
             lost = key.data
             try:
-                closed = not key.fileobj.recv(64)
+                message = key.fileobj.recv(4096)
             except OSError:
-                closed = True
-            if not closed:
+                message = b""
+            if message.startswith(_VERDICT) and _running.is_set():
+                _stalled_verdict_from(key.fileobj, message, exclude=key.fileobj)
+            if message:
                 continue
             selector.unregister(key.fileobj)
             if not _running.is_set():
@@ -109,9 +116,11 @@ def _watch_coordinator(link: socket.socket, me: int, count: int) -> None:
     """Any other process: process 0 sends the number of a lost peer, or its connection closes."""
     link.settimeout(None)
     try:
-        message = link.recv(64)
+        message = link.recv(4096)
     except OSError:
         message = b""
+    if message.startswith(_VERDICT) and _running.is_set():
+        _stalled_verdict_from(link, message, exclude=link)
     if _running.is_set():
         lost = int(message.split()[0]) if message.strip() else 0
         _peer_lost(lost, me, count)
@@ -123,7 +132,38 @@ def _peer_lost(lost: int, me: int, count: int) -> None:
          f"see process {lost}'s own output for why (crashed, killed, out of memory, node failure)")
 
 
+def stalled(message: str, exclude: socket.socket | None = None) -> None:
+    """A stalled process was found: tell every process this one is connected to, then exit.
+
+    A stopped process that is continued later finds the verdict waiting on its connection and
+    reports it, instead of blaming the peers that left while it was stopped."""
+    for link in list(_links):
+        if link is not exclude:
+            try:
+                link.setblocking(False)
+                link.send(_VERDICT + message.encode() + b"\n")
+            except OSError:
+                pass
+    fail(message)
+
+
+def _stalled_verdict_from(link: socket.socket, first: bytes, exclude: socket.socket) -> None:
+    """Read the rest of a "!<message>" line and pass the verdict on (process 0 to the others)."""
+    data = first
+    link.settimeout(1.0)
+    try:
+        while not data.endswith(b"\n"):
+            more = link.recv(4096)
+            if not more:
+                break
+            data += more
+    except OSError:
+        pass
+    stalled(data[len(_VERDICT):].decode(errors="replace").strip(), exclude=exclude)
+
+
 def fail(message: str) -> None:
     """Exit at once from any thread: the main thread may be blocked inside a collective."""
+    _failing.acquire()  # one line only: a second thread that fails too waits here for the exit
     print(f"jaxdp: error: {message} (exit code {EXIT_PEER_LOST})", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)

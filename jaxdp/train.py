@@ -6,7 +6,8 @@
     python -m jaxdp.train --help                           # every flag, grouped, with defaults
 
 Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
---debug for the traceback), 69 a peer process died or never arrived, 75 preempted (with
+--debug for the traceback), 69 a peer process died, never arrived or stalled, 73 a checkpoint could
+not be written (disk full), 75 preempted (with
 --checkpoint-dir, SIGTERM or SIGUSR1 make every process finish its step, save and stop; rerun the
 same command to resume), 130 interrupted.
 
@@ -28,8 +29,8 @@ from typing import Any, Sequence
 STARTED = time.perf_counter()  # this module loads first (before JAX): the run's start-up starts here
 
 from jaxdp.config import Config, ConfigError, config_toml, parse_args  # noqa: E402
-from jaxdp.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK,  # noqa: E402
-                          EXIT_PREEMPTED, InputError)
+from jaxdp.errors import (EXIT_BAD_INPUT, EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED,  # noqa: E402
+                          EXIT_OK, EXIT_PREEMPTED, CheckpointWriteError, InputError)
 from jaxdp.metrics import Diverged  # noqa: E402
 
 # Which flag fed each library argument that an InputError may name.
@@ -53,7 +54,7 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import data, distributed, models, tasks
+    from jaxdp import data, distributed, heartbeat, models, tasks
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops
@@ -159,20 +160,26 @@ def train(config: Config) -> Result:
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     batches = Prefetcher(batch_at, start_step, config.steps, depth=config.prefetch)
+    # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py); threads, no host sync here.
+    beat = heartbeat.for_run(config.stall_timeout)
     try:
         for step, batch in batches:
+            dispatch = time.perf_counter()
             state, metrics = train_step(state, batch)
             done = step + 1
+            beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
             pending.append((done, metrics))
             if step == start_step:  # the first step compiles: time it apart, then start the clock
                 jax.block_until_ready(metrics)  # host sync point (once)
                 writer.first_step_done(done)
             writer.step()
             if done % config.log_every == 0 or done == config.steps:
-                history.append(writer.log(done, checked(), {"lr": float(schedule(done - 1))}))
+                history.append(writer.log(done, checked(), {"lr": float(schedule(done - 1)), **beat.stragglers()}))
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 checked()
                 writer.eval(done, evaluate(state))
+            if checkpointer:
+                checkpointer.poll()  # a background save that failed stops the run here (exit 73)
             if checkpointer and checkpointer.should_save(done):
                 checked()  # never write a non-finite state over a good checkpoint
                 checkpointer.save(state)
@@ -182,6 +189,7 @@ def train(config: Config) -> Result:
                 checkpointer.save(state)  # no-op if this step was just saved
                 preempted = True
                 break
+        beat.stop()
         if not preempted:
             # ---- evaluation ----------------------------------------------------------------------
             checked()
@@ -197,6 +205,7 @@ def train(config: Config) -> Result:
     finally:
         batches.close()
         cache.close()
+        beat.stop()
         writer.close()
         if checkpointer:
             checkpointer.close()  # waits for the last save to be written
@@ -238,6 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxdp: error: training diverged: {err.name} became {err.value} at step {err.step}; lower --lr or "
               f"set --clip-norm{kept} (exit code {EXIT_DIVERGED})", file=sys.stderr)
         return EXIT_DIVERGED
+    except CheckpointWriteError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"jaxdp: error: {err}", file=sys.stderr)
+        return EXIT_CANNOT_SAVE
     except KeyboardInterrupt:
         print("jaxdp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

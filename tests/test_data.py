@@ -58,3 +58,28 @@ def test_npz_with_and_without_a_test_split(tmp_path):
              x_test=rng.standard_normal((6, 4, 4)), y_test=rng.integers(0, 5, 6))
     ds = data.load_dataset(str(path))
     assert ds.x_train.shape == (40, 4, 4, 1) and len(ds.x_test) == 6 and ds.num_classes >= 3
+
+
+def reference_indices(n, batch, step, seed):
+    """The definition: position p of the endless stream is row perm(seed, p // n)[p % n]."""
+    positions = step * batch + np.arange(batch)
+    return np.array([np.random.default_rng([seed, p // n]).permutation(n)[p % n] for p in positions])
+
+
+@pytest.mark.parametrize("n, batch, step", [(10, 4, 2), (7, 30, 3), (100, 100, 5), (3, 1000, 1)])
+def test_indices_match_the_definition_for_any_batch_to_dataset_ratio(n, batch, step):
+    np.testing.assert_array_equal(data.global_batch_indices(n, batch, step, seed=5), reference_indices(n, batch, step, 5))
+    part = data.global_batch_indices(n, batch, step, seed=5, start=batch // 3, stop=batch // 2)
+    np.testing.assert_array_equal(part, reference_indices(n, batch, step, 5)[batch // 3:batch // 2])
+
+
+def test_a_batch_far_above_the_dataset_size_costs_its_own_size(monkeypatch):
+    """A process's slice of a 4M-row batch of a 1,437-row dataset touches only the epochs it
+    crosses (the whole global batch used to be computed by every process, with a pass over all
+    its rows per epoch: quadratic in the batch size)."""
+    calls = []
+    original = data._epoch_permutation.__wrapped__
+    monkeypatch.setattr(data, "_epoch_permutation", lambda n, seed, epoch: calls.append(epoch) or original(n, seed, epoch))
+    x, y = np.zeros((1437, 1), np.float32), np.arange(1437, dtype=np.int32)
+    batch = data.local_batch(x, y, 4_000_000, step=3, seed=0, process_index=7, process_count=400_000)
+    assert len(batch["y"]) == 10 and len(set(calls)) <= 2

@@ -34,6 +34,25 @@ def launch_pair(argv: list[str], timeout: float) -> dict:
     return data
 
 
+def launch_with_launchers(argv: list[str], timeout: float) -> dict:
+    """Start the 2 workers `python -m jaxdp.bench *argv` through their own side's launcher, at its
+    defaults: `python -m jaxdp.launch` for jaxdp's train-worker, torchrun for ddp-worker. Every
+    worker gets --json; process 0 writes it. Returns that JSON."""
+    out = f"/tmp/jaxdp-bench-{os.getpid()}-{time.monotonic_ns()}.json"
+    worker = ["-m", "jaxdp.bench", *argv, "--json", out]
+    if argv[0] == "ddp-worker":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *worker]
+    else:
+        command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2", "--", sys.executable, *worker]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    if proc.returncode:
+        raise SystemExit(f"jaxdp.bench: a launch failed ({' '.join(command)}):\n{proc.stdout[-5000:]}")
+    with open(out) as f:
+        data = json.load(f)
+    os.remove(out)
+    return data
+
+
 def pin_to_one_core(rank: int) -> None:
     """Give process `rank` its own core (before JAX / torch start their thread pools).
 
@@ -54,5 +73,5 @@ def add_pin_argument(parser: argparse.ArgumentParser) -> None:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags launch_pair gives each worker (and --no-pin, which the launcher passes on)."""
     add_pin_argument(parser)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, help="absent: started by a launcher, which says who it is")
+    parser.add_argument("--rank", type=int, default=0)

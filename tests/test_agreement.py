@@ -1,0 +1,74 @@
+"""Processes of one run started with different flags: every process exits 2 within seconds, with
+one line naming the first differing flag and each process's value (they used to train different
+models quietly, hang, or time out)."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, cli_env, free_port
+from jaxdp.agreement import disagreement
+
+RUN = ["--steps", "3", "--batch-size", "32", "--no-progress"]
+
+
+def two_processes(tmp_path, flags0, flags1, prefix=((), ())):
+    port = free_port()
+    procs = []
+    for rank, flags in enumerate((flags0, flags1)):
+        argv = [*prefix[rank], sys.executable, "-m", "jaxdp.train", *RUN, *flags, "--coordinator-address",
+                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(rank)]
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        return [(p.wait(timeout=120), p.stderr.read().strip().splitlines()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+CASES = {
+    "lr": (["--lr", "0.001"], ["--lr", "0.01"], "--lr differs between processes (process 0 has --lr=0.001, process 1 has --lr=0.01)"),
+    "strategy": (["--strategy", "psum"], ["--strategy", "ring"], "--strategy differs between processes"),
+    "devices": (["--devices", "2"], ["--devices", "1"], "every process must use the same number of devices"),
+    "checkpoint dir": (["--checkpoint-dir", "{tmp}/a"], ["--checkpoint-dir", "{tmp}/b"], "--checkpoint-dir differs"),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_processes_with_different_flags_all_exit_2_naming_the_flag(tmp_path, case):
+    flags0, flags1, needle = CASES[case]
+    flags0, flags1 = ([f.format(tmp=tmp_path) for f in flags] for flags in (flags0, flags1))
+    devices = [] if case == "devices" else ["--devices", "2"]
+    results = two_processes(tmp_path, [*devices, *flags0], [*devices, *flags1])
+    for code, err in results:
+        assert code == 2 and err and err[-1].startswith("jaxdp: error:") and needle in err[-1], results
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_dir_that_is_not_shared_is_named(tmp_path):
+    """The same --checkpoint-dir on both, but process 1 sees its own private directory of that name
+    (its own mount namespace with a tmpfs there): node-local disks."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -m (root) to give one process its own directory")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    private = ("unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{ckpt}" && exec "$0" "$@"')
+    results = two_processes(tmp_path, ["--devices", "2", "--checkpoint-dir", str(ckpt)],
+                            ["--devices", "2", "--checkpoint-dir", str(ckpt)], prefix=((), private))
+    for code, err in results:
+        assert code == 2 and "on process 1 is not the one process 0 writes" in err[-1], results
+
+
+def test_disagreement_names_the_first_differing_flag_in_flag_order():
+    a = {"config": {"batch_size": 64, "lr": 0.1, "seed": 0}, "devices": 4}
+    b = {"config": {"batch_size": 64, "lr": 0.2, "seed": 1}, "devices": 4}
+    assert disagreement([a, a]) is None
+    assert disagreement([a, b]).startswith("--lr differs between processes (process 0 has --lr=0.1, process 1 has --lr=0.2)")
+    short = {**a, "devices": "process 1: --devices=4 but this process has only 2 cpu devices; ask for at most 2"}
+    assert disagreement([a, short]) == short["devices"]
+    assert "--devices with the smallest count, 2" in disagreement([a, {**a, "devices": 2}])

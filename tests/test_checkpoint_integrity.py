@@ -1,0 +1,101 @@
+"""Checkpoint integrity: checksums catch silently corrupted arrays, a missing description is damage
+(not "other flags"), each damaged checkpoint is one warning line, a full disk is one line and its own
+exit code, and one directory takes one run at a time."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxdp
+from helpers import ROOT, cli_env, records, run_cli
+from jaxdp.errors import EXIT_CANNOT_SAVE
+from jaxdp.train import main
+
+FAST = ["--log-every", "1", "--no-progress", "--save-every", "5", "--keep", "5"]
+
+
+def first_run(ckpt: Path, steps: int = 10) -> None:
+    assert main(["--checkpoint-dir", str(ckpt), "--steps", str(steps), *FAST]) == 0
+
+
+def resume(ckpt: Path, metrics: Path, steps: int = 12) -> subprocess.CompletedProcess:
+    return run_cli("--checkpoint-dir", str(ckpt), "--steps", str(steps), "--metrics-file", str(metrics), *FAST)
+
+
+def step_records(path: Path) -> list[dict]:
+    return [r for r in records(path) if "event" not in r]
+
+
+def test_overwritten_bytes_in_an_array_file_are_caught_moved_aside_and_the_run_falls_back(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    first_run(ckpt)
+    blob = max((ckpt / "10" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    with open(blob, "r+b") as f:  # 4 bytes in the middle of the largest array file: orbax reads garbage
+        f.seek(blob.stat().st_size // 2)
+        f.write(b"\xff\xff\xff\x7f")
+
+    proc = resume(ckpt, metrics)
+
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and len(err) == 1, err
+    assert err[0].startswith("jaxdp: warning: checkpoint") and "moved it to" in err[0] and "resuming from step 5" in err[0]
+    assert "<bound method" not in err[0] and "Traceback" not in proc.stderr
+    assert (ckpt / "10.unreadable" / "state").is_dir()  # kept for inspection, never deleted
+    assert step_records(metrics)[0]["step"] == 6 and all(r["loss"] < 10 for r in step_records(metrics))
+
+
+def test_a_missing_state_description_is_damage_not_other_flags(tmp_path):
+    """state/_METADATA gone: moved aside and resumed from the step before (it used to exit 2 with
+    "use the flags it was made with", and fail the same way on every requeue)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    first_run(ckpt)
+    (ckpt / "10" / "state" / "_METADATA").unlink()
+
+    proc = resume(ckpt, metrics)
+
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and len(err) == 1 and "state/_METADATA" in err[0] and "resuming from step 5" in err[0], err
+    assert (ckpt / "10.unreadable").is_dir() and step_records(metrics)[0]["step"] == 6
+
+
+def test_damaged_array_files_give_one_warning_line_and_no_tracebacks(tmp_path):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    first_run(ckpt)
+    for blob in (ckpt / "10" / "state").rglob("d/*"):
+        with open(blob, "r+b") as f:
+            f.truncate(7)
+    proc = resume(ckpt, metrics)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and len(err) == 1 and "could not be read" in err[0], err
+    assert "<bound method" not in err[0] and "pybind" not in err[0]
+
+
+def test_a_full_disk_stops_the_run_with_its_own_exit_code_and_one_line(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a 2 MB tmpfs here: {mount.stderr.strip()}")
+    try:
+        metrics = tmp_path / "m.jsonl"
+        # Each checkpoint of the MLP takes ~0.9 MB: the third save cannot be written.
+        proc = run_cli("--checkpoint-dir", str(disk / "ckpt"), "--steps", "100", "--metrics-file", str(metrics), *FAST)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == EXIT_CANNOT_SAVE == 73 and len(err) == 1, proc.stderr[-3000:]
+        assert "cannot write checkpoint step 15" in err[0] and "no space left" in err[0], err
+        assert step_records(metrics)[-1]["step"] < 100  # stopped soon after the failed save, not at the end
+        assert {"5", "10"} <= set(os.listdir(disk / "ckpt"))  # the earlier checkpoints are intact
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_second_run_on_the_same_directory_exits_2(tmp_path, capsys):
+    with jaxdp.Checkpointer(str(tmp_path / "ckpt")):  # a run that holds the directory
+        proc = run_cli("--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--no-progress")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "is in use by another run" in err[0], err
+    assert sorted(os.listdir(tmp_path / "ckpt")) == []  # nothing written, no lock file left behind
+    first_run(tmp_path / "ckpt", steps=5)  # released: the next run takes it
