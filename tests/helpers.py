@@ -51,6 +51,12 @@ def step_records(path: Path) -> list[dict]:
     return [r for r in records(path) if "event" not in r]
 
 
+def saved(directory: Path) -> list[str]:
+    """The entries of a checkpoint directory (step directories, unfinished saves), without the
+    `config.toml` that the CLI writes beside them."""
+    return sorted(name for name in os.listdir(directory) if name != "config.toml")
+
+
 def write_corpus(path: Path, sentences: int = 1500, seed: int = 0) -> Path:
     """A text file a small model can learn: sentences of a few dozen words in a fixed grammar."""
     import random

@@ -38,6 +38,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_processes_with_different_flags_all_exit_2_naming_the_flag(tmp_path, case):
@@ -49,6 +50,7 @@ def test_processes_with_different_flags_all_exit_2_naming_the_flag(tmp_path, cas
         assert code == 2 and err and err[-1].startswith("jaxdp: error:") and needle in err[-1], results
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_checkpoint_dir_that_is_not_shared_is_named(tmp_path):
     """The same --checkpoint-dir on both, but process 1 sees its own private directory of that name

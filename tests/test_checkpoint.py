@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jaxdp
-from helpers import ROOT, cli_env, records
+from helpers import ROOT, cli_env, records, saved
 from jaxdp.config import parse_args
 from jaxdp.models import MLP
 from jaxdp.errors import EXIT_PREEMPTED
@@ -68,12 +68,13 @@ def uninterrupted(tmp_path_factory):
 
 
 # The CNN has BatchNorm statistics (model_state); the host strategy takes another code path.
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, model", [("psum", "mlp"), ("ring", "mlp"), ("host", "cnn")])
 def test_stop_at_15_then_resume_to_30_is_bit_identical(tmp_path, uninterrupted, strategy, model):
     flags = ["--strategy", strategy, "--model", model, "--checkpoint-dir", tmp_path / "ckpt", "--save-every", 5,
              "--metrics-file", tmp_path / "m.jsonl"]
     first = run(*flags, "--steps", 15)
-    assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir()) == [5, 10, 15]
+    assert sorted(map(int, saved(tmp_path / "ckpt"))) == [5, 10, 15]
     resumed = run(*flags, "--steps", 30)
 
     assert [r["step"] for r in resumed.history] == list(range(16, 31))  # ran 16..30 only
@@ -133,7 +134,7 @@ def test_save_killed_midway_resumes_from_the_previous_checkpoint(tmp_path, unint
     expected_records, expected_state = uninterrupted("psum")
     assert step_records(metrics) == expected_records  # 16..20 not duplicated, torn line gone
     assert_same_state(resumed.state, expected_state)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["20", "25", "30"]  # orbax replaced the torn save
+    assert saved(ckpt) == ["20", "25", "30"]  # orbax replaced the torn save
 
 
 def test_corrupted_latest_checkpoint_falls_back_and_is_kept_aside(tmp_path, uninterrupted, caplog):
@@ -244,6 +245,7 @@ def wait_for_records(metrics: Path, proc: subprocess.Popen, n: int = 1, timeout:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     flags = ["--checkpoint-dir", ckpt, "--metrics-file", metrics, *FAST]
@@ -254,7 +256,7 @@ def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_p
 
     assert proc.returncode == EXIT_PREEMPTED == 75, stderr
     stopped = records(metrics)[-1]["step"]  # the step in progress when the signal came, finished
-    assert sorted(p.name for p in ckpt.iterdir()) == [str(stopped)]
+    assert saved(ckpt) == [str(stopped)]
     assert f"preempted (SIGTERM): saved step {stopped}" in stderr.strip().splitlines()[-1]
 
     resumed = run(*flags, "--steps", stopped + 3)
@@ -264,6 +266,7 @@ def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_p
     assert step_records(metrics) == step_records(never_stopped)  # every step once, bit-identical losses
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_real_save_leaves_the_previous_checkpoint(tmp_path, caplog):
     """A 512 MiB state takes about a second to write: kill -9 lands while orbax is writing it."""
     script = """if True:
@@ -309,9 +312,10 @@ def test_readme_commands(tmp_path, monkeypatch):
         assert main([*command.split()[3:], "--no-progress"]) == 0, command
     logged = records(tmp_path / "run.jsonl")
     assert [r["step"] for r in logged if "event" not in r] == [10, 15, 20, 30]  # 16..30 after resuming
-    assert logged[-1]["event"] == "done" and sorted(os.listdir(tmp_path / "ckpt")) == ["20", "25", "30"]
+    assert logged[-1]["event"] == "done" and saved(tmp_path / "ckpt") == ["20", "25", "30"]
 
 
+@pytest.mark.slow
 def test_readme_notebook_block(tmp_path, monkeypatch):
     """The README's notebook snippet after its flax.linen example (100 steps), twice: the first run
     trains on to 300 saving every 50; the second restores step 300 and has nothing left to do."""

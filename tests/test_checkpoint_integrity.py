@@ -29,6 +29,7 @@ def step_records(path: Path) -> list[dict]:
     return [r for r in records(path) if "event" not in r]
 
 
+@pytest.mark.slow
 def test_overwritten_bytes_in_an_array_file_are_caught_moved_aside_and_the_run_falls_back(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     first_run(ckpt)
@@ -61,6 +62,7 @@ def test_a_missing_state_description_is_damage_not_other_flags(tmp_path):
     assert (ckpt / "10.unreadable").is_dir() and step_records(metrics)[0]["step"] == 6
 
 
+@pytest.mark.slow
 def test_damaged_array_files_give_one_warning_line_and_no_tracebacks(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     first_run(ckpt)
@@ -73,6 +75,7 @@ def test_damaged_array_files_give_one_warning_line_and_no_tracebacks(tmp_path):
     assert "<bound method" not in err[0] and "pybind" not in err[0]
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_with_its_own_exit_code_and_one_line(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -11,6 +11,7 @@ from helpers import ROOT, cli_env, records, run_cli, step_records
 from jaxdp.train import main
 
 
+@pytest.mark.slow
 def test_default_ring_run_reaches_90_percent(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = run_cli("--strategy=ring", "--metrics-file", str(metrics), "--log-dir", str(tmp_path / "tb"))

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = {"cpu": ROOT / "docker" / "Dockerfile.cpu", "gpu": ROOT / "docker" / "Dockerfile.gpu"}
 BASE_IMAGE = "debian:bookworm-slim"

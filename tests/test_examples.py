@@ -61,6 +61,7 @@ def check(nb: nbformat.NotebookNode) -> None:
     assert last < first / 5, (first, last)
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_executes_and_curves_coincide(tmp_path):
     copy = tmp_path / NOTEBOOK.name
     shutil.copy(NOTEBOOK, copy)

@@ -95,6 +95,7 @@ def test_prefetch_raises_the_thread_error_at_its_step_and_depth_zero_is_inline()
         assert [b for _, b in batches] == [5, 6, 7] and calls == [5, 6, 7]
 
 
+@pytest.mark.slow
 def test_prefetched_training_equals_unprefetched(tmp_path):
     corpus = write_corpus(tmp_path / "c.txt", sentences=300)
     common = ["--model", "gpt", "--dataset", str(corpus), "--layers", "1", "--d-model", "32", "--heads", "2",

@@ -55,6 +55,8 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", sorted(jaxdp.STRATEGIES))
 def test_two_processes_train_like_one_process_with_as_many_devices(tmp_path, strategy):
     port = free_port()
@@ -82,6 +84,7 @@ def test_two_processes_train_like_one_process_with_as_many_devices(tmp_path, str
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_notebook_api_in_a_user_started_two_process_run_matches_one_process(tmp_path):
     """2 processes x 2 devices started with jax.distributed.initialize alone (no jaxdp.train, no
     jaxdp.initialize) train like 1 process x 4 devices, for every strategy. (The host strategy
@@ -106,6 +109,8 @@ def test_notebook_api_in_a_user_started_two_process_run_matches_one_process(tmp_
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killing_one_process_stops_the_other_naming_it(tmp_path, victim):
     port, metrics = free_port(), tmp_path / "m.jsonl"
@@ -131,6 +136,7 @@ def test_killing_one_process_stops_the_other_naming_it(tmp_path, victim):
         assert "process 0 (the coordinator, one of 2) stopped" in err or "leader task" in err, err[-2000:]
 
 
+@pytest.mark.multiprocess
 def test_a_process_that_never_arrives_is_named(tmp_path):
     proc = start(0, free_port(), tmp_path, *RUN, "--devices", "4", "--peer-timeout", "3")
     assert wait_all([proc], timeout=60) == [EXIT_PEER_LOST]
@@ -241,6 +247,8 @@ def test_slurm_gpu_layouts(layout, extra, expected):
     assert cluster.slurm_local_device_ids({**SRUN_TASK, **extra}) == expected, layout
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_readme_two_processes(tmp_path):
     """The README's two-process command, as shown (on a free port), from a scratch directory."""
     from helpers import readme_blocks, run_shell, sandbox

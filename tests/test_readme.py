@@ -94,6 +94,7 @@ def test_sections_owned_by_others_have_their_headings():
 # ---- running the blocks -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_setup_commands(tmp_path):
     """The train command at the top: its set-up part equals the test command's (which .ci/run
     runs, with the test extra added), and its training part is run here."""
@@ -117,6 +118,7 @@ EXPECT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", readme_blocks("tests/test_readme.py::test_shell_blocks"), ids=lambda b: b.id)
 def test_shell_blocks(block, tmp_path):
     env = sandbox(tmp_path)
@@ -149,6 +151,7 @@ PYTHON_CHECKS = {
                      'assert stats and all(len({a.tobytes() for a in (s.data for s in x.addressable_shards)}) == 1 for x in stats)\n'
                      'assert float(np.abs(np.asarray(model.norm.mean.value)).sum()) > 0\n',
 }
+@pytest.mark.slow
 @pytest.mark.parametrize("block", readme_blocks("tests/test_readme.py::test_python_blocks"), ids=lambda b: b.id)
 def test_python_blocks(block, tmp_path):
     kind = ("nnx-batchnorm" if "BatchNorm" in block.code else "nnx") if "from flax import nnx" in block.code else "linen"

@@ -19,6 +19,8 @@ import pytest
 from helpers import ROOT, cli_env, records, step_records
 from slurm_cluster import SlurmCluster
 
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.multiprocess]
+
 RUN = ["--steps", "5", "--batch-size", "64", "--log-every", "1", "--no-progress"]
 
 

@@ -56,6 +56,7 @@ def test_a_stopped_process_is_named_by_the_others_within_the_stall_timeout(tmp_p
         assert "process 1 (of 2) stalled" in mine[-1], mine[-3:]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_metrics_report_each_process_step_time_and_the_slowest(tmp_path):
     port, metrics = free_port(), tmp_path / "m.jsonl"

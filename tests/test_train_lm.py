@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxdp
-from helpers import ROOT, cli_env, free_port, records, step_records, write_corpus
+from helpers import ROOT, cli_env, free_port, records, saved, step_records, write_corpus
 from jaxdp.config import parse_args
 from jaxdp.errors import EXIT_DIVERGED
 from jaxdp.models import MLP
@@ -102,6 +102,7 @@ def test_bad_token_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys, fl
 # ---- gradient accumulation ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_grad_accum_4_by_64_equals_batch_256_with_one_all_reduce(tmp_path):
     common = ["--steps", "5", "--optimizer", "momentum", "--lr", "0.05", "--no-progress", "--log-every", "1"]
     accumulated = train(parse_args([*common, "--grad-accum", "4", "--batch-size", "64"]))
@@ -130,18 +131,19 @@ def test_grad_accum_4_by_64_equals_batch_256_with_one_all_reduce(tmp_path):
 # ---- the NaN guard ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_divergence_exits_with_its_code_keeps_the_last_good_checkpoint_and_writes_valid_json(tmp_path, capsys):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     flags = ["--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics), "--save-every", "5", "--no-progress",
              "--optimizer", "sgd"]
     assert main([*flags, "--steps", "5", "--lr", "0.01"]) == 0  # a good checkpoint at step 5
-    good = {p.name for p in ckpt.iterdir()}
+    good = saved(ckpt)
     assert main([*flags, "--steps", "40", "--lr", "1e9", "--log-every", "10"]) == EXIT_DIVERGED
     resumed_line, *err = capsys.readouterr().err.strip().splitlines()
     assert resumed_line.startswith("jaxdp: resumed from step 5")
     assert len(err) == 1 and re.match(r"jaxdp: error: training diverged: \w+ became \w+ at step \d+", err[0]), err
     assert "the last checkpoint (step 5) is intact" in err[0]
-    assert {p.name for p in ckpt.iterdir()} == good  # nothing non-finite was saved over it
+    assert saved(ckpt) == good  # nothing non-finite was saved over it
     lines = records(metrics)  # strict JSON, line by line
     diverged = lines[-1]
     assert diverged["event"] == "diverged" and diverged["value"] in ("NaN", "Infinity", "-Infinity")
@@ -185,6 +187,7 @@ def test_bad_config_files_exit_2(tmp_path, capsys, text, needle):
     assert len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.slow
 def test_first_record_time_and_resume_message(tmp_path):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     flags = ["--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt), "--no-progress", "--log-every", "2"]
