@@ -40,7 +40,7 @@ def test_overwritten_bytes_in_an_array_file_are_caught_moved_aside_and_the_run_f
 
     proc = resume(ckpt, metrics)
 
-    err = proc.stderr.strip().splitlines()
+    err = [line for line in proc.stderr.strip().splitlines() if not line.startswith("jaxdp: resumed from step")]
     assert proc.returncode == 0 and len(err) == 1, err
     assert err[0].startswith("jaxdp: warning: checkpoint") and "moved it to" in err[0] and "resuming from step 5" in err[0]
     assert "<bound method" not in err[0] and "Traceback" not in proc.stderr
@@ -57,7 +57,7 @@ def test_a_missing_state_description_is_damage_not_other_flags(tmp_path):
 
     proc = resume(ckpt, metrics)
 
-    err = proc.stderr.strip().splitlines()
+    err = [line for line in proc.stderr.strip().splitlines() if not line.startswith("jaxdp: resumed from step")]
     assert proc.returncode == 0 and len(err) == 1 and "state/_METADATA" in err[0] and "resuming from step 5" in err[0], err
     assert (ckpt / "10.unreadable").is_dir() and step_records(metrics)[0]["step"] == 6
 
@@ -70,7 +70,7 @@ def test_damaged_array_files_give_one_warning_line_and_no_tracebacks(tmp_path):
         with open(blob, "r+b") as f:
             f.truncate(7)
     proc = resume(ckpt, metrics)
-    err = proc.stderr.strip().splitlines()
+    err = [line for line in proc.stderr.strip().splitlines() if not line.startswith("jaxdp: resumed from step")]
     assert proc.returncode == 0 and len(err) == 1 and "could not be read" in err[0], err
     assert "<bound method" not in err[0] and "pybind" not in err[0]
 
@@ -86,7 +86,7 @@ def test_a_full_disk_stops_the_run_with_its_own_exit_code_and_one_line(tmp_path)
         metrics = tmp_path / "m.jsonl"
         # Each checkpoint of the MLP takes ~0.9 MB: the third save cannot be written.
         proc = run_cli("--checkpoint-dir", str(disk / "ckpt"), "--steps", "100", "--metrics-file", str(metrics), *FAST)
-        err = proc.stderr.strip().splitlines()
+        err = [line for line in proc.stderr.strip().splitlines() if not line.startswith("jaxdp: resumed from step")]
         assert proc.returncode == EXIT_CANNOT_SAVE == 73 and len(err) == 1, proc.stderr[-3000:]
         assert "cannot write checkpoint step 15" in err[0] and "no space left" in err[0], err
         assert step_records(metrics)[-1]["step"] < 100  # stopped soon after the failed save, not at the end
@@ -98,7 +98,7 @@ def test_a_full_disk_stops_the_run_with_its_own_exit_code_and_one_line(tmp_path)
 def test_a_second_run_on_the_same_directory_exits_2(tmp_path, capsys):
     with jaxdp.Checkpointer(str(tmp_path / "ckpt")):  # a run that holds the directory
         proc = run_cli("--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--no-progress")
-    err = proc.stderr.strip().splitlines()
+    err = [line for line in proc.stderr.strip().splitlines() if not line.startswith("jaxdp: resumed from step")]
     assert proc.returncode == 2 and len(err) == 1 and "is in use by another run" in err[0], err
     assert sorted(os.listdir(tmp_path / "ckpt")) == []  # nothing written, no lock file left behind
     first_run(tmp_path / "ckpt", steps=5)  # released: the next run takes it
