@@ -111,15 +111,30 @@ def test_prefetched_training_equals_unprefetched(tmp_path):
 def test_a_second_run_loads_its_compiled_programs_from_the_cache(tmp_path):
     cache = tmp_path / "cache"
     done = {}
-    for run, setting in (("first", str(cache)), ("second", str(cache)), ("off", "off")):
+    for run, setting in (("first", str(cache)), ("second", str(cache))):
         proc = run_cli("--steps", "3", "--no-progress", "--compile-cache", setting,
                        "--metrics-file", str(tmp_path / f"{run}.jsonl"))
         assert proc.returncode == 0, proc.stderr
         start, *_, done[run] = records(tmp_path / f"{run}.jsonl")
-        assert start["compile_cache"] == (None if setting == "off" else str(cache))
+        assert start["compile_cache"] == str(cache)
     assert done["first"]["compile_cache_hits"] == 0 and any(cache.rglob("*"))
     assert done["second"]["compile_cache_hits"] > 0  # the train and eval steps came from disk
-    assert done["off"]["compile_cache_hits"] == 0
+
+
+def test_compile_cache_settings(monkeypatch, tmp_path):
+    from jaxdp import runtime
+
+    assert runtime.cache_directory("off") is None and runtime.enable_compile_cache("off") is None
+    monkeypatch.setenv(runtime.CACHE_ENV, str(tmp_path / "env"))
+    assert runtime.cache_directory("auto") == str(tmp_path / "env")
+    monkeypatch.delenv(runtime.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert runtime.cache_directory("auto") == str(tmp_path / "xdg" / "jaxdp" / "xla")
+    assert runtime.cache_directory("~/c").startswith("/") and runtime.cache_directory("rel") == str(tmp_path.cwd() / "rel")
+    environ = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    assert runtime.add_gpu_xla_flags(environ) == [] and environ["XLA_FLAGS"].endswith("=false")  # the user's value wins
+    environ = {}
+    assert runtime.add_gpu_xla_flags(environ) == ["--xla_gpu_enable_latency_hiding_scheduler=true"]
 
 
 # ---- pins -----------------------------------------------------------------------------------------
