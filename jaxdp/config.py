@@ -200,7 +200,7 @@ def choices(f: dataclasses.Field) -> tuple[str, ...] | None:
     return None if names is None else tuple(names)
 
 
-def _metavar(f: dataclasses.Field) -> str:
+def metavar(f: dataclasses.Field) -> str:
     if f.name.endswith(("_dir", "_file")) or f.name == "dataset":
         return "PATH"
     return {"int": "N", "int | None": "N", "float": "X"}.get(f.type, f.name.upper())
@@ -241,7 +241,7 @@ def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser
             group.add_argument(f"--no-{_flag(f.name)}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
             group.add_argument(flag, dest=f.name, type=types[f.type], default=f.default,
-                               choices=choices(f), help=help, metavar=None if choices(f) else _metavar(f))
+                               choices=choices(f), help=help, metavar=None if choices(f) else metavar(f))
     parser.add_argument("--config", metavar="PATH", help="a TOML file of flag values (keys: the flag names, for "
                         "example batch-size = 64); flags on the command line override it")
     return parser

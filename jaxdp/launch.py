@@ -9,7 +9,7 @@ Like torchrun's standalone mode:
   `JAX_PROCESS_ID` in each child's environment (`jaxdp.train` and `jaxdp.initialize()` read them);
 * on a CPU host, each process is bound to its own disjoint set of cores (`os.sched_setaffinity`
   in the child before it starts, so XLA sizes its thread pools to them; N processes that each size
-  their pools to the whole machine fight over it: 0.2x PyTorch DDP's speed on 2 cores). `--no-bind`
+  their pools to the whole machine fight over it; README "Launcher" has the figures). `--no-bind`
   leaves them unbound. Hosts with accelerators are not bound (the work is on the devices);
 * SIGINT, SIGTERM and SIGUSR1 are forwarded to every child (SIGTERM / SIGUSR1: save and exit 75);
 * when a child is lost (exits with EXIT_PEER_LOST, the lost-peer or stall code, or is killed by a

@@ -2,7 +2,7 @@
 
 Why: XLA's CPU runtime allocates its buffers with malloc on every step. glibc serves requests of
 32 MB and more with a fresh mmap and unmaps them on free, so every step page-faults its big
-buffers in again (measured: psum of 64 MB per device took 381 ms instead of 45-53 ms). glibc reads
+buffers in again (README "Big buffers and glibc malloc" has the figures). glibc reads
 its tuning variables once, when the process starts, so setting them from Python is too late.
 
 What: the command-line entry points (`python -m jaxdp.train`, the `jaxdp-train` script,

@@ -45,7 +45,7 @@ def classification(model: nn.Module) -> Task:
                 "count": jnp.sum(batch["mask"])}
 
     def summarize(totals):
-        return {"eval_loss": totals["loss"] / totals["count"], "eval_accuracy": totals["correct"] / totals["count"]}
+        return {"eval_accuracy": totals["correct"] / totals["count"], "eval_loss": totals["loss"] / totals["count"]}
 
     return Task(loss_fn, eval_fn, summarize)
 

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,3 +118,15 @@ def test_importing_the_package_has_no_side_effects():
     assert proc.returncode == 0, proc.stderr
     jax_loaded, marker, _ = proc.stdout.split()
     assert (jax_loaded, marker) == ("False", "None")  # no JAX, no re-exec
+
+
+@pytest.mark.slow
+def test_the_console_script_tunes_malloc_like_python_dash_m(tmp_path):
+    script = Path(sys.executable).with_name("jaxdp-train")
+    if not script.exists():
+        pytest.skip(f"no {script.name} next to {sys.executable} (install the package: pip install -e .)")
+    env = {k: v for k, v in cli_env().items() if k != "JAXDP_MALLOC_ENV"}
+    proc = subprocess.run([str(script), "--steps", "1", "--no-progress", "--metrics-file", str(tmp_path / "m.jsonl")],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert records(tmp_path / "m.jsonl")[0]["malloc_env"] == "1"  # it re-executed itself before JAX loaded

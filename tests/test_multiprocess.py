@@ -57,7 +57,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", sorted(jaxdp.STRATEGIES))
+@pytest.mark.parametrize("strategy", ["psum", "host"])  # every strategy: the notebook-API test below
 def test_two_processes_train_like_one_process_with_as_many_devices(tmp_path, strategy):
     port = free_port()
     procs = [start(i, port, tmp_path, *RUN, "--strategy", strategy, "--devices", "4",

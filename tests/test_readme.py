@@ -195,7 +195,7 @@ def cli_reference() -> str:
             elif config.choices(f):
                 usage = f"`{flag} {{{','.join(config.choices(f))}}}`"
             else:
-                usage = f"`{flag} {config._metavar(f)}`"
+                usage = f"`{flag} {config.metavar(f)}`"
             default = "" if f.default is None else f"`{f.default}`"
             lines.append(f"| {usage} | {default} | {f.metadata['help'].replace('|', '&#124;')} |")
         lines.append("")
