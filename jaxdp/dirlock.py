@@ -48,25 +48,11 @@ class DirectoryLock:
             raise error
 
     def _acquire(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise InputError(f"checkpoint directory {self.directory!r} is in use by another run (it holds the "
-                             f"directory's lock); wait for it to finish or use another directory",
-                             argument="directory") from None
+            self._fd = _lock(os.open(self.directory, os.O_RDONLY), "the directory's lock", self.directory)
         except OSError:  # this filesystem cannot lock a directory: lock a file in it instead
-            os.close(fd)
             fd = os.open(os.path.join(self.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise InputError(f"checkpoint directory {self.directory!r} is in use by another run (it holds "
-                                 f"{LOCK_NAME}); wait for it to finish or use another directory",
-                                 argument="directory") from None
-        self._fd = fd
+            self._fd = _lock(fd, LOCK_NAME, self.directory)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -107,3 +93,17 @@ def _check_shared(directory: str, process: int, count: int, client: Any, error: 
         if token_file is not None:
             os.remove(token_file)
     return error
+
+
+def _lock(fd: int, what: str, directory: str) -> int:
+    """flock `fd` without waiting; InputError if another run holds it (OSError if it cannot be locked)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        raise InputError(f"checkpoint directory {directory!r} is in use by another run (it holds {what}); wait for "
+                         f"it to finish or use another directory", argument="directory") from None
+    except OSError:
+        os.close(fd)
+        raise
