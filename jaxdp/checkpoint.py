@@ -62,6 +62,7 @@ import orbax.checkpoint as ocp
 from jaxdp.config import Config
 from jaxdp.dirlock import DirectoryLock
 from jaxdp.errors import CheckpointWriteError, InputError
+from jaxdp.metrics import write_text_atomically
 from jaxdp.state import TrainState
 
 log = logging.getLogger("jaxdp")
@@ -282,9 +283,7 @@ class Checkpointer:
         if jax.process_index() == 0 and os.path.isdir(step_dir):
             target = os.path.join(step_dir, CHECKSUMS_FILE)
             try:
-                with open(target + ".tmp", "w") as f:
-                    json.dump(checksums.result(), f, indent=0)
-                os.replace(target + ".tmp", target)
+                write_text_atomically(target, json.dumps(checksums.result(), indent=0))
             except OSError as err:
                 raise _write_error(step, self.directory, err) from None
 

@@ -217,7 +217,12 @@ def _keep_records_up_to(path: str, step: int) -> None:
                 continue
             if isinstance(record, dict) and record.get("event") != "done" and (record.get("step") or 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
+    write_text_atomically(path, "".join(kept))
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """Write `path` through a temporary file and a rename, so a crash never leaves half a file."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.writelines(kept)
+        f.write(text)
     os.replace(tmp, path)

@@ -139,10 +139,11 @@ def _local_grads_fn(loss_fn: Callable, stateful: bool, axis: str) -> Callable:
     """(state, local batch, micro-batch index) -> (metrics, new model_state, grads) on one device,
     unsynchronised."""
 
-    def local_grads(state: TrainState, batch: Batch, micro: Any = 0) -> tuple[Metrics, Any, Any]:
+    def local_grads(state: TrainState, batch: Batch, micro: Any = None) -> tuple[Metrics, Any, Any]:
         if stateful:
             rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), jax.lax.axis_index(axis))
-            rng = jax.random.fold_in(rng, micro) if not isinstance(micro, int) or micro else rng
+            if micro is not None:  # with --grad-accum, every micro-batch draws its own keys
+                rng = jax.random.fold_in(rng, micro)
 
             def objective(params):
                 loss, aux, model_state = loss_fn(params, state.model_state, batch, rng)

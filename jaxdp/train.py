@@ -57,7 +57,7 @@ def train(config: Config) -> Result:
     from jaxdp import data, distributed, heartbeat, models, tasks
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
-    from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops
+    from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops, write_text_atomically
     from jaxdp.prefetch import Prefetcher
     from jaxdp.preemption import Preemption
     from jaxdp.state import init_state, make_optimizer, make_schedule
@@ -277,14 +277,6 @@ def cli_message(err: InputError) -> str:
         message = re.sub(rf"\b(?<!-){re.escape(err.setting)}\b", flag, message)
     flag = FLAG_OF_ARGUMENT.get(err.argument or "")
     return f"{flag}: {message}" if flag else message
-
-
-def write_text_atomically(path: str, text: str) -> None:
-    """Write `path` through a temporary file and a rename, so a crash never leaves half a file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def cli() -> None:

@@ -9,19 +9,13 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from jaxdp.launch import free_port  # noqa: F401 - tests take it from here
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -5,16 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jaxdp.launch import free_port
 
 
 def launch_pair(argv: list[str], timeout: float) -> dict:
