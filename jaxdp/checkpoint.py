@@ -59,6 +59,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxdp import zero
 from jaxdp.config import Config
 from jaxdp.dirlock import DirectoryLock
 from jaxdp.errors import CheckpointWriteError, InputError
@@ -72,9 +73,9 @@ log = logging.getLogger("jaxdp")
 # to), --strategy (psum, ring and host compute the same mean; only bit-identity is lost), the
 # learning rate and its schedule and clipping (to recover from a divergence; the optimizer state's
 # shapes are checked separately), the device and process count (the state is replicated),
-# checkpointing and logging.
+# checkpointing and logging, and --shard-optimizer (checkpoints hold the optimizer state whole).
 _RESUME_GROUPS = ("data", "model", "optimisation")
-_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "lr", "schedule", "warmup_steps", "final_lr_fraction", "clip_norm")
+_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "lr", "schedule", "warmup_steps", "final_lr_fraction", "clip_norm")
 
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits
@@ -148,6 +149,7 @@ class Checkpointer:
                 with _quiet():
                     restored = self._restore_step(step, state)
                     self._verify(step, restored)
+                    restored = _unportable(restored, state)
                 break
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
@@ -187,7 +189,7 @@ class Checkpointer:
                     raise InputError(f"{where} made with {name}={saved[name]!r}, but this run has {name}={value!r}; "
                                      f"use the same {name} or another checkpoint directory", argument="directory",
                                      setting=name)
-        wanted = _flat_shapes(state)
+        wanted = _flat_shapes(_portable(state, abstract=True))
         for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):
                 have = "missing" if path not in stored else _describe(stored[path])
@@ -197,7 +199,7 @@ class Checkpointer:
                                  argument="directory")
 
     def _restore_step(self, step: int, state: TrainState) -> TrainState:
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _portable(state, abstract=True))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         _ignore_closed_event_loop_errors()
         restored = self._manager.restore(step, args=args)
@@ -242,7 +244,8 @@ class Checkpointer:
         """Save `state` at `state.step` (all processes call it). False if that step is already saved.
 
         Host sync point: waits for the step that produced `state`, then copies it to host memory
-        (the state is replicated, so one copy is all of it). The files are written in a background
+        (the state is replicated, so one copy is all of it; a ZeRO-1 optimizer state is gathered
+        from every device, in its tree form: see `_portable`). The files are written in a background
         thread; the next `save` or `close` waits for them.
         """
         step = int(jax.device_get(state.step))
@@ -251,7 +254,7 @@ class Checkpointer:
         self._finish_pending()  # orbax waits for the previous save here anyway
         meta = {"step": step, "data_position": step, "config": None if self.config is None else self.config.to_dict(),
                 "processes": jax.process_count(), "devices": jax.device_count()}
-        host_state = jax.device_get(state)
+        host_state = jax.device_get(_portable(state))
         args = ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta))
         try:
             with _quiet():
@@ -307,6 +310,27 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _portable(state: TrainState, abstract: bool = False) -> TrainState:
+    """`state` as checkpoints hold it: a ZeRO-1 optimizer state (jaxdp/zero.py) in its tree form,
+    whole, so that a checkpoint restores onto any device count, sharded or not. `abstract`: shapes
+    only, placed on this process's CPU (the restore reads it into host memory, not device memory)."""
+    if not zero.is_sharded(state.opt_state):
+        return state
+    if not abstract:
+        return state.replace(opt_state=zero.to_host_tree(state.opt_state))
+    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), zero.abstract_tree(state.opt_state))
+    return state.replace(opt_state=shapes)
+
+
+def _unportable(restored: TrainState, like: TrainState) -> TrainState:
+    """`_portable`'s inverse: a restored tree-form optimizer state cut into `like`'s shards."""
+    if not zero.is_sharded(like.opt_state):
+        return restored
+    mesh = jax.tree.leaves(like.params)[0].sharding.mesh
+    return restored.replace(opt_state=zero.from_host_tree(jax.device_get(restored.opt_state), like.opt_state, mesh))
 
 
 def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

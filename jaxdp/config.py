@@ -63,6 +63,7 @@ class Config:
     warmup_steps: int = _field(0, "optimisation", "linear warm-up steps from 0 to --lr (warmup-cosine)")
     final_lr_fraction: float = _field(0.1, "optimisation", "the cosine schedules end at this fraction of --lr")
     clip_norm: float = _field(0.0, "optimisation", "clip the global gradient norm to this value (0: no clipping)")
+    shard_optimizer: bool = _field(False, "optimisation", "ZeRO-1: each device keeps and updates 1/N of the optimizer state (psum, ring); the same numbers, 1/N of the optimizer memory")
     grad_accum: int = _field(1, "optimisation", "micro-batches per step: gradients accumulate on each device and are synchronised once per step")
     momentum: float = _field(0.9, "optimisation", "momentum for --optimizer=momentum")
     weight_decay: float = _field(1e-4, "optimisation", "weight decay for --optimizer=adamw")
@@ -169,6 +170,9 @@ def _check_inputs(config: Config) -> None:
     """Values that used to fail only after JAX started (or at the first save): fail before it."""
     if config.stall_timeout <= 0:
         raise ConfigError(f"--stall-timeout must be a positive number of seconds, got {config.stall_timeout}")
+    if config.shard_optimizer and config.strategy == "host":
+        raise ConfigError("--shard-optimizer needs an in-graph strategy (--strategy psum or ring): host averages whole "
+                          "gradients in host memory, so there is no device-side optimizer update to shard")
     if not 0 <= config.seed < SEED_RANGE:
         raise ConfigError(f"--seed must be between 0 and {SEED_RANGE - 1}, got {config.seed}")
     for name in ("checkpoint_dir", "metrics_file", "log_dir"):

@@ -42,7 +42,8 @@ class TrainState:
 
     step:        int32 scalar, number of updates applied so far.
     params:      the model parameters.
-    opt_state:   the optax state for `params`.
+    opt_state:   the optax state for `params` (replicated), or with `shard_optimizer=True` a
+                 `jaxdp.zero.ShardedOptState`: the state of the flat buffers, 1/N per device.
     model_state: mutable model collections (e.g. {"batch_stats": ...}); {} when the model has none.
     rng:         a raw uint32[2] PRNG key; the step derives per-step, per-device keys from it and
                  `step`, so it never changes and a resumed run draws the same numbers.
@@ -58,19 +59,28 @@ class TrainState:
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
-               model_state: Any = None, rng: Any = 0) -> TrainState:
+               model_state: Any = None, rng: Any = 0, shard_optimizer: bool = False) -> TrainState:
     """A TrainState with `params` (and `model_state`) replicated over `mesh` and a fresh `tx` state.
 
     `params` may be host or device values; in a multi-process run every process must pass the
     same values (initialise from the same seed). `rng` is an int seed or a PRNG key. Pass the same
     `tx` object to `make_train_step`: it checks.
+
+    `shard_optimizer=True` (ZeRO-1, jaxdp/zero.py): the optimizer state is cut into one 1/N slice
+    per device instead of replicated; pass it to `make_train_step` too. InputError if `tx` looks at
+    the parameter tree itself and so cannot run on the flat slices.
     """
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     params = replicate(params, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
+    if shard_optimizer:
+        from jaxdp import zero
+
+        opt_state = zero.init(params, tx, mesh)
+    else:
+        opt_state = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
     return TrainState(
         step=replicate(np.int32(0), mesh),
         params=params,

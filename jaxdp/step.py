@@ -33,18 +33,20 @@ synchronises them; tests compare every strategy with a single-device reference.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import host
+from jaxdp import host, zero
+from jaxdp.errors import InputError
 from jaxdp.mesh import axis_name as mesh_axis_name, replicate
 from jaxdp.state import TrainState
-from jaxdp.sync import is_on_host
+from jaxdp.sync import halves as sync_halves, is_on_host, psum_mean
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -59,14 +61,19 @@ class TrainStep:
     """
 
     def __init__(self, run: Callable[[TrainState, Batch], tuple[TrainState, Metrics]],
-                 lowerable: Any, tx: optax.GradientTransformation, strategy: Callable):
+                 lowerable: Any, tx: optax.GradientTransformation, strategy: Callable, shard_optimizer: bool = False):
         self._run, self._lowerable, self.tx, self.strategy = run, lowerable, tx, strategy
+        self.shard_optimizer = shard_optimizer
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         made_for = state.optimizer.tx
         if made_for is not None and made_for is not self.tx:
             raise ValueError("this state was made by init_state with a different optax transformation than "
                              "the one given to make_train_step; pass the same tx object to both")
+        if zero.is_sharded(state.opt_state) != self.shard_optimizer:
+            layout = "replicated" if self.shard_optimizer else "sharded"
+            raise ValueError(f"this state's optimizer state is {layout} but the step was made with shard_optimizer="
+                             f"{self.shard_optimizer}; pass the same shard_optimizer to init_state and make_train_step")
         return self._run(state, batch)
 
     def lower(self, state: TrainState, batch: Batch) -> Any:
@@ -75,7 +82,7 @@ class TrainStep:
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
                     strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
-                    grad_norm: bool = False) -> TrainStep:
+                    grad_norm: bool = False, shard_optimizer: bool = False) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -83,6 +90,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     synchronises once per step: the same update as one step on the whole batch, with one
     collective instead of K (PyTorch's `no_sync`). `grad_norm=True` adds `metrics["grad_norm"]`,
     the global norm of the averaged gradient (before clipping), which the NaN guard reads.
+
+    `shard_optimizer=True` is ZeRO-1 (jaxdp/zero.py): the strategy's reduce-scatter, each device's
+    update of its own 1/N of the parameters and optimizer state, then the strategy's all-gather.
+    The state must come from `init_state(..., shard_optimizer=True)`. Parameters, metrics and
+    model state are the same as without it.
     """
     from jaxdp.registry import STRATEGIES
 
@@ -97,6 +109,14 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
         params = optax.apply_updates(state.params, updates)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
 
+    if shard_optimizer:
+        if sync_halves(sync) is None:
+            name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
+            why = ("it averages whole gradients in host memory, so there is no device-side update to shard"
+                   if is_on_host(sync) else "it has no reduce-scatter and all-gather halves (jaxdp.sync.Halves)")
+            raise InputError(f"shard_optimizer does not apply to strategy {name!r}: {why}; use psum or ring",
+                             argument="strategy")
+        return _sharded_step(local_grads, sync, mesh, tx, grad_norm)
     if is_on_host(sync):
         return _host_step(local_grads, apply_update, sync, mesh, tx, grad_norm)
 
@@ -203,6 +223,57 @@ def _sync_together(sync: Callable, axis: str, grads: Any, metrics: Metrics, mode
     grads, metrics, synced = sync((grads, metrics, [x for x, f in zip(leaves, floats) if f]), axis)
     synced = iter(synced)
     return grads, metrics, jax.tree.unflatten(treedef, [next(synced) if f else x for x, f in zip(leaves, floats)])
+
+
+def _sharded_step(local_grads: Callable, sync: Callable, mesh: Mesh, tx: optax.GradientTransformation,
+                  grad_norm: bool) -> TrainStep:
+    """ZeRO-1: reduce-scatter -> the update of each device's 1/N -> all-gather, in one jitted step.
+
+    Two `shard_map`s hold the collectives; between them the update runs on global arrays sharded
+    over the data axis, so each device updates its own chunk, and XLA adds the all-reduce that a
+    global reduction (clip_by_global_norm, the grad_norm metric) needs. Metrics and the model
+    state are averaged with the strategy as in the replicated step.
+    """
+    axis = mesh_axis_name(mesh)
+    reduce_scatter, all_gather = sync_halves(sync)
+    split = NamedSharding(mesh, P(axis))
+    # One collective per buffer where XLA combines them itself (its own collectives, one process);
+    # one interleaved buffer per dtype for the ring, and across processes (zero.scatter).
+    fuse = sync is not psum_mean or jax.process_count() > 1
+
+    def scatter(state: TrainState, batch: Batch, layout: zero.FlatLayout) -> tuple[Any, Metrics, Any]:
+        metrics, model_state, grads = local_grads(state, batch)
+        owned = zero.scatter(layout.flatten(grads), reduce_scatter, axis, mesh.size, fuse)
+        if mesh.size > 1:
+            _, metrics, model_state = _sync_together(sync, axis, {}, metrics, model_state)
+        return owned, metrics, model_state
+
+    def gather(owned: zero.FlatBuffers, layout: zero.FlatLayout) -> Any:
+        return layout.unflatten(zero.gather(owned, all_gather, axis, mesh.size, fuse))
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        layout = state.opt_state.layout
+        if layout.shards != mesh.size:
+            raise ValueError(f"the optimizer state is cut into {layout.shards} slices but the mesh has {mesh.size} "
+                             f"devices; make the state with init_state on this mesh")
+        in_specs = (P(), P(axis))
+        grads, metrics, model_state = jax.shard_map(
+            functools.partial(scatter, layout=layout), mesh=mesh, in_specs=in_specs,
+            out_specs=(P(axis), P(), P()), check_vma=False)(state.replace(opt_state=None), batch)
+        owned = jax.lax.with_sharding_constraint(layout.flatten(state.params), split)
+        updates, inner = tx.update(grads, state.opt_state.inner, owned)
+        owned = jax.lax.with_sharding_constraint(optax.apply_updates(owned, updates), split)
+        params = jax.shard_map(functools.partial(gather, layout=layout), mesh=mesh, in_specs=P(axis),
+                               out_specs=P(), check_vma=False)(owned)
+        if grad_norm:
+            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        state = state.replace(step=state.step + 1, params=params, model_state=model_state,
+                              opt_state=zero.ShardedOptState(inner, layout))
+        return state, metrics
+
+    jitted = jax.jit(step, donate_argnums=0)
+    run = _one_step_in_flight(jitted) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else jitted
+    return TrainStep(run, jitted, tx, sync, shard_optimizer=True)
 
 
 def _host_step(local_grads: Callable, apply_update: Callable, host_mean: Callable, mesh: Mesh,

@@ -35,7 +35,7 @@ from jaxdp.metrics import Diverged  # noqa: E402
 
 # Which flag fed each library argument that an InputError may name.
 FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
-                    "vocab_size": "--vocab-size"}
+                    "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer"}
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import data, distributed, heartbeat, models, tasks
+    from jaxdp import data, distributed, heartbeat, models, tasks, zero
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops, write_text_atomically
@@ -98,9 +98,10 @@ def train(config: Config) -> Result:
     tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
 
     # ---- update step -------------------------------------------------------------------------
-    state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed)
+    state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
+                       shard_optimizer=config.shard_optimizer)
     train_step = make_train_step(task.loss_fn, tx, mesh, config.strategy, stateful=True,
-                                 grad_accum=config.grad_accum, grad_norm=True)
+                                 grad_accum=config.grad_accum, grad_norm=True, shard_optimizer=config.shard_optimizer)
     eval_step = make_eval_step(task.eval_fn, mesh)
 
     def evaluate(state: Any) -> dict[str, float]:
@@ -143,7 +144,9 @@ def train(config: Config) -> Result:
     startup_s = time.perf_counter() - STARTED
     writer.event("start", start_step, resumed_from=start_step or None, config=config.to_dict(), processes=n_processes,
                  devices=mesh.size, device_kind=device_kind, jax=jax.__version__, compile_cache=cache_dir,
-                 malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s)
+                 malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
+                 param_bytes_per_device=zero.bytes_per_device(state.params),
+                 optimizer_bytes_per_device=zero.bytes_per_device(state.opt_state))
     if start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
     history, preempted, done = [], False, start_step
