@@ -38,7 +38,8 @@ leaf g of shape (..., in, out) seen as a matrix of shape (n, m) = (prod(shape[:-
 
     M = g + e                                   (error feedback, per device)
     P = (M / N) @ orth(Q)                       all-reduced with the uncompressed leaves (call 1)
-    P̂ = orth(P)                                 Gram-Schmidt, twice per column, epsilon in the norm
+    P̂ = orth(P)                                 Gram-Schmidt twice per column, epsilon in the norm,
+                                                columns inside the span of the previous ones -> 0
     Q = (M / N)ᵀ @ P̂                            all-reduced (call 2); kept in the state (warm start)
     mean ≈ P̂ Qᵀ,  e = M - P̂ Qᵀ                  (per device)
 
@@ -312,19 +313,27 @@ def _compute_dtype(dtype: Any) -> Any:
 
 
 def orthonormalize(a: jax.Array) -> jax.Array:
-    """Orthonormal columns spanning those of `a` (k, r), in order: classical Gram-Schmidt run twice
-    per column ("twice is enough": orthogonal to working precision even when a column is almost in
-    the span of the previous ones), each column divided by (norm + ORTHO_EPS), so an all-zero
-    column stays 0."""
+    """Orthonormal (or zero) columns spanning those of `a` (k, r), in order: classical Gram-Schmidt
+    run twice per column ("twice is enough", Kahan and Parlett: orthogonal to working precision),
+    each column divided by (norm + ORTHO_EPS), so an all-zero column stays 0.
+
+    A column that the second pass shrinks by more than half was numerically inside the span of
+    the previous ones (what is left is rounding noise, which may point anywhere, even back along a
+    previous column); it becomes 0. So P̂ P̂ᵀ is always an orthogonal projection: it never
+    enlarges the gradient, even when the gradient's rank is below r (a constant matrix, or a
+    Dense kernel's gradient from fewer rows than r).
+    """
     r = a.shape[1]
     cols = jnp.arange(r)
 
     def body(i, q):
         done = q * (cols < i).astype(q.dtype)  # the columns already orthonormal, the rest zeroed
         v = jax.lax.dynamic_index_in_dim(q, i, axis=1, keepdims=False)
-        v = v - done @ (done.T @ v)
-        v = v - done @ (done.T @ v)
-        v = v / (jnp.linalg.norm(v) + jnp.asarray(ORTHO_EPS, v.dtype))
+        once = v - done @ (done.T @ v)
+        twice = once - done @ (done.T @ once)
+        norm = jnp.linalg.norm(twice)
+        independent = norm > 0.5 * jnp.linalg.norm(once)
+        v = jnp.where(independent, twice / (norm + jnp.asarray(ORTHO_EPS, v.dtype)), 0)
         return jax.lax.dynamic_update_index_in_dim(q, v, i, axis=1)
 
     return jax.lax.fori_loop(0, r, body, a)
