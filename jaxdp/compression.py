@@ -58,7 +58,7 @@ The controller is pure decision logic; the caller measures:
 
     model = fit_comm_model([1 << 20, 16 << 20], [t_small, t_large])   # latency + bytes / bandwidth
     choice, reasons = plan(compute_seconds, model, params)            # the weakest compression that fits
-    choice = guard(choice, running_sum_error(applied_sum, e_start, e_end))  # a step back when it hurts
+    choice = guard(choice, running_sum_error(applied_sum, e_start, e_end))  # e_*: recenter_error's mean
 """
 
 from __future__ import annotations
@@ -97,13 +97,18 @@ DEFAULT_RANKS = (32, 16, 8, 4, 2, 1)
 # extra step of compression costs matmuls and some gradient quality).
 TARGET_COMM_FRACTION = 0.25
 
-# guard(): the threshold on `running_sum_error`, the relative distance between the updates applied
-# over a window and the true mean gradients summed over it. With error feedback that distance is
-# exactly the change of the mean error buffer over the window (the updates still owed); 0.1 means
-# the parameters lag uncompressed training by more than a tenth of the distance travelled in the
-# window. Per-step error (||approx - mean|| / ||mean||) is 0.5 or more by design at low rank and
-# must not be compared with it.
-GUARD_THRESHOLD = 0.1
+# guard(): the threshold on `running_sum_error` over a window of GUARD_WINDOW steps: the relative
+# distance between the updates applied in the window and the true mean gradients summed over it.
+# With error feedback that distance is exactly the change of the devices' mean error over the
+# window (the updates still owed), so 0.5 steps back once more than half of a window's progress is
+# owed. Measured (CLI MLP on digits, 8 devices, SGD momentum 0.9, lr 0.1, batch 256, 600 steps,
+# six windows of 100): rank 8 0.02-0.04, rank 4 0.05-0.14, rank 2 0.07-0.31, rank 1 0.12-0.71, and
+# every rank reached the held-out accuracy of uncompressed training (0.92-0.93 vs 0.923). A
+# threshold of 0.1 would have stepped ranks 1, 2 and 4 back for nothing; 0.5 catches only rank 1's
+# worst windows. One small problem: re-measure on real models. Never give guard the per-step error
+# ||approx - mean|| / ||mean||: it is 0.5 or more at low rank by design.
+GUARD_THRESHOLD = 0.5
+GUARD_WINDOW = 100
 
 
 @flax.struct.dataclass
@@ -236,7 +241,7 @@ class PowerSGD(Compressor):
 
     def payload_bytes(self, params: Tree) -> int:
         layout = self.layout(params)
-        total = 8  # the two float32 norms riding in call 1 (scalars["ef_ratio"])
+        total = 8  # the two float32 norms riding in call 1 (scalars["error_ratio"])
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
             k = jax.tree_util.keystr(path)
             if k in layout:
@@ -297,15 +302,22 @@ class PowerSGD(Compressor):
             error[k] = (ms[k] - approx).reshape(g.shape)
             out.append(approx.reshape(g.shape).astype(g.dtype))
         summed = first["norms"]
-        ef_ratio = jnp.sqrt(summed[0] / jnp.maximum(summed[1], jnp.finfo(jnp.float32).tiny))
-        return jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error, q=q), _scalars(1.0, ef_ratio)
+        error_ratio = jnp.sqrt(summed[0] / jnp.maximum(summed[1], jnp.finfo(jnp.float32).tiny))
+        return jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error, q=q), _scalars(1.0, error_ratio)
 
 
-def _scalars(compressed: Any, ef_ratio: Any) -> dict:
-    """compressed: 1 on a compressed step, 0 before `start`. ef_ratio: sqrt(Σ_devices ||e||² /
-    Σ_devices ||g||²) over the compressed leaves at the start of the step, the error-feedback memory
-    in units of one step's gradient (it stays bounded when error feedback works)."""
-    return {"compressed": jnp.asarray(compressed, jnp.float32), "ef_ratio": jnp.asarray(ef_ratio, jnp.float32)}
+def _scalars(compressed: Any, error_ratio: Any) -> dict:
+    """compressed: 1 on a compressed step, 0 before `start`.
+
+    error_ratio: sqrt(Σ_devices ||e||² / Σ_devices ||g||²) over the compressed leaves at the start
+    of the step. It is NOT the error feedback still owed (that is the devices' MEAN error, which
+    needs an all-reduce: `recenter_error`). Each device keeps e_i = M_i - mean approximation, so
+    the part of e_i that differs between devices adds up each step's g_i - mean(g): a random walk
+    of the gradient noise that cancels exactly in the sum but grows like sqrt(steps) (on the MLP /
+    digits at rank 4: 13 at step 100, ~300 at step 600). Read it as a precision gauge: the float32
+    sum of P loses about error_ratio x 6e-8 relative; `recenter_error` resets it.
+    """
+    return {"compressed": jnp.asarray(compressed, jnp.float32), "error_ratio": jnp.asarray(error_ratio, jnp.float32)}
 
 
 def _compute_dtype(dtype: Any) -> Any:
@@ -397,6 +409,19 @@ def redistribute_error(error_stacked: Tree, new_num_devices: int) -> Tree:
             else np.broadcast_to(mean, (new_num_devices, *e.shape[1:])).copy()
 
     return jax.tree.map(spread, error_stacked)
+
+
+def recenter_error(error: Tree, allreduce_sum: AllReduce, num_devices: int) -> tuple[Tree, Tree]:
+    """Inside `shard_map`: every device's error becomes the devices' mean error; returns
+    (new error, mean error). One uncompressed all-reduce of the error buffers (pre-scaled).
+
+    The mean is all that error feedback owes (see `redistribute_error`), so the updates are
+    unchanged; what goes is the devices' drift apart (`_scalars`, error_ratio). The mean error is
+    also what `running_sum_error` needs at each end of a window, so a caller measuring windows
+    can recenter at every window boundary for free.
+    """
+    mean = allreduce_sum(_scaled(error, num_devices))
+    return mean, mean
 
 
 # ---------------------------------------------------------------------------------------------
