@@ -27,6 +27,8 @@ Interface (every kind is a frozen dataclass; build it with `parse`, `parse(c.nam
 * `error`: per-device error feedback, float32 (float64 for float64 leaves), in each compressed leaf's
   own shape. It DIFFERS between devices: store it stacked on a leading device axis, sharded over the
   data axis (`P(axis)`), and checkpoint it per device. `redistribute_error` maps it to another device count.
+  Only the devices' mean is owed to the model; the rest drifts (a random walk of each device's
+  gradient noise that cancels in the sum; scalars["error_ratio"]); `recenter_error` removes it.
 * `q`: PowerSGD's warm-start factors, (m, rank) per compressed leaf, IDENTICAL on every device after
   each step (the all-reduced Q): replicate it (`P()`).
 * Both are `{}` for none and bf16.
@@ -105,8 +107,9 @@ TARGET_COMM_FRACTION = 0.25
 # six windows of 100): rank 8 0.02-0.04, rank 4 0.05-0.14, rank 2 0.07-0.31, rank 1 0.12-0.71, and
 # every rank reached the held-out accuracy of uncompressed training (0.92-0.93 vs 0.923). A
 # threshold of 0.1 would have stepped ranks 1, 2 and 4 back for nothing; 0.5 catches only rank 1's
-# worst windows. One small problem: re-measure on real models. Never give guard the per-step error
-# ||approx - mean|| / ||mean||: it is 0.5 or more at low rank by design.
+# worst windows (tests/scripts/compression_guard_window.py). One small problem: re-measure on real
+# models. Never give guard the per-step error ||approx - mean|| / ||mean||: it is 0.5 or more at
+# low rank by design.
 GUARD_THRESHOLD = 0.5
 GUARD_WINDOW = 100
 
