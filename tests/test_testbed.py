@@ -187,23 +187,26 @@ def test_two_hosts_train_like_one_process_on_the_same_global_batch(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @needs_testbed
-def test_jax_s_own_address_choice_is_refused_across_hosts():
+def test_jax_s_own_address_choice_is_refused_across_hosts(tmp_path):
     """`--gloo-interface hostname` keeps JAX's choice: the host name's address, 127.0.0.1 here, which
     the other host cannot reach. Seeing the refusal is enough: the processes are killed then."""
     if not ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback:
         pytest.skip("this machine's host name does not resolve to a loopback address")
     with Testbed(num_hosts=2) as bed:
-        flags = [*RUN, "--devices", "1", "--no-progress", "--gloo-interface", "hostname", "--peer-timeout", "30"]
-        logs = [open(os.devnull, "w")] + [subprocess.PIPE]
-        procs = [bed.run(i, [sys.executable, "-m", "jaxdp.train", *flags, "--coordinator-address",
-                             f"{bed.address(0)}:12355", "--num-processes", "2", "--process-id", str(i)],
-                         env=cli_env(), stdout=subprocess.DEVNULL, stderr=logs[i], text=i == 1)
-                 for i in range(2)]
-        logs[0].close()
-        seen, deadline = [], time.monotonic() + 120
-        for line in procs[1].stderr:  # gloo retries a few times, then JAX gives up
-            seen.append(line)
-            if "Connection refused" in line or time.monotonic() > deadline:
+        flags = [*RUN, "--devices", "1", "--no-progress", "--gloo-interface", "hostname"]
+        logs = [tmp_path / f"p{i}.err" for i in range(2)]
+        procs = []
+        for i in range(2):
+            with open(logs[i], "w") as err:
+                procs.append(bed.run(i, [sys.executable, "-m", "jaxdp.train", *flags, "--coordinator-address",
+                                         f"{bed.address(0)}:12355", "--num-processes", "2", "--process-id", str(i)],
+                                     env=cli_env(), stdout=subprocess.DEVNULL, stderr=err))
+        deadline = time.monotonic() + 120
+        text = ""
+        while "Connection refused" not in text and time.monotonic() < deadline:  # gloo retries, then JAX gives up
+            time.sleep(0.2)  # the refusal is a log line of a process that may hang afterwards: poll its file
+            text = "".join(log.read_text(errors="replace") for log in logs)
+            if all(p.poll() is not None for p in procs):
+                text = "".join(log.read_text(errors="replace") for log in logs)
                 break
-    text = "".join(seen)
     assert "Connection refused" in text and "remote=[127.0.0.1]" in text, text[-3000:]
