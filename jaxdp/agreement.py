@@ -9,7 +9,8 @@ and each process's value.
 
 Per-process fields (may differ; see PER_PROCESS): how the process found its place (--process-id,
 --coordinator-address, --num-processes: a process may get them from flags and another from the
-environment; JAX itself checks they fit together), where process 0 writes logs (--metrics-file,
+environment; JAX itself checks they fit together), the network interface its gloo collectives use
+(--gloo-interface: interface names differ between machines), where process 0 writes logs (--metrics-file,
 --log-dir: only process 0 writes them), and terminal output (--progress, --debug). Everything
 else, --checkpoint-dir included (every process must write the same directory), must agree. The
 device count is per process but must be equal, so it gets its own sentence.
@@ -23,7 +24,7 @@ from typing import Any, Callable
 from jaxdp.config import Config, ConfigError
 
 _KEY = "jaxdp/config/"
-PER_PROCESS = ("process_id", "coordinator_address", "num_processes", "metrics_file", "log_dir", "progress", "debug")
+PER_PROCESS = ("process_id", "coordinator_address", "num_processes", "gloo_interface", "metrics_file", "log_dir", "progress", "debug")
 
 
 def agreed_fields(config: Config) -> dict[str, Any]:

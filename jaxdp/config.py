@@ -75,6 +75,7 @@ class Config:
     num_processes: int | None = _field(None, "distribution", "number of processes in a multi-process run")
     process_id: int | None = _field(None, "distribution", "this process's index, 0 .. num-processes - 1")
     peer_timeout: int = _field(60, "distribution", "seconds a multi-process run waits for every process to join, and for a silent process before giving up (a process that dies is noticed at once)")
+    gloo_interface: str | None = _field(None, "distribution", "network interface for CPU collectives between processes (gloo), e.g. eth0; hostname: JAX's own choice, the address the host name resolves to (default: $JAXDP_GLOO_INTERFACE, else $GLOO_SOCKET_IFNAME, else the interface that reaches the coordinator)", metavar="NAME")
     stall_timeout: int = _field(20, "distribution", "seconds a multi-process run waits for a process that is alive but makes no progress (stopped, stuck) once another process finished the same step; checked from step 2 on, so compilation never counts")
 
     # -- checkpointing --------------------------------------------------------------------------
@@ -205,6 +206,8 @@ def choices(f: dataclasses.Field) -> tuple[str, ...] | None:
 
 
 def metavar(f: dataclasses.Field) -> str:
+    if "metavar" in f.metadata:
+        return f.metadata["metavar"]
     if f.name.endswith(("_dir", "_file")) or f.name == "dataset":
         return "PATH"
     return {"int": "N", "int | None": "N", "float": "X"}.get(f.type, f.name.upper())

@@ -3,7 +3,9 @@
 `initialize(config)` is the only caller of `jax.distributed.initialize` in jaxdp. It takes the
 `Cluster` that `jaxdp.cluster.detect` finds (explicit flags, JAX_* variables, SLURM, or one
 process) and logs which it was. A multi-process run then also gets
-* gloo for cross-process collectives on CPU (on GPU, XLA uses NCCL by itself);
+* gloo for cross-process collectives on CPU (on GPU, XLA uses NCCL by itself), on the network
+  interface that reaches the coordinator, or the one --gloo-interface / $JAXDP_GLOO_INTERFACE /
+  $GLOO_SOCKET_IFNAME names (jaxdp/gloo.py: JAX would use the host name's address, often 127.0.0.1);
 * a peer watch (jaxdp/peer_watch.py): a process that dies is reported by every survivor, by number,
   within a second; one that never arrives or stops answering is bounded by --peer-timeout.
 
@@ -25,7 +27,7 @@ import threading
 
 import jax
 
-from jaxdp import peer_watch
+from jaxdp import gloo, peer_watch
 from jaxdp.cluster import (SLURM_NTASKS, Cluster, detect, in_batch_script_of_several_tasks, parse_address)
 from jaxdp.config import Config, ConfigError
 
@@ -47,12 +49,16 @@ def initialize(config: Config | None = None) -> Cluster:
     else:
         _simulate_cpu_devices(config.devices or DEFAULT_CPU_DEVICES)
     cluster = detect(config)
+    gloo.requested(config.gloo_interface, environ={})  # a bad --gloo-interface fails in every kind of run
     if not cluster.multi_process and in_batch_script_of_several_tasks(os.environ):
         log.warning("jaxdp: running as one process in a SLURM batch script of %s tasks; start it with "
                     "`srun python -m jaxdp.train ...` to use all of them", os.environ[SLURM_NTASKS])
     if cluster.multi_process:
         timeout = config.peer_timeout
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # GPUs use NCCL regardless
+        endpoint = gloo.choose(cluster.coordinator_address, config.gloo_interface)
+        if gloo.install(endpoint):
+            log.info("jaxdp.distributed: %s", endpoint.describe())
         # JAX aborts the process when its own start-up wait ends; ours ends first, with a message.
         alarm = threading.Timer(timeout, _never_arrived, args=(cluster, timeout))
         alarm.daemon = True

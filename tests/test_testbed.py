@@ -1,7 +1,212 @@
+"""The slow-network testbed (jaxdp/bench/testbed.py) and gloo's network interface (jaxdp/gloo.py).
+
+Real network namespaces, veth links and `tc`, as root; without root or iproute2 these tests skip
+with the testbed's own one-line reason. The multi-process tests run `python -m jaxdp.train` on two
+hosts of a testbed with no /etc/hosts entry for them: the host name resolves to 127.0.0.1 (or
+127.0.1.1), which is exactly what made JAX's gloo advertise an address the other host cannot reach.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers import ROOT, cli_env, records, run_cli, step_records
+from jaxdp import gloo
+from jaxdp.bench import testbed
+from jaxdp.bench.slowlink import run_training
+from jaxdp.bench.testbed import Testbed, TestbedError
+from jaxdp.config import ConfigError
+from jaxdp.errors import EXIT_BAD_INPUT
+
+needs_testbed = pytest.mark.skipif(testbed.unavailable_reason() is not None,
+                                   reason=testbed.unavailable_reason() or "")
+
+# Few steps, a small batch (the same global batch in both runs compared).
+RUN = ["--dataset", "digits", "--steps", "6", "--batch-size", "64", "--log-every", "1", "--peer-timeout", "30"]
 
 
-@pytest.mark.skipif(testbed.unavailable_reason() is None, reason="the testbed can be built here, so the benchmark runs")
-def test_slowlink_without_a_testbed_says_why_in_one_line():
-    proc = run_cli("slowlink", module="jaxdp.bench")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"jaxdp.bench: slowlink: {testbed.unavailable_reason()}"
+def namespaces() -> set[str]:
+    try:
+        return set(os.listdir("/var/run/netns"))
+    except FileNotFoundError:
+        return set()
+
+
+def in_namespace(bed: Testbed, host: int, code: str) -> str:
+    """Run a Python snippet on `host`; its stdout."""
+    proc = bed.run(host, [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rates_in_tc_syntax():
+    assert testbed.parse_rate("100mbit") == 100_000_000
+    assert testbed.parse_rate("1gbit") == testbed.parse_rate("1000mbit") == 10**9
+    assert testbed.parse_rate("2.5kbit") == 2500
+    for bad in ("100", "fast", "0mbit", "10mbps"):
+        with pytest.raises(TestbedError, match="is not a bandwidth like 10mbit"):
+            testbed.parse_rate(bad)
+
+
+def test_bad_gloo_interface_names_the_flag_and_the_interfaces_there_are():
+    names = gloo.interfaces()
+    assert "lo" in names
+    with pytest.raises(ConfigError) as err:
+        gloo.requested("nosuch0", environ={})
+    message = str(err.value)
+    assert message.startswith("--gloo-interface='nosuch0' is not a network interface of this machine")
+    assert ", ".join(names) in message and "\n" not in message
+    with pytest.raises(ConfigError, match=f"^{gloo.ENV_TORCH_INTERFACE}='eth0,eth1' names several interfaces"):
+        gloo.requested(None, environ={gloo.ENV_TORCH_INTERFACE: "eth0,eth1"})
+    # The flag first, then jaxdp's variable, then PyTorch's.
+    env = {gloo.ENV_INTERFACE: "lo", gloo.ENV_TORCH_INTERFACE: "nosuch0"}
+    assert gloo.requested(None, environ=env) == ("lo", gloo.ENV_INTERFACE)
+    assert gloo.requested("hostname", environ=env) == ("hostname", "--gloo-interface")
+    assert gloo.requested(None, environ={gloo.ENV_TORCH_INTERFACE: "lo"}) == ("lo", gloo.ENV_TORCH_INTERFACE)
+    assert gloo.requested(None, environ={}) is None
+
+
+def test_a_coordinator_on_this_machine_keeps_jax_s_default():
+    for address in ("127.0.0.1:1234", "localhost:1234"):
+        endpoint = gloo.choose(address, environ={})
+        assert endpoint.jax_default and "is on this machine" in endpoint.reason
+    forced = gloo.choose("127.0.0.1:1234", "lo", environ={})
+    assert (forced.interface, forced.address, forced.reason) == ("lo", "127.0.0.1", "--gloo-interface=lo")
+
+
+def test_cli_rejects_a_bad_gloo_interface_with_one_line():
+    proc = run_cli("--steps", "1", "--gloo-interface", "nosuch0", "--no-progress")
+    assert proc.returncode == EXIT_BAD_INPUT
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("jaxdp: error: --gloo-interface='nosuch0' is not a network interface"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The testbed itself
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_testbed
+def test_testbed_links_its_hosts_shapes_them_and_deletes_everything():
+    before = namespaces()
+    with Testbed(num_hosts=3, rate="100mbit") as bed:
+        made = namespaces() - before
+        assert made == {bed.namespace(i) for i in range(3)} | {f"{bed.tag}-br"}
+        assert [bed.address(i) for i in range(3)] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+        # Host 2 reaches hosts 0 and 1 over TCP, and its own lo is up.
+        server = bed.run(0, [sys.executable, "-c", "import socket; s = socket.create_server(('10.77.0.1', 5000)); "
+                             "c, a = s.accept(); c.sendall(a[0].encode())"], stdout=subprocess.PIPE, text=True)
+        out = in_namespace(bed, 2, "import socket, time\n"
+                           "for _ in range(100):\n"
+                           "    try: c = socket.create_connection(('10.77.0.1', 5000)); break\n"
+                           "    except OSError: time.sleep(0.05)\n"
+                           "print(c.recv(100).decode())\n"
+                           "s = socket.create_server(('127.0.0.1', 0)); socket.create_connection(s.getsockname())\n"
+                           "from jaxdp import gloo; print(gloo.choose('10.77.0.2:1').describe())")
+        assert out.splitlines()[0] == "10.77.0.3"
+        assert out.splitlines()[1].startswith("gloo collectives on eth0 (10.77.0.3): the interface that reaches "
+                                              "the coordinator 10.77.0.2")
+        server.wait(timeout=10)
+        # Both ends of every link carry the token bucket at the rate asked for.
+        for ns, dev in ((bed.namespace(1), testbed.HOST_IFNAME), (f"{bed.tag}-br", "h1")):
+            qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+            assert "tbf" in qdisc and "rate 100Mbit" in qdisc, qdisc
+        sleeper = bed.run(1, ["sleep", "600"])
+    assert sleeper.returncode is not None  # killed at teardown
+    assert namespaces() == before
+
+
+@needs_testbed
+def test_testbed_cleans_up_after_an_error_and_says_what_it_cannot_do():
+    before = namespaces()
+    with pytest.raises(RuntimeError, match="inside"):
+        with Testbed(num_hosts=2) as bed:
+            qdisc = subprocess.run(["tc", "-n", bed.namespace(0), "qdisc", "show", "dev", "eth0"],
+                                   capture_output=True, text=True).stdout
+            assert "tbf" not in qdisc  # rate None: unshaped
+            raise RuntimeError("inside")
+    assert namespaces() == before
+    if testbed.has_netem():
+        with Testbed(num_hosts=2, rate="10mbit", latency="5ms") as bed:
+            qdisc = subprocess.run(["tc", "-n", bed.namespace(0), "qdisc", "show", "dev", "eth0"],
+                                   capture_output=True, text=True).stdout
+            assert "netem" in qdisc and "tbf" in qdisc, qdisc
+    else:
+        with pytest.raises(TestbedError, match="needs the netem qdisc, which this kernel lacks"):
+            with Testbed(num_hosts=2, latency="5ms"):
+                pass
+    assert namespaces() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Two hosts: jaxdp.train over the testbed's network, with no /etc/hosts help.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@needs_testbed
+def test_two_hosts_train_like_one_process_on_the_same_global_batch(tmp_path):
+    """Process 0 takes its interface from JAXDP_GLOO_INTERFACE, process 1 finds it by itself."""
+    one = subprocess.Popen([sys.executable, "-m", "jaxdp.train", *RUN, "--strategy", "ring", "--devices", "2",
+                            "--no-progress", "--metrics-file", str(tmp_path / "one.jsonl")], cwd=ROOT, env=cli_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with Testbed(num_hosts=2, rate="1gbit") as bed:
+        two = run_training(bed, [*RUN, "--strategy", "ring", "--debug"], devices=1, timeout=180,
+                           process_env=[{gloo.ENV_INTERFACE: "eth0"}, {}])
+    assert one.wait(timeout=180) == 0, one.stderr.read()[-2000:]
+    assert two.ok, f"{two.returncodes}\n{two.outputs[0][-3000:]}\n{two.outputs[1][-3000:]}"
+    assert f"gloo collectives on eth0 (10.77.0.1): {gloo.ENV_INTERFACE}=eth0" in two.outputs[0]
+    assert ("gloo collectives on eth0 (10.77.0.2): the interface that reaches the coordinator 10.77.0.1"
+            in two.outputs[1])
+    ref = step_records(tmp_path / "one.jsonl")
+    assert [r["step"] for r in two.steps()] == [r["step"] for r in ref] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in two.steps()], [r["loss"] for r in ref], rtol=1e-5)
+    done, ref_done = two.records[-1], records(tmp_path / "one.jsonl")[-1]
+    assert done["event"] == "done" and done["processes"] == 2 and done["devices"] == ref_done["devices"] == 2
+    np.testing.assert_allclose(done["eval_loss"], ref_done["eval_loss"], rtol=1e-5)
+    assert done["eval_accuracy"] == ref_done["eval_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@needs_testbed
+def test_jax_s_own_address_choice_is_refused_across_hosts(tmp_path):
+    """`--gloo-interface hostname` keeps JAX's choice: the host name's address, 127.0.0.1 here, which
+    the other host cannot reach. Seeing the refusal is enough: the processes are killed then."""
+    if not ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback:
+        pytest.skip("this machine's host name does not resolve to a loopback address")
+    with Testbed(num_hosts=2) as bed:
+        flags = [*RUN, "--devices", "1", "--no-progress", "--gloo-interface", "hostname"]
+        logs = [tmp_path / f"p{i}.err" for i in range(2)]
+        procs = []
+        for i in range(2):
+            with open(logs[i], "w") as err:
+                procs.append(bed.run(i, [sys.executable, "-m", "jaxdp.train", *flags, "--coordinator-address",
+                                         f"{bed.address(0)}:12355", "--num-processes", "2", "--process-id", str(i)],
+                                     env=cli_env(), stdout=subprocess.DEVNULL, stderr=err))
+        deadline = time.monotonic() + 120
+        text = ""
+        while "Connection refused" not in text and time.monotonic() < deadline:  # gloo retries, then JAX gives up
+            time.sleep(0.2)  # the refusal is a log line of a process that may hang afterwards: poll its file
+            text = "".join(log.read_text(errors="replace") for log in logs)
+            if all(p.poll() is not None for p in procs):
+                text = "".join(log.read_text(errors="replace") for log in logs)
+                break
+    assert "Connection refused" in text and "remote=[127.0.0.1]" in text, text[-3000:]

@@ -6,9 +6,10 @@
     python -m jaxdp.bench ddp --json d.json        # needs torch: pip install -e '.[bench]'
     python -m jaxdp.bench gpt --json g.json        # on a GPU: bf16 GPT-2-small step, tokens/s, MFU
     python -m jaxdp.bench gpt --batch-sizes 16,32 --vs-torch --json g.json   # the same GPT in PyTorch beside it (needs torch)
+    python -m jaxdp.bench slowlink --json s.json   # 2 processes over a 1gbit, 100mbit, 10mbit link (root, iproute2)
 
-One module per benchmark (collectives, train, gpt, ddp; torch_gpt is gpt's PyTorch side) says
-what it measures; `python -m jaxdp.bench <command> --help` lists its flags.
+One module per benchmark (collectives, train, gpt, ddp, slowlink; torch_gpt is gpt's PyTorch side,
+testbed the network namespaces slowlink runs in) says what it measures; `python -m jaxdp.bench <command> --help` lists its flags.
 
 Method: every figure is the median over --repeats; configurations are interleaved within each
 repeat, in an order that rotates from repeat to repeat, so background load hits all of them
