@@ -147,7 +147,7 @@ class Checkpointer:
             self._check_compatible(step, meta, shapes, state)  # InputError: stop, change nothing
             try:
                 with _quiet():
-                    restored = self._restore_step(step, state)
+                    restored = self._restore_step(step, state, shapes)
                     self._verify(step, restored)
                     restored = _unportable(restored, state)
                 break
@@ -189,7 +189,7 @@ class Checkpointer:
                     raise InputError(f"{where} made with {name}={saved[name]!r}, but this run has {name}={value!r}; "
                                      f"use the same {name} or another checkpoint directory", argument="directory",
                                      setting=name)
-        wanted = _flat_shapes(_portable(state, abstract=True))
+        wanted = _flat_shapes(_portable(state, abstract=True, stored=stored))
         for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):
                 have = "missing" if path not in stored else _describe(stored[path])
@@ -198,8 +198,9 @@ class Checkpointer:
                                  f"need {want}; use the settings it was made with or another checkpoint directory",
                                  argument="directory")
 
-    def _restore_step(self, step: int, state: TrainState) -> TrainState:
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _portable(state, abstract=True))
+    def _restore_step(self, step: int, state: TrainState, stored: dict) -> TrainState:
+        target = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x),
+                              _portable(state, abstract=True, stored=stored))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
         _ignore_closed_event_loop_errors()
         restored = self._manager.restore(step, args=args)
@@ -312,25 +313,64 @@ class Checkpointer:
         self.close()
 
 
-def _portable(state: TrainState, abstract: bool = False) -> TrainState:
-    """`state` as checkpoints hold it: a ZeRO-1 optimizer state (jaxdp/zero.py) in its tree form,
-    whole, so that a checkpoint restores onto any device count, sharded or not. `abstract`: shapes
-    only, placed on this process's CPU (the restore reads it into host memory, not device memory)."""
-    if not zero.is_sharded(state.opt_state):
-        return state
-    if not abstract:
-        return state.replace(opt_state=zero.to_host_tree(state.opt_state))
+PER_DEVICE = "sync/per_device/"  # paths of per-device rows (jaxdp.state.SyncState): any device count
+
+
+def _portable(state: TrainState, abstract: bool = False, stored: dict | None = None) -> TrainState:
+    """`state` as checkpoints hold it, whole and on the host: a ZeRO-1 optimizer state
+    (jaxdp/zero.py) in its tree form, and the per-device rows of `state.sync` gathered from every
+    process, so that a checkpoint restores onto any device count, sharded or not.
+
+    `abstract`: shapes only, placed on this process's CPU (a restore reads into host memory, not
+    device memory); per-device rows then have the row count `stored` records, if given.
+    """
     host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), zero.abstract_tree(state.opt_state))
-    return state.replace(opt_state=shapes)
+    if abstract:
+        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)  # noqa: E731
+        opt_state = state.opt_state
+        if zero.is_sharded(opt_state):
+            opt_state = jax.tree.map(shape, zero.abstract_tree(opt_state))
+        per_device = jax.tree_util.tree_map_with_path(
+            lambda path, x: jax.ShapeDtypeStruct(_stored_rows(path, x, stored), x.dtype, sharding=host),
+            state.sync.per_device)
+        return state.replace(opt_state=opt_state, sync=state.sync.replace(per_device=per_device))
+    if zero.is_sharded(state.opt_state):
+        state = state.replace(opt_state=zero.to_host_tree(state.opt_state))
+    return state.replace(sync=state.sync.replace(per_device=jax.tree.map(_gather, state.sync.per_device)))
+
+
+def _stored_rows(path: Any, x: Any, stored: dict | None) -> tuple[int, ...]:
+    name = PER_DEVICE + "/".join(_key_name(k) for k in path)
+    saved = (stored or {}).get(name)
+    return (saved[0][0], *x.shape[1:]) if saved else tuple(x.shape)
+
+
+def _gather(x: jax.Array) -> np.ndarray:
+    """A global array, whole, as numpy on every process."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x, tiled=True)
 
 
 def _unportable(restored: TrainState, like: TrainState) -> TrainState:
-    """`_portable`'s inverse: a restored tree-form optimizer state cut into `like`'s shards."""
-    if not zero.is_sharded(like.opt_state):
-        return restored
-    mesh = jax.tree.leaves(like.params)[0].sharding.mesh
-    return restored.replace(opt_state=zero.from_host_tree(jax.device_get(restored.opt_state), like.opt_state, mesh))
+    """`_portable`'s inverse: the restored state placed like `like`. A sharded optimizer state is
+    cut into `like`'s shards; per-device rows saved on another device count become, on every new
+    device, the mean of the old rows (what compression's error feedback owes is that mean:
+    jaxdp.compression.redistribute_error)."""
+    if zero.is_sharded(like.opt_state):
+        mesh = jax.tree.leaves(like.params)[0].sharding.mesh
+        restored = restored.replace(opt_state=zero.from_host_tree(jax.device_get(restored.opt_state), like.opt_state, mesh))
+
+    def place(saved: Any, want: jax.Array) -> jax.Array:
+        rows = np.asarray(saved)
+        if rows.shape[0] != want.shape[0]:
+            rows = np.broadcast_to(rows.mean(axis=0, dtype=rows.dtype), want.shape)
+        return jax.make_array_from_callback(want.shape, want.sharding, lambda index: rows[index])
+
+    per_device = jax.tree.map(place, restored.sync.per_device, like.sync.per_device)
+    return restored.replace(sync=restored.sync.replace(per_device=per_device))
 
 
 def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Callable, Sequence
 
 import flax.struct
@@ -542,3 +543,91 @@ def guard(choice: Compressor, rel_error: float, threshold: float = GUARD_THRESHO
     if float(rel_error) <= threshold:
         return choice
     return weaker(choice, candidates)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the TrainState: `state.sync` (jaxdp.state.SyncState) under the name "compression".
+# ---------------------------------------------------------------------------------------------
+
+STATE_NAME = "compression"
+AUTO = "auto"
+
+
+def resolve(spec: Any) -> Compressor | str | None:
+    """None for no compression ("none" too), AUTO for "auto", else the Compressor (ValueError if bad)."""
+    if spec is None or isinstance(spec, NoCompression):
+        return None
+    if isinstance(spec, Compressor):
+        return spec
+    if isinstance(spec, str) and spec.strip().lower() == AUTO:
+        return AUTO
+    compressor = parse(spec)
+    return None if isinstance(compressor, NoCompression) else compressor
+
+
+def _safe(key: str) -> str:
+    """A leaf's keystr ("['Dense_0']['kernel']") as a checkpoint-safe name ("Dense_0.kernel")."""
+    return re.sub(r"[^A-Za-z0-9_]+", ".", key).strip(".")
+
+
+def state_for(spec: Any, params: Tree) -> CompressionState:
+    """One device's state for `spec`; for AUTO, one state that serves every candidate of `ladder`:
+    the error of every leaf any candidate compresses, and Q at the largest rank (a candidate of
+    rank r uses its first r columns). Keys are checkpoint-safe names (`_safe`)."""
+    compressor = resolve(spec)
+    if compressor is None or isinstance(compressor, Bf16):
+        return CompressionState()
+    if compressor == AUTO:
+        powersgd = [c for c in ladder(params) if isinstance(c, PowerSGD)]
+        if not powersgd:
+            return CompressionState()
+        keys = set().union(*(c.layout(params) for c in powersgd))
+        widest = PowerSGD(rank=max(c.rank for c in powersgd), min_rate=0.0).init(params)
+        state = CompressionState(error={k: v for k, v in widest.error.items() if k in keys},
+                                 q={k: v for k, v in widest.q.items() if k in keys})
+    else:
+        state = compressor.init(params)
+    return CompressionState(error={_safe(k): v for k, v in state.error.items()},
+                            q={_safe(k): v for k, v in state.q.items()})
+
+
+def sync_state(spec: Any, params: Tree, mesh: Any) -> Any:
+    """The `SyncState` of a new TrainState: the error stacked per device (sharded over the data
+    axis), Q replicated. Empty without compression state."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxdp.mesh import axis_name, replicate
+    from jaxdp.state import SyncState
+
+    state = jax.device_get(state_for(spec, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)))
+    if not state.error and not state.q:
+        return SyncState()
+    rows = NamedSharding(mesh, P(axis_name(mesh)))
+    error = {k: jax.make_array_from_callback((mesh.size, *e.shape), rows, lambda index, e=e: np.broadcast_to(
+        np.asarray(e), (mesh.size, *e.shape))[index]) for k, e in state.error.items()}
+    return SyncState(per_device={STATE_NAME: error}, shared={STATE_NAME: replicate(state.q, mesh)})
+
+
+def view(compressor: Compressor, stored: CompressionState, grads: Tree) -> CompressionState:
+    """The part of a stored state (made by `state_for` for this compressor, or for AUTO) that
+    `compressor.mean` reads, keyed as it expects. ValueError if the stored state lacks a leaf."""
+    if not isinstance(compressor, PowerSGD):
+        return CompressionState()
+    layout = compressor.layout(grads)
+    missing = [k for k in layout if _safe(k) not in stored.error]
+    if missing:
+        raise ValueError(f"the state has no compression state for {compressor.name} (leaf {missing[0]}); make it with "
+                         f"init_state(..., compression={compressor.name!r}) or compression='auto'")
+    return CompressionState(error={k: stored.error[_safe(k)] for k in layout},
+                            q={k: stored.q[_safe(k)][:, :r] for k, (_, _, r) in layout.items()})
+
+
+def merge(stored: CompressionState, new: CompressionState) -> CompressionState:
+    """`view`'s inverse: the stored state with the compressor's new error and Q written back."""
+    error, q = dict(stored.error), dict(stored.q)
+    for k, e in new.error.items():
+        error[_safe(k)] = e.astype(error[_safe(k)].dtype)
+    for k, v in new.q.items():
+        old = q[_safe(k)]
+        q[_safe(k)] = v.astype(old.dtype) if v.shape == old.shape else old.at[:, :v.shape[1]].set(v.astype(old.dtype))
+    return CompressionState(error=error, q=q)

@@ -37,6 +37,23 @@ class OptimizerTag:
 
 
 @flax.struct.dataclass
+class SyncState:
+    """State of the gradient-synchronisation layer, by the name of the feature that owns it (e.g.
+    "compression": error feedback per device, PowerSGD's warm start shared).
+
+    per_device: {name: tree}; every leaf has a leading axis as long as the mesh, sharded over the
+                data axis: row i belongs to device i.
+    shared:     {name: tree}; replicated, identical on every device.
+
+    A checkpoint resumed on another device count gives every new device the mean of the old
+    devices' rows (jaxdp/checkpoint.py).
+    """
+
+    per_device: dict = flax.struct.field(default_factory=dict)
+    shared: dict = flax.struct.field(default_factory=dict)
+
+
+@flax.struct.dataclass
 class TrainState:
     """Everything a step reads and writes; update it with `.replace(...)`.
 
@@ -47,6 +64,7 @@ class TrainState:
     model_state: mutable model collections (e.g. {"batch_stats": ...}); {} when the model has none.
     rng:         a raw uint32[2] PRNG key; the step derives per-step, per-device keys from it and
                  `step`, so it never changes and a resumed run draws the same numbers.
+    sync:        `SyncState`: what gradient compression keeps between steps; empty without it.
     optimizer:   (static) which optax transformation `opt_state` belongs to; not an array.
     """
 
@@ -55,11 +73,13 @@ class TrainState:
     opt_state: Any
     model_state: Any = flax.struct.field(default_factory=dict)
     rng: jax.Array | None = None
+    sync: SyncState = flax.struct.field(default_factory=SyncState)
     optimizer: OptimizerTag = flax.struct.field(pytree_node=False, default=OptimizerTag(None))
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
-               model_state: Any = None, rng: Any = 0, shard_optimizer: bool = False) -> TrainState:
+               model_state: Any = None, rng: Any = 0, shard_optimizer: bool = False,
+               compression: Any = None) -> TrainState:
     """A TrainState with `params` (and `model_state`) replicated over `mesh` and a fresh `tx` state.
 
     `params` may be host or device values; in a multi-process run every process must pass the
@@ -69,6 +89,11 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     `shard_optimizer=True` (ZeRO-1, jaxdp/zero.py): the optimizer state is cut into one 1/N slice
     per device instead of replicated; pass it to `make_train_step` too. InputError if `tx` looks at
     the parameter tree itself and so cannot run on the flat slices.
+
+    `compression` ("bf16", "powersgd:RANK", "auto", or a `jaxdp.compression.Compressor`; None or
+    "none": no state): the state gradient compression keeps between steps, in `state.sync`; pass
+    the same to `make_train_step`. A state made for "auto" serves every candidate of the adaptive
+    controller (jaxdp/compression.py).
     """
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
@@ -81,8 +106,11 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
         opt_state = zero.init(params, tx, mesh)
     else:
         opt_state = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
+    from jaxdp import compression as compression_lib
+
     return TrainState(
         step=replicate(np.int32(0), mesh),
+        sync=compression_lib.sync_state(compression, params, mesh),
         params=params,
         opt_state=opt_state,
         model_state=replicate({} if model_state is None else model_state, mesh),

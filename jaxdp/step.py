@@ -42,11 +42,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import host, zero
+from jaxdp import compression as compression_lib, host, zero
 from jaxdp.errors import InputError
 from jaxdp.mesh import axis_name as mesh_axis_name, replicate
 from jaxdp.state import TrainState
-from jaxdp.sync import halves as sync_halves, is_on_host, psum_mean
+from jaxdp.sync import halves as sync_halves, is_on_host, psum_mean, summing as sync_summing
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -82,7 +82,7 @@ class TrainStep:
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
                     strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
-                    grad_norm: bool = False, shard_optimizer: bool = False) -> TrainStep:
+                    grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -95,6 +95,13 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     update of its own 1/N of the parameters and optimizer state, then the strategy's all-gather.
     The state must come from `init_state(..., shard_optimizer=True)`. Parameters, metrics and
     model state are the same as without it.
+
+    `compression` ("bf16", "powersgd:RANK[:start=STEP]", or a `jaxdp.compression.Compressor`;
+    None or "none": off) compresses the gradients on their way through the strategy's collective
+    (jaxdp/compression.py): reduce-compatible kinds only, so psum and the ring carry them. Its
+    state (error feedback, warm start) lives in `state.sync`: make the state with
+    `init_state(..., compression=<the same, or "auto">)`. `metrics` gains "comm_bytes" (what each
+    device sends per step) and "compression_ratio".
     """
     from jaxdp.registry import STRATEGIES
 
@@ -102,6 +109,18 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
         raise ValueError(f"make_train_step: grad_accum must be a positive integer, got {grad_accum!r}")
     sync = STRATEGIES[strategy] if isinstance(strategy, str) else strategy
     axis = mesh_axis_name(mesh)
+    compressor = compression_lib.resolve(compression)
+    if compressor == compression_lib.AUTO:
+        raise ValueError("make_train_step: compression='auto' is decided while training (jaxdp.train's controller); "
+                         "give the step one choice: none, bf16 or powersgd:RANK (a state made for 'auto' serves each)")
+    if compressor is not None:
+        name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
+        if sync_summing(sync) is None:
+            raise InputError(f"compression does not apply to strategy {name!r}: it needs an in-graph sum over devices "
+                             f"(psum or ring)", argument="strategy")
+        if shard_optimizer:
+            raise InputError("compression and shard_optimizer do not combine yet: compression needs the whole averaged "
+                             "gradient on every device; use one of them", argument="compression")
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
 
     def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
@@ -122,14 +141,25 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
 
     def device_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         metrics, model_state, grads = local_grads(state, batch)
-        if mesh.size > 1:  # on one device the mean is the value; XLA would still run a 1-device all-reduce
+        sync_state = state.sync
+        if compressor is not None:
+            grads, metrics, model_state, sync_state = _compress_together(
+                compressor, sync, axis, mesh.size, grads, metrics, model_state, state)
+        elif mesh.size > 1:  # on one device the mean is the value; XLA would still run a 1-device all-reduce
             grads, metrics, model_state = _sync_together(sync, axis, grads, metrics, model_state)
         if grad_norm:
             metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
-        return apply_update(state, grads, model_state), metrics
+        return apply_update(state, grads, model_state).replace(sync=sync_state), metrics
 
-    mapped = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(axis)),
-                           out_specs=(P(), P()), check_vma=False)
+    def state_specs(state: TrainState) -> Any:  # replicated, but for the per-device rows of state.sync
+        rows = jax.tree.map(lambda _: P(axis), state.sync.per_device)
+        return jax.tree.map(lambda _: P(), state.replace(sync=state.sync.replace(per_device={}))).replace(
+            sync=state.sync.replace(per_device=rows, shared=jax.tree.map(lambda _: P(), state.sync.shared)))
+
+    def mapped(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        specs = state_specs(state)
+        return jax.shard_map(device_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
+                             check_vma=False)(state, batch)
     step = jax.jit(mapped, donate_argnums=0)
     # One device runs no collective, so nothing can deadlock and steps may queue freely.
     run = _one_step_in_flight(step) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else step
@@ -211,6 +241,46 @@ def _accumulated(local_grads: Callable, k: int) -> Callable:
         return metrics, model_state, grads
 
     return accumulate
+
+
+def _compress_together(compressor: Any, sync: Callable, axis: str, n: int, grads: Any, metrics: Metrics,
+                       model_state: Any, state: TrainState) -> tuple[Any, Metrics, Any, Any]:
+    """`_sync_together` with the gradients compressed: the metrics and model state ride in the
+    compressor's first collective (before a PowerSGD start step, in their own). Returns the mean
+    gradients, metrics, model state and the new `state.sync`."""
+    name = compression_lib.STATE_NAME
+    stored = compression_lib.CompressionState(
+        error=jax.tree.map(lambda x: x[0], state.sync.per_device.get(name, {})), q=state.sync.shared.get(name, {}))
+    leaves, treedef = jax.tree.flatten(model_state)
+    floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+    extras = (metrics, [x for x, f in zip(leaves, floats) if f])
+    total = sync_summing(sync)
+    riding: list[Any] = []
+
+    def sum_with_extras(tree: Any) -> Any:  # the first call also carries the scaled metrics and model state
+        if riding:
+            return total(tree, axis)
+        summed, extras_sum = total((tree, jax.tree.map(lambda x: x / n, extras)), axis)
+        riding.append(extras_sum)
+        return summed
+
+    separate = n == 1 or getattr(compressor, "start", 0) > 0  # lax.cond branches cannot hand values out
+    view = compression_lib.view(compressor, stored, grads)
+    grads, new, scalars = compressor.mean(grads, view, (lambda t: total(t, axis)) if separate else sum_with_extras,
+                                          n, state.step)
+    (metrics, synced) = sync(extras, axis) if separate and n > 1 else (riding[0] if riding else extras)
+    synced = iter(synced)
+    model_state = jax.tree.unflatten(treedef, [next(synced) if f else x for x, f in zip(leaves, floats)])
+    merged = compression_lib.merge(stored, new)
+    sync_state = state.sync
+    if merged.error or merged.q:
+        sync_state = sync_state.replace(per_device={**sync_state.per_device, name: jax.tree.map(lambda x: x[None], merged.error)},
+                                        shared={**sync_state.shared, name: merged.q})
+    payload = compressor.payload_bytes(grads)
+    metrics = {**metrics, **scalars,
+               "comm_bytes": jnp.float32(payload * 2 * (n - 1) / n),  # a bandwidth-optimal all-reduce: psum or ring
+               "compression_ratio": jnp.float32(compression_lib.uncompressed_bytes(grads) / payload)}
+    return grads, metrics, model_state, sync_state
 
 
 def _sync_together(sync: Callable, axis: str, grads: Any, metrics: Metrics, model_state: Any) -> tuple[Any, Metrics, Any]:

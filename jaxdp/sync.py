@@ -205,7 +205,16 @@ def _psum_all_gather(owned: jax.Array, axis_name: str) -> jax.Array:
 
 
 psum_mean.halves = Halves(_psum_scatter_mean, _psum_all_gather)
+# The plain sum over devices (compression pre-scales by 1/N itself, so narrow dtypes cannot overflow).
+psum_mean.sum = lambda tree, axis_name: (fused(lambda flat: jax.lax.psum(flat, axis_name), tree)
+                                         if jax.process_count() > 1 else jax.lax.psum(tree, axis_name))
+ring_mean.sum = ring_allreduce
 ring_mean.halves = Halves(functools.partial(ring_reduce_scatter, mean=True), ring_all_gather)
+
+
+def summing(strategy: Callable) -> Callable[[Tree, str], Tree] | None:
+    """The strategy's sum over devices `(tree, axis) -> tree`, or None if it has none."""
+    return getattr(strategy, "sum", None)
 
 
 def halves(strategy: Callable) -> Halves | None:
