@@ -75,7 +75,7 @@ log = logging.getLogger("jaxdp")
 # shapes are checked separately), the device and process count (the state is replicated),
 # checkpointing and logging, and --shard-optimizer (checkpoints hold the optimizer state whole).
 _RESUME_GROUPS = ("data", "model", "optimisation")
-_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "lr", "schedule", "warmup_steps", "final_lr_fraction", "clip_norm")
+_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule", "warmup_steps", "final_lr_fraction", "clip_norm")
 
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits
