@@ -39,7 +39,7 @@ from jaxdp.mesh import axis_name as mesh_axis_name
 from jaxdp.step import state_specs
 from jaxdp.sync import summing
 
-GUARD_BATCHES = 4      # batches the quality guard sums over (each costs one uncompressed all-reduce)
+GUARD_BATCHES = compression.GUARD_WINDOW  # batches the guard sums over (each: one uncompressed all-reduce)
 COMPUTE_REPEATS = 5
 COMM_REPEATS = 3
 
@@ -80,7 +80,7 @@ class Controller:
         self._allreduce = jax.jit(jax.shard_map(allreduce, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
                                                 check_vma=False))
         self._local_grads = local_grads
-        self._quality: dict[str, Callable] = {}
+        self._quality: dict[tuple, Callable] = {}
 
     # -- measuring ------------------------------------------------------------------------------
 
@@ -115,13 +115,14 @@ class Controller:
         choice, reasons = compression.plan(figures["compute_s"], model, self.abstract, self.candidates,
                                            self.target_fraction)
         checks = []
-        while isinstance(choice, compression.PowerSGD):
-            error = self.quality(state, batches, choice)
-            checks.append({"candidate": choice.name, "relative_error": error})
-            weaker = compression.guard(choice, error, self.guard_threshold, self.candidates)
-            if weaker == choice:
-                break
-            choice = weaker
+        if isinstance(choice, compression.PowerSGD):  # the quality guard: raise the rank until it passes
+            ladder = [c for c in self.candidates if isinstance(c, compression.PowerSGD) and c.rank >= choice.rank]
+            errors = self.quality(state, batches, ladder[::-1])  # from the chosen rank upwards
+            for candidate in ladder[::-1]:
+                checks.append({"candidate": candidate.name, "relative_error": errors[candidate.name]})
+                choice = compression.guard(candidate, errors[candidate.name], self.guard_threshold, self.candidates)
+                if choice == candidate:
+                    break
         record = {"choice": choice.name, **figures, "latency_s": model.latency_s,
                   "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
                   "target_fraction": self.target_fraction, "predicted_s": reasons["predicted_s"],
@@ -130,38 +131,44 @@ class Controller:
                   "guard_threshold": self.guard_threshold}
         return Decision(None if isinstance(choice, compression.NoCompression) else choice, record)
 
-    def quality(self, state: Any, batches: list[Any], compressor: compression.PowerSGD) -> float:
-        """relative_error(sum of compressed means, sum of true means) over `batches`, threading
-        the error feedback from `state` (which is not changed)."""
-        if compressor.name not in self._quality:
-            self._quality[compressor.name] = self._quality_fn(compressor)
-        fn = self._quality[compressor.name]
+    def quality(self, state: Any, batches: list[Any], candidates: list[compression.PowerSGD]) -> dict[str, float]:
+        """For each candidate: relative_error(sum of its compressed means, sum of the true means)
+        over `batches` (GUARD_BATCHES of them), threading its error feedback from `state` (which is
+        not changed). One compiled program for all candidates: the gradients and the true mean
+        (one uncompressed all-reduce) are computed once per batch."""
+        key = tuple(c.name for c in candidates)
+        if key not in self._quality:
+            self._quality[key] = self._quality_fn(candidates)
+        fn = self._quality[key]
         state = state.replace(opt_state=None)
-        error_rows = state.sync.per_device.get(compression.STATE_NAME, {})
-        applied_sum = true_sum = None
+        rows = state.sync.per_device.get(compression.STATE_NAME, {})
+        errors = [rows] * len(candidates)
+        sums = None
         for batch in batches[:GUARD_BATCHES]:
-            applied, true, error_rows = fn(state, batch, error_rows)
-            applied_sum = applied if applied_sum is None else jax.tree.map(jnp.add, applied_sum, applied)
-            true_sum = true if true_sum is None else jax.tree.map(jnp.add, true_sum, true)
-        return float(compression.relative_error(applied_sum, true_sum))
+            out, errors = fn(state, batch, errors)
+            sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+        applied, true = sums
+        return {c.name: float(compression.relative_error(a, true)) for c, a in zip(candidates, applied)}
 
-    def _quality_fn(self, compressor: compression.PowerSGD) -> Callable:
+    def _quality_fn(self, candidates: list[compression.PowerSGD]) -> Callable:
         axis, n, total = self.axis, self.n, self.total
 
-        def per_device(state: Any, batch: Any, error_rows: Any) -> tuple[Any, Any, Any]:
+        def per_device(state: Any, batch: Any, errors: list[Any]) -> tuple[Any, list[Any]]:
             _, _, grads = self._local_grads(state, batch)
-            scale = lambda t: jax.tree.map(lambda g: g / n, t)  # noqa: E731
-            true = total(scale(grads), axis)
-            stored = compression.CompressionState(error=jax.tree.map(lambda x: x[0], error_rows),
-                                                  q=state.sync.shared.get(compression.STATE_NAME, {}))
-            view = compression.view(compressor, stored, grads)
-            applied, new, _ = compressor.mean(grads, view, lambda t: total(t, axis), n, state.step)
-            merged = compression.merge(stored, new)
-            return applied, true, jax.tree.map(lambda x: x[None], merged.error)
+            true = total(jax.tree.map(lambda g: g / n, grads), axis)
+            applied, new_errors = [], []
+            for compressor, rows in zip(candidates, errors):
+                stored = compression.CompressionState(error=jax.tree.map(lambda x: x[0], rows),
+                                                      q=state.sync.shared.get(compression.STATE_NAME, {}))
+                mean, new, _ = compressor.mean(grads, compression.view(compressor, stored, grads),
+                                               lambda t: total(t, axis), n, state.step)
+                applied.append(mean)
+                new_errors.append(jax.tree.map(lambda x: x[None], compression.merge(stored, new).error))
+            return (applied, true), new_errors
 
-        def all_devices(state: Any, batch: Any, error_rows: Any) -> tuple[Any, Any, Any]:
+        def all_devices(state: Any, batch: Any, errors: list[Any]) -> tuple[Any, list[Any]]:
             return jax.shard_map(per_device, mesh=self.mesh, in_specs=(state_specs(state, axis), P(axis), P(axis)),
-                                 out_specs=(P(), P(), P(axis)), check_vma=False)(state, batch, error_rows)
+                                 out_specs=((P(), P()), P(axis)), check_vma=False)(state, batch, errors)
 
         return jax.jit(all_devices)
 

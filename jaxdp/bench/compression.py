@@ -27,8 +27,8 @@ from typing import Any
 from jaxdp.bench.report import print_table, write_json
 from jaxdp.bench.timing import interleaved, paired_ratio
 
-GPT_FLAGS = ("--model gpt --layers 4 --d-model 256 --heads 4 --seq-len 64 --batch-size 16 --optimizer adamw "
-             "--lr 3e-3 --eval-batches 8 --log-every 10")
+GPT_FLAGS = ("--model gpt --layers 4 --d-model 256 --heads 4 --seq-len 64 --batch-size 16 --optimizer momentum "
+             "--lr 0.3 --clip-norm 1.0 --eval-batches 8 --log-every 10")
 
 
 def register(subparsers: Any) -> None:
