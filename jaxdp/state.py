@@ -79,7 +79,8 @@ class TrainState:
 
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
                model_state: Any = None, rng: Any = 0, shard_optimizer: bool = False,
-               compression: Any = None) -> TrainState:
+               compression: Any = None, sync_every: int = 1,
+               outer_tx: optax.GradientTransformation | None = None) -> TrainState:
     """A TrainState with `params` (and `model_state`) replicated over `mesh` and a fresh `tx` state.
 
     `params` may be host or device values; in a multi-process run every process must pass the
@@ -94,23 +95,36 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     "none": no state): the state gradient compression keeps between steps, in `state.sync`; pass
     the same to `make_train_step`. A state made for "auto" serves every candidate of the adaptive
     controller (jaxdp/compression.py).
+
+    `sync_every=H` (> 1) or an `outer_tx`: local steps (jaxdp/local_sgd.py, DiLoCo). Every device's
+    replica of `params` and its own `tx` state go into `state.sync.per_device["local_sgd"]`, the
+    `outer_tx` state (default `optax.sgd(1.0)`: plain averaging) into `state.sync.shared["outer"]`;
+    `state.opt_state` is `()`. Pass the same `sync_every` and `outer_tx` to `make_train_step`.
     """
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
+    from jaxdp import compression as compression_lib, local_sgd
+
     params = replicate(params, mesh)
-    if shard_optimizer:
+    sync = compression_lib.sync_state(compression, params, mesh)
+    local = local_sgd.check_sync_every(sync_every) > 1 or outer_tx is not None
+    if local and shard_optimizer:
+        raise ValueError("init_state: local steps (sync_every > 1 or an outer_tx) and shard_optimizer do not combine")
+    if local:
+        per_device, shared = local_sgd.init_sync(params, tx, mesh, outer_tx)
+        sync = sync.replace(per_device={**sync.per_device, **per_device}, shared={**sync.shared, **shared})
+        opt_state = ()
+    elif shard_optimizer:
         from jaxdp import zero
 
         opt_state = zero.init(params, tx, mesh)
     else:
         opt_state = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
-    from jaxdp import compression as compression_lib
-
     return TrainState(
         step=replicate(np.int32(0), mesh),
-        sync=compression_lib.sync_state(compression, params, mesh),
+        sync=sync,
         params=params,
         opt_state=opt_state,
         model_state=replicate({} if model_state is None else model_state, mesh),
@@ -148,6 +162,21 @@ def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: floa
 
     tx = OPTIMIZERS[name](lr, momentum, weight_decay)
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
+
+
+# The outer optimizers behind --outer-optimizer (local steps, jaxdp/local_sgd.py).
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+
+
+def make_outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
+    """The optimizer that applies the averaged pseudo-gradient to the global parameters every sync:
+    "nesterov" (DiLoCo: lr 0.7, momentum 0.9) or "sgd" (heavy-ball momentum if `momentum` > 0;
+    lr 1 and momentum 0 is plain model averaging, Local SGD)."""
+    if name not in OUTER_OPTIMIZERS:
+        raise ValueError(f"unknown outer optimizer {name!r}; choose one of: {', '.join(OUTER_OPTIMIZERS)}")
+    if name == "nesterov" and not momentum:
+        raise ValueError("the nesterov outer optimizer needs a momentum > 0; use sgd for none")
+    return optax.sgd(lr, momentum=momentum or None, nesterov=name == "nesterov")
 
 
 # ---------------------------------------------------------------------------------------------
