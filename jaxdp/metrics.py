@@ -172,7 +172,7 @@ class MetricsWriter:
 
     def eval(self, step: int, results: Mapping[str, Any]) -> dict[str, Any]:
         """A periodic held-out evaluation: `{"event": "eval", "step": ..., **results}`."""
-        record = {"event": "eval", "step": step, **results}
+        record = {"event": "eval", "step": step, **results, "elapsed_s": time.perf_counter() - self._t0}
         if self.is_main:
             self._write(record)
             self._scalars("eval", results, step)

@@ -60,7 +60,7 @@ def train(config: Config) -> Result:
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops, write_text_atomically
     from jaxdp.prefetch import Prefetcher
     from jaxdp.preemption import Preemption
-    from jaxdp.state import init_state, make_optimizer, make_schedule
+    from jaxdp.state import init_state, make_optimizer, make_outer_optimizer, make_schedule
     from jaxdp.step import make_eval_step, make_train_step
 
     # ---- distribution and mesh ---------------------------------------------------------------
@@ -98,10 +98,14 @@ def train(config: Config) -> Result:
     tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
 
     # ---- update step -------------------------------------------------------------------------
+    # --sync-every H > 1: local steps, the replicas averaged every H steps by the outer optimizer (jaxdp/local_sgd.py)
+    local = dict(sync_every=config.sync_every, outer_tx=make_outer_optimizer(
+        config.outer_optimizer, config.outer_lr, config.outer_momentum)) if config.sync_every > 1 else {}
     state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
-                       shard_optimizer=config.shard_optimizer)
+                       shard_optimizer=config.shard_optimizer, **local)
     train_step = make_train_step(task.loss_fn, tx, mesh, config.strategy, stateful=True,
-                                 grad_accum=config.grad_accum, grad_norm=True, shard_optimizer=config.shard_optimizer)
+                                 grad_accum=config.grad_accum, grad_norm=True, shard_optimizer=config.shard_optimizer,
+                                 **local)
     eval_step = make_eval_step(task.eval_fn, mesh)
 
     def evaluate(state: Any) -> dict[str, float]:
@@ -180,7 +184,8 @@ def train(config: Config) -> Result:
                 history.append(writer.log(done, checked(), {"lr": float(schedule(done - 1)), **beat.stragglers()}))
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 checked()
-                writer.eval(done, evaluate(state))
+                evaluated = time.perf_counter()
+                writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
             if checkpointer:
                 checkpointer.poll()  # a background save that failed stops the run here (exit 73)
             if checkpointer and checkpointer.should_save(done):
