@@ -39,7 +39,8 @@ class OptimizerTag:
 @flax.struct.dataclass
 class SyncState:
     """State of the gradient-synchronisation layer, by the name of the feature that owns it (e.g.
-    "compression": error feedback per device, PowerSGD's warm start shared).
+    "compression": error feedback per device, PowerSGD's warm start shared; "local_sgd": each
+    device's replica and inner optimizer state, "outer": the outer optimizer's state).
 
     per_device: {name: tree}; every leaf has a leading axis as long as the mesh, sharded over the
                 data axis: row i belongs to device i.
@@ -60,11 +61,15 @@ class TrainState:
     step:        int32 scalar, number of updates applied so far.
     params:      the model parameters.
     opt_state:   the optax state for `params` (replicated), or with `shard_optimizer=True` a
-                 `jaxdp.zero.ShardedOptState`: the state of the flat buffers, 1/N per device.
+                 `jaxdp.zero.ShardedOptState`: the state of the flat buffers, 1/N per device; with
+                 local steps `()` (the inner states are per device, in `sync`).
     model_state: mutable model collections (e.g. {"batch_stats": ...}); {} when the model has none.
     rng:         a raw uint32[2] PRNG key; the step derives per-step, per-device keys from it and
                  `step`, so it never changes and a resumed run draws the same numbers.
-    sync:        `SyncState`: what gradient compression keeps between steps; empty without it.
+    sync:        `SyncState`: what gradient compression keeps between steps, and with local steps
+                 (jaxdp/local_sgd.py) every device's replica and inner optimizer state
+                 (`per_device["local_sgd"]`) and the outer optimizer state (`shared["outer"]`);
+                 empty without them. `params` stay the global parameters.
     optimizer:   (static) which optax transformation `opt_state` belongs to; not an array.
     """
 
