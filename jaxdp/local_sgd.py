@@ -77,6 +77,13 @@ def is_local(state: Any) -> bool:
     return STATE_NAME in state.sync.per_device
 
 
+def optimizer_states(state: Any) -> Any:
+    """The inner (per-device rows) and outer optimizer states of a local state; () otherwise."""
+    if not is_local(state):
+        return ()
+    return state.sync.per_device[STATE_NAME]["opt_state"], state.sync.shared[OUTER_NAME]
+
+
 def check_sync_every(sync_every: Any) -> int:
     if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or sync_every < 1:
         raise ValueError(f"sync_every must be a positive integer (1: synchronise every step), got {sync_every!r}")

@@ -54,7 +54,7 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import data, distributed, heartbeat, models, tasks, zero
+    from jaxdp import data, distributed, heartbeat, local_sgd, models, tasks, zero
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops, write_text_atomically
@@ -150,7 +150,7 @@ def train(config: Config) -> Result:
                  devices=mesh.size, device_kind=device_kind, jax=jax.__version__, compile_cache=cache_dir,
                  malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
                  param_bytes_per_device=zero.bytes_per_device(state.params),
-                 optimizer_bytes_per_device=zero.bytes_per_device(state.opt_state))
+                 optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))))
     if start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
     history, preempted, done = [], False, start_step
