@@ -65,7 +65,7 @@ class Config:
     clip_norm: float = _field(0.0, "optimisation", "clip the global gradient norm to this value (0: no clipping)")
     shard_optimizer: bool = _field(False, "optimisation", "ZeRO-1: each device keeps and updates 1/N of the optimizer state (psum, ring); the same numbers, 1/N of the optimizer memory")
     sync_every: int = _field(1, "optimisation", "local steps (DiLoCo): every device trains its own replica and the replicas are averaged every N steps through --outer-optimizer (psum, ring); 1: synchronous training, gradients averaged every step")
-    outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", choices_fixed=("nesterov", "sgd"))
+    outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
     outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
     grad_accum: int = _field(1, "optimisation", "micro-batches per step: gradients accumulate on each device and are synchronised once per step")

@@ -169,19 +169,28 @@ def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: floa
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
 
 
-# The outer optimizers behind --outer-optimizer (local steps, jaxdp/local_sgd.py).
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
+# The outer optimizers behind --outer-optimizer (jaxdp.registry.OUTER_OPTIMIZERS; local steps,
+# jaxdp/local_sgd.py): (lr, momentum) -> tx, applied to the averaged pseudo-gradient every sync.
+
+
+def nesterov_outer(lr: float, momentum: float) -> optax.GradientTransformation:
+    if not momentum:
+        raise ValueError("the nesterov outer optimizer needs a momentum > 0; use sgd for none")
+    return optax.sgd(lr, momentum=momentum, nesterov=True)
+
+
+def sgd_outer(lr: float, momentum: float) -> optax.GradientTransformation:
+    return optax.sgd(lr, momentum=momentum or None)
 
 
 def make_outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
-    """The optimizer that applies the averaged pseudo-gradient to the global parameters every sync:
-    "nesterov" (DiLoCo: lr 0.7, momentum 0.9) or "sgd" (heavy-ball momentum if `momentum` > 0;
-    lr 1 and momentum 0 is plain model averaging, Local SGD)."""
-    if name not in OUTER_OPTIMIZERS:
-        raise ValueError(f"unknown outer optimizer {name!r}; choose one of: {', '.join(OUTER_OPTIMIZERS)}")
-    if name == "nesterov" and not momentum:
-        raise ValueError("the nesterov outer optimizer needs a momentum > 0; use sgd for none")
-    return optax.sgd(lr, momentum=momentum or None, nesterov=name == "nesterov")
+    """The optimizer that applies the averaged pseudo-gradient to the global parameters every sync,
+    by its name in `jaxdp.registry.OUTER_OPTIMIZERS`: "nesterov" (DiLoCo: lr 0.7, momentum 0.9) or
+    "sgd" (heavy-ball momentum if `momentum` > 0; lr 1 and momentum 0 is plain model averaging,
+    Local SGD)."""
+    from jaxdp.registry import OUTER_OPTIMIZERS
+
+    return OUTER_OPTIMIZERS[name](lr, momentum)
 
 
 # ---------------------------------------------------------------------------------------------
