@@ -244,3 +244,48 @@ def test_make_outer_optimizer():
         assert updates["w"].shape == (3,)
     with pytest.raises(ValueError, match="needs a momentum"):
         make_outer_optimizer("nesterov", 0.7, 0.0)
+
+
+# ---- across processes --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["psum", "ring"])
+def test_two_processes_with_local_steps_train_like_one_process(tmp_path, strategy):
+    from helpers import free_port, run_cli
+
+    run = ["--steps", "7", "--batch-size", "64", "--log-every", "1", "--no-progress", "--sync-every", "3",
+           "--strategy", strategy]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", *run, "--devices", "2",
+                               "--metrics-file", str(tmp_path / f"two.{i}.jsonl"), "--coordinator-address",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    one = run_cli(*run, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"))
+    assert one.returncode == 0, one.stderr
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:]
+    ref, two = step_records(tmp_path / "one.jsonl"), step_records(tmp_path / "two.0.jsonl")
+    assert [r["synced"] for r in two] == [r["synced"] for r in ref] == [0, 0, 1, 0, 0, 1, 0]
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose(records(tmp_path / "two.0.jsonl")[-1]["eval_loss"],
+                               records(tmp_path / "one.jsonl")[-1]["eval_loss"], rtol=1e-5)
+
+
+# ---- the benchmark's arithmetic ----------------------------------------------------------------
+
+
+def test_bench_curve_leaves_out_compilation_and_evaluation_and_finds_the_target():
+    from jaxdp.bench.localsgd import curve, time_to
+    from jaxdp.bench.slowlink import Training
+
+    recs = [{"event": "start", "step": 0},
+            {"step": 10, "loss": 3.0, "elapsed_s": 12.0},
+            {"event": "eval", "step": 10, "eval_loss": 2.9, "eval_s": 1.0, "elapsed_s": 13.0},
+            {"step": 20, "loss": 2.5, "elapsed_s": 20.0},
+            {"event": "done", "step": 20, "eval_loss": 2.4, "compile_s": 5.0}]
+    points = curve(Training(recs, 30.0, [0, 0], ["", ""]))
+    assert points == [(10, 7.0, 2.9), (20, 14.0, 2.4)]
+    assert time_to(points, 2.5) == (20, 14.0) and time_to(points, 2.0) == (None, None)
