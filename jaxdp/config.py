@@ -66,6 +66,7 @@ class Config:
     shard_optimizer: bool = _field(False, "optimisation", "ZeRO-1: each device keeps and updates 1/N of the optimizer state (psum, ring); the same numbers, 1/N of the optimizer memory")
     sync_every: int = _field(1, "optimisation", "local steps (DiLoCo): every device trains its own replica and the replicas are averaged every N steps through --outer-optimizer (psum, ring); 1: synchronous training, gradients averaged every step")
     outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
+    sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
     outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
     grad_accum: int = _field(1, "optimisation", "micro-batches per step: gradients accumulate on each device and are synchronised once per step")
@@ -180,6 +181,9 @@ def _check_inputs(config: Config) -> None:
                           "gradients in host memory, so there is no device-side optimizer update to shard")
     if config.sync_every < 1:
         raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training), got {config.sync_every}")
+    if config.sync_fragments < 1 or config.sync_every % config.sync_fragments:
+        raise ConfigError(f"--sync-fragments={config.sync_fragments} must be a positive integer that divides "
+                          f"--sync-every={config.sync_every}")
     if config.sync_every > 1:
         if config.strategy == "host":
             raise ConfigError("--sync-every needs an in-graph strategy (--strategy psum or ring): host averages in host "

@@ -85,7 +85,7 @@ class TrainState:
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
                model_state: Any = None, rng: Any = 0, shard_optimizer: bool = False,
                compression: Any = None, sync_every: int = 1,
-               outer_tx: optax.GradientTransformation | None = None) -> TrainState:
+               outer_tx: optax.GradientTransformation | None = None, sync_fragments: int = 1) -> TrainState:
     """A TrainState with `params` (and `model_state`) replicated over `mesh` and a fresh `tx` state.
 
     `params` may be host or device values; in a multi-process run every process must pass the
@@ -104,7 +104,8 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     `sync_every=H` (> 1) or an `outer_tx`: local steps (jaxdp/local_sgd.py, DiLoCo). Every device's
     replica of `params` and its own `tx` state go into `state.sync.per_device["local_sgd"]`, the
     `outer_tx` state (default `optax.sgd(1.0)`: plain averaging) into `state.sync.shared["outer"]`;
-    `state.opt_state` is `()`. Pass the same `sync_every` and `outer_tx` to `make_train_step`.
+    `state.opt_state` is `()`. Pass the same `sync_every`, `outer_tx` and `sync_fragments` (Streaming
+    DiLoCo: the outer state is one per fragment) to `make_train_step`.
     """
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
@@ -114,11 +115,11 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
 
     params = replicate(params, mesh)
     sync = compression_lib.sync_state(compression, params, mesh)
-    local = local_sgd.check_sync_every(sync_every) > 1 or outer_tx is not None
+    local = local_sgd.check_sync_every(sync_every, sync_fragments) > 1 or outer_tx is not None
     if local and shard_optimizer:
         raise ValueError("init_state: local steps (sync_every > 1 or an outer_tx) and shard_optimizer do not combine")
     if local:
-        per_device, shared = local_sgd.init_sync(params, tx, mesh, outer_tx)
+        per_device, shared = local_sgd.init_sync(params, tx, mesh, outer_tx, sync_fragments)
         sync = sync.replace(per_device={**sync.per_device, **per_device}, shared={**sync.shared, **shared})
         opt_state = ()
     elif shard_optimizer:

@@ -88,7 +88,8 @@ class TrainStep:
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
                     strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
                     grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None,
-                    sync_every: int = 1, outer_tx: optax.GradientTransformation | None = None) -> TrainStep:
+                    sync_every: int = 1, outer_tx: optax.GradientTransformation | None = None,
+                    sync_fragments: int = 1) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -114,7 +115,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     average their pseudo-gradients (global - replica params) through the strategy and
     `compression`, and `outer_tx` (default: `optax.sgd(1.0)`, plain averaging) updates the global
     parameters. Make the state with `init_state(..., sync_every=H, outer_tx=<the same>)`. `metrics`
-    gains "synced" (1.0 on a sync step), "comm_bytes" and "comm_bytes_per_step".
+    gains "synced" (1.0 on a sync step), "comm_bytes" and "comm_bytes_per_step". `sync_fragments=F`
+    (Streaming DiLoCo) synchronises 1/F of the parameter arrays every H/F steps instead of all of
+    them every H steps.
     """
     from jaxdp.registry import STRATEGIES
 
@@ -135,7 +138,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             raise InputError("compression and shard_optimizer do not combine yet: compression needs the whole averaged "
                              "gradient on every device; use one of them", argument="compression")
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    sync_every = local_sgd.check_sync_every(sync_every)
+    sync_every = local_sgd.check_sync_every(sync_every, sync_fragments)
     if sync_every > 1 or outer_tx is not None:
         name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
         if sync_summing(sync) is None:
@@ -145,7 +148,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             raise InputError("local steps (sync_every) and shard_optimizer do not combine: every device keeps its own "
                              "whole inner optimizer state; use one of them", argument="shard_optimizer")
         device_step = local_sgd.make_device_step(local_grads, tx, local_sgd.default_outer(outer_tx), sync, compressor,
-                                                 axis, mesh.size, sync_every, grad_norm)
+                                                 axis, mesh.size, sync_every, grad_norm, sync_fragments)
         return _in_graph_step(device_step, mesh, tx, sync, local=True)
 
     def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:

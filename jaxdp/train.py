@@ -99,7 +99,7 @@ def train(config: Config) -> Result:
 
     # ---- update step -------------------------------------------------------------------------
     # --sync-every H > 1: local steps, the replicas averaged every H steps by the outer optimizer (jaxdp/local_sgd.py)
-    local = dict(sync_every=config.sync_every, outer_tx=make_outer_optimizer(
+    local = dict(sync_every=config.sync_every, sync_fragments=config.sync_fragments, outer_tx=make_outer_optimizer(
         config.outer_optimizer, config.outer_lr, config.outer_momentum)) if config.sync_every > 1 else {}
     state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
                        shard_optimizer=config.shard_optimizer, **local)

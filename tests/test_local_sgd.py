@@ -144,14 +144,17 @@ def without_timing(path):
 
 
 @pytest.mark.slow
-def test_resume_in_the_middle_of_a_period_is_bit_identical(tmp_path):
-    whole = run("--steps", 14, "--metrics-file", tmp_path / "whole.jsonl")
-    flags = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 5, "--metrics-file", tmp_path / "m.jsonl"]
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_resume_in_the_middle_of_a_period_is_bit_identical(tmp_path, fragments):
+    whole = run("--steps", 14, "--metrics-file", tmp_path / "whole.jsonl", "--sync-fragments", fragments)
+    flags = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 5, "--metrics-file", tmp_path / "m.jsonl",
+             "--sync-fragments", fragments]
     run(*flags, "--steps", 5)  # step 5: one step into the second period of 4
     resumed = run(*flags, "--steps", 14)
     assert [r["step"] for r in resumed.history] == list(range(6, 15))
     assert without_timing(tmp_path / "m.jsonl") == without_timing(tmp_path / "whole.jsonl")
-    assert [r["synced"] for r in step_records(tmp_path / "m.jsonl")] == [float(s % 4 == 0) for s in range(1, 15)]
+    every = 4 // fragments
+    assert [r["synced"] for r in step_records(tmp_path / "m.jsonl")] == [float(s % every == 0) for s in range(1, 15)]
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), resumed.state, whole.state)
 
 
@@ -207,6 +210,7 @@ BAD = {
     "outer momentum": (["--sync-every", "4", "--outer-momentum", "1.5"], "--outer-momentum must be at least 0"),
     "nesterov without momentum": (["--sync-every", "4", "--outer-momentum", "0"], "needs --outer-momentum > 0"),
     "outer kind": (["--outer-optimizer", "adam"], "invalid choice: 'adam'"),
+    "fragments": (["--sync-every", "4", "--sync-fragments", "3"], "--sync-fragments=3 must be a positive integer that divides"),
 }
 
 
@@ -289,3 +293,43 @@ def test_bench_curve_leaves_out_compilation_and_evaluation_and_finds_the_target(
     points = curve(Training(recs, 30.0, [0, 0], ["", ""]))
     assert points == [(10, 7.0, 2.9), (20, 14.0, 2.4)]
     assert time_to(points, 2.5) == (20, 14.0) and time_to(points, 2.0) == (None, None)
+
+
+# ---- fragments (Streaming DiLoCo) --------------------------------------------------------------
+
+
+def test_fragments_are_contiguous_balanced_and_cover_every_leaf():
+    params = {"a": jnp.zeros(100), "b": jnp.zeros(10), "c": jnp.zeros(90), "d": jnp.zeros(100)}
+    assert local_sgd.fragments(params, 1) == [[0, 1, 2, 3]]
+    assert local_sgd.fragments(params, 2) == [[0, 1], [2, 3]]
+    assert local_sgd.fragments(params, 4) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="more than the model's 4 parameter arrays"):
+        local_sgd.fragments(params, 5)
+
+
+def test_each_fragment_syncs_in_turn_every_h_over_f_steps(devices):
+    mesh = jaxdp.make_mesh(devices)
+    params, loss_fn = setup()
+    tx = optax.sgd(0.1)
+    local = dict(sync_every=4, sync_fragments=2, outer_tx=DILOCO())
+    state = jaxdp.init_state(params, tx, mesh, **local)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, **local)
+    groups = local_sgd.fragments(params, 2)
+    assert len(state.sync.shared[local_sgd.OUTER_NAME]) == 2
+    full = None
+    for i, batch in enumerate(batches(8)):
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        replicas = jax.tree.leaves(jax.device_get(state.sync.per_device[local_sgd.STATE_NAME]["params"]))
+        glob = jax.tree.leaves(jax.device_get(state.params))
+        same = [bool(np.array_equal(r, np.broadcast_to(g, r.shape))) for r, g in zip(replicas, glob)]
+        s = i + 1
+        if s % 2:
+            assert float(metrics["synced"]) == 0 and not any(same)
+            continue
+        f = (s // 2 - 1) % 2  # fragment 0 at steps 2, 6; fragment 1 at steps 4, 8
+        assert float(metrics["synced"]) == 1
+        assert [same[j] for j in groups[f]] == [True] * len(groups[f])
+        assert not any(same[j] for j in groups[1 - f])
+        full = full or float(metrics["comm_bytes_per_step"]) * 4
+        assert 0 < float(metrics["comm_bytes"]) < full
+    assert np.isfinite(float(metrics["loss"]))
