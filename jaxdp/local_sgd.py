@@ -40,7 +40,8 @@ the pseudo-gradient on this step (0 between syncs) and `comm_bytes_per_step` its
 period.
 
 How the step decides: one compiled program with `jax.lax.cond((step + 1) % H == 0, sync, local)`
-on the replicated step counter. Every device of every process reads the same counter, so all take
+(with fragments `jax.lax.switch` over local and one branch per fragment) on the replicated step
+counter. Every device of every process reads the same counter, so all take
 the same branch and the sync branch's collectives run on all devices or none; the decision is a
 pure function of `state.step`, which checkpoints hold, so a run resumed in the middle of a period
 syncs at the same steps as one that never stopped; and the caller (the CLI loop, a notebook) passes

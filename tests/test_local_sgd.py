@@ -116,6 +116,22 @@ def test_compressed_pseudo_gradients_train(devices, spec):
     assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
 
 
+def test_powersgd_compresses_each_fragment(devices):
+    mesh = jaxdp.make_mesh(devices)
+    params, loss_fn = setup()
+    tx = optax.adam(1e-2)
+    local = dict(sync_every=4, sync_fragments=2, outer_tx=DILOCO(), compression="powersgd:2")
+    state = jaxdp.init_state(params, tx, mesh, **local)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, **local)
+    losses, sent = [], []
+    for batch in batches(24):
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        losses.append(float(metrics["loss"]))
+        sent.append(float(metrics["comm_bytes"]))
+    assert sent[0] == sent[2] == 0 and sent[1] > 0 and sent[3] > 0
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
+
+
 def test_bad_combinations_raise_one_line(devices):
     mesh = jaxdp.make_mesh(devices)
     params, loss_fn = setup()
