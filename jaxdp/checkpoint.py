@@ -77,8 +77,8 @@ log = logging.getLogger("jaxdp")
 # --sync-every between values above 1 (the state is the same; the next sync comes at the next
 # multiple of the new value) and --outer-lr.
 _RESUME_GROUPS = ("data", "model", "optimisation")
-_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "lr", "schedule", "warmup_steps", "final_lr_fraction",
-                         "clip_norm", "sync_every", "outer_lr")
+_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
+                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr")
 
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import tomllib
 from typing import Any, Sequence
@@ -69,6 +70,9 @@ class Config:
     sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
     outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
+    compression: str = _field("none", "optimisation", "gradient compression on the way through the strategy: none, bf16, powersgd:RANK[:start=STEP] (low rank, error feedback), or auto: measure compute and all-reduce time and compress only as much as the link needs")
+    comm_target: float = _field(0.25, "optimisation", "--compression auto: the all-reduce time it aims for, as a fraction of the step's compute time")
+    compression_every: int = _field(500, "optimisation", "--compression auto: measure and decide again every N steps (0: once, at the start)")
     grad_accum: int = _field(1, "optimisation", "micro-batches per step: gradients accumulate on each device and are synchronised once per step")
     momentum: float = _field(0.9, "optimisation", "momentum for --optimizer=momentum")
     weight_decay: float = _field(1e-4, "optimisation", "weight decay for --optimizer=adamw")
@@ -176,6 +180,22 @@ def _check_inputs(config: Config) -> None:
     """Values that used to fail only after JAX started (or at the first save): fail before it."""
     if config.stall_timeout <= 0:
         raise ConfigError(f"--stall-timeout must be a positive number of seconds, got {config.stall_timeout}")
+    if config.compression != "none":
+        # The grammar of jaxdp.compression.parse, checked here without importing JAX.
+        if not re.fullmatch(r"bf16|auto|powersgd:[1-9]\d*(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*",
+                            config.compression):
+            raise ConfigError(f"--compression={config.compression!r} is not none, bf16, auto or "
+                              f"powersgd:RANK[:start=STEP][:min_rate=R][:seed=S] (e.g. powersgd:4)")
+        if config.strategy == "host":
+            raise ConfigError("--compression needs an in-graph strategy (--strategy psum or ring): host averages "
+                              "whole gradients in host memory")
+        if config.shard_optimizer:
+            raise ConfigError("--compression and --shard-optimizer do not combine yet: compression needs the whole "
+                              "averaged gradient on every device; use one of them")
+    if not 0 < config.comm_target:
+        raise ConfigError(f"--comm-target must be a positive fraction of compute time, got {config.comm_target}")
+    if config.compression_every < 0:
+        raise ConfigError(f"--compression-every must be 0 (decide once) or a number of steps, got {config.compression_every}")
     if config.shard_optimizer and config.strategy == "host":
         raise ConfigError("--shard-optimizer needs an in-graph strategy (--strategy psum or ring): host averages whole "
                           "gradients in host memory, so there is no device-side optimizer update to shard")

@@ -149,7 +149,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
                              "whole inner optimizer state; use one of them", argument="shard_optimizer")
         device_step = local_sgd.make_device_step(local_grads, tx, local_sgd.default_outer(outer_tx), sync, compressor,
                                                  axis, mesh.size, sync_every, grad_norm, sync_fragments)
-        return _in_graph_step(device_step, mesh, tx, sync, local=True)
+        return _in_graph_step(device_step, mesh, tx, sync, local_grads, local=True)
 
     def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -179,28 +179,33 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
         return apply_update(state, grads, model_state).replace(sync=sync_state), metrics
 
-    return _in_graph_step(device_step, mesh, tx, sync)
+    return _in_graph_step(device_step, mesh, tx, sync, local_grads)
 
 
 def _in_graph_step(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformation, sync: Callable,
-                   local: bool = False) -> TrainStep:
+                   local_grads: Callable, local: bool = False) -> TrainStep:
     """`device_step` mapped over the mesh and jitted; the state replicated but for the per-device
     rows of `state.sync` (sharded over the data axis); the old state donated."""
     axis = mesh_axis_name(mesh)
 
-    def state_specs(state: TrainState) -> Any:  # replicated, but for the per-device rows of state.sync
-        rows = jax.tree.map(lambda _: P(axis), state.sync.per_device)
-        return jax.tree.map(lambda _: P(), state.replace(sync=state.sync.replace(per_device={}))).replace(
-            sync=state.sync.replace(per_device=rows, shared=jax.tree.map(lambda _: P(), state.sync.shared)))
-
     def mapped(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        specs = state_specs(state)
+        specs = state_specs(state, axis)
         return jax.shard_map(device_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
                              check_vma=False)(state, batch)
     step = jax.jit(mapped, donate_argnums=0)
     # One device runs no collective, so nothing can deadlock and steps may queue freely.
     run = _one_step_in_flight(step) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else step
-    return TrainStep(run, step, tx, sync, local=local)
+    train_step = TrainStep(run, step, tx, sync, local=local)
+    train_step.local_grads = local_grads  # per device, unsynchronised: what the compression controller times
+    return train_step
+
+
+def state_specs(state: TrainState, axis: str) -> Any:
+    """shard_map specs for a (replicated) TrainState: P() everywhere but for the per-device rows
+    of `state.sync`, which are split over `axis`."""
+    rows = jax.tree.map(lambda _: P(axis), state.sync.per_device)
+    return jax.tree.map(lambda _: P(), state.replace(sync=state.sync.replace(per_device={}))).replace(
+        sync=state.sync.replace(per_device=rows, shared=jax.tree.map(lambda _: P(), state.sync.shared)))
 
 
 def _one_step_in_flight(step: Callable) -> Callable:

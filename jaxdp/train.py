@@ -54,7 +54,8 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import data, distributed, heartbeat, local_sgd, models, tasks, zero
+    from jaxdp import compression, data, distributed, heartbeat, local_sgd, models, tasks, zero
+    from jaxdp.controller import GUARD_BATCHES, Controller
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops, write_text_atomically
@@ -102,10 +103,23 @@ def train(config: Config) -> Result:
     local = dict(sync_every=config.sync_every, sync_fragments=config.sync_fragments, outer_tx=make_outer_optimizer(
         config.outer_optimizer, config.outer_lr, config.outer_momentum)) if config.sync_every > 1 else {}
     state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
-                       shard_optimizer=config.shard_optimizer, **local)
-    train_step = make_train_step(task.loss_fn, tx, mesh, config.strategy, stateful=True,
-                                 grad_accum=config.grad_accum, grad_norm=True, shard_optimizer=config.shard_optimizer,
-                                 **local)
+                       shard_optimizer=config.shard_optimizer, compression=config.compression, **local)
+    auto = config.compression == compression.AUTO
+    steps_by_compression: dict[Any, Any] = {}
+
+    def step_for(compressor: Any) -> Any:  # one compiled step per compression choice (auto switches)
+        if compressor not in steps_by_compression:
+            steps_by_compression[compressor] = make_train_step(
+                task.loss_fn, tx, mesh, config.strategy, stateful=True, grad_accum=config.grad_accum, grad_norm=True,
+                shard_optimizer=config.shard_optimizer, compression=compressor, **local)
+        return steps_by_compression[compressor]
+
+    train_step = step_for(None if auto else compression.resolve(config.compression))
+    controller = Controller(train_step.local_grads, mesh, train_step.strategy, params,
+                            target_fraction=config.comm_target) if auto and mesh.size > 1 else None
+    # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
+    plain_comm = {"comm_bytes": compression.uncompressed_bytes(params) * 2 * (mesh.size - 1) / mesh.size,
+                  "compression_ratio": 1.0}
     eval_step = make_eval_step(task.eval_fn, mesh)
 
     def evaluate(state: Any) -> dict[str, float]:
@@ -171,6 +185,13 @@ def train(config: Config) -> Result:
     beat = heartbeat.for_run(config.stall_timeout)
     try:
         for step, batch in batches:
+            if controller and (step == start_step or (config.compression_every and step % config.compression_every == 0)):
+                checked()
+                decision = controller.decide(state, [batch] + [batch_at(step + k) for k in range(1, GUARD_BATCHES)], step)
+                writer.event("compression", step, **decision.record)
+                if is_main and decision.record["propose_local_steps"] and config.sync_every == 1:
+                    print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
+                train_step = step_for(decision.compressor)
             dispatch = time.perf_counter()
             state, metrics = train_step(state, batch)
             done = step + 1
@@ -181,7 +202,9 @@ def train(config: Config) -> Result:
                 writer.first_step_done(done)
             writer.step()
             if done % config.log_every == 0 or done == config.steps:
-                history.append(writer.log(done, checked(), {"lr": float(schedule(done - 1)), **beat.stragglers()}))
+                latest = checked()
+                history.append(writer.log(done, latest, {"lr": float(schedule(done - 1)), **beat.stragglers(),
+                                                         **({} if "comm_bytes" in latest else plain_comm)}))
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 checked()
                 evaluated = time.perf_counter()

@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         return params, optax.adam(1e-3), loss_fn, batches, args.steps or 100
 
     def gpt_case() -> tuple[Any, Any, Callable, list, int]:
-        config = Config(model="gpt")
-        model = models.build_model("gpt", config, 256)
+        config = Config()  # the CLI's default --layers, --d-model, --heads, --seq-len
+        model = models.GPT(vocab_size=256, seq_len=config.seq_len, layers=config.layers, d_model=config.d_model,
+                           heads=config.heads)
         batches = [{"tokens": rng.integers(0, 256, (16, config.seq_len + 1)).astype(np.int32)} for _ in range(2)]
         params = model.init(jax.random.PRNGKey(0), batches[0]["tokens"][:1, :-1])["params"]
 

@@ -1,0 +1,197 @@
+"""`--compression auto`: choose gradient compression from measured compute and communication time.
+
+    controller = Controller(loss_fn, mesh, strategy, params, ...)
+    decision = controller.decide(state, batches)     # at start, and every --compression-every steps
+    step = decision.compressor                       # None (plain), Bf16 or PowerSGD(rank)
+
+Each decision measures, on the run's own devices and link:
+* compute: the step's forward and backward pass on the device's slice of a real batch, with no
+  collective (median of a few runs);
+* communication: the strategy's all-reduce of a buffer as big as the gradients, and of one 1/16
+  of that size; a line through the two (`compression.fit_comm_model`) gives latency and bandwidth.
+
+Every process measures, and the slowest process's figures decide (gathered, so every process
+takes the same decision). `compression.plan` then picks the least compression whose predicted
+all-reduce time is at most `target` x compute: none on a fast link, bf16, or PowerSGD at the
+largest rank that fits. A PowerSGD choice must pass the quality guard: over `GUARD_BATCHES`
+batches at the current parameters, the sum of the compressed, error-corrected gradients against
+the sum of the true mean gradients (one uncompressed all-reduce per batch: what the guard costs),
+`compression.relative_error`; above `compression.GUARD_THRESHOLD` the controller steps back to
+the next weaker candidate (higher rank, then bf16, then none) and checks again.
+
+Every decision is a record of the metrics file ("event": "compression") with the numbers behind it.
+When no candidate meets the target, the record also proposes local steps (`propose_local_steps`:
+the smallest `--sync-every` whose one all-reduce per period would, `local_sgd.choose_sync_every`),
+and process 0 prints it: changing the synchronisation period changes what the run computes, so the
+controller proposes it and the user decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp import compression
+from jaxdp.mesh import axis_name as mesh_axis_name
+from jaxdp.step import state_specs
+from jaxdp.sync import summing
+
+GUARD_BATCHES = compression.GUARD_WINDOW  # batches the guard sums over (each: one uncompressed all-reduce)
+COMPUTE_REPEATS = 5
+COMM_REPEATS = 3
+
+
+@dataclasses.dataclass
+class Decision:
+    compressor: compression.Compressor | None    # None: plain averaging
+    record: dict[str, Any]                        # what the metrics file gets
+
+
+class Controller:
+    """Measures and decides; `jaxdp.train` swaps in the step for `Decision.compressor`."""
+
+    def __init__(self, local_grads: Callable, mesh: Mesh, strategy: Callable, params: Any, *,
+                 target_fraction: float = compression.TARGET_COMM_FRACTION,
+                 guard_threshold: float = compression.GUARD_THRESHOLD):
+        self.mesh, self.axis, self.n = mesh, mesh_axis_name(mesh), mesh.size
+        self.total = summing(strategy)
+        self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        self.candidates = compression.ladder(self.abstract)
+        self.target_fraction, self.guard_threshold = target_fraction, guard_threshold
+        self.grad_bytes = compression.uncompressed_bytes(self.abstract)
+        axis = self.axis
+
+        def compute(state: Any, batch: Any) -> jax.Array:  # forward + backward, no collective
+            _, _, grads = local_grads(state, batch)
+            return sum(jnp.sum(g) for g in jax.tree.leaves(grads))[None]
+
+        def compute_all(state: Any, batch: Any) -> jax.Array:
+            return jax.shard_map(compute, mesh=mesh, in_specs=(state_specs(state, axis), P(axis)), out_specs=P(axis),
+                                 check_vma=False)(state, batch)
+
+        self._compute = jax.jit(compute_all)
+
+        def allreduce(buffer: jax.Array) -> jax.Array:
+            return self.total(buffer, axis)
+
+        self._allreduce = jax.jit(jax.shard_map(allreduce, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
+                                                check_vma=False))
+        self._local_grads = local_grads
+        self._quality: dict[tuple, Callable] = {}
+
+    # -- measuring ------------------------------------------------------------------------------
+
+    def measure(self, state: Any, batch: Any) -> dict[str, float]:
+        """Seconds of compute and of all-reduces of two sizes; the slowest process's figures."""
+        state = state.replace(opt_state=None)  # the probes read parameters and model state only
+        compute_s = _median_time(lambda: self._compute(state, batch), COMPUTE_REPEATS)
+        sizes = [max(self.grad_bytes // 16, 1 << 12), max(self.grad_bytes, 1 << 16)]
+        comm_s = []
+        for nbytes in sizes:
+            floats = -(-nbytes // 4)
+            buffer = jax.device_put(np.zeros((self.n * floats,), np.float32), NamedSharding(self.mesh, P(self.axis)))
+            comm_s.append(_median_time(lambda b=buffer: self._allreduce(b), COMM_REPEATS))
+        figures = np.asarray([compute_s, *comm_s], np.float64)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            figures = np.asarray(multihost_utils.process_allgather(figures)).reshape(-1, 3).max(axis=0)
+        return {"compute_s": float(figures[0]), "comm_small_s": float(figures[1]), "comm_full_s": float(figures[2]),
+                "comm_sizes": [int(-(-s // 4) * 4) for s in sizes]}
+
+    # -- deciding -------------------------------------------------------------------------------
+
+    def decide(self, state: Any, batches: list[Any], step: int) -> Decision:
+        """Measure on `batches[0]`, plan, and guard a PowerSGD choice on `batches` (the same
+        decision on every process). `state` is not changed."""
+        figures = self.measure(state, batches[0])
+        try:
+            model = compression.fit_comm_model(figures["comm_sizes"], [figures["comm_small_s"], figures["comm_full_s"]])
+        except ValueError:  # times that do not grow with size: latency alone, on a fast link
+            model = compression.CommModel(latency_s=figures["comm_full_s"], seconds_per_byte=0.0)
+        choice, reasons = compression.plan(figures["compute_s"], model, self.abstract, self.candidates,
+                                           self.target_fraction)
+        checks = []
+        if isinstance(choice, compression.PowerSGD):  # the quality guard: raise the rank until it passes
+            ladder = [c for c in self.candidates if isinstance(c, compression.PowerSGD) and c.rank >= choice.rank]
+            errors = self.quality(state, batches, ladder[::-1])  # from the chosen rank upwards
+            for candidate in ladder[::-1]:
+                checks.append({"candidate": candidate.name, "relative_error": errors[candidate.name]})
+                choice = compression.guard(candidate, errors[candidate.name], self.guard_threshold, self.candidates)
+                if choice == candidate:
+                    break
+        proposal = None
+        if not reasons["fits"]:  # even the chosen compression misses the target: local steps would be next
+            from jaxdp import local_sgd
+
+            sync_every = local_sgd.choose_sync_every(figures["compute_s"], model, reasons["payload_bytes"][choice.name],
+                                                     choice.collectives, self.target_fraction)
+            proposal = {"sync_every": sync_every,
+                        "why": f"{choice.name} still predicts {reasons['predicted_s'][choice.name] * 1e3:.3g} ms of "
+                               f"all-reduce per step against a target of {reasons['target_s'] * 1e3:.3g} ms; averaging "
+                               f"every {sync_every} steps (--sync-every {sync_every}, local steps) would meet it"}
+        record = {"choice": choice.name, **figures, "propose_local_steps": proposal, "latency_s": model.latency_s,
+                  "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
+                  "target_fraction": self.target_fraction, "predicted_s": reasons["predicted_s"],
+                  "payload_bytes": reasons["payload_bytes"], "uncompressed_bytes": self.grad_bytes,
+                  "fits": reasons["fits"], "why": reasons["why"], "quality_checks": checks,
+                  "guard_threshold": self.guard_threshold}
+        return Decision(None if isinstance(choice, compression.NoCompression) else choice, record)
+
+    def quality(self, state: Any, batches: list[Any], candidates: list[compression.PowerSGD]) -> dict[str, float]:
+        """For each candidate: relative_error(sum of its compressed means, sum of the true means)
+        over `batches` (GUARD_BATCHES of them), threading its error feedback from `state` (which is
+        not changed). One compiled program for all candidates: the gradients and the true mean
+        (one uncompressed all-reduce) are computed once per batch."""
+        key = tuple(c.name for c in candidates)
+        if key not in self._quality:
+            self._quality[key] = self._quality_fn(candidates)
+        fn = self._quality[key]
+        state = state.replace(opt_state=None)
+        rows = state.sync.per_device.get(compression.STATE_NAME, {})
+        errors = [rows] * len(candidates)
+        sums = None
+        for batch in batches[:GUARD_BATCHES]:
+            out, errors = fn(state, batch, errors)
+            sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+        applied, true = sums
+        return {c.name: float(compression.relative_error(a, true)) for c, a in zip(candidates, applied)}
+
+    def _quality_fn(self, candidates: list[compression.PowerSGD]) -> Callable:
+        axis, n, total = self.axis, self.n, self.total
+
+        def per_device(state: Any, batch: Any, errors: list[Any]) -> tuple[Any, list[Any]]:
+            _, _, grads = self._local_grads(state, batch)
+            true = total(jax.tree.map(lambda g: g / n, grads), axis)
+            applied, new_errors = [], []
+            for compressor, rows in zip(candidates, errors):
+                stored = compression.CompressionState(error=jax.tree.map(lambda x: x[0], rows),
+                                                      q=state.sync.shared.get(compression.STATE_NAME, {}))
+                mean, new, _ = compressor.mean(grads, compression.view(compressor, stored, grads),
+                                               lambda t: total(t, axis), n, state.step)
+                applied.append(mean)
+                new_errors.append(jax.tree.map(lambda x: x[None], compression.merge(stored, new).error))
+            return (applied, true), new_errors
+
+        def all_devices(state: Any, batch: Any, errors: list[Any]) -> tuple[Any, list[Any]]:
+            return jax.shard_map(per_device, mesh=self.mesh, in_specs=(state_specs(state, axis), P(axis), P(axis)),
+                                 out_specs=((P(), P()), P(axis)), check_vma=False)(state, batch, errors)
+
+        return jax.jit(all_devices)
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
