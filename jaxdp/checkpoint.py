@@ -73,9 +73,12 @@ log = logging.getLogger("jaxdp")
 # to), --strategy (psum, ring and host compute the same mean; only bit-identity is lost), the
 # learning rate and its schedule and clipping (to recover from a divergence; the optimizer state's
 # shapes are checked separately), the device and process count (the state is replicated),
-# checkpointing and logging, and --shard-optimizer (checkpoints hold the optimizer state whole).
+# checkpointing and logging, and --shard-optimizer (checkpoints hold the optimizer state whole);
+# --sync-every between values above 1 (the state is the same; the next sync comes at the next
+# multiple of the new value) and --outer-lr.
 _RESUME_GROUPS = ("data", "model", "optimisation")
-_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule", "warmup_steps", "final_lr_fraction", "clip_norm")
+_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
+                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr")
 
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits

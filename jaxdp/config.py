@@ -65,6 +65,11 @@ class Config:
     final_lr_fraction: float = _field(0.1, "optimisation", "the cosine schedules end at this fraction of --lr")
     clip_norm: float = _field(0.0, "optimisation", "clip the global gradient norm to this value (0: no clipping)")
     shard_optimizer: bool = _field(False, "optimisation", "ZeRO-1: each device keeps and updates 1/N of the optimizer state (psum, ring); the same numbers, 1/N of the optimizer memory")
+    sync_every: int = _field(1, "optimisation", "local steps (DiLoCo): every device trains its own replica and the replicas are averaged every N steps through --outer-optimizer (psum, ring); 1: synchronous training, gradients averaged every step")
+    outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
+    sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
+    outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
+    outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
     compression: str = _field("none", "optimisation", "gradient compression on the way through the strategy: none, bf16, powersgd:RANK[:start=STEP] (low rank, error feedback), or auto: measure compute and all-reduce time and compress only as much as the link needs")
     comm_target: float = _field(0.25, "optimisation", "--compression auto: the all-reduce time it aims for, as a fraction of the step's compute time")
     compression_every: int = _field(500, "optimisation", "--compression auto: measure and decide again every N steps (0: once, at the start)")
@@ -194,6 +199,24 @@ def _check_inputs(config: Config) -> None:
     if config.shard_optimizer and config.strategy == "host":
         raise ConfigError("--shard-optimizer needs an in-graph strategy (--strategy psum or ring): host averages whole "
                           "gradients in host memory, so there is no device-side optimizer update to shard")
+    if config.sync_every < 1:
+        raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training), got {config.sync_every}")
+    if config.sync_fragments < 1 or config.sync_every % config.sync_fragments:
+        raise ConfigError(f"--sync-fragments={config.sync_fragments} must be a positive integer that divides "
+                          f"--sync-every={config.sync_every}")
+    if config.sync_every > 1:
+        if config.strategy == "host":
+            raise ConfigError("--sync-every needs an in-graph strategy (--strategy psum or ring): host averages in host "
+                              "memory, with no in-graph sum for the pseudo-gradients")
+        if config.shard_optimizer:
+            raise ConfigError("--sync-every and --shard-optimizer do not combine: every device keeps its own whole inner "
+                              "optimizer state; use one of them")
+        if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
+            raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")
+        if not math.isfinite(config.outer_momentum) or not 0 <= config.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum must be at least 0 and below 1, got {config.outer_momentum}")
+        if config.outer_optimizer == "nesterov" and config.outer_momentum == 0:
+            raise ConfigError("--outer-optimizer=nesterov needs --outer-momentum > 0; use --outer-optimizer=sgd for none")
     if not 0 <= config.seed < SEED_RANGE:
         raise ConfigError(f"--seed must be between 0 and {SEED_RANGE - 1}, got {config.seed}")
     for name in ("checkpoint_dir", "metrics_file", "log_dir"):

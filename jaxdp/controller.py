@@ -20,6 +20,10 @@ the sum of the true mean gradients (one uncompressed all-reduce per batch: what 
 the next weaker candidate (higher rank, then bf16, then none) and checks again.
 
 Every decision is a record of the metrics file ("event": "compression") with the numbers behind it.
+When no candidate meets the target, the record also proposes local steps (`propose_local_steps`:
+the smallest `--sync-every` whose one all-reduce per period would, `local_sgd.choose_sync_every`),
+and process 0 prints it: changing the synchronisation period changes what the run computes, so the
+controller proposes it and the user decides.
 """
 
 from __future__ import annotations
@@ -123,7 +127,17 @@ class Controller:
                 choice = compression.guard(candidate, errors[candidate.name], self.guard_threshold, self.candidates)
                 if choice == candidate:
                     break
-        record = {"choice": choice.name, **figures, "latency_s": model.latency_s,
+        proposal = None
+        if not reasons["fits"]:  # even the chosen compression misses the target: local steps would be next
+            from jaxdp import local_sgd
+
+            sync_every = local_sgd.choose_sync_every(figures["compute_s"], model, reasons["payload_bytes"][choice.name],
+                                                     choice.collectives, self.target_fraction)
+            proposal = {"sync_every": sync_every,
+                        "why": f"{choice.name} still predicts {reasons['predicted_s'][choice.name] * 1e3:.3g} ms of "
+                               f"all-reduce per step against a target of {reasons['target_s'] * 1e3:.3g} ms; averaging "
+                               f"every {sync_every} steps (--sync-every {sync_every}, local steps) would meet it"}
+        record = {"choice": choice.name, **figures, "propose_local_steps": proposal, "latency_s": model.latency_s,
                   "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
                   "target_fraction": self.target_fraction, "predicted_s": reasons["predicted_s"],
                   "payload_bytes": reasons["payload_bytes"], "uncompressed_bytes": self.grad_bytes,

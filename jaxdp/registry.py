@@ -70,3 +70,6 @@ SCHEDULES = Registry("schedule", {"constant": "jaxdp.state:constant_schedule", "
 # optax optimizers: `build(learning_rate, momentum, weight_decay) -> optax.GradientTransformation`.
 OPTIMIZERS = Registry("optimizer", {"adam": "jaxdp.state:adam", "adamw": "jaxdp.state:adamw", "sgd": "jaxdp.state:sgd",
                                     "momentum": "jaxdp.state:momentum"})
+
+# Outer optimizers of local steps (--sync-every, jaxdp/local_sgd.py): `build(lr, momentum) -> optax.GradientTransformation`.
+OUTER_OPTIMIZERS = Registry("outer optimizer", {"nesterov": "jaxdp.state:nesterov_outer", "sgd": "jaxdp.state:sgd_outer"})

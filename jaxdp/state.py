@@ -39,7 +39,8 @@ class OptimizerTag:
 @flax.struct.dataclass
 class SyncState:
     """State of the gradient-synchronisation layer, by the name of the feature that owns it (e.g.
-    "compression": error feedback per device, PowerSGD's warm start shared).
+    "compression": error feedback per device, PowerSGD's warm start shared; "local_sgd": each
+    device's replica and inner optimizer state, "outer": the outer optimizer's state).
 
     per_device: {name: tree}; every leaf has a leading axis as long as the mesh, sharded over the
                 data axis: row i belongs to device i.
@@ -60,11 +61,15 @@ class TrainState:
     step:        int32 scalar, number of updates applied so far.
     params:      the model parameters.
     opt_state:   the optax state for `params` (replicated), or with `shard_optimizer=True` a
-                 `jaxdp.zero.ShardedOptState`: the state of the flat buffers, 1/N per device.
+                 `jaxdp.zero.ShardedOptState`: the state of the flat buffers, 1/N per device; with
+                 local steps `()` (the inner states are per device, in `sync`).
     model_state: mutable model collections (e.g. {"batch_stats": ...}); {} when the model has none.
     rng:         a raw uint32[2] PRNG key; the step derives per-step, per-device keys from it and
                  `step`, so it never changes and a resumed run draws the same numbers.
-    sync:        `SyncState`: what gradient compression keeps between steps; empty without it.
+    sync:        `SyncState`: what gradient compression keeps between steps, and with local steps
+                 (jaxdp/local_sgd.py) every device's replica and inner optimizer state
+                 (`per_device["local_sgd"]`) and the outer optimizer state (`shared["outer"]`);
+                 empty without them. `params` stay the global parameters.
     optimizer:   (static) which optax transformation `opt_state` belongs to; not an array.
     """
 
@@ -79,7 +84,8 @@ class TrainState:
 
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
                model_state: Any = None, rng: Any = 0, shard_optimizer: bool = False,
-               compression: Any = None) -> TrainState:
+               compression: Any = None, sync_every: int = 1,
+               outer_tx: optax.GradientTransformation | None = None, sync_fragments: int = 1) -> TrainState:
     """A TrainState with `params` (and `model_state`) replicated over `mesh` and a fresh `tx` state.
 
     `params` may be host or device values; in a multi-process run every process must pass the
@@ -94,23 +100,37 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     "none": no state): the state gradient compression keeps between steps, in `state.sync`; pass
     the same to `make_train_step`. A state made for "auto" serves every candidate of the adaptive
     controller (jaxdp/compression.py).
+
+    `sync_every=H` (> 1) or an `outer_tx`: local steps (jaxdp/local_sgd.py, DiLoCo). Every device's
+    replica of `params` and its own `tx` state go into `state.sync.per_device["local_sgd"]`, the
+    `outer_tx` state (default `optax.sgd(1.0)`: plain averaging) into `state.sync.shared["outer"]`;
+    `state.opt_state` is `()`. Pass the same `sync_every`, `outer_tx` and `sync_fragments` (Streaming
+    DiLoCo: the outer state is one per fragment) to `make_train_step`.
     """
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
+    from jaxdp import compression as compression_lib, local_sgd
+
     params = replicate(params, mesh)
-    if shard_optimizer:
+    sync = compression_lib.sync_state(compression, params, mesh)
+    local = local_sgd.check_sync_every(sync_every, sync_fragments) > 1 or outer_tx is not None
+    if local and shard_optimizer:
+        raise ValueError("init_state: local steps (sync_every > 1 or an outer_tx) and shard_optimizer do not combine")
+    if local:
+        per_device, shared = local_sgd.init_sync(params, tx, mesh, outer_tx, sync_fragments)
+        sync = sync.replace(per_device={**sync.per_device, **per_device}, shared={**sync.shared, **shared})
+        opt_state = ()
+    elif shard_optimizer:
         from jaxdp import zero
 
         opt_state = zero.init(params, tx, mesh)
     else:
         opt_state = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
-    from jaxdp import compression as compression_lib
-
     return TrainState(
         step=replicate(np.int32(0), mesh),
-        sync=compression_lib.sync_state(compression, params, mesh),
+        sync=sync,
         params=params,
         opt_state=opt_state,
         model_state=replicate({} if model_state is None else model_state, mesh),
@@ -148,6 +168,30 @@ def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: floa
 
     tx = OPTIMIZERS[name](lr, momentum, weight_decay)
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
+
+
+# The outer optimizers behind --outer-optimizer (jaxdp.registry.OUTER_OPTIMIZERS; local steps,
+# jaxdp/local_sgd.py): (lr, momentum) -> tx, applied to the averaged pseudo-gradient every sync.
+
+
+def nesterov_outer(lr: float, momentum: float) -> optax.GradientTransformation:
+    if not momentum:
+        raise ValueError("the nesterov outer optimizer needs a momentum > 0; use sgd for none")
+    return optax.sgd(lr, momentum=momentum, nesterov=True)
+
+
+def sgd_outer(lr: float, momentum: float) -> optax.GradientTransformation:
+    return optax.sgd(lr, momentum=momentum or None)
+
+
+def make_outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
+    """The optimizer that applies the averaged pseudo-gradient to the global parameters every sync,
+    by its name in `jaxdp.registry.OUTER_OPTIMIZERS`: "nesterov" (DiLoCo: lr 0.7, momentum 0.9) or
+    "sgd" (heavy-ball momentum if `momentum` > 0; lr 1 and momentum 0 is plain model averaging,
+    Local SGD)."""
+    from jaxdp.registry import OUTER_OPTIMIZERS
+
+    return OUTER_OPTIMIZERS[name](lr, momentum)
 
 
 # ---------------------------------------------------------------------------------------------

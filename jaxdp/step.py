@@ -42,7 +42,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import compression as compression_lib, host, zero
+from jaxdp import compression as compression_lib, host, local_sgd, zero
 from jaxdp.errors import InputError
 from jaxdp.mesh import axis_name as mesh_axis_name, replicate
 from jaxdp.state import TrainState
@@ -61,9 +61,10 @@ class TrainStep:
     """
 
     def __init__(self, run: Callable[[TrainState, Batch], tuple[TrainState, Metrics]],
-                 lowerable: Any, tx: optax.GradientTransformation, strategy: Callable, shard_optimizer: bool = False):
+                 lowerable: Any, tx: optax.GradientTransformation, strategy: Callable, shard_optimizer: bool = False,
+                 local: bool = False):
         self._run, self._lowerable, self.tx, self.strategy = run, lowerable, tx, strategy
-        self.shard_optimizer = shard_optimizer
+        self.shard_optimizer, self.local = shard_optimizer, local
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         made_for = state.optimizer.tx
@@ -74,6 +75,10 @@ class TrainStep:
             layout = "replicated" if self.shard_optimizer else "sharded"
             raise ValueError(f"this state's optimizer state is {layout} but the step was made with shard_optimizer="
                              f"{self.shard_optimizer}; pass the same shard_optimizer to init_state and make_train_step")
+        if local_sgd.is_local(state) != self.local:
+            made = "without" if self.local else "with"
+            raise ValueError(f"this state was made by init_state {made} local steps (sync_every > 1 or an outer_tx) but "
+                             f"the step was not; pass the same sync_every and outer_tx to init_state and make_train_step")
         return self._run(state, batch)
 
     def lower(self, state: TrainState, batch: Batch) -> Any:
@@ -82,7 +87,9 @@ class TrainStep:
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
                     strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
-                    grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None) -> TrainStep:
+                    grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None,
+                    sync_every: int = 1, outer_tx: optax.GradientTransformation | None = None,
+                    sync_fragments: int = 1) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -102,6 +109,15 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     state (error feedback, warm start) lives in `state.sync`: make the state with
     `init_state(..., compression=<the same, or "auto">)`. `metrics` gains "comm_bytes" (what each
     device sends per step) and "compression_ratio".
+
+    `sync_every=H` (> 1) or an `outer_tx` turns on local steps (jaxdp/local_sgd.py, DiLoCo): every
+    device trains its own replica with `tx` and no gradient all-reduce; every H steps the devices
+    average their pseudo-gradients (global - replica params) through the strategy and
+    `compression`, and `outer_tx` (default: `optax.sgd(1.0)`, plain averaging) updates the global
+    parameters. Make the state with `init_state(..., sync_every=H, outer_tx=<the same>)`. `metrics`
+    gains "synced" (1.0 on a sync step), "comm_bytes" and "comm_bytes_per_step". `sync_fragments=F`
+    (Streaming DiLoCo) synchronises 1/F of the parameter arrays every H/F steps instead of all of
+    them every H steps.
     """
     from jaxdp.registry import STRATEGIES
 
@@ -122,6 +138,18 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             raise InputError("compression and shard_optimizer do not combine yet: compression needs the whole averaged "
                              "gradient on every device; use one of them", argument="compression")
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
+    sync_every = local_sgd.check_sync_every(sync_every, sync_fragments)
+    if sync_every > 1 or outer_tx is not None:
+        name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
+        if sync_summing(sync) is None:
+            raise InputError(f"local steps (sync_every) do not apply to strategy {name!r}: they need an in-graph sum "
+                             f"over devices (psum or ring)", argument="strategy")
+        if shard_optimizer:
+            raise InputError("local steps (sync_every) and shard_optimizer do not combine: every device keeps its own "
+                             "whole inner optimizer state; use one of them", argument="shard_optimizer")
+        device_step = local_sgd.make_device_step(local_grads, tx, local_sgd.default_outer(outer_tx), sync, compressor,
+                                                 axis, mesh.size, sync_every, grad_norm, sync_fragments)
+        return _in_graph_step(device_step, mesh, tx, sync, local_grads, local=True)
 
     def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -151,6 +179,15 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
         return apply_update(state, grads, model_state).replace(sync=sync_state), metrics
 
+    return _in_graph_step(device_step, mesh, tx, sync, local_grads)
+
+
+def _in_graph_step(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformation, sync: Callable,
+                   local_grads: Callable, local: bool = False) -> TrainStep:
+    """`device_step` mapped over the mesh and jitted; the state replicated but for the per-device
+    rows of `state.sync` (sharded over the data axis); the old state donated."""
+    axis = mesh_axis_name(mesh)
+
     def mapped(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         specs = state_specs(state, axis)
         return jax.shard_map(device_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
@@ -158,7 +195,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     step = jax.jit(mapped, donate_argnums=0)
     # One device runs no collective, so nothing can deadlock and steps may queue freely.
     run = _one_step_in_flight(step) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else step
-    train_step = TrainStep(run, step, tx, sync)
+    train_step = TrainStep(run, step, tx, sync, local=local)
     train_step.local_grads = local_grads  # per device, unsynchronised: what the compression controller times
     return train_step
 

@@ -54,14 +54,14 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import compression, data, distributed, heartbeat, models, tasks, zero
+    from jaxdp import compression, data, distributed, heartbeat, local_sgd, models, tasks, zero
     from jaxdp.controller import GUARD_BATCHES, Controller
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops, write_text_atomically
     from jaxdp.prefetch import Prefetcher
     from jaxdp.preemption import Preemption
-    from jaxdp.state import init_state, make_optimizer, make_schedule
+    from jaxdp.state import init_state, make_optimizer, make_outer_optimizer, make_schedule
     from jaxdp.step import make_eval_step, make_train_step
 
     # ---- distribution and mesh ---------------------------------------------------------------
@@ -99,8 +99,11 @@ def train(config: Config) -> Result:
     tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
 
     # ---- update step -------------------------------------------------------------------------
+    # --sync-every H > 1: local steps, the replicas averaged every H steps by the outer optimizer (jaxdp/local_sgd.py)
+    local = dict(sync_every=config.sync_every, sync_fragments=config.sync_fragments, outer_tx=make_outer_optimizer(
+        config.outer_optimizer, config.outer_lr, config.outer_momentum)) if config.sync_every > 1 else {}
     state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
-                       shard_optimizer=config.shard_optimizer, compression=config.compression)
+                       shard_optimizer=config.shard_optimizer, compression=config.compression, **local)
     auto = config.compression == compression.AUTO
     steps_by_compression: dict[Any, Any] = {}
 
@@ -108,7 +111,7 @@ def train(config: Config) -> Result:
         if compressor not in steps_by_compression:
             steps_by_compression[compressor] = make_train_step(
                 task.loss_fn, tx, mesh, config.strategy, stateful=True, grad_accum=config.grad_accum, grad_norm=True,
-                shard_optimizer=config.shard_optimizer, compression=compressor)
+                shard_optimizer=config.shard_optimizer, compression=compressor, **local)
         return steps_by_compression[compressor]
 
     train_step = step_for(None if auto else compression.resolve(config.compression))
@@ -161,7 +164,7 @@ def train(config: Config) -> Result:
                  devices=mesh.size, device_kind=device_kind, jax=jax.__version__, compile_cache=cache_dir,
                  malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
                  param_bytes_per_device=zero.bytes_per_device(state.params),
-                 optimizer_bytes_per_device=zero.bytes_per_device(state.opt_state))
+                 optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))))
     if start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
     history, preempted, done = [], False, start_step
@@ -186,6 +189,8 @@ def train(config: Config) -> Result:
                 checked()
                 decision = controller.decide(state, [batch] + [batch_at(step + k) for k in range(1, GUARD_BATCHES)], step)
                 writer.event("compression", step, **decision.record)
+                if is_main and decision.record["propose_local_steps"] and config.sync_every == 1:
+                    print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
                 train_step = step_for(decision.compressor)
             dispatch = time.perf_counter()
             state, metrics = train_step(state, batch)
@@ -202,7 +207,8 @@ def train(config: Config) -> Result:
                                                          **({} if "comm_bytes" in latest else plain_comm)}))
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 checked()
-                writer.eval(done, evaluate(state))
+                evaluated = time.perf_counter()
+                writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
             if checkpointer:
                 checkpointer.poll()  # a background save that failed stops the run here (exit 73)
             if checkpointer and checkpointer.should_save(done):

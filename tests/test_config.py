@@ -14,6 +14,7 @@ def test_choices_are_the_registries_names():
     choices = {action.dest: tuple(action.choices) for action in parser._actions if action.choices}
     assert choices == {"strategy": tuple(registry.STRATEGIES), "model": tuple(registry.MODELS),
                        "optimizer": tuple(registry.OPTIMIZERS), "schedule": tuple(registry.SCHEDULES),
+                       "outer_optimizer": tuple(registry.OUTER_OPTIMIZERS),
                        "precision": ("fp32", "bf16"), "attention": ("auto", "xla", "cudnn")}
     assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
     assert jaxdp.STRATEGIES["ring"] is jaxdp.ring_mean  # resolved lazily, the real function
