@@ -34,9 +34,10 @@ Interface (every kind is a frozen dataclass; build it with `parse`, `parse(c.nam
 * Both are `{}` for none and bf16.
 
 PowerSGD (Vogels et al., NeurIPS 2019; behaviour of PyTorch's powerSGD_hook) on each compressible
-leaf g of shape (..., in, out) seen as a matrix of shape (n, m) = (prod(shape[:-1]), shape[-1])
-(Flax kernels are (..., in, out), so a Dense kernel is itself and a conv kernel (h, w, in, out) is
-(h*w*in, out)); r = min(RANK, n, m):
+leaf g seen as a matrix of shape (n, m) = `matrix_view(g.shape)`, its dimensions split where the
+matrix is most nearly square (a Dense kernel (in, out) is itself, a conv kernel (h, w, in, out) is
+(h*w*in, out), an attention kernel (d, 3, heads, head_dim) is (d, 3*heads*head_dim));
+r = min(RANK, n, m):
 
     M = g + e                                   (error feedback, per device)
     P = (M / N) @ orth(Q)                       all-reduced with the uncompressed leaves (call 1)
@@ -155,6 +156,16 @@ class Compressor:
         raise NotImplementedError
 
 
+def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
+    """The (n, m) a leaf is compressed as: its dimensions split in two at the point that makes the
+    most nearly square matrix (the smallest n + m, so the most compression at a given rank; the
+    first such split on a tie). A Dense kernel (in, out) is itself, a conv kernel (h, w, in, out)
+    is (h*w*in, out), and an attention kernel (d_model, 3, heads, head_dim) is (d_model, 3*d_model)
+    rather than (d_model*3*heads, head_dim), which a rank of 32 could hardly compress."""
+    splits = [(int(np.prod(shape[:k])), int(np.prod(shape[k:]))) for k in range(1, len(shape))]
+    return min(splits, key=lambda nm: nm[0] + nm[1])
+
+
 def uncompressed_bytes(params: Tree) -> int:
     """Bytes plain averaging all-reduces per step: every leaf in its own dtype."""
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
@@ -236,7 +247,7 @@ class PowerSGD(Compressor):
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
             if len(x.shape) < 2:
                 continue
-            n, m = int(np.prod(x.shape[:-1])), int(x.shape[-1])
+            n, m = matrix_view(x.shape)
             r = min(self.rank, n, m)
             if n * m >= self.min_rate * (n + m) * r:
                 out[jax.tree_util.keystr(path)] = (n, m, r)

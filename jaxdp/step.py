@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp import compression as compression_lib, host, local_sgd, zero
 from jaxdp.errors import InputError
 from jaxdp.mesh import axis_name as mesh_axis_name, replicate
-from jaxdp.state import TrainState
+from jaxdp.state import SyncState, TrainState
 from jaxdp.sync import halves as sync_halves, is_on_host, psum_mean, summing as sync_summing
 
 Batch = Any
@@ -179,19 +179,23 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
         return apply_update(state, grads, model_state).replace(sync=sync_state), metrics
 
-    return _in_graph_step(device_step, mesh, tx, sync, local_grads)
+    return _in_graph_step(device_step, mesh, tx, sync, local_grads, uses_sync=compressor is not None)
 
 
 def _in_graph_step(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformation, sync: Callable,
-                   local_grads: Callable, local: bool = False) -> TrainStep:
+                   local_grads: Callable, local: bool = False, uses_sync: bool = True) -> TrainStep:
     """`device_step` mapped over the mesh and jitted; the state replicated but for the per-device
     rows of `state.sync` (sharded over the data axis); the old state donated."""
     axis = mesh_axis_name(mesh)
 
     def mapped(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        held = None
+        if not uses_sync:  # e.g. no compression on a state made for "auto": its rows go around, untouched
+            held, state = state.sync, state.replace(sync=SyncState())
         specs = state_specs(state, axis)
-        return jax.shard_map(device_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
-                             check_vma=False)(state, batch)
+        state, metrics = jax.shard_map(device_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
+                                       check_vma=False)(state, batch)
+        return (state if held is None else state.replace(sync=held)), metrics
     step = jax.jit(mapped, donate_argnums=0)
     # One device runs no collective, so nothing can deadlock and steps may queue freely.
     run = _one_step_in_flight(step) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else step
