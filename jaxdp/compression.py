@@ -146,7 +146,9 @@ class Compressor:
     collectives: int  # all-reduce calls per step once compressing
 
     def init(self, params: Tree) -> CompressionState:
-        raise NotImplementedError
+        """One device's state: none, unless the kind keeps some between steps."""
+        del params
+        return CompressionState()
 
     def mean(self, grads: Tree, state: CompressionState, allreduce_sum: AllReduce, num_devices: int,
              step: Any) -> tuple[Tree, CompressionState, dict]:
@@ -183,10 +185,6 @@ class NoCompression(Compressor):
     name = "none"
     collectives = 1
 
-    def init(self, params: Tree) -> CompressionState:
-        del params
-        return CompressionState()
-
     def mean(self, grads: Tree, state: CompressionState, allreduce_sum: AllReduce, num_devices: int,
              step: Any) -> tuple[Tree, CompressionState, dict]:
         del step
@@ -203,10 +201,6 @@ class Bf16(Compressor):
 
     name = "bf16"
     collectives = 1
-
-    def init(self, params: Tree) -> CompressionState:
-        del params
-        return CompressionState()
 
     def mean(self, grads: Tree, state: CompressionState, allreduce_sum: AllReduce, num_devices: int,
              step: Any) -> tuple[Tree, CompressionState, dict]:

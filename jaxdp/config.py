@@ -186,12 +186,7 @@ def _check_inputs(config: Config) -> None:
                             config.compression):
             raise ConfigError(f"--compression={config.compression!r} is not none, bf16, auto or "
                               f"powersgd:RANK[:start=STEP][:min_rate=R][:seed=S] (e.g. powersgd:4)")
-        if config.strategy == "host":
-            raise ConfigError("--compression needs an in-graph strategy (--strategy psum or ring): host averages "
-                              "whole gradients in host memory")
-        if config.shard_optimizer:
-            raise ConfigError("--compression and --shard-optimizer do not combine yet: compression needs the whole "
-                              "averaged gradient on every device; use one of them")
+        _check_in_graph_sum(config, "--compression", " yet: compression needs the whole averaged gradient on every device")
     if not 0 < config.comm_target:
         raise ConfigError(f"--comm-target must be a positive fraction of compute time, got {config.comm_target}")
     if config.compression_every < 0:
@@ -205,12 +200,7 @@ def _check_inputs(config: Config) -> None:
         raise ConfigError(f"--sync-fragments={config.sync_fragments} must be a positive integer that divides "
                           f"--sync-every={config.sync_every}")
     if config.sync_every > 1:
-        if config.strategy == "host":
-            raise ConfigError("--sync-every needs an in-graph strategy (--strategy psum or ring): host averages in host "
-                              "memory, with no in-graph sum for the pseudo-gradients")
-        if config.shard_optimizer:
-            raise ConfigError("--sync-every and --shard-optimizer do not combine: every device keeps its own whole inner "
-                              "optimizer state; use one of them")
+        _check_in_graph_sum(config, "--sync-every", ": every device keeps its own whole inner optimizer state")
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
             raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")
         if not math.isfinite(config.outer_momentum) or not 0 <= config.outer_momentum < 1:
@@ -236,6 +226,15 @@ def _check_inputs(config: Config) -> None:
         if parent and not os.path.isdir(parent):
             raise ConfigError(f"--{_flag(name)}={path!r} is under {parent!r}, which is a file, not a directory; "
                               f"point it at a path in a directory")
+
+
+def _check_in_graph_sum(config: Config, flag: str, why_not_sharded: str) -> None:
+    """`flag` needs the strategy's in-graph sum over devices, and does not work with ZeRO-1."""
+    if config.strategy == "host":
+        raise ConfigError(f"{flag} needs an in-graph strategy (--strategy psum or ring): host averages whole "
+                          f"gradients in host memory")
+    if config.shard_optimizer:
+        raise ConfigError(f"{flag} and --shard-optimizer do not combine{why_not_sharded}; use one of them")
 
 
 def _flag(name: str) -> str:

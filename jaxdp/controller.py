@@ -120,9 +120,11 @@ class Controller:
                                            self.target_fraction)
         checks = []
         if isinstance(choice, compression.PowerSGD):  # the quality guard: raise the rank until it passes
-            ladder = [c for c in self.candidates if isinstance(c, compression.PowerSGD) and c.rank >= choice.rank]
-            errors = self.quality(state, batches, ladder[::-1])  # from the chosen rank upwards
-            for candidate in ladder[::-1]:
+            # Every rank in one program (compiled once per run, and found in the compilation cache
+            # by the next): the chosen rank and those above it are then read in order.
+            ranks = [c for c in self.candidates if isinstance(c, compression.PowerSGD)]
+            errors = self.quality(state, batches, ranks)
+            for candidate in [c for c in ranks if c.rank >= choice.rank][::-1]:  # from the chosen rank upwards
                 checks.append({"candidate": candidate.name, "relative_error": errors[candidate.name]})
                 choice = compression.guard(candidate, errors[candidate.name], self.guard_threshold, self.candidates)
                 if choice == candidate:

@@ -130,23 +130,13 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
         raise ValueError("make_train_step: compression='auto' is decided while training (jaxdp.train's controller); "
                          "give the step one choice: none, bf16 or powersgd:RANK (a state made for 'auto' serves each)")
     if compressor is not None:
-        name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
-        if sync_summing(sync) is None:
-            raise InputError(f"compression does not apply to strategy {name!r}: it needs an in-graph sum over devices "
-                             f"(psum or ring)", argument="strategy")
-        if shard_optimizer:
-            raise InputError("compression and shard_optimizer do not combine yet: compression needs the whole averaged "
-                             "gradient on every device; use one of them", argument="compression")
+        _check_in_graph_sum("compression", strategy, sync, shard_optimizer,
+                            " yet: compression needs the whole averaged gradient on every device")
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
     sync_every = local_sgd.check_sync_every(sync_every, sync_fragments)
     if sync_every > 1 or outer_tx is not None:
-        name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
-        if sync_summing(sync) is None:
-            raise InputError(f"local steps (sync_every) do not apply to strategy {name!r}: they need an in-graph sum "
-                             f"over devices (psum or ring)", argument="strategy")
-        if shard_optimizer:
-            raise InputError("local steps (sync_every) and shard_optimizer do not combine: every device keeps its own "
-                             "whole inner optimizer state; use one of them", argument="shard_optimizer")
+        _check_in_graph_sum("local steps (sync_every)", strategy, sync, shard_optimizer,
+                            ": every device keeps its own whole inner optimizer state")
         device_step = local_sgd.make_device_step(local_grads, tx, local_sgd.default_outer(outer_tx), sync, compressor,
                                                  axis, mesh.size, sync_every, grad_norm, sync_fragments)
         return _in_graph_step(device_step, mesh, tx, sync, local_grads, local=True)
@@ -180,6 +170,17 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
         return apply_update(state, grads, model_state).replace(sync=sync_state), metrics
 
     return _in_graph_step(device_step, mesh, tx, sync, local_grads, uses_sync=compressor is not None)
+
+
+def _check_in_graph_sum(feature: str, strategy: Any, sync: Callable, shard_optimizer: bool, why_not_sharded: str) -> None:
+    """InputError unless `feature` can run: it needs the strategy's in-graph sum, and no ZeRO-1."""
+    if sync_summing(sync) is None:
+        name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
+        raise InputError(f"{feature} does not apply to strategy {name!r}: it needs an in-graph sum over devices "
+                         f"(psum or ring)", argument="strategy")
+    if shard_optimizer:
+        raise InputError(f"{feature} and shard_optimizer do not combine{why_not_sharded}; use one of them",
+                         argument="shard_optimizer")
 
 
 def _in_graph_step(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformation, sync: Callable,

@@ -53,19 +53,9 @@ def saved(directory: Path) -> list[str]:
 
 def write_corpus(path: Path, sentences: int = 1500, seed: int = 0) -> Path:
     """A text file a small model can learn: sentences of a few dozen words in a fixed grammar."""
-    import random
+    from jaxdp.bench.compression import write_corpus as write
 
-    rng = random.Random(seed)
-    nouns = "cat dog fox bird horse mouse owl frog".split()
-    verbs = "sees chases likes follows hears finds".split()
-    adjectives = "quick lazy brown small big old young red".split()
-    places = "in the garden|under the tree|by the river|on the hill|near the house".split("|")
-    lines = []
-    for _ in range(sentences):
-        subject, obj = rng.sample(nouns, 2)
-        lines.append(f"The {rng.choice(adjectives)} {subject} {rng.choice(verbs)} the {obj} {rng.choice(places)}.")
-    Path(path).write_text(" ".join(lines) + "\n")
-    return Path(path)
+    return write(Path(path), sentences, seed)
 
 
 # ---- README blocks (tests/test_readme.py explains the markers) ---------------------------------

@@ -75,7 +75,7 @@ def slow_link(args: argparse.Namespace) -> list[dict]:
     if reason:
         raise SystemExit(f"jaxdp.bench: compression: {reason} (--skip slow runs the fast-link half alone)")
     with tempfile.TemporaryDirectory(prefix="jaxdp-compression-") as scratch:
-        dataset = args.dataset or str(_corpus(Path(scratch) / "corpus.txt"))
+        dataset = args.dataset or str(write_corpus(Path(scratch) / "corpus.txt"))
         flags = [*shlex.split(args.train_args), "--dataset", dataset, "--steps", str(args.steps),
                  "--eval-every", str(args.eval_every)]
         runs = {}
@@ -157,7 +157,7 @@ def _plot(curves: dict, target: float, args: argparse.Namespace) -> None:
     print(f"wrote {args.png}")
 
 
-def _corpus(path: Path, sentences: int = 20000, seed: int = 0) -> Path:
+def write_corpus(path: Path, sentences: int = 20000, seed: int = 0) -> Path:
     """A text a small GPT learns in a few hundred steps: sentences of a small fixed grammar."""
     import random
 
