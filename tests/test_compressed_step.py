@@ -105,10 +105,10 @@ def test_error_feedback_survives_checkpoint_and_resume_bit_identically(devices, 
 def test_an_auto_state_serves_every_candidate(devices):
     mesh, tx = jaxdp.make_mesh(devices), optax.sgd(0.1, momentum=0.9)
     state = jaxdp.init_state(PARAMS, tx, mesh, compression="auto")
-    for spec in (None, "bf16", "powersgd:4", "powersgd:1", None):
+    for spec in (None, "powersgd:4", "powersgd:1"):
         state, history = train(mesh, tx, "psum", spec, data(2), state=state)
         assert np.isfinite(history[-1]["loss"])
-    assert int(state.step) == 10
+    assert int(state.step) == 6
 
 
 def test_bad_combinations_are_refused(devices):

@@ -13,7 +13,7 @@ from jaxdp import zero
 from jaxdp.errors import InputError
 from jaxdp.models import CNN, MLP
 
-STEPS = 25
+STEPS = 20
 OPTIMIZERS = {
     "momentum": lambda: optax.sgd(0.05, momentum=0.9),
     "adam": lambda: optax.adam(3e-3),
