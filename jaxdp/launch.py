@@ -128,9 +128,9 @@ class Launcher:
         """Until all children exit or one is lost: (exit codes, rank of the lost child or None)."""
         while True:
             codes = [child.poll() for child in self.children]
-            for rank, code in enumerate(codes):
-                if code is not None and self.lost(code):
-                    return codes, rank
+            lost = [rank for rank, code in enumerate(codes) if code is not None and self.lost(code)]
+            if lost:  # a process killed by a signal is the cause; the others' lost-peer exits its effect
+                return codes, next((rank for rank in lost if codes[rank] < 0), lost[0])
             if all(code is not None for code in codes):
                 return codes, None
             time.sleep(0.05)
