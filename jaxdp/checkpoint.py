@@ -436,7 +436,15 @@ def _first_line(err: BaseException) -> str:
 
 
 def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWriteError:
-    """One line: which save failed, why, and what is left."""
+    """One line: which save failed, why, and what is left.
+
+    Hazard: orbax's other writes of the failed save end later, as asyncio futures that nobody
+    awaits; asyncio logs each one ("Future exception was never retrieved", with a traceback) when
+    it is garbage-collected, which can be after this checkpointer has closed and the run is
+    exiting. So once a save has failed, asyncio's logger stays quiet for the rest of the process
+    (--debug keeps it)."""
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
     cause = err
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
