@@ -168,6 +168,12 @@ def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
     return min(splits, key=lambda nm: nm[0] + nm[1])
 
 
+def bytes_sent(payload_bytes: float, num_devices: int) -> float:
+    """What each device sends to all-reduce `payload_bytes` with a bandwidth-optimal algorithm
+    (the ring, and what psum's collectives do): 2 (N - 1) / N of it."""
+    return payload_bytes * 2 * (num_devices - 1) / num_devices
+
+
 def uncompressed_bytes(params: Tree) -> int:
     """Bytes plain averaging all-reduces per step: every leaf in its own dtype."""
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

@@ -184,7 +184,7 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         def masked(leaves: list, group: list[int]) -> Any:  # the fragment's leaves, None elsewhere (same paths)
             return jax.tree.unflatten(treedef, [leaves[i] if i in group else None for i in range(len(leaves))])
 
-        wire = float(sum(compressor.payload_bytes(masked(global_leaves, g)) for g in groups) * 2 * (n - 1) / n)
+        wire = float(compression_lib.bytes_sent(sum(compressor.payload_bytes(masked(global_leaves, g)) for g in groups), n))
 
         def rows(params: Any, sync_state: Any) -> Any:
             local = {"params": params, "opt_state": inner}

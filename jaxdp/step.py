@@ -148,7 +148,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
 
     if shard_optimizer:
         if sync_halves(sync) is None:
-            name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
+            name = _strategy_name(strategy)
             why = ("it averages whole gradients in host memory, so there is no device-side update to shard"
                    if is_on_host(sync) else "it has no reduce-scatter and all-gather halves (jaxdp.sync.Halves)")
             raise InputError(f"shard_optimizer does not apply to strategy {name!r}: {why}; use psum or ring",
@@ -175,12 +175,15 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
 def _check_in_graph_sum(feature: str, strategy: Any, sync: Callable, shard_optimizer: bool, why_not_sharded: str) -> None:
     """InputError unless `feature` can run: it needs the strategy's in-graph sum, and no ZeRO-1."""
     if sync_summing(sync) is None:
-        name = strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
-        raise InputError(f"{feature} does not apply to strategy {name!r}: it needs an in-graph sum over devices "
+        raise InputError(f"{feature} does not apply to strategy {_strategy_name(strategy)!r}: it needs an in-graph sum over devices "
                          f"(psum or ring)", argument="strategy")
     if shard_optimizer:
         raise InputError(f"{feature} and shard_optimizer do not combine{why_not_sharded}; use one of them",
                          argument="shard_optimizer")
+
+
+def _strategy_name(strategy: Any) -> str:
+    return strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
 
 
 def _in_graph_step(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformation, sync: Callable,
@@ -298,9 +301,8 @@ def _compress_together(compressor: Any, sync: Callable, axis: str, n: int, grads
     name = compression_lib.STATE_NAME
     stored = compression_lib.CompressionState(
         error=jax.tree.map(lambda x: x[0], state.sync.per_device.get(name, {})), q=state.sync.shared.get(name, {}))
-    leaves, treedef = jax.tree.flatten(model_state)
-    floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-    extras = (metrics, [x for x, f in zip(leaves, floats) if f])
+    floats, rejoin = _float_leaves(model_state)
+    extras = (metrics, floats)
     total = sync_summing(sync)
     riding: list[Any] = []
 
@@ -315,9 +317,8 @@ def _compress_together(compressor: Any, sync: Callable, axis: str, n: int, grads
     view = compression_lib.view(compressor, stored, grads)
     grads, new, scalars = compressor.mean(grads, view, (lambda t: total(t, axis)) if separate else sum_with_extras,
                                           n, state.step)
-    (metrics, synced) = sync(extras, axis) if separate and n > 1 else (riding[0] if riding else extras)
-    synced = iter(synced)
-    model_state = jax.tree.unflatten(treedef, [next(synced) if f else x for x, f in zip(leaves, floats)])
+    metrics, synced = sync(extras, axis) if separate and n > 1 else (riding[0] if riding else extras)
+    model_state = rejoin(synced)
     merged = compression_lib.merge(stored, new)
     sync_state = state.sync
     if merged.error or merged.q:
@@ -325,7 +326,7 @@ def _compress_together(compressor: Any, sync: Callable, axis: str, n: int, grads
                                         shared={**sync_state.shared, name: merged.q})
     payload = compressor.payload_bytes(grads)
     metrics = {**metrics, **scalars,
-               "comm_bytes": jnp.float32(payload * 2 * (n - 1) / n),  # a bandwidth-optimal all-reduce: psum or ring
+               "comm_bytes": jnp.float32(compression_lib.bytes_sent(payload, n)),
                "compression_ratio": jnp.float32(compression_lib.uncompressed_bytes(grads) / payload)}
     return grads, metrics, model_state, sync_state
 
@@ -335,11 +336,22 @@ def _sync_together(sync: Callable, axis: str, grads: Any, metrics: Metrics, mode
     call of the strategy: the scalars and BatchNorm statistics ride in the gradients' fused
     buffer instead of paying a collective's latency of their own (across processes on CPU each
     collective is a gloo round trip of milliseconds; README "Performance")."""
+    floats, rejoin = _float_leaves(model_state)
+    grads, metrics, synced = sync((grads, metrics, floats), axis)
+    return grads, metrics, rejoin(synced)
+
+
+def _float_leaves(model_state: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """The model state's float leaves (what is averaged over devices), and the function that puts
+    averaged ones back in their places beside the untouched integer leaves (e.g. counters)."""
     leaves, treedef = jax.tree.flatten(model_state)
-    floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-    grads, metrics, synced = sync((grads, metrics, [x for x, f in zip(leaves, floats) if f]), axis)
-    synced = iter(synced)
-    return grads, metrics, jax.tree.unflatten(treedef, [next(synced) if f else x for x, f in zip(leaves, floats)])
+    is_float = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+
+    def rejoin(floats: list[Any]) -> Any:
+        floats = iter(floats)
+        return jax.tree.unflatten(treedef, [next(floats) if f else x for x, f in zip(leaves, is_float)])
+
+    return [x for x, f in zip(leaves, is_float) if f], rejoin
 
 
 def _sharded_step(local_grads: Callable, sync: Callable, mesh: Mesh, tx: optax.GradientTransformation,

@@ -118,7 +118,7 @@ def train(config: Config) -> Result:
     controller = Controller(train_step.local_grads, mesh, train_step.strategy, params,
                             target_fraction=config.comm_target) if auto and mesh.size > 1 else None
     # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
-    plain_comm = {"comm_bytes": compression.uncompressed_bytes(params) * 2 * (mesh.size - 1) / mesh.size,
+    plain_comm = {"comm_bytes": compression.bytes_sent(compression.uncompressed_bytes(params), mesh.size),
                   "compression_ratio": 1.0}
     eval_step = make_eval_step(task.eval_fn, mesh)
 
