@@ -111,7 +111,9 @@ class Controller:
     def decide(self, state: Any, batches: list[Any], step: int) -> Decision:
         """Measure on `batches[0]`, plan, and guard a PowerSGD choice on `batches` (the same
         decision on every process). `state` is not changed."""
+        started = time.perf_counter()
         figures = self.measure(state, batches[0])
+        measured = time.perf_counter()
         try:
             model = compression.fit_comm_model(figures["comm_sizes"], [figures["comm_small_s"], figures["comm_full_s"]])
         except ValueError:  # times that do not grow with size: latency alone, on a fast link
@@ -129,6 +131,7 @@ class Controller:
                 choice = compression.guard(candidate, errors[candidate.name], self.guard_threshold, self.candidates)
                 if choice == candidate:
                     break
+        cost_s = {"measure": measured - started, "quality": time.perf_counter() - measured}
         proposal = None
         if not reasons["fits"]:  # even the chosen compression misses the target: local steps would be next
             from jaxdp import local_sgd
@@ -144,7 +147,7 @@ class Controller:
                   "target_fraction": self.target_fraction, "predicted_s": reasons["predicted_s"],
                   "payload_bytes": reasons["payload_bytes"], "uncompressed_bytes": self.grad_bytes,
                   "fits": reasons["fits"], "why": reasons["why"], "quality_checks": checks,
-                  "guard_threshold": self.guard_threshold}
+                  "guard_threshold": self.guard_threshold, "cost_s": cost_s}
         return Decision(None if isinstance(choice, compression.NoCompression) else choice, record)
 
     def quality(self, state: Any, batches: list[Any], candidates: list[compression.PowerSGD]) -> dict[str, float]:
