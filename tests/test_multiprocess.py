@@ -260,3 +260,24 @@ def test_readme_two_processes(tmp_path):
               cwd=tmp_path, env=env, timeout=120)
     done = records(tmp_path / "run.jsonl")[-1]
     assert done["event"] == "done" and done["processes"] == 2 and done["devices"] == 8
+
+
+@pytest.mark.multiprocess
+def test_every_process_loads_the_programs_process_0_cached(tmp_path):
+    """JAX writes persistent-cache entries from process 0 only, and keyed CPU programs by a topology
+    fingerprint that differs between processes: process 1 missed on every run and compiled
+    everything again (jaxdp.runtime.share_cpu_cache_keys). The second run must hit in both."""
+    script = Path(__file__).parent / "scripts" / "cache_hits.py"
+    outputs = []
+    for _ in range(2):
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, str(script), str(i), f"127.0.0.1:{port}", str(tmp_path / "cache")],
+                                  cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+        outputs.append([dict(kv.split("=") for kv in out.splitlines()[-1].split()) for out, _ in outs])
+    first, second = outputs
+    assert all(float(o["value"]) == 1 * 1 + 2 * 2 for o in first + second)  # process i holds i + 1, times i + 1
+    assert [int(o["hits"]) for o in first] == [0, 0]
+    assert all(int(o["hits"]) > 0 for o in second), second
