@@ -24,6 +24,17 @@ When no candidate meets the target, the record also proposes local steps (`propo
 the smallest `--sync-every` whose one all-reduce per period would, `local_sgd.choose_sync_every`),
 and process 0 prints it: changing the synchronisation period changes what the run computes, so the
 controller proposes it and the user decides.
+
+The user decides by `--sync-every auto`: then the CLI asks `decide_sync_every` once, at the start
+of a fresh run, and applies its H (`local_sgd.auto_sync_every`: 1 if one all-reduce per step fits
+the target, else the next power of two at or above `choose_sync_every`'s H, at most
+`local_sgd.MAX_AUTO_SYNC_EVERY`), logged as an "event": "local_steps" record
+(`local_steps_record`, a pure function of the gathered figures, so every process takes the same
+decision). With `--compression auto` the compression decision comes first: if its choice fits,
+H = 1; otherwise H is sized for the uncompressed pseudo-gradient, which goes uncompressed (the
+quality guard measures gradients, not pseudo-gradients), and the periodic re-decisions are
+skipped for the run: they would plan per-step communication that local steps no longer do. A
+resumed run takes H from its checkpoint and measures nothing (jaxdp/train.py).
 """
 
 from __future__ import annotations

@@ -62,7 +62,9 @@ optimizer state; the compression state is keyed by leaf, so compression works pe
 
 For an adaptive controller: `comm_seconds_per_step(comm_model, payload_bytes, H)` predicts the
 per-step communication time of local steps, and `choose_sync_every` the smallest H that fits a
-budget.
+budget. `auto_sync_every` is the rule of the CLI's `--sync-every auto` (jaxdp/controller.py
+measures, jaxdp/train.py applies): 1 when one all-reduce per step fits, else the next power of two
+at or above `choose_sync_every`'s H, capped at MAX_AUTO_SYNC_EVERY = 16 (why 16: below).
 """
 
 from __future__ import annotations
