@@ -191,3 +191,14 @@ def test_a_synchronous_checkpoint_refuses_local_steps_in_one_line(tmp_path):
 def test_outer_optimizer_defaults_are_unchanged():
     config = parse_args(["--sync-every", "auto"])
     assert (config.outer_optimizer, config.outer_lr, config.outer_momentum) == ("nesterov", 0.7, 0.9)
+
+
+def test_a_bench_variant_that_names_its_own_sync_every_keeps_it():
+    from jaxdp.bench.localsgd import variant_run
+
+    plain = "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
+    assert variant_run(16, plain) == (f"H=16 {plain}", ["--sync-every", "16", *plain.split()])
+    assert variant_run(16, f"--sync-every auto {plain}") == (f"--sync-every auto {plain}", ["--sync-every", "auto",
+                                                                                              *plain.split()])
+    assert variant_run(16, "--sync-every=8")[1] == ["--sync-every=8"]
+    assert variant_run(16, "") == ("H=16", ["--sync-every", "16"])
