@@ -10,7 +10,8 @@
 A checkpoint is one step directory of an orbax `CheckpointManager`:
 
     DIR/15/state/                     the TrainState: step, params, opt_state, model_state, rng
-    DIR/15/meta/                      JSON: the step, the data position, the Config of the run
+    DIR/15/meta/                      JSON: the step, the data position, the Config of the run (and
+                                      `extra_meta`: the CLI notes whether --sync-every auto chose H)
     DIR/15/jaxdp_checksums.json       sha256 of every array of the state (see "Integrity" below)
     DIR/.jaxdp-lock                   held by the run that writes DIR (jaxdp/dirlock.py)
     DIR/20.orbax-checkpoint-tmp/      a save that has not finished (or was killed): never restored
