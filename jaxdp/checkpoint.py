@@ -10,7 +10,8 @@
 A checkpoint is one step directory of an orbax `CheckpointManager`:
 
     DIR/15/state/                     the TrainState: step, params, opt_state, model_state, rng
-    DIR/15/meta/                      JSON: the step, the data position, the Config of the run
+    DIR/15/meta/                      JSON: the step, the data position, the Config of the run (and
+                                      `extra_meta`: the CLI notes whether --sync-every auto chose H)
     DIR/15/jaxdp_checksums.json       sha256 of every array of the state (see "Integrity" below)
     DIR/.jaxdp-lock                   held by the run that writes DIR (jaxdp/dirlock.py)
     DIR/20.orbax-checkpoint-tmp/      a save that has not finished (or was killed): never restored
@@ -75,7 +76,8 @@ log = logging.getLogger("jaxdp")
 # shapes are checked separately), the device and process count (the state is replicated),
 # checkpointing and logging, and --shard-optimizer (checkpoints hold the optimizer state whole);
 # --sync-every between values above 1 (the state is the same; the next sync comes at the next
-# multiple of the new value) and --outer-lr.
+# multiple of the new value; between 1 and more, the states differ: `_check_compatible` says so) and
+# --outer-lr. `--sync-every auto` resumes with the H its checkpoint recorded (`recorded_meta`).
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
                          "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr")
@@ -103,6 +105,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.save_every = save_every
         self.config = config
+        self.extra_meta: dict[str, Any] = {}  # more JSON for every checkpoint's meta (the CLI: sync_every_auto)
         _check_writable(self.directory)
         self._lock = DirectoryLock(self.directory, *_process_and_client())  # InputError: in use, or not shared
         # Orbax logs a failed background write from its own threads, with tracebacks; jaxdp reports
@@ -159,6 +162,18 @@ class Checkpointer:
         self._move_aside(unreadable, restored_step=None if restored is None else int(restored.step))
         return state if restored is None else restored
 
+    def recorded_meta(self) -> dict | None:
+        """The meta JSON (step, config, ...) of the latest checkpoint whose description reads, the one
+        `restore` would try first; None when there is none. Reads no arrays and changes nothing: what
+        cannot be read is left for `restore` to move aside."""
+        for step in reversed(self._manager.all_steps()):
+            try:
+                with _quiet():
+                    return self._read_description(step)[0]
+            except Exception:  # noqa: BLE001 - damaged: restore will say so and try the one before
+                continue
+        return None
+
     def _read_description(self, step: int) -> tuple[dict, dict]:
         """The meta JSON of checkpoint `step` and the shapes of its state (reads no arrays)."""
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -192,6 +207,12 @@ class Checkpointer:
                     raise InputError(f"{where} made with {name}={saved[name]!r}, but this run has {name}={value!r}; "
                                      f"use the same {name} or another checkpoint directory", argument="directory",
                                      setting=name)
+            have, want = saved.get("sync_every"), self.config.sync_every
+            if isinstance(have, int) and isinstance(want, int) and (have > 1) != (want > 1):
+                raise InputError(f"{where} made with sync_every={have}, but this run has sync_every={want}; local "
+                                 f"steps (sync_every > 1) and synchronous training keep different states: use "
+                                 f"sync_every {'> 1' if have > 1 else '= 1'} or another checkpoint directory",
+                                 argument="directory", setting="sync_every")
         wanted = _flat_shapes(_portable(state, abstract=True, stored=stored))
         for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):
@@ -257,7 +278,7 @@ class Checkpointer:
             return False
         self._finish_pending()  # orbax waits for the previous save here anyway
         meta = {"step": step, "data_position": step, "config": None if self.config is None else self.config.to_dict(),
-                "processes": jax.process_count(), "devices": jax.device_count()}
+                "processes": jax.process_count(), "devices": jax.device_count(), **self.extra_meta}
         host_state = jax.device_get(_portable(state))
         args = ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta))
         try:

@@ -26,6 +26,7 @@ from jaxdp import registry
 from jaxdp.errors import InputError
 
 TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/tokens.py), for --model gpt
+SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.local_sgd.AUTO; named here too, so parsing imports no JAX)
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
@@ -65,7 +66,7 @@ class Config:
     final_lr_fraction: float = _field(0.1, "optimisation", "the cosine schedules end at this fraction of --lr")
     clip_norm: float = _field(0.0, "optimisation", "clip the global gradient norm to this value (0: no clipping)")
     shard_optimizer: bool = _field(False, "optimisation", "ZeRO-1: each device keeps and updates 1/N of the optimizer state (psum, ring); the same numbers, 1/N of the optimizer memory")
-    sync_every: int = _field(1, "optimisation", "local steps (DiLoCo): every device trains its own replica and the replicas are averaged every N steps through --outer-optimizer (psum, ring); 1: synchronous training, gradients averaged every step")
+    sync_every: int | str = _field(1, "optimisation", "local steps (DiLoCo): every device trains its own replica and the replicas are averaged every N steps through --outer-optimizer (psum, ring); 1: synchronous training, gradients averaged every step; auto: measure the step's compute and all-reduce time at the start and average every step if the link keeps up, else every H steps, H a power of two up to 16 (a resumed run keeps the H its checkpoint recorded)", metavar="{N,auto}")
     outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
     sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
@@ -194,12 +195,19 @@ def _check_inputs(config: Config) -> None:
     if config.shard_optimizer and config.strategy == "host":
         raise ConfigError("--shard-optimizer needs an in-graph strategy (--strategy psum or ring): host averages whole "
                           "gradients in host memory, so there is no device-side optimizer update to shard")
-    if config.sync_every < 1:
+    auto_sync = config.sync_every == SYNC_AUTO
+    if isinstance(config.sync_every, str) and not auto_sync:
+        raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training) or auto, "
+                          f"got {config.sync_every!r}")
+    if not auto_sync and config.sync_every < 1:
         raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training), got {config.sync_every}")
-    if config.sync_fragments < 1 or config.sync_every % config.sync_fragments:
+    if auto_sync and config.sync_fragments > 1:
+        raise ConfigError(f"--sync-fragments={config.sync_fragments} needs a fixed --sync-every that it divides, not "
+                          f"auto (which may choose 1, synchronous training); pass --sync-every N")
+    if config.sync_fragments < 1 or (not auto_sync and config.sync_every % config.sync_fragments):
         raise ConfigError(f"--sync-fragments={config.sync_fragments} must be a positive integer that divides "
                           f"--sync-every={config.sync_every}")
-    if config.sync_every > 1:
+    if auto_sync or config.sync_every > 1:  # auto may choose local steps: the same checks, before JAX starts
         _check_in_graph_sum(config, "--sync-every", ": every device keeps its own whole inner optimizer state")
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
             raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")
@@ -262,6 +270,16 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def _int_or_auto(text: str) -> int | str:
+    """--sync-every: an integer, or any other word as given (validation names what is allowed)."""
+    if text.strip().lower() == SYNC_AUTO:
+        return SYNC_AUTO
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -279,7 +297,7 @@ def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32, width=100),
     )
     groups = {g: parser.add_argument_group(g) for g in GROUPS}
-    types = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}
+    types = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str, "int | str": _int_or_auto}
     for f in dataclasses.fields(Config):
         group = groups[f.metadata["group"]]
         flag = f"--{_flag(f.name)}"
@@ -332,16 +350,18 @@ def read_config_file(path: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: unknown key {key!r}; the keys are the flag names without dashes in "
                               f"front, for example batch-size = 64")
         expected = {"int": (int,), "int | None": (int,), "float": (int, float), "str": (str,), "str | None": (str,),
-                    "bool": (bool,)}[fields[name].type]
+                    "int | str": (int, str), "bool": (bool,)}[fields[name].type]
         if isinstance(value, bool) and bool not in expected or not isinstance(value, expected):
             raise ConfigError(f"{where}: {key} = {value!r} should be {' or '.join(t.__name__ for t in expected)}")
         values[name] = float(value) if fields[name].type == "float" else value
     return values
 
 
-def config_toml(config: Config) -> str:
-    """The effective config as a TOML file that `--config` reads back (fields that are None are left out)."""
+def config_toml(config: Config, comment: str | None = None) -> str:
+    """The effective config as a TOML file that `--config` reads back (fields that are None are left
+    out); `comment`, if given, as a second comment line."""
     lines = ["# the effective configuration of a jaxdp run; rerun it with --config this-file"]
+    lines += [f"# {comment}"] if comment else []
     for f in dataclasses.fields(Config):
         value = getattr(config, f.name)
         if value is None:

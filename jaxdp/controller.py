@@ -24,6 +24,17 @@ When no candidate meets the target, the record also proposes local steps (`propo
 the smallest `--sync-every` whose one all-reduce per period would, `local_sgd.choose_sync_every`),
 and process 0 prints it: changing the synchronisation period changes what the run computes, so the
 controller proposes it and the user decides.
+
+The user decides by `--sync-every auto`: then the CLI asks `decide_sync_every` once, at the start
+of a fresh run, and applies its H (`local_sgd.auto_sync_every`: 1 if one all-reduce per step fits
+the target, else the next power of two at or above `choose_sync_every`'s H, at most
+`local_sgd.MAX_AUTO_SYNC_EVERY`), logged as an "event": "local_steps" record
+(`local_steps_record`, a pure function of the gathered figures, so every process takes the same
+decision). With `--compression auto` the compression decision comes first: if its choice fits,
+H = 1; otherwise H is sized for the uncompressed pseudo-gradient, which goes uncompressed (the
+quality guard measures gradients, not pseudo-gradients), and the periodic re-decisions are
+skipped for the run: they would plan per-step communication that local steps no longer do. A
+resumed run takes H from its checkpoint and measures nothing (jaxdp/train.py).
 """
 
 from __future__ import annotations
@@ -114,10 +125,7 @@ class Controller:
         started = time.perf_counter()
         figures = self.measure(state, batches[0])
         measured = time.perf_counter()
-        try:
-            model = compression.fit_comm_model(figures["comm_sizes"], [figures["comm_small_s"], figures["comm_full_s"]])
-        except ValueError:  # times that do not grow with size: latency alone, on a fast link
-            model = compression.CommModel(latency_s=figures["comm_full_s"], seconds_per_byte=0.0)
+        model = comm_model(figures)
         choice, reasons = compression.plan(figures["compute_s"], model, self.abstract, self.candidates,
                                            self.target_fraction)
         checks = []
@@ -149,6 +157,36 @@ class Controller:
                   "fits": reasons["fits"], "why": reasons["why"], "quality_checks": checks,
                   "guard_threshold": self.guard_threshold, "cost_s": cost_s}
         return Decision(None if isinstance(choice, compression.NoCompression) else choice, record)
+
+    def decide_sync_every(self, state: Any, batches: list[Any], step: int, compressor: Any = None,
+                          auto_compression: bool = False) -> tuple[Decision | None, dict[str, Any]]:
+        """`--sync-every auto` at the start of a fresh run: (the `--compression auto` decision, when
+        asked for, else None; the "local_steps" record, whose "sync_every" is H).
+
+        With `auto_compression`, compression is decided first, as `decide` does; H = 1 if its choice
+        fits the target, else H is sized for the uncompressed pseudo-gradient, which local steps
+        then send uncompressed (the quality guard measures gradients, not pseudo-gradients). With a
+        fixed `compressor` (None: plain), one measurement and H for that compressor's payload.
+        `state` is a synchronous state (H = 1); it is not changed."""
+        if auto_compression:
+            decision = self.decide(state, batches, step)
+            figures = decision.record
+            if figures["fits"]:
+                chosen = decision.compressor or compression.NoCompression()
+                record = local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract),
+                                            chosen.collectives, self.target_fraction)
+                return decision, {**record, "sync_every": 1, "why": f"synchronous: --compression auto chose "
+                                  f"{chosen.name}, which meets the target ({figures['why']})"}
+            # Plain averaging misses the target too (else plan would have chosen it): H > 1.
+            record = local_steps_record(figures, "none", self.grad_bytes, 1, self.target_fraction)
+            decision.record["applied"] = False  # the step compresses nothing: local steps instead
+            return decision, {**record, "why": f"{record['why']}; no compression meets the target "
+                              f"({figures['why']}), so local steps, the pseudo-gradient uncompressed: the quality "
+                              f"guard measures gradients, not pseudo-gradients"}
+        figures = self.measure(state, batches[0])
+        chosen = compressor or compression.NoCompression()
+        return None, local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract), chosen.collectives,
+                                        self.target_fraction)
 
     def quality(self, state: Any, batches: list[Any], candidates: list[compression.PowerSGD]) -> dict[str, float]:
         """For each candidate: relative_error(sum of its compressed means, sum of the true means)
@@ -190,6 +228,34 @@ class Controller:
                                  out_specs=((P(), P()), P(axis)), check_vma=False)(state, batch, errors)
 
         return jax.jit(all_devices)
+
+
+def comm_model(figures: dict[str, Any]) -> compression.CommModel:
+    """The all-reduce time line through `measure`'s two sizes (latency alone if the times do not
+    grow with size: a fast link)."""
+    try:
+        return compression.fit_comm_model(figures["comm_sizes"], [figures["comm_small_s"], figures["comm_full_s"]])
+    except ValueError:
+        return compression.CommModel(latency_s=figures["comm_full_s"], seconds_per_byte=0.0)
+
+
+def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_bytes: int, collectives: int,
+                       target_fraction: float) -> dict[str, Any]:
+    """The "local_steps" record of `--sync-every auto`: H (`local_sgd.auto_sync_every`, a pure function
+    of `measure`'s gathered figures, so every process takes the same decision) and the numbers
+    behind it. `pseudo_gradient` names the compression the pseudo-gradient (or, at H = 1, the
+    gradient) goes through, `payload_bytes` and `collectives` what it sends per average."""
+    from jaxdp import local_sgd
+
+    model = comm_model(figures)
+    choice = local_sgd.auto_sync_every(figures["compute_s"], model, payload_bytes, collectives, target_fraction)
+    return {"sync_every": choice["sync_every"], "why": choice["why"], "compute_s": figures["compute_s"],
+            "comm_full_s": figures["comm_full_s"], "latency_s": model.latency_s,
+            "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
+            "pseudo_gradient": pseudo_gradient, "payload_bytes": payload_bytes, "collectives": collectives,
+            "comm_per_sync_s": choice["comm_per_sync_s"], "predicted_comm_s": choice["predicted_comm_s"],
+            "target_fraction": target_fraction, "target_s": choice["target_s"], "fits": choice["fits"],
+            "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": local_sgd.MAX_AUTO_SYNC_EVERY}
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:

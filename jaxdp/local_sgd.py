@@ -62,7 +62,9 @@ optimizer state; the compression state is keyed by leaf, so compression works pe
 
 For an adaptive controller: `comm_seconds_per_step(comm_model, payload_bytes, H)` predicts the
 per-step communication time of local steps, and `choose_sync_every` the smallest H that fits a
-budget.
+budget. `auto_sync_every` is the rule of the CLI's `--sync-every auto` (jaxdp/controller.py
+measures, jaxdp/train.py applies): 1 when one all-reduce per step fits, else the next power of two
+at or above `choose_sync_every`'s H, capped at MAX_AUTO_SYNC_EVERY = 16 (why 16: below).
 """
 
 from __future__ import annotations
@@ -252,3 +254,54 @@ def choose_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: in
     if target <= 0:
         return max_sync_every
     return int(min(max(1, math.ceil(per_sync / target)), max_sync_every))
+
+
+# ---------------------------------------------------------------------------------------------
+# --sync-every auto: the H the CLI applies when the link is too slow for one all-reduce per step
+# ---------------------------------------------------------------------------------------------
+
+AUTO = "auto"
+# The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
+# project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
+# 0.20x its time (docs/perf/localsgd.json). Once the all-reduce per step is below the compute, a
+# doubling of H buys at most a few percent of wall time while the loss keeps drifting from the
+# synchronous run's. A user who wants a larger H passes it explicitly (--sync-every 64).
+MAX_AUTO_SYNC_EVERY = 16
+
+
+def auto_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: int, collectives: int = 1,
+                    target_fraction: float | None = None, max_sync_every: int = MAX_AUTO_SYNC_EVERY) -> dict[str, Any]:
+    """The H of `--sync-every auto`, a pure function of measured figures (so every process that has
+    the same gathered figures takes the same decision), and the numbers behind it.
+
+    1 when one all-reduce of `payload_bytes` (in `collectives` calls) per step is at most
+    `target_fraction` (default jaxdp.compression.TARGET_COMM_FRACTION) of `compute_seconds`: the
+    normal synchronous step. Otherwise the smallest power of two >= `choose_sync_every(...)`,
+    capped at `max_sync_every`. Powers of two: a handful of values across runs and machines whose
+    figures differ by a little, and every divisor a later `--sync-fragments` might want.
+
+    Returns {"sync_every", "uncapped_sync_every" (choose_sync_every's H, no power of two, no cap),
+    "fits" (the chosen H meets the target), "comm_per_sync_s", "predicted_comm_s" (per step at the
+    chosen H), "target_s", "why"}.
+    """
+    from jaxdp.compression import TARGET_COMM_FRACTION
+
+    fraction = TARGET_COMM_FRACTION if target_fraction is None else target_fraction
+    target = fraction * compute_seconds
+    per_sync = comm_model.seconds(payload_bytes, collectives)
+    needed = choose_sync_every(compute_seconds, comm_model, payload_bytes, collectives, fraction, max_sync_every=1 << 30)
+    sync_every = 1 if needed == 1 else min(1 << (needed - 1).bit_length(), max_sync_every)
+    predicted = per_sync / sync_every
+    numbers = (f"one all-reduce of {payload_bytes} bytes predicts {per_sync * 1e3:.3g} ms against a target of "
+               f"{fraction:g} x compute {compute_seconds * 1e3:.3g} ms = {target * 1e3:.3g} ms per step")
+    if sync_every == 1:
+        why = f"synchronous: {numbers}"
+    elif sync_every < needed:
+        why = (f"local steps, averaged every {sync_every} steps (the cap, MAX_AUTO_SYNC_EVERY): {numbers}; meeting it "
+               f"would take H = {needed} ({predicted * 1e3:.3g} ms per step at H = {sync_every}); pass --sync-every "
+               f"{needed} for that")
+    else:
+        why = (f"local steps, averaged every {sync_every} steps: {numbers}; H = {needed} would meet it, rounded up to a "
+               f"power of two: {predicted * 1e3:.3g} ms per step")
+    return {"sync_every": sync_every, "uncapped_sync_every": needed, "fits": predicted <= target,
+            "comm_per_sync_s": per_sync, "predicted_comm_s": predicted, "target_s": target, "why": why}

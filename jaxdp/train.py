@@ -98,29 +98,95 @@ def train(config: Config) -> Result:
     schedule = make_schedule(config.schedule, config.lr, config.steps, config.warmup_steps, config.final_lr_fraction)
     tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
 
-    # ---- update step -------------------------------------------------------------------------
-    # --sync-every H > 1: local steps, the replicas averaged every H steps by the outer optimizer (jaxdp/local_sgd.py)
-    local = dict(sync_every=config.sync_every, sync_fragments=config.sync_fragments, outer_tx=make_outer_optimizer(
-        config.outer_optimizer, config.outer_lr, config.outer_momentum)) if config.sync_every > 1 else {}
-    state = init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
-                       shard_optimizer=config.shard_optimizer, compression=config.compression, **local)
-    auto = config.compression == compression.AUTO
-    steps_by_compression: dict[Any, Any] = {}
+    # ---- checkpoint (opened before the state: --sync-every auto resumes with the H it recorded) -
+    # Every process restores the same checkpoint, and all save together (orbax saves collectively).
+    checkpointer = None
+    if config.checkpoint_dir:
+        checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
+                                    config=config)
+    try:
+        # ---- update step ---------------------------------------------------------------------
+        def local_steps(sync_every: int) -> dict[str, Any]:  # H > 1: local steps, jaxdp/local_sgd.py
+            return dict(sync_every=sync_every, sync_fragments=config.sync_fragments, outer_tx=make_outer_optimizer(
+                config.outer_optimizer, config.outer_lr, config.outer_momentum)) if sync_every > 1 else {}
 
-    def step_for(compressor: Any) -> Any:  # one compiled step per compression choice (auto switches)
-        if compressor not in steps_by_compression:
-            steps_by_compression[compressor] = make_train_step(
-                task.loss_fn, tx, mesh, config.strategy, stateful=True, grad_accum=config.grad_accum, grad_norm=True,
-                shard_optimizer=config.shard_optimizer, compression=compressor, **local)
-        return steps_by_compression[compressor]
+        def new_state(sync_every: int, compression_spec: Any) -> Any:
+            return init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
+                              shard_optimizer=config.shard_optimizer, compression=compression_spec,
+                              **local_steps(sync_every))
 
-    train_step = step_for(None if auto else compression.resolve(config.compression))
-    controller = Controller(train_step.local_grads, mesh, train_step.strategy, params,
-                            target_fraction=config.comm_target) if auto and mesh.size > 1 else None
-    # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
-    plain_comm = {"comm_bytes": compression.bytes_sent(compression.uncompressed_bytes(params), mesh.size),
-                  "compression_ratio": 1.0}
-    eval_step = make_eval_step(task.eval_fn, mesh)
+        steps_by_choice: dict[Any, Any] = {}
+
+        def step_for(compressor: Any, sync_every: int) -> Any:  # one compiled step per choice (auto switches)
+            if (compressor, sync_every) not in steps_by_choice:
+                steps_by_choice[compressor, sync_every] = make_train_step(
+                    task.loss_fn, tx, mesh, config.strategy, stateful=True, grad_accum=config.grad_accum,
+                    grad_norm=True, shard_optimizer=config.shard_optimizer, compression=compressor,
+                    **local_steps(sync_every))
+            return steps_by_choice[compressor, sync_every]
+
+        def new_controller(step: Any) -> Controller:
+            return Controller(step.local_grads, mesh, step.strategy, params, target_fraction=config.comm_target)
+
+        auto = config.compression == compression.AUTO
+        fixed = None if auto else compression.resolve(config.compression)
+        early: list[tuple[str, dict]] = []  # decisions taken before the loop, logged after the "start" record
+        state = controller = decided = None  # decided: the --compression auto decision --sync-every auto took
+        plain_pseudo = False  # --sync-every auto chose H > 1 under --compression auto: the pseudo-gradient goes plain
+        requested = config  # as given: config.toml says --sync-every auto, so a rerun resumes as this run did
+        sync_auto = config.sync_every == local_sgd.AUTO
+        if sync_auto:
+            recorded = checkpointer.recorded_meta() if checkpointer else None
+            if recorded is not None:  # resume: the H the checkpoint recorded, never a new measurement
+                sync_every, chose = (recorded.get("config") or {}).get("sync_every"), recorded.get("sync_every_auto")
+                if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+                    raise ConfigError(f"--sync-every auto: the checkpoint in --checkpoint-dir={config.checkpoint_dir!r} "
+                                      f"records no sync_every to resume with; pass --sync-every N")
+                record = {"sync_every": sync_every, "why": f"resumed from the checkpoint of step {recorded['step']}, "
+                          f"which records sync_every={sync_every}: a resumed run keeps its H (no new measurement)"}
+                plain_pseudo = auto and sync_every > 1 and bool(chose)
+            elif mesh.size == 1:
+                record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
+            else:  # a fresh run: measure once, on a synchronous state, and decide (the same on every process)
+                state = new_state(1, config.compression)
+                controller = new_controller(step_for(fixed, 1))
+                decided, record = controller.decide_sync_every(
+                    state, [batch_at(k) for k in range(GUARD_BATCHES if auto else 1)], 0, fixed, auto)
+                plain_pseudo, chose = auto and record["sync_every"] > 1, True
+                if decided:
+                    early.append(("compression", decided.record))
+            early.append(("local_steps", record))
+            config = config.replace(sync_every=record["sync_every"])
+            if is_main:
+                print(f"jaxdp: --sync-every auto: {record['sync_every']}: {record['why']}", file=sys.stderr)
+            if checkpointer:  # checkpoints record the resolved H, and that auto chose it
+                checkpointer.config, checkpointer.extra_meta = config, {"sync_every_auto": bool(chose)}
+        if state is None or config.sync_every > 1:
+            state = new_state(config.sync_every, None if plain_pseudo else config.compression)
+        initial = decided.compressor if decided else None if auto or plain_pseudo else fixed
+        train_step = step_for(initial, config.sync_every)
+        if auto and not plain_pseudo and mesh.size > 1:
+            controller = controller or new_controller(train_step)
+        else:
+            controller = None  # no --compression auto, or local steps it does not re-decide for
+        # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
+        plain_comm = {"comm_bytes": compression.bytes_sent(compression.uncompressed_bytes(params), mesh.size),
+                      "compression_ratio": 1.0}
+        eval_step = make_eval_step(task.eval_fn, mesh)
+
+        # ---- checkpoint: restore -------------------------------------------------------------
+        if checkpointer:
+            state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
+            if int(state.step) > config.steps:
+                raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {int(state.step)}, past "
+                                  f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
+    except BaseException:
+        if checkpointer:
+            checkpointer.close()  # nothing was written: bad input leaves the directory as it was
+        raise
+    if checkpointer and is_main:  # the effective config, beside the checkpoints: `--config DIR/config.toml` reruns it
+        write_text_atomically(os.path.join(checkpointer.directory, "config.toml"), config_toml(
+            requested, comment=f"--sync-every auto chose {config.sync_every} (the checkpoints record it)" if sync_auto else None))
 
     def evaluate(state: Any) -> dict[str, float]:
         """Held-out metrics over the held-out split (at most --eval-batches global batches)."""
@@ -131,22 +197,6 @@ def train(config: Config) -> Result:
             totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
         return task.summarize(totals)
 
-    # ---- checkpoint --------------------------------------------------------------------------
-    # Every process restores the same checkpoint, and all save together (orbax saves collectively).
-    checkpointer = None
-    if config.checkpoint_dir:
-        checkpointer = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
-                                    config=config)
-        try:
-            state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
-            if int(state.step) > config.steps:
-                raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {int(state.step)}, past "
-                                  f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
-        except InputError:
-            checkpointer.close()  # nothing was written: bad input leaves the directory as it was
-            raise
-        if is_main:  # the effective config, beside the checkpoints: `--config DIR/config.toml` reruns it
-            write_text_atomically(os.path.join(checkpointer.directory, "config.toml"), config_toml(config))
     start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
 
     # ---- training loop -----------------------------------------------------------------------
@@ -164,7 +214,10 @@ def train(config: Config) -> Result:
                  devices=mesh.size, device_kind=device_kind, jax=jax.__version__, compile_cache=cache_dir,
                  malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
                  param_bytes_per_device=zero.bytes_per_device(state.params),
-                 optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))))
+                 optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
+                 **({"sync_every_auto": True} if sync_auto else {}))
+    for name, record in early:  # --sync-every auto's decisions, taken before the loop
+        writer.event(name, start_step, **record)
     if start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
     history, preempted, done = [], False, start_step
@@ -185,13 +238,15 @@ def train(config: Config) -> Result:
     beat = heartbeat.for_run(config.stall_timeout)
     try:
         for step, batch in batches:
-            if controller and (step == start_step or (config.compression_every and step % config.compression_every == 0)):
+            first = step == start_step and decided is None  # --sync-every auto decided compression already
+            if controller and (first or (step > start_step and config.compression_every
+                                         and step % config.compression_every == 0)):
                 checked()
                 decision = controller.decide(state, [batch] + [batch_at(step + k) for k in range(1, GUARD_BATCHES)], step)
                 writer.event("compression", step, **decision.record)
                 if is_main and decision.record["propose_local_steps"] and config.sync_every == 1:
                     print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
-                train_step = step_for(decision.compressor)
+                train_step = step_for(decision.compressor, config.sync_every)
             dispatch = time.perf_counter()
             state, metrics = train_step(state, batch)
             done = step + 1

@@ -227,6 +227,8 @@ BAD = {
     "nesterov without momentum": (["--sync-every", "4", "--outer-momentum", "0"], "needs --outer-momentum > 0"),
     "outer kind": (["--outer-optimizer", "adam"], "invalid choice: 'adam'"),
     "fragments": (["--sync-every", "4", "--sync-fragments", "3"], "--sync-fragments=3 must be a positive integer that divides"),
+    "word": (["--sync-every", "fast"], "--sync-every must be a positive integer (1: synchronous training) or auto"),
+    "auto fragments": (["--sync-every", "auto", "--sync-fragments", "2"], "--sync-fragments=2 needs a fixed --sync-every"),
 }
 
 

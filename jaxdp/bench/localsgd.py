@@ -4,6 +4,7 @@
 
     python -m jaxdp.bench localsgd --json docs/perf/localsgd.json --plot docs/perf/localsgd.png
     python -m jaxdp.bench localsgd --rate 100mbit --sync-every 8 --variants "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
+    python -m jaxdp.bench localsgd --variants "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0;--sync-every auto --outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
 
 Each run is `python -m jaxdp.train` with the same model, data, schedule and number of steps (so
 equal tokens), evaluated every `--eval-every` steps on the same held-out batches. Time is training
@@ -31,7 +32,8 @@ from jaxdp.bench.report import print_table, write_json
 
 MODEL_FLAGS = ("--model gpt --layers 2 --d-model 64 --heads 4 --seq-len 64 --batch-size 16 --lr 3e-3 "
                "--schedule warmup-cosine --warmup-steps 20")
-# Plain averaging and DiLoCo's outer Nesterov step; every variant gets --sync-every from the command line.
+# Plain averaging and DiLoCo's outer Nesterov step; every variant gets --sync-every from the command line
+# unless it names its own (e.g. "--sync-every auto --outer-optimizer sgd --outer-lr 1 --outer-momentum 0").
 VARIANTS = ("--outer-optimizer sgd --outer-lr 1 --outer-momentum 0", "--outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9")
 
 
@@ -41,7 +43,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rate", default="10mbit", help="link rate in tc's syntax, or unshaped")
     p.add_argument("--sync-every", type=int, default=16, help="H of the local-step runs")
     p.add_argument("--variants", type=lambda t: t.split(";"), default=list(VARIANTS),
-                   help="local-step runs: outer-optimizer flags, one string per run, separated by ';'")
+                   help="local-step runs: outer-optimizer flags, one string per run, separated by ';'; a run "
+                        "that names its own --sync-every (auto, or another H) keeps it")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
@@ -52,6 +55,16 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json")
     p.add_argument("--plot", help="PNG of held-out loss against training time (needs matplotlib)")
     p.set_defaults(run=run)
+
+
+def variant_run(sync_every: int, variant: str) -> tuple[str, list[str]]:
+    """(name, flags) of one local-step run: `--sync-every sync_every` and the variant's flags, or
+    the variant alone when it names its own --sync-every (auto: the run chooses H, and the results
+    record the H it chose)."""
+    flags = shlex.split(variant)
+    if any(f == "--sync-every" or f.startswith("--sync-every=") for f in flags):
+        return variant.strip(), flags
+    return f"H={sync_every} {variant}".strip(), ["--sync-every", str(sync_every), *flags]
 
 
 def curve(training: slowlink.Training) -> list[tuple[int, float, float]]:
@@ -98,9 +111,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         dataset = args.dataset or default_corpus(scratch)
         base = [*shlex.split(args.train_args), "--dataset", dataset, "--steps", str(args.steps),
                 "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--log-every", "10"]
-        runs = [("synchronous", ["--sync-every", "1"])]
-        runs += [(f"H={args.sync_every} {v}".strip(), ["--sync-every", str(args.sync_every), *shlex.split(v)])
-                 for v in args.variants]
+        runs = [("synchronous", ["--sync-every", "1"])] + [variant_run(args.sync_every, v) for v in args.variants]
         results = []
         with testbed.Testbed(num_hosts=2, rate=rate) as bed:
             for name, flags in runs:
@@ -109,7 +120,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                     raise SystemExit(f"jaxdp.bench: localsgd: the {name} run failed (exit codes {training.returncodes}):\n"
                                      f"{training.outputs[0][-3000:]}\n{training.outputs[1][-3000:]}")
                 steps = training.steps()
+                chosen = [r for r in training.records if r.get("event") == "local_steps"]  # --sync-every auto
                 results.append({"run": name, "flags": flags, "curve": curve(training), "wall_s": training.wall_s,
+                                "sync_every": chosen[0]["sync_every"] if chosen else None,
+                                "sync_every_why": chosen[0]["why"] if chosen else None,
                                 "comm_bytes_per_step": steps[-1].get("comm_bytes_per_step"),
                                 "steps_per_s": sorted(r["steps_per_sec"] for r in steps if r.get("steps_per_sec"))})
     sync_final = results[0]["curve"][-1][2]
@@ -125,7 +139,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         row["median_steps_per_s"] = rates[len(rates) // 2] if rates else None
     print(f"2 processes x 1 device over a {args.rate} link; jaxdp.train {args.train_args} --steps {args.steps} "
           f"--eval-every {args.eval_every}; target held-out loss {target:.4f} (synchronous final x {1 + args.margin:g})")
-    print_table(results, [("run", "run", "s"), ("median_steps_per_s", "steps/s", ".2f"), ("train_s", "train s", ".1f"),
+    print_table(results, [("run", "run", "s"), ("sync_every", "auto H", "d"), ("median_steps_per_s", "steps/s", ".2f"), ("train_s", "train s", ".1f"),
                           ("final_loss", "final loss", ".4f"), ("loss_vs_sync", "loss / sync", ".3f"),
                           ("s_to_target", "s to target", ".1f"), ("time_vs_sync", "time / sync", ".3f")])
     write_json(args.json, results, rate=args.rate, target=target, margin=args.margin, train_flags=base)

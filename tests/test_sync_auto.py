@@ -1,0 +1,232 @@
+"""`--sync-every auto` (jaxdp/train.py, controller.py, local_sgd.py): the H rule as a pure function of
+measured figures, the flags, and CLI runs where the decision is forced by --comm-target (a real
+measurement against a target nothing meets, or one everything meets)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxdp
+import jaxdp.sync
+from jaxdp.errors import InputError
+from helpers import records, step_records
+from jaxdp import compression, local_sgd
+from jaxdp.compression import CommModel
+from jaxdp.config import ConfigError, config_toml, parse_args, read_config_file
+from jaxdp.controller import Controller, local_steps_record
+from jaxdp.models import MLP
+from jaxdp.train import train
+
+# ---- the rule ------------------------------------------------------------------------------------
+
+EXACT = CommModel(latency_s=0.0, seconds_per_byte=2.0 ** -20)  # 2**23 bytes: 8 s per all-reduce, exactly
+
+
+@pytest.mark.parametrize("compute_s, expected, needed", [
+    (32.0, 1, 1),    # target 8 s: one all-reduce per step fits, synchronous
+    (16.0, 2, 2),    # target 4 s
+    (4.0, 8, 8),     # target 1 s: exactly 8, a power of two already
+    (3.0, 16, 11),   # target 0.75 s: 10.67 -> 11 -> 16
+    (1.0, 16, 32),   # target 0.25 s: 32, capped at 16
+])
+def test_h_is_1_when_it_fits_else_the_next_power_of_two_capped_at_16(compute_s, expected, needed):
+    choice = local_sgd.auto_sync_every(compute_s, EXACT, 2 ** 23, target_fraction=0.25)
+    assert (choice["sync_every"], choice["uncapped_sync_every"]) == (expected, needed)
+    smallest = local_sgd.choose_sync_every(compute_s, EXACT, 2 ** 23, target_fraction=0.25)
+    assert choice["sync_every"] == min(smallest, 16) or smallest < choice["sync_every"] < 2 * smallest
+    assert choice["comm_per_sync_s"] == 8.0 and choice["predicted_comm_s"] == 8.0 / expected
+    assert choice["fits"] == (needed <= local_sgd.MAX_AUTO_SYNC_EVERY)
+    assert ("the cap" in choice["why"]) == (needed > 16) and ("synchronous" in choice["why"]) == (expected == 1)
+
+
+def test_latency_and_collectives_count_and_the_default_target():
+    model = CommModel(latency_s=0.5, seconds_per_byte=2.0 ** -20)
+    # 2 calls x 0.5 s + 8 s = 9 s per average against 0.25 x 4.5 s = 1.125 s: 8 exactly
+    assert local_sgd.auto_sync_every(4.5, model, 2 ** 23, collectives=2)["sync_every"] == 8
+    assert local_sgd.auto_sync_every(4.5, model, 2 ** 23, collectives=2, max_sync_every=4)["sync_every"] == 4
+    assert compression.TARGET_COMM_FRACTION == 0.25 and local_sgd.MAX_AUTO_SYNC_EVERY == 16
+
+
+def test_the_record_is_a_pure_function_of_the_gathered_figures():
+    # all-reduce of 4096 bytes: 1.0 s, of 65536 bytes: 2.0 s -> latency 14/15 s, 61440 bytes/s
+    figures = {"compute_s": 2.0, "comm_small_s": 1.0, "comm_full_s": 2.0, "comm_sizes": [4096, 65536]}
+    record = local_steps_record(figures, "none", 65536, 1, 0.25)
+    assert record == local_steps_record(dict(figures), "none", 65536, 1, 0.25)
+    # 2.0 s per average against 0.5 s per step: 4
+    assert record["sync_every"] == 4 and record["uncapped_sync_every"] == 4 and record["fits"]
+    assert record["comm_per_sync_s"] == pytest.approx(2.0) and record["predicted_comm_s"] == pytest.approx(0.5)
+    assert record["bandwidth_bytes_per_s"] == pytest.approx(61440) and record["latency_s"] == pytest.approx(14 / 15)
+    assert (record["target_fraction"], record["payload_bytes"], record["max_sync_every"]) == (0.25, 65536, 16)
+    assert local_steps_record(figures, "bf16", 32768, 1, 0.25)["sync_every"] == 4  # 1.47 s: ceil(2.93) = 3 -> 4
+    assert local_steps_record({**figures, "compute_s": 100.0}, "none", 65536, 1, 0.25)["sync_every"] == 1
+
+
+def test_a_fixed_compressor_sizes_h_for_its_payload(devices, monkeypatch):
+    mesh = jaxdp.make_mesh(devices[:4])
+    params = MLP(hidden=(64,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 32)))["params"]
+    grad_bytes = compression.uncompressed_bytes(params)
+    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.psum_mean, params)
+    # An all-reduce of the whole gradient takes 10x the compute: plain needs H = 40 (capped), bf16 H = 20
+    figures = {"compute_s": 1.0, "comm_small_s": 0.0, "comm_full_s": 10.0, "comm_sizes": [0, grad_bytes]}
+    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
+    _, plain = controller.decide_sync_every(None, [None], 0)
+    _, half = controller.decide_sync_every(None, [None], 0, compression.Bf16())
+    assert (plain["pseudo_gradient"], plain["payload_bytes"], plain["uncapped_sync_every"]) == ("none", grad_bytes, 40)
+    assert (half["pseudo_gradient"], half["payload_bytes"], half["uncapped_sync_every"]) == ("bf16", grad_bytes // 2, 20)
+    assert plain["sync_every"] == half["sync_every"] == 16
+    figures["comm_full_s"] = 0.2  # the link keeps up: synchronous
+    assert controller.decide_sync_every(None, [None], 0)[1]["sync_every"] == 1
+
+
+# ---- the flags -----------------------------------------------------------------------------------
+
+def test_flags_accept_auto_and_refuse_the_rest_in_one_line(tmp_path):
+    assert parse_args(["--sync-every", "auto"]).sync_every == "auto"
+    assert parse_args(["--sync-every", "AUTO"]).sync_every == "auto"
+    assert parse_args(["--sync-every", "4"]).sync_every == 4
+    bad = {("--sync-every", "0"): "--sync-every must be a positive integer (1: synchronous training), got 0",
+           ("--sync-every", "fast"): "--sync-every must be a positive integer (1: synchronous training) or auto, got 'fast'",
+           ("--sync-every", "2.5"): "or auto, got '2.5'",
+           ("--sync-every", "auto", "--sync-fragments", "2"): "--sync-fragments=2 needs a fixed --sync-every",
+           ("--sync-every", "auto", "--strategy", "host"): "--sync-every needs an in-graph strategy",
+           ("--sync-every", "auto", "--shard-optimizer"): "--sync-every and --shard-optimizer do not combine",
+           ("--sync-every", "auto", "--outer-lr", "0"): "--outer-lr must be a positive number"}
+    for argv, needle in bad.items():
+        with pytest.raises(ConfigError) as err:
+            parse_args(list(argv))
+        assert needle in str(err.value) and "\n" not in str(err.value), (argv, str(err.value))
+    path = tmp_path / "run.toml"
+    path.write_text(config_toml(parse_args(["--sync-every", "auto"]), comment="a note"))
+    assert read_config_file(str(path))["sync_every"] == "auto" and "# a note\n" in path.read_text()
+    assert parse_args(["--config", str(path)]).sync_every == "auto"
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+PLAIN = ["--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0"]
+
+
+def run(*flags):
+    return train(parse_args(["--batch-size", "64", "--log-every", "1", "--no-progress", *map(str, flags)]))
+
+
+def decisions(path, name="local_steps"):
+    return [r for r in records(path) if r.get("event") == name]
+
+
+def losses(path):
+    return [(r["step"], r["loss"], r.get("synced")) for r in step_records(path)]
+
+
+def test_auto_applies_h_and_trains_like_the_explicit_h(tmp_path):
+    # A target no link meets (1e-9 x compute): a real measurement, then local steps at the cap.
+    flags = ["--devices", 4, "--steps", 17, *PLAIN, "--comm-target", 1e-9]
+    run(*flags, "--sync-every", "auto", "--metrics-file", tmp_path / "auto.jsonl")
+    run(*flags, "--sync-every", 16, "--metrics-file", tmp_path / "h16.jsonl")
+    [record] = decisions(tmp_path / "auto.jsonl")
+    assert record["step"] == 0 and record["sync_every"] == 16 and record["uncapped_sync_every"] > 16
+    assert record["compute_s"] > 0 and record["comm_full_s"] > 0 and record["target_fraction"] == 1e-9
+    assert record["payload_bytes"] > 0 and record["predicted_comm_s"] == record["comm_per_sync_s"] / 16
+    assert "MAX_AUTO_SYNC_EVERY" in record["why"]
+    start = records(tmp_path / "auto.jsonl")[0]
+    assert start["config"]["sync_every"] == 16 and start["sync_every_auto"] is True
+    assert [s for s, _, synced in losses(tmp_path / "auto.jsonl") if synced] == [16]
+    assert losses(tmp_path / "auto.jsonl") == losses(tmp_path / "h16.jsonl")
+
+
+def test_auto_with_auto_compression_that_fits_stays_synchronous(tmp_path):
+    # Everything fits 1e6 x compute: --compression auto chooses none, once, and H = 1.
+    run("--devices", 4, "--steps", 3, "--sync-every", "auto", "--compression", "auto", "--compression-every", 2,
+        "--comm-target", 1e6, "--metrics-file", tmp_path / "m.jsonl")
+    [record] = decisions(tmp_path / "m.jsonl")
+    assert record["sync_every"] == 1 and record["fits"] and record["why"].startswith("synchronous: --compression auto")
+    assert [(d["step"], d["choice"]) for d in decisions(tmp_path / "m.jsonl", "compression")] == [(0, "none"), (2, "none")]
+    assert all("synced" not in r for r in step_records(tmp_path / "m.jsonl"))
+
+
+@pytest.mark.slow
+def test_auto_with_auto_compression_that_does_not_fit_sends_the_pseudo_gradient_plain(tmp_path):
+    run("--devices", 4, "--steps", 3, "--sync-every", "auto", "--compression", "auto", "--compression-every", 2,
+        "--comm-target", 1e-9, *PLAIN, "--metrics-file", tmp_path / "m.jsonl")
+    [record] = decisions(tmp_path / "m.jsonl")
+    [compressed] = decisions(tmp_path / "m.jsonl", "compression")  # no re-decision at step 2
+    assert record["sync_every"] == 16 and record["pseudo_gradient"] == "none" and "uncompressed" in record["why"]
+    assert compressed["step"] == 0 and compressed["applied"] is False and not compressed["fits"]
+    assert record["payload_bytes"] == compressed["uncompressed_bytes"]
+    assert [r["synced"] for r in step_records(tmp_path / "m.jsonl")] == [0, 0, 0]
+
+
+def test_one_device_means_synchronous_recorded(tmp_path):
+    run("--devices", 1, "--steps", 2, "--sync-every", "auto", "--comm-target", 1e-9, "--metrics-file", tmp_path / "m.jsonl")
+    [record] = decisions(tmp_path / "m.jsonl")
+    assert record["sync_every"] == 1 and "one device" in record["why"]
+    assert records(tmp_path / "m.jsonl")[0]["config"]["sync_every"] == 1
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_recorded_h_and_is_bit_identical(tmp_path):
+    flags = ["--devices", 4, "--sync-every", "auto", *PLAIN, "--comm-target", 1e-9]
+    whole = run(*flags, "--steps", 17, "--metrics-file", tmp_path / "whole.jsonl")
+    ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 5, "--metrics-file", tmp_path / "m.jsonl"]
+    run(*flags, *ckpt, "--steps", 5)
+    # Resumed with a target everything meets: a new measurement would choose 1; the checkpoint's H wins.
+    resumed = run(*flags[:-1], 1e6, *ckpt, "--steps", 17)
+    assert [r["step"] for r in resumed.history] == list(range(6, 18))
+    fresh, again = decisions(tmp_path / "m.jsonl")
+    assert fresh["sync_every"] == again["sync_every"] == 16 and "resumed from the checkpoint of step 5" in again["why"]
+    assert "compute_s" not in again  # no new measurement
+    assert losses(tmp_path / "m.jsonl") == losses(tmp_path / "whole.jsonl")
+    jax.tree.map(lambda x, y: jnp.array_equal(x, y) or pytest.fail("state differs"), resumed.state, whole.state)
+    toml = (tmp_path / "ckpt" / "config.toml").read_text()
+    assert 'sync-every = "auto"' in toml and "# --sync-every auto chose 16" in toml
+
+
+def test_a_synchronous_checkpoint_refuses_local_steps_in_one_line(tmp_path):
+    ckpt = ["--devices", 2, "--checkpoint-dir", tmp_path / "ckpt"]
+    run(*ckpt, "--steps", 1, "--sync-every", 1)
+    with pytest.raises(InputError, match="made with sync_every=1, but this run has sync_every=4"):
+        run(*ckpt, "--steps", 2, "--sync-every", 4)
+
+
+def test_outer_optimizer_defaults_are_unchanged():
+    config = parse_args(["--sync-every", "auto"])
+    assert (config.outer_optimizer, config.outer_lr, config.outer_momentum) == ("nesterov", 0.7, 0.9)
+
+
+def test_a_bench_variant_that_names_its_own_sync_every_keeps_it():
+    from jaxdp.bench.localsgd import variant_run
+
+    plain = "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
+    assert variant_run(16, plain) == (f"H=16 {plain}", ["--sync-every", "16", *plain.split()])
+    assert variant_run(16, f"--sync-every auto {plain}") == (f"--sync-every auto {plain}", ["--sync-every", "auto",
+                                                                                              *plain.split()])
+    assert variant_run(16, "--sync-every=8")[1] == ["--sync-every=8"]
+    assert variant_run(16, "") == ("H=16", ["--sync-every", "16"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_take_the_same_decision_and_train_like_one(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import ROOT, cli_env, free_port, run_cli
+
+    flags = ["--steps", "17", "--batch-size", "64", "--log-every", "1", "--no-progress", "--sync-every", "auto",
+             "--comm-target", "1e-9", *PLAIN]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", *flags, "--devices", "2",
+                               "--metrics-file", str(tmp_path / f"two.{i}.jsonl"), "--coordinator-address",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    one = run_cli(*flags, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"))
+    assert one.returncode == 0, one.stderr
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:]
+    [record] = decisions(tmp_path / "two.0.jsonl")
+    assert record["sync_every"] == 16 and decisions(tmp_path / "one.jsonl")[0]["sync_every"] == 16
+    two, ref = losses(tmp_path / "two.0.jsonl"), losses(tmp_path / "one.jsonl")
+    assert [s for s, _, synced in two if synced] == [16]
+    assert [s for s, _, _ in two] == [s for s, _, _ in ref]
+    assert [loss for _, loss, _ in two] == pytest.approx([loss for _, loss, _ in ref], rel=1e-5)
