@@ -15,7 +15,8 @@ takes the same decision). `compression.plan` then picks the least compression wh
 all-reduce time is at most `target` x compute: none on a fast link, bf16, or PowerSGD at the
 largest rank that fits. A PowerSGD choice must pass the quality guard: over `GUARD_BATCHES`
 batches at the current parameters, the sum of the compressed, error-corrected gradients against
-the sum of the true mean gradients (one uncompressed all-reduce per batch: what the guard costs),
+the sum of the true mean gradients (one uncompressed all-reduce per batch: what the guard costs;
+the candidates are then replayed on those means with no collective, `Controller.truth`),
 `compression.relative_error`; above `compression.GUARD_THRESHOLD` the controller steps back to
 the next weaker candidate (higher rank, then bf16, then none) and checks again.
 
@@ -95,7 +96,8 @@ class Controller:
         self._allreduce = jax.jit(jax.shard_map(allreduce, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
                                                 check_vma=False))
         self._local_grads = local_grads
-        self._quality: dict[tuple, Callable] = {}
+        self._truth: Callable | None = None
+        self._replays: dict[str, Callable] = {}
 
     # -- measuring ------------------------------------------------------------------------------
 
@@ -130,13 +132,13 @@ class Controller:
                                            self.target_fraction)
         checks = []
         if isinstance(choice, compression.PowerSGD):  # the quality guard: raise the rank until it passes
-            # Every rank in one program (compiled once per run, and found in the compilation cache
-            # by the next): the chosen rank and those above it are then read in order.
+            # The true means once; then the chosen rank and those above it, in order, until one passes.
             ranks = [c for c in self.candidates if isinstance(c, compression.PowerSGD)]
-            errors = self.quality(state, batches, ranks)
+            truth = self.truth(state, batches)
             for candidate in [c for c in ranks if c.rank >= choice.rank][::-1]:  # from the chosen rank upwards
-                checks.append({"candidate": candidate.name, "relative_error": errors[candidate.name]})
-                choice = compression.guard(candidate, errors[candidate.name], self.guard_threshold, self.candidates)
+                error = self.replay(candidate, truth)
+                checks.append({"candidate": candidate.name, "relative_error": error})
+                choice = compression.guard(candidate, error, self.guard_threshold, self.candidates)
                 if choice == candidate:
                     break
         cost_s = {"measure": measured - started, "quality": time.perf_counter() - measured}
@@ -190,44 +192,59 @@ class Controller:
 
     def quality(self, state: Any, batches: list[Any], candidates: list[compression.PowerSGD]) -> dict[str, float]:
         """For each candidate: relative_error(sum of its compressed means, sum of the true means)
-        over `batches` (GUARD_BATCHES of them), threading its error feedback from `state` (which is
-        not changed). One compiled program for all candidates: the gradients and the true mean
-        (one uncompressed all-reduce) are computed once per batch."""
-        key = tuple(c.name for c in candidates)
-        if key not in self._quality:
-            self._quality[key] = self._quality_fn(candidates)
-        fn = self._quality[key]
+        over `batches` (GUARD_BATCHES of them), its error feedback threaded from `state` (which is
+        not changed) and Q held at the state's, as the threshold was calibrated."""
+        truth = self.truth(state, batches)
+        return {c.name: self.replay(c, truth) for c in candidates}
+
+    def truth(self, state: Any, batches: list[Any]) -> tuple[list[Any], Any, Any]:
+        """What every candidate's check reads: the true mean gradient of each of GUARD_BATCHES
+        batches (one uncompressed all-reduce each: the guard's whole communication), the devices'
+        mean error feedback, and the shared Q; all replicated.
+
+        PowerSGD through an all-reduce is linear in its input: with one shared Q, the all-reduced
+        P = sum_i (M_i + e_i) Q = (sum_i M_i + e_i) Q, so every device ends with exactly the
+        approximation that compressing the devices' mean (gradient + error) on one device gives, and
+        the mean error moves as that device's error would. So the candidates are checked on the
+        means with no collective at all (`replay`): one small program each, compiled for the ranks
+        actually checked, instead of every rank's collectives in one large program."""
         state = state.replace(opt_state=None)
-        rows = state.sync.per_device.get(compression.STATE_NAME, {})
-        errors = [rows] * len(candidates)
-        sums = None
-        for batch in batches[:GUARD_BATCHES]:
-            out, errors = fn(state, batch, errors)
-            sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-        applied, true = sums
-        return {c.name: float(compression.relative_error(a, true)) for c, a in zip(candidates, applied)}
+        if self._truth is None:
+            axis, n = self.axis, self.n
 
-    def _quality_fn(self, candidates: list[compression.PowerSGD]) -> Callable:
-        axis, n, total = self.axis, self.n, self.total
+            def per_device(state: Any, batch: Any) -> Any:
+                _, _, grads = self._local_grads(state, batch)
+                return self.total(jax.tree.map(lambda g: g / n, grads), axis)
 
-        def per_device(state: Any, batch: Any, errors: list[Any]) -> tuple[Any, list[Any]]:
-            _, _, grads = self._local_grads(state, batch)
-            true = total(jax.tree.map(lambda g: g / n, grads), axis)
-            applied, new_errors = [], []
-            for compressor, rows in zip(candidates, errors):
-                stored = compression.CompressionState(error=jax.tree.map(lambda x: x[0], rows),
-                                                      q=state.sync.shared.get(compression.STATE_NAME, {}))
-                mean, new, _ = compressor.mean(grads, compression.view(compressor, stored, grads),
-                                               lambda t: total(t, axis), n, state.step)
-                applied.append(mean)
-                new_errors.append(jax.tree.map(lambda x: x[None], compression.merge(stored, new).error))
-            return (applied, true), new_errors
+            self._truth = jax.jit(lambda state, batch: jax.shard_map(
+                per_device, mesh=self.mesh, in_specs=(state_specs(state, axis), P(axis)), out_specs=P(),
+                check_vma=False)(state, batch))
+            self._mean_rows = jax.jit(lambda rows: jax.tree.map(lambda x: jnp.mean(x, axis=0), rows),
+                                      out_shardings=NamedSharding(self.mesh, P()))
+        means = [self._truth(state, batch) for batch in batches[:GUARD_BATCHES]]
+        error = self._mean_rows(state.sync.per_device.get(compression.STATE_NAME, {}))
+        return means, error, state.sync.shared.get(compression.STATE_NAME, {})
 
-        def all_devices(state: Any, batch: Any, errors: list[Any]) -> tuple[Any, list[Any]]:
-            return jax.shard_map(per_device, mesh=self.mesh, in_specs=(state_specs(state, axis), P(axis), P(axis)),
-                                 out_specs=((P(), P()), P(axis)), check_vma=False)(state, batch, errors)
+    def replay(self, candidate: compression.PowerSGD, truth: tuple[list[Any], Any, Any]) -> float:
+        """`candidate`'s relative error over the window of `truth` (see `truth`), on every device
+        alike: compression of the mean on one device, error feedback threaded, Q held."""
+        if candidate.name not in self._replays:
+            def replay(means: list[Any], error: Any, q: Any) -> jax.Array:
+                applied = []
+                for mean in means:
+                    stored = compression.CompressionState(error=error, q=q)
+                    approx, new, _ = candidate.mean(mean, compression.view(candidate, stored, mean), lambda t: t, 1,
+                                                    candidate.start)  # past any start step: compressed
+                    error = compression.merge(stored, new).error
+                    applied.append(approx)
+                return compression.relative_error(_tree_sum(applied), _tree_sum(means))
 
-        return jax.jit(all_devices)
+            self._replays[candidate.name] = jax.jit(replay)
+        return float(self._replays[candidate.name](*truth))
+
+
+def _tree_sum(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *trees)
 
 
 def comm_model(figures: dict[str, Any]) -> compression.CommModel:

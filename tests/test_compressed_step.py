@@ -145,3 +145,51 @@ def test_cli_compression_runs_and_auto_picks_none_on_a_fast_link(tmp_path):
     bad = run_cli(*run, "--compression", "powersgd:0")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("jaxdp: error: --compression='powersgd:0' is not none, bf16")
+
+
+@pytest.mark.parametrize("strategy", ["psum", "ring"])
+def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
+    """Controller.quality checks candidates on the true means with no collective (PowerSGD through
+    an all-reduce is linear in its input). It must equal compressing every device's own gradient
+    through the strategy's real all-reduce, per-device error feedback threaded, from a state whose
+    error rows differ between devices (a few compressed steps in)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp.controller import GUARD_BATCHES, Controller
+    from jaxdp.step import state_specs
+    from jaxdp.sync import summing
+
+    mesh, tx = jaxdp.make_mesh(devices), optax.sgd(0.1, momentum=0.9)
+    state, _ = train(mesh, tx, strategy, "powersgd:2", data(3), state_spec="auto")
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy)
+    controller = Controller(step.local_grads, mesh, step.strategy, PARAMS)
+    batches = [jaxdp.shard_batch(b, mesh) for b in data(GUARD_BATCHES, seed=1)]
+    ranks = [c for c in controller.candidates if isinstance(c, compression.PowerSGD)]
+    candidates = [ranks[0], ranks[-1]]  # the highest rank and the lowest
+    assert candidates[0] != candidates[1]
+    replayed = controller.quality(state, batches, candidates)
+
+    axis, n, total = jaxdp.mesh.axis_name(mesh), mesh.size, summing(step.strategy)
+
+    def window(state, batches, compressor):  # the distributed way, the old guard's program
+        def per_device(state, batch, rows):
+            _, _, grads = step.local_grads(state, batch)
+            stored = compression.CompressionState(error=jax.tree.map(lambda x: x[0], rows),
+                                                  q=state.sync.shared[compression.STATE_NAME])
+            mean, new, _ = compressor.mean(grads, compression.view(compressor, stored, grads),
+                                           lambda t: total(t, axis), n, 0)
+            true = total(jax.tree.map(lambda g: g / n, grads), axis)
+            return (mean, true), jax.tree.map(lambda x: x[None], compression.merge(stored, new).error)
+
+        fn = jax.jit(lambda state, batch, rows: jax.shard_map(
+            per_device, mesh=mesh, in_specs=(state_specs(state, axis), P(axis), P(axis)),
+            out_specs=((P(), P()), P(axis)), check_vma=False)(state, batch, rows))
+        rows, sums = state.sync.per_device[compression.STATE_NAME], None
+        for batch in batches:
+            out, rows = fn(state.replace(opt_state=None), batch, rows)
+            sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+        return float(compression.relative_error(*sums))
+
+    for candidate in candidates:
+        assert replayed[candidate.name] == pytest.approx(window(state, batches, candidate), rel=1e-4, abs=1e-6)
+    assert len({round(e, 6) for e in replayed.values()}) == len(candidates) and min(replayed.values()) > 0
