@@ -121,9 +121,10 @@ class Controller:
 
     # -- deciding -------------------------------------------------------------------------------
 
-    def decide(self, state: Any, batches: list[Any], step: int) -> Decision:
+    def decide(self, state: Any, batches: list[Any], step: int, guard_misses: bool = True) -> Decision:
         """Measure on `batches[0]`, plan, and guard a PowerSGD choice on `batches` (the same
-        decision on every process). `state` is not changed."""
+        decision on every process). `state` is not changed. `guard_misses=False`: a choice that
+        misses the target is not guarded (`--sync-every auto` then uses local steps instead)."""
         started = time.perf_counter()
         figures = self.measure(state, batches[0])
         measured = time.perf_counter()
@@ -131,8 +132,9 @@ class Controller:
         choice, reasons = compression.plan(figures["compute_s"], model, self.abstract, self.candidates,
                                            self.target_fraction)
         checks = []
-        if isinstance(choice, compression.PowerSGD):  # the quality guard: raise the rank until it passes
-            # The true means once; then the chosen rank and those above it, in order, until one passes.
+        if isinstance(choice, compression.PowerSGD) and (reasons["fits"] or guard_misses):
+            # The quality guard: the true means once; then the chosen rank and those above it, in
+            # order, until one passes.
             ranks = [c for c in self.candidates if isinstance(c, compression.PowerSGD)]
             truth = self.truth(state, batches)
             for candidate in [c for c in ranks if c.rank >= choice.rank][::-1]:  # from the chosen rank upwards
@@ -171,7 +173,8 @@ class Controller:
         fixed `compressor` (None: plain), one measurement and H for that compressor's payload.
         `state` is a synchronous state (H = 1); it is not changed."""
         if auto_compression:
-            decision = self.decide(state, batches, step)
+            # A choice that misses the target means local steps, which do not use it: no guard then.
+            decision = self.decide(state, batches, step, guard_misses=False)
             figures = decision.record
             if figures["fits"]:
                 chosen = decision.compressor or compression.NoCompression()

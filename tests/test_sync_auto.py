@@ -78,6 +78,26 @@ def test_a_fixed_compressor_sizes_h_for_its_payload(devices, monkeypatch):
     assert controller.decide_sync_every(None, [None], 0)[1]["sync_every"] == 1
 
 
+def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_replace_it(devices, monkeypatch):
+    """With --sync-every auto a plan that misses the target means local steps with a plain
+    pseudo-gradient: checking PowerSGD's quality then only costs time (on the 10 Mbit/s testbed,
+    compiling a replay per rank took most of a 2.5-minute start). Plain `decide` still guards."""
+    mesh = jaxdp.make_mesh(devices[:4])
+    params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
+    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.psum_mean, params)
+    grad_bytes = compression.uncompressed_bytes(params)
+    # Bandwidth-bound and far too slow: no candidate fits, PowerSGD predicts the shortest step.
+    figures = {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0, "comm_sizes": [grad_bytes // 16, grad_bytes]}
+    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
+    guarded = []
+    monkeypatch.setattr(Controller, "truth", lambda self, state, batches: guarded.append(1) or ([], {}, {}))
+    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.0)
+    decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
+    assert isinstance(compression.resolve(decision.record["choice"]), compression.PowerSGD) and not decision.record["fits"]
+    assert record["sync_every"] == 16 and decision.record["quality_checks"] == [] and not guarded
+    assert controller.decide(None, [None], 0).record["quality_checks"] and guarded  # without local steps: guarded
+
+
 # ---- the flags -----------------------------------------------------------------------------------
 
 def test_flags_accept_auto_and_refuse_the_rest_in_one_line(tmp_path):
