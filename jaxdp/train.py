@@ -163,7 +163,8 @@ def train(config: Config) -> Result:
                 checkpointer.config, checkpointer.extra_meta = config, {"sync_every_auto": bool(chose)}
         if state is None or config.sync_every > 1:
             state = new_state(config.sync_every, None if plain_pseudo else config.compression)
-        initial = decided.compressor if decided else None if auto or plain_pseudo else fixed
+        # Local steps chosen over compression send the pseudo-gradient plain, whatever the plan was.
+        initial = None if plain_pseudo else decided.compressor if decided else None if auto else fixed
         train_step = step_for(initial, config.sync_every)
         if auto and not plain_pseudo and mesh.size > 1:
             controller = controller or new_controller(train_step)

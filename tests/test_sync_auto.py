@@ -176,6 +176,23 @@ def test_auto_with_auto_compression_that_does_not_fit_sends_the_pseudo_gradient_
     assert [r["synced"] for r in step_records(tmp_path / "m.jsonl")] == [0, 0, 0]
 
 
+def test_local_steps_chosen_over_an_unguarded_powersgd_plan_train_plain(tmp_path, monkeypatch):
+    """On a slow link the plan's best is PowerSGD, missing the target: local steps replace it, the
+    pseudo-gradient goes plain, and the step must not be built for that unguarded PowerSGD (it was:
+    the run stopped with "the state has no compression state for powersgd:1")."""
+    def slow_link(self, state, batch):  # bandwidth-bound, 1000x the compute: PowerSGD predicts the shortest step
+        return {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0,
+                "comm_sizes": [self.grad_bytes // 16, self.grad_bytes]}
+
+    monkeypatch.setattr(Controller, "measure", slow_link)
+    run("--devices", 4, "--steps", 3, "--sync-every", "auto", "--compression", "auto", *PLAIN,
+        "--metrics-file", tmp_path / "m.jsonl")
+    [record], [compressed] = decisions(tmp_path / "m.jsonl"), decisions(tmp_path / "m.jsonl", "compression")
+    assert compressed["choice"].startswith("powersgd") and compressed["applied"] is False
+    assert compressed["quality_checks"] == [] and record["sync_every"] == 16 and record["pseudo_gradient"] == "none"
+    assert [r["comm_bytes_per_step"] for r in step_records(tmp_path / "m.jsonl")] == [record["payload_bytes"] * 2 * 3 / 4 / 16] * 3
+
+
 def test_one_device_means_synchronous_recorded(tmp_path):
     run("--devices", 1, "--steps", 2, "--sync-every", "auto", "--comm-target", 1e-9, "--metrics-file", tmp_path / "m.jsonl")
     [record] = decisions(tmp_path / "m.jsonl")
