@@ -202,8 +202,8 @@ class Controller:
 
     def truth(self, state: Any, batches: list[Any]) -> tuple[list[Any], Any, Any]:
         """What every candidate's check reads: the true mean gradient of each of GUARD_BATCHES
-        batches (one uncompressed all-reduce each: the guard's whole communication), the devices'
-        mean error feedback, and the shared Q; all replicated.
+        batches (one uncompressed all-reduce each), the devices' mean error feedback (one more), and
+        the shared Q; all replicated: the guard's whole communication.
 
         PowerSGD through an all-reduce is linear in its input: with one shared Q, the all-reduced
         P = sum_i (M_i + e_i) Q = (sum_i M_i + e_i) Q, so every device ends with exactly the
