@@ -191,7 +191,17 @@ class LiveHeartbeat(Heartbeat):
             stalled, at_step = [], None
             for p in range(self._count):
                 record = self._records.get(p)
-                if p == self._me or record is None or record.get("finished"):
+                if p == self._me or (record or {}).get("finished"):
+                    continue
+                if record is None:
+                    # Never heard from. Step 2 needed every process inside the training loop, where
+                    # its publisher starts, so one silent for stall_timeout after the first process
+                    # finished step 2 is stopped (a SIGSTOP before its first beat: fast starts).
+                    since = self._first_done.get(_OBSERVE_FROM_STEP)
+                    if since is not None and now - since > self._timeout:
+                        stalled.append(p)
+                        missing = max(self._first_done) + 1
+                        at_step = missing if at_step is None else min(at_step, missing)
                     continue
                 missing = record["done"] + 1
                 first = self._first_done.get(missing)

@@ -68,3 +68,33 @@ def test_metrics_report_each_process_step_time_and_the_slowest(tmp_path):
     for r in reported:
         assert len(r["step_time_by_process"]) == 2 and all(t >= 0 for t in r["step_time_by_process"])
         assert r["slowest_process"] == max((0, 1), key=r["step_time_by_process"].__getitem__)
+
+
+class _Store:
+    """The two calls the heartbeat makes of JAX's coordination-service client, in memory."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def test_a_process_stopped_before_its_first_beat_is_named_once_the_others_pass_step_2():
+    """With programs in the compilation cache the first steps take milliseconds: a peer stopped
+    before it ever published was never judged, and the survivor waited forever."""
+    from jaxdp import heartbeat
+
+    beat = heartbeat.start(_Store(), 0, 2, stall_timeout=60)
+    beat.stop()  # its threads end: the checks below read only what is set here
+    start = time.monotonic()
+    beat._records = {0: {"seq": 3, "done": 4, "own": None, "finished": False}}  # 1 never published
+    beat._first_done = {2: start, 3: start, 4: start}  # process 0 finished step 4: 1 was in the loop
+    assert beat._verdict(start + 59) is None  # within --stall-timeout of step 2
+    verdict = beat._verdict(start + 61)
+    assert verdict.startswith("process 1 (of 2) stalled: not done with step 5"), verdict
+    beat._first_done = {}  # nobody past step 1 (compiling): never judged, however long
+    assert beat._verdict(start + 1000) is None
