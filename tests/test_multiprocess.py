@@ -279,5 +279,5 @@ def test_every_process_loads_the_programs_process_0_cached(tmp_path):
         outputs.append([dict(kv.split("=") for kv in out.splitlines()[-1].split()) for out, _ in outs])
     first, second = outputs
     assert all(float(o["value"]) == 1 * 1 + 2 * 2 for o in first + second)  # process i holds i + 1, times i + 1
-    assert [int(o["hits"]) for o in first] == [0, 0]
+    assert int(first[0]["hits"]) == 0  # an empty cache (process 1 may find what process 0 just wrote)
     assert all(int(o["hits"]) > 0 for o in second), second
