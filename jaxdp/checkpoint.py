@@ -456,6 +456,14 @@ def _first_line(err: BaseException) -> str:
     return line[:200] or type(err).__name__
 
 
+class _DropAll(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+_DROP_ALL = _DropAll()
+
+
 def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWriteError:
     """One line: which save failed, why, and what is left.
 
@@ -465,7 +473,8 @@ def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWri
     exiting. So once a save has failed, asyncio's logger stays quiet for the rest of the process
     (--debug keeps it)."""
     if not logging.getLogger().isEnabledFor(logging.INFO):
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
+        # A filter, not a level: `_quiet` puts levels back when its block ends, which undid this.
+        logging.getLogger("asyncio").addFilter(_DROP_ALL)
     cause = err
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__

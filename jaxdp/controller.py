@@ -6,7 +6,8 @@
 
 Each decision measures, on the run's own devices and link:
 * compute: the step's forward and backward pass on the device's slice of a real batch, with no
-  collective (median of a few runs);
+  collective (the fastest of a few runs: other work on the machine only ever adds time, and a
+  busy machine made medians look bandwidth-bound where the link was not);
 * communication: the strategy's all-reduce of a buffer as big as the gradients, and of one 1/16
   of that size; a line through the two (`compression.fit_comm_model`) gives latency and bandwidth.
 
@@ -41,7 +42,6 @@ resumed run takes H from its checkpoint and measures nothing (jaxdp/train.py).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from typing import Any, Callable
 
@@ -104,13 +104,13 @@ class Controller:
     def measure(self, state: Any, batch: Any) -> dict[str, float]:
         """Seconds of compute and of all-reduces of two sizes; the slowest process's figures."""
         state = state.replace(opt_state=None)  # the probes read parameters and model state only
-        compute_s = _median_time(lambda: self._compute(state, batch), COMPUTE_REPEATS)
+        compute_s = _fastest_time(lambda: self._compute(state, batch), COMPUTE_REPEATS)
         sizes = [max(self.grad_bytes // 16, 1 << 12), max(self.grad_bytes, 1 << 16)]
         comm_s = []
         for nbytes in sizes:
             floats = -(-nbytes // 4)
             buffer = jax.device_put(np.zeros((self.n * floats,), np.float32), NamedSharding(self.mesh, P(self.axis)))
-            comm_s.append(_median_time(lambda b=buffer: self._allreduce(b), COMM_REPEATS))
+            comm_s.append(_fastest_time(lambda b=buffer: self._allreduce(b), COMM_REPEATS))
         figures = np.asarray([compute_s, *comm_s], np.float64)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -278,11 +278,16 @@ def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_by
             "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": local_sgd.MAX_AUTO_SYNC_EVERY}
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+def _fastest_time(fn: Callable[[], Any], repeats: int, budget_s: float = 0.25, most: int = 50) -> float:
+    """The fastest of at least `repeats` runs of `fn`, and of more while they fit in `budget_s`
+    (at most `most`): a cheap probe (an all-reduce on a fast link, a small model's step) gets many
+    tries at a quiet moment of a busy machine; a slow one (1 s over a 100 Mbit/s link) costs only
+    `repeats`."""
     jax.block_until_ready(fn())  # compile and warm up
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - started < budget_s and len(times) < most):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)

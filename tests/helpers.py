@@ -31,6 +31,22 @@ def run_cli(*args: str, module: str = "jaxdp.train", timeout: float = 240, **kwa
                           timeout=timeout, cwd=kwargs.pop("cwd", ROOT), env=kwargs.pop("env", cli_env()), **kwargs)
 
 
+def two_processes_and_one(tmp_path: Path, flags: list[str]) -> None:
+    """`jaxdp.train *flags` as 2 processes x 2 devices on 127.0.0.1 (metrics of process i in
+    tmp_path/two.i.jsonl) and, meanwhile, as 1 process x 4 devices (tmp_path/one.jsonl); both must
+    succeed."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", *flags, "--devices", "2",
+                               "--metrics-file", str(tmp_path / f"two.{i}.jsonl"), "--coordinator-address",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    one = run_cli(*flags, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"))
+    assert one.returncode == 0, one.stderr
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:]
+
+
 def _no_bare_constants(name: str) -> None:
     raise ValueError(f"{name} is not JSON")  # Python's json module would accept NaN; JSON.parse does not
 

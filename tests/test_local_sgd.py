@@ -275,20 +275,10 @@ def test_make_outer_optimizer():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["psum", "ring"])
 def test_two_processes_with_local_steps_train_like_one_process(tmp_path, strategy):
-    from helpers import free_port, run_cli
+    from helpers import two_processes_and_one
 
-    run = ["--steps", "7", "--batch-size", "64", "--log-every", "1", "--no-progress", "--sync-every", "3",
-           "--strategy", strategy]
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", *run, "--devices", "2",
-                               "--metrics-file", str(tmp_path / f"two.{i}.jsonl"), "--coordinator-address",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    one = run_cli(*run, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"))
-    assert one.returncode == 0, one.stderr
-    errs = [p.communicate(timeout=180)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:]
+    two_processes_and_one(tmp_path, ["--steps", "7", "--batch-size", "64", "--log-every", "1", "--no-progress",
+                                     "--sync-every", "3", "--strategy", strategy])
     ref, two = step_records(tmp_path / "one.jsonl"), step_records(tmp_path / "two.0.jsonl")
     assert [r["synced"] for r in two] == [r["synced"] for r in ref] == [0, 0, 1, 0, 0, 1, 0]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in ref], rtol=1e-5)

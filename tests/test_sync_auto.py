@@ -244,23 +244,10 @@ def test_a_bench_variant_that_names_its_own_sync_every_keeps_it():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_processes_take_the_same_decision_and_train_like_one(tmp_path):
-    import subprocess
-    import sys
+    from helpers import two_processes_and_one
 
-    from helpers import ROOT, cli_env, free_port, run_cli
-
-    flags = ["--steps", "17", "--batch-size", "64", "--log-every", "1", "--no-progress", "--sync-every", "auto",
-             "--comm-target", "1e-9", *PLAIN]
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", *flags, "--devices", "2",
-                               "--metrics-file", str(tmp_path / f"two.{i}.jsonl"), "--coordinator-address",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    one = run_cli(*flags, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"))
-    assert one.returncode == 0, one.stderr
-    errs = [p.communicate(timeout=180)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:]
+    two_processes_and_one(tmp_path, ["--steps", "17", "--batch-size", "64", "--log-every", "1", "--no-progress",
+                                     "--sync-every", "auto", "--comm-target", "1e-9", *PLAIN])
     [record] = decisions(tmp_path / "two.0.jsonl")
     assert record["sync_every"] == 16 and decisions(tmp_path / "one.jsonl")[0]["sync_every"] == 16
     two, ref = losses(tmp_path / "two.0.jsonl"), losses(tmp_path / "one.jsonl")
