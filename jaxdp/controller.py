@@ -135,9 +135,9 @@ class Controller:
         if isinstance(choice, compression.PowerSGD) and (reasons["fits"] or guard_misses):
             # The quality guard: the true means once; then the chosen rank and those above it, in
             # order, until one passes.
-            ranks = [c for c in self.candidates if isinstance(c, compression.PowerSGD)]
             truth = self.truth(state, batches)
-            for candidate in [c for c in ranks if c.rank >= choice.rank][::-1]:  # from the chosen rank upwards
+            upwards = [c for c in self.candidates if isinstance(c, compression.PowerSGD) and c.rank >= choice.rank]
+            for candidate in upwards[::-1]:  # from the chosen rank upwards
                 error = self.replay(candidate, truth)
                 checks.append({"candidate": candidate.name, "relative_error": error})
                 choice = compression.guard(candidate, error, self.guard_threshold, self.candidates)
