@@ -279,15 +279,29 @@ def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_by
 
 
 def _fastest_time(fn: Callable[[], Any], repeats: int, budget_s: float = 0.25, most: int = 50) -> float:
-    """The fastest of at least `repeats` runs of `fn`, and of more while they fit in `budget_s`
-    (at most `most`): a cheap probe (an all-reduce on a fast link, a small model's step) gets many
-    tries at a quiet moment of a busy machine; a slow one (1 s over a 100 Mbit/s link) costs only
-    `repeats`."""
+    """The fastest of at least `repeats` runs of `fn`, and of as many more as fit in `budget_s`
+    (at most `most` in all): a cheap probe (an all-reduce on a fast link, a small model's step)
+    gets many tries at a quiet moment of a busy machine; a slow one (1 s over a 100 Mbit/s link)
+    costs only `repeats`.
+
+    `fn` may be a collective, so every process runs it the same number of times: how many more
+    fit is decided once, after the first `repeats`, as the smallest count over the processes.
+    (A count that each process decided from its own clock once left one process in an
+    all-reduce that the other never joined.)"""
     jax.block_until_ready(fn())  # compile and warm up
-    times: list[float] = []
     started = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - started < budget_s and len(times) < most):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+    times = [_timed(fn) for _ in range(repeats)]
+    left = budget_s - (time.perf_counter() - started)
+    more = max(0, min(most - repeats, int(left / max(min(times), 1e-9))))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        more = int(np.min(multihost_utils.process_allgather(np.asarray(more, np.int64))))
+    times += [_timed(fn) for _ in range(more)]
     return min(times)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start

@@ -41,9 +41,13 @@ def two_processes_and_one(tmp_path: Path, flags: list[str]) -> None:
                                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                               cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    one = run_cli(*flags, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"))
-    assert one.returncode == 0, one.stderr
-    errs = [p.communicate(timeout=180)[1] for p in procs]
+    try:
+        one = run_cli(*flags, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"))
+        assert one.returncode == 0, one.stderr
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:  # a failure leaves no process behind to slow the rest of the suite
+        for p in procs:
+            p.kill()
     assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:]
 
 

@@ -281,3 +281,22 @@ def test_every_process_loads_the_programs_process_0_cached(tmp_path):
     assert all(float(o["value"]) == 1 * 1 + 2 * 2 for o in first + second)  # process i holds i + 1, times i + 1
     assert int(first[0]["hits"]) == 0  # an empty cache (process 1 may find what process 0 just wrote)
     assert all(int(o["hits"]) > 0 for o in second), second
+
+
+@pytest.mark.multiprocess
+def test_the_controllers_probes_run_as_often_on_every_process(tmp_path):
+    """The controller times all-reduces as the fastest of as many runs as fit in a budget; each
+    process once counted by its own clock, and a process that started later ran one all-reduce
+    more than the other, which waited in it forever (jaxdp.controller._fastest_time)."""
+    script = Path(__file__).parent / "scripts" / "probe_counts.py"
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), f"127.0.0.1:{port}"], cwd=ROOT, env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    counts = [int(out.splitlines()[-1].split("=")[1]) for out, _ in outs]
+    assert counts[0] == counts[1] >= 1 + 3, counts  # the warm-up and the 3 repeats, at least
