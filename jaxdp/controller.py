@@ -296,7 +296,7 @@ def _fastest_time(fn: Callable[[], Any], repeats: int, budget_s: float = 0.25, m
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        more = int(np.min(multihost_utils.process_allgather(np.asarray(more, np.int64))))
+        more = int(np.min(multihost_utils.process_allgather(np.asarray(more, np.int32))))
     times += [_timed(fn) for _ in range(more)]
     return min(times)
 
