@@ -243,7 +243,19 @@ class Controller:
                 return compression.relative_error(_tree_sum(applied), _tree_sum(means))
 
             self._replays[candidate.name] = jax.jit(replay)
-        return float(self._replays[candidate.name](*truth))
+        return _largest_over_processes(float(self._replays[candidate.name](*truth)))
+
+
+def _largest_over_processes(value: float) -> float:
+    """The largest of every process's `value`: the processes compute the replay alike, but a
+    process whose CPU compiled it differently (another instruction set) could differ in the last
+    bit, and a threshold between them would split the decision and hang the run at its first
+    collective."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return float(np.max(multihost_utils.process_allgather(np.asarray(value, np.float32))))
 
 
 def _tree_sum(trees: list[Any]) -> Any:
