@@ -4,13 +4,12 @@ exit code, and one directory takes one run at a time."""
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import jaxdp
-from helpers import ROOT, cli_env, records, run_cli
+from helpers import records, run_cli
 from jaxdp.errors import EXIT_CANNOT_SAVE
 from jaxdp.train import main
 

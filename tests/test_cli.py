@@ -1,6 +1,5 @@
 """`python -m jaxdp.train` end to end, and every bad input: exit 2, one line, no traceback."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -74,7 +74,7 @@ def test_a_user_script_with_jaxdp_initialize_runs_under_the_launcher(tmp_path):
         "jaxdp.initialize()\n"
         "from jax.experimental import multihost_utils\n"
         "total = multihost_utils.process_allgather(np.float32(jax.process_index() + 1)).sum()\n"
-        f"json.dump([jax.process_index(), jax.process_count(), float(total)], open(sys.argv[1] + str(jax.process_index()), 'w'))\n")
+        "json.dump([jax.process_index(), jax.process_count(), float(total)], open(sys.argv[1] + str(jax.process_index()), 'w'))\n")
     proc = launch("--nproc-per-node", 2, "--", PY, str(script), str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.loads((tmp_path / f"out{r}").read_text()) for r in range(2)] == [[0, 2, 3.0], [1, 2, 3.0]]

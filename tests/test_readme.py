@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -1,7 +1,8 @@
 """One process of a 2-process CPU run that times an all-reduce with the controller's probe loop,
 process 1 starting its timed runs 0.2 s after process 0 (a slow warm-up), then prints how many
-times it ran the all-reduce, and the value every process takes for the guard's error. Every process must run it as often as the others, or one waits in
-an all-reduce that the other never joins."""
+times it ran the all-reduce and the value every process takes for the guard's error. Every process
+must run the all-reduce as often as the others, or one waits in an all-reduce that the other never
+joins."""
 
 import sys
 import time
