@@ -111,11 +111,7 @@ class Controller:
             floats = -(-nbytes // 4)
             buffer = jax.device_put(np.zeros((self.n * floats,), np.float32), NamedSharding(self.mesh, P(self.axis)))
             comm_s.append(_fastest_time(lambda b=buffer: self._allreduce(b), COMM_REPEATS))
-        figures = np.asarray([compute_s, *comm_s], np.float64)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            figures = np.asarray(multihost_utils.process_allgather(figures)).reshape(-1, 3).max(axis=0)
+        figures = _over_processes(np.asarray([compute_s, *comm_s], np.float64), np.max)
         return {"compute_s": float(figures[0]), "comm_small_s": float(figures[1]), "comm_full_s": float(figures[2]),
                 "comm_sizes": [int(-(-s // 4) * 4) for s in sizes]}
 
@@ -243,19 +239,20 @@ class Controller:
                 return compression.relative_error(_tree_sum(applied), _tree_sum(means))
 
             self._replays[candidate.name] = jax.jit(replay)
-        return _largest_over_processes(float(self._replays[candidate.name](*truth)))
+        # The largest over the processes: they compute the replay alike, but a process whose CPU
+        # compiled it differently (another instruction set) could differ in the last bit, and a
+        # threshold between them would split the decision and hang the run at its first collective.
+        return float(_over_processes(np.float32(self._replays[candidate.name](*truth)), np.max))
 
 
-def _largest_over_processes(value: float) -> float:
-    """The largest of every process's `value`: the processes compute the replay alike, but a
-    process whose CPU compiled it differently (another instruction set) could differ in the last
-    bit, and a threshold between them would split the decision and hang the run at its first
-    collective."""
+def _over_processes(value: np.ndarray, reduce: Callable[..., np.ndarray]) -> np.ndarray:
+    """`reduce` (np.max, np.min) of every process's `value` (same shape everywhere), elementwise:
+    one figure that every process decides from alike. `value` itself with one process."""
     if jax.process_count() == 1:
         return value
     from jax.experimental import multihost_utils
 
-    return float(np.max(multihost_utils.process_allgather(np.asarray(value, np.float32))))
+    return reduce(np.asarray(multihost_utils.process_allgather(value)).reshape(-1, *np.shape(value)), axis=0)
 
 
 def _tree_sum(trees: list[Any]) -> Any:
@@ -304,11 +301,8 @@ def _fastest_time(fn: Callable[[], Any], repeats: int, budget_s: float = 0.25, m
     started = time.perf_counter()
     times = [_timed(fn) for _ in range(repeats)]
     left = budget_s - (time.perf_counter() - started)
-    more = max(0, min(most - repeats, int(left / max(min(times), 1e-9))))
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        more = int(np.min(multihost_utils.process_allgather(np.asarray(more, np.int32))))
+    fit = max(0, min(most - repeats, int(left / max(min(times), 1e-9))))
+    more = int(_over_processes(np.int32(fit), np.min))  # the same count on every process
     times += [_timed(fn) for _ in range(more)]
     return min(times)
 

@@ -288,7 +288,7 @@ def test_the_controllers_probes_run_as_often_on_every_process(tmp_path):
     """The controller times all-reduces as the fastest of as many runs as fit in a budget; each
     process once counted by its own clock, and a process that started later ran one all-reduce
     more than the other, which waited in it forever (jaxdp.controller._fastest_time). The guard's
-errors are agreed the same way (the largest), so no last-bit difference splits a decision."""
+    errors go through the same agreement (the largest), so no last-bit difference splits a decision."""
     script = Path(__file__).parent / "scripts" / "probe_counts.py"
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(script), str(i), f"127.0.0.1:{port}"], cwd=ROOT, env=cli_env(),
