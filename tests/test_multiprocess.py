@@ -267,17 +267,7 @@ def test_every_process_loads_the_programs_process_0_cached(tmp_path):
     """JAX writes persistent-cache entries from process 0 only, and keyed CPU programs by a topology
     fingerprint that differs between processes: process 1 missed on every run and compiled
     everything again (jaxdp.runtime.share_cpu_cache_keys). The second run must hit in both."""
-    script = Path(__file__).parent / "scripts" / "cache_hits.py"
-    outputs = []
-    for _ in range(2):
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, str(script), str(i), f"127.0.0.1:{port}", str(tmp_path / "cache")],
-                                  cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in range(2)]
-        outs = [p.communicate(timeout=120) for p in procs]
-        assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-        outputs.append([dict(kv.split("=") for kv in out.splitlines()[-1].split()) for out, _ in outs])
-    first, second = outputs
+    first, second = (_two_processes_print("cache_hits.py", str(tmp_path / "cache"), timeout=120) for _ in range(2))
     assert all(float(o["value"]) == 1 * 1 + 2 * 2 for o in first + second)  # process i holds i + 1, times i + 1
     assert int(first[0]["hits"]) == 0  # an empty cache (process 1 may find what process 0 just wrote)
     assert all(int(o["hits"]) > 0 for o in second), second
@@ -289,17 +279,24 @@ def test_the_controllers_probes_run_as_often_on_every_process(tmp_path):
     process once counted by its own clock, and a process that started later ran one all-reduce
     more than the other, which waited in it forever (jaxdp.controller._fastest_time). The guard's
     errors go through the same agreement (the largest), so no last-bit difference splits a decision."""
-    script = Path(__file__).parent / "scripts" / "probe_counts.py"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), f"127.0.0.1:{port}"], cwd=ROOT, env=cli_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    printed = [dict(kv.split("=") for kv in out.splitlines()[-1].split()) for out, _ in outs]
+    printed = _two_processes_print("probe_counts.py", timeout=60)
     counts = [int(p["calls"]) for p in printed]
     assert counts[0] == counts[1] >= 1 + 3, counts  # the warm-up and the 3 repeats, at least
     assert [float(p["largest"]) for p in printed] == [1.25, 1.25]  # process 1's error, on both
+
+
+def _two_processes_print(script: str, *args: str, timeout: float) -> list[dict[str, str]]:
+    """Run tests/scripts/SCRIPT as processes 0 and 1 of a 2-process run on 127.0.0.1 (argv: the
+    process id, the coordinator address, ARGS); both must succeed. Each one's last line of output,
+    `key=value key=value ...`, as a dict."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "scripts" / script), str(i), f"127.0.0.1:{port}",
+                               *args], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:  # a hang leaves no process behind to slow the rest of the suite
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    return [dict(kv.split("=") for kv in out.splitlines()[-1].split()) for out, _ in outs]
