@@ -22,6 +22,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "Checkpointer": "jaxdp.checkpoint",
+    "Collective": "jaxdp.sync",
+    "SyncSpec": "jaxdp.syncspec",
     "DATA_AXIS": "jaxdp.mesh",
     "Diverged": "jaxdp.metrics",
     "MetricsWriter": "jaxdp.metrics",
@@ -42,7 +44,7 @@ _EXPORTS = {
     "is_on_host": "jaxdp.sync",
     "make_eval_step": "jaxdp.step",
     "make_mesh": "jaxdp.mesh",
-    "make_optimizer": "jaxdp.state",
+    "make_optimizer": "jaxdp.optim",
     "make_train_step": "jaxdp.step",
     "on_host": "jaxdp.sync",
     "psum_mean": "jaxdp.sync",

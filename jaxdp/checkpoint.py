@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a TrainState, and stopping cleanly when the job is preempted.
+"""Orbax checkpoints of a TrainState: exact resume, on any device count, never over a good one.
 
     with jaxdp.Checkpointer("/tmp/run", keep=3) as ckpt:
         state = ckpt.restore(state)   # the latest complete checkpoint, in `state`'s structure and
@@ -381,8 +381,8 @@ def _gather(x: jax.Array) -> np.ndarray:
 def _unportable(restored: TrainState, like: TrainState) -> TrainState:
     """`_portable`'s inverse: the restored state placed like `like`. A sharded optimizer state is
     cut into `like`'s shards; per-device rows saved on another device count become, on every new
-    device, the mean of the old rows (what compression's error feedback owes is that mean:
-    jaxdp.compression.redistribute_error)."""
+    device, the mean of the old rows (what compression's error feedback owes is that mean, and for
+    local steps' replicas it is exactly what the next sync would average)."""
     if zero.is_sharded(like.opt_state):
         mesh = jax.tree.leaves(like.params)[0].sharding.mesh
         restored = restored.replace(opt_state=zero.from_host_tree(jax.device_get(restored.opt_state), like.opt_state, mesh))
@@ -501,9 +501,9 @@ def _process_and_client() -> tuple[int, int, Any]:
     """(process index, count, coordination client or None): for the directory lock's shared check."""
     if jax.process_count() == 1:
         return 0, 1, None
-    from jaxdp.host import coordination_client
+    from jaxdp import coordination
 
-    return jax.process_index(), jax.process_count(), coordination_client()
+    return jax.process_index(), jax.process_count(), coordination.client()
 
 
 _NOISY_LOGGERS = ("absl", "asyncio", "orbax", "jax._src.distributed")

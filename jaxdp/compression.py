@@ -1,4 +1,4 @@
-"""Gradient compression for the all-reduce (none, bf16, PowerSGD) and the adaptive controller's decisions.
+"""Gradient compression codecs for the all-reduce: none, bf16 and PowerSGD.
 
     comp = parse("powersgd:4")                  # "none" | "bf16" | "powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]"
     cstate = comp.init(params)                  # ONE device's initial CompressionState (shapes/dtypes only matter)
@@ -21,14 +21,18 @@ Interface (every kind is a frozen dataclass; build it with `parse`, `parse(c.nam
 * `Compressor.payload_bytes(params) -> int`: bytes all-reduced per step once compressing (static).
   `uncompressed_bytes(params)` is what plain averaging moves; their ratio is the compression ratio.
 * `Compressor.collectives -> int`: all-reduce calls per step (PowerSGD: 2, P then Q).
+* `Compressor.state_name -> str | None`: what its state in the train state is made for (None: it
+  keeps none); two codecs with the same state_name share a state (PowerSGD's rank and min_rate
+  fix its shapes; its start step and seed do not).
 
 `CompressionState(error, q)` (a flax struct, dicts keyed by `jax.tree_util.keystr` of the leaf's path):
 
 * `error`: per-device error feedback, float32 (float64 for float64 leaves), in each compressed leaf's
   own shape. It DIFFERS between devices: store it stacked on a leading device axis, sharded over the
-  data axis (`P(axis)`), and checkpoint it per device. `redistribute_error` maps it to another device count.
-  Only the devices' mean is owed to the model; the rest drifts (a random walk of each device's
-  gradient noise that cancels in the sum; scalars["error_ratio"]); `recenter_error` removes it.
+  data axis (`P(axis)`), and checkpoint it per device; a checkpoint resumed on another device count
+  gives every new device the mean of the old rows (jaxdp/checkpoint.py). Only the devices' mean is
+  owed to the model; the rest drifts (a random walk of each device's gradient noise that cancels in
+  the sum; scalars["error_ratio"]).
 * `q`: PowerSGD's warm-start factors, (m, rank) per compressed leaf, IDENTICAL on every device after
   each step (the all-reduced Q): replicate it (`P()`).
 * Both are `{}` for none and bf16.
@@ -57,18 +61,15 @@ dtype. Before `start` (default 0) the step is plain uncompressed averaging witho
 chosen inside jit by `jax.lax.cond(step >= start, ...)`: both branches hold collectives, and every
 device takes the same branch because `step` is replicated.
 
-The controller is pure decision logic; the caller measures:
-
-    model = fit_comm_model([1 << 20, 16 << 20], [t_small, t_large])   # latency + bytes / bandwidth
-    choice, reasons = plan(compute_seconds, model, params)            # the weakest compression that fits
-    choice = guard(choice, running_sum_error(applied_sum, e_start, e_end))  # e_*: recenter_error's mean
+The train-state side (where the error feedback and Q live in `state.sync`, and the mean of the
+devices' trees with the metrics riding along) is jaxdp/exchange.py; the cost model that chooses a
+codec from measured times is jaxdp/costmodel.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, Callable, Sequence
 
 import flax.struct
@@ -90,40 +91,6 @@ ORTHO_EPS = float(np.sqrt(np.finfo(np.float32).tiny))
 # its size; below that the second round trip and the matmuls cost more than the bytes saved.
 DEFAULT_MIN_RATE = 2.0
 
-# The ranks `ladder` offers, from least to most compression (Vogels et al. use 1 to 4 for
-# ResNet/LSTM; 32 is already close to uncompressed for most layers of small models).
-DEFAULT_RANKS = (32, 16, 8, 4, 2, 1)
-
-# plan(): the largest predicted all-reduce time, as a fraction of the compute time, we accept
-# without compressing more. jaxdp's step does not overlap the all-reduce with the backward pass,
-# so a step takes compute + comm: 0.25 keeps scaling efficiency at or above 1 / 1.25 = 80 %, the
-# usual bar for "scales well", while never compressing a run whose link already keeps up (every
-# extra step of compression costs matmuls and some gradient quality).
-TARGET_COMM_FRACTION = 0.25
-
-# When plain averaging misses the target, compress only if the chosen candidate's predicted step
-# (compute + all-reduce) is at least this much shorter than plain averaging's: the prediction
-# leaves out compression's own work (casts, PowerSGD's matmuls) and its cost in gradient quality,
-# and times measured on a shared machine vary by 10-20 %; a smaller predicted gain pays for none
-# of that. A latency-bound link (simulated devices in one process, where an
-# all-reduce costs about the same at any size) is exactly such a case: there, none.
-MIN_STEP_GAIN = 0.20
-
-# guard(): the threshold on the relative error of a window's summed compressed means against its
-# summed true means, as jaxdp/controller.py measures it: GUARD_WINDOW batches at the current
-# parameters, error feedback threaded through them (so the error is exactly the change of the
-# devices' mean error over the window: the progress still owed). Measured on the GPT of
-# `python -m jaxdp.bench compression` (4 layers x 256, SGD momentum 0.9, lr 0.3, 2 devices) after
-# 100 steps: rank 32 0.019, 16 0.24, 8 0.38, 4 0.53, 2 0.74, 1 0.82; after 200 steps the held-out
-# loss was 0.411 at rank 32 against 0.409 uncompressed, but 0.552 at rank 16 and 1.48 at rank 4.
-# At the first step (random parameters) the same probe gave rank 4 0.24, 8 0.14, 16 0.090: a
-# threshold of 0.1 took rank 16 there, and it ended 250 steps 18 % above uncompressed (bench
-# compression, docs/perf). 0.05 stops rank 16 at both points and passes rank 32. (On the digits MLP,
-# 100-step windows, every rank from 1 to 8 matched uncompressed accuracy:
-# tests/scripts/compression_guard_window.py; a 4-step window errs on the side of more rank.) Never give guard the per-step error ||approx - mean|| / ||mean|| of
-# one batch without error feedback: it is 0.5 or more at low rank by design.
-GUARD_THRESHOLD = 0.05
-GUARD_WINDOW = 4
 
 
 @flax.struct.dataclass
@@ -144,6 +111,7 @@ class Compressor:
 
     name: str
     collectives: int  # all-reduce calls per step once compressing
+    state_name: str | None = None  # what its train-state slot is made for; None: it keeps no state
 
     def init(self, params: Tree) -> CompressionState:
         """One device's state: none, unless the kind keeps some between steps."""
@@ -233,6 +201,11 @@ class PowerSGD(Compressor):
     seed: int = 0                        # the initial Q, identical on every device
 
     collectives = 2
+
+    @property
+    def state_name(self) -> str:
+        return "powersgd:" + ":".join([str(self.rank)] + ([f"min_rate={self.min_rate:g}"]
+                                                         if self.min_rate != DEFAULT_MIN_RATE else []))
 
     @property
     def name(self) -> str:
@@ -377,7 +350,7 @@ def orthonormalize(a: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# parse and redistribute_error.
+# parse
 # ---------------------------------------------------------------------------------------------
 
 SPEC_HELP = "none, bf16 or powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]"
@@ -415,254 +388,19 @@ def parse(spec: str) -> Compressor:
     return PowerSGD(rank=int(rank_text), **fields)
 
 
-def redistribute_error(error_stacked: Tree, new_num_devices: int) -> Tree:
-    """Per-device errors stacked on a leading axis of the old device count -> the same for
-    `new_num_devices`: every new device gets the mean of the old devices' errors.
-
-    What error feedback owes the model is only the mean error: the next compressed step
-    approximates mean(g) + mean(e), and the updates applied so far differ from the true gradient
-    sum by exactly mean(e). Giving every new device that mean preserves it (so no owed update is
-    lost or counted twice), for any old and new device count. Which device owed what is not
-    needed. `q` is shared and carries over unchanged. Works on numpy or JAX arrays.
-    """
-    if not isinstance(new_num_devices, int) or new_num_devices < 1:
-        raise ValueError(f"redistribute_error: new_num_devices must be a positive integer, got {new_num_devices!r}")
-
-    def spread(e):
-        mean = e.mean(axis=0, keepdims=True, dtype=e.dtype)
-        return jnp.broadcast_to(mean, (new_num_devices, *e.shape[1:])) if isinstance(e, jax.Array) \
-            else np.broadcast_to(mean, (new_num_devices, *e.shape[1:])).copy()
-
-    return jax.tree.map(spread, error_stacked)
+# Names that lived here before the cost model and the train-state adapter had modules of their own.
+_MOVED = {**{name: "jaxdp.costmodel" for name in (
+    "CommModel", "fit_comm_model", "ladder", "plan", "relative_error", "weaker", "guard", "DEFAULT_RANKS",
+    "TARGET_COMM_FRACTION", "MIN_STEP_GAIN", "GUARD_THRESHOLD", "GUARD_WINDOW")},
+    "STATE_NAME": "jaxdp.exchange", "AUTO": "jaxdp.syncspec"}
 
 
-def recenter_error(error: Tree, allreduce_sum: AllReduce, num_devices: int) -> tuple[Tree, Tree]:
-    """Inside `shard_map`: every device's error becomes the devices' mean error; returns
-    (new error, mean error). One uncompressed all-reduce of the error buffers (pre-scaled).
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'jaxdp.compression' has no attribute {name!r}")
+    import importlib
+    import warnings
 
-    The mean is all that error feedback owes (see `redistribute_error`), so the updates are
-    unchanged; what goes is the devices' drift apart (`_scalars`, error_ratio). The mean error is
-    also what `running_sum_error` needs at each end of a window, so a caller measuring windows
-    can recenter at every window boundary for free.
-    """
-    mean = allreduce_sum(_scaled(error, num_devices))
-    return mean, mean
-
-
-# ---------------------------------------------------------------------------------------------
-# The adaptive controller: pure decisions from measured times.
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class CommModel:
-    """All-reduce time = calls * latency_s + bytes * seconds_per_byte."""
-
-    latency_s: float
-    seconds_per_byte: float
-
-    def seconds(self, nbytes: int, calls: int = 1) -> float:
-        return calls * self.latency_s + nbytes * self.seconds_per_byte
-
-
-def fit_comm_model(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> CommModel:
-    """Least-squares line through measured (bytes, seconds) all-reduce times, two points or more.
-    A negative intercept (noise) becomes 0 latency; times that do not grow with size raise."""
-    x, y = np.asarray(sizes_bytes, np.float64), np.asarray(seconds, np.float64)
-    if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
-        raise ValueError("fit_comm_model needs all-reduce times for at least two different sizes")
-    slope, intercept = np.polyfit(x, y, 1)
-    if slope <= 0:
-        raise ValueError("fit_comm_model: the measured times do not grow with size; measure larger buffers")
-    return CommModel(latency_s=max(float(intercept), 0.0), seconds_per_byte=float(slope))
-
-
-def ladder(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0) -> list[Compressor]:
-    """Candidates from least to most compression: none, bf16, then PowerSGD at decreasing ranks.
-    A rank is left out when it is no smaller than the largest matrix's min(n, m) (it would be that
-    matrix's full rank), or when it moves no fewer bytes than the previous PowerSGD candidate."""
-    out: list[Compressor] = [NoCompression(), Bf16()]
-    shapes = [x.shape for x in jax.tree.leaves(params) if len(x.shape) >= 2]
-    largest = max((min(int(np.prod(s[:-1])), int(s[-1])) for s in shapes), default=0)
-    last_bytes = None
-    for r in sorted(set(ranks), reverse=True):
-        candidate = PowerSGD(rank=r, start=start)
-        if r >= largest or not candidate.layout(params):
-            continue
-        payload = candidate.payload_bytes(params)
-        if last_bytes is not None and payload >= last_bytes:
-            continue
-        out.append(candidate)
-        last_bytes = payload
-    return out
-
-
-def plan(compute_seconds: float, comm_model: CommModel, params: Tree, candidates: Sequence[Compressor] | None = None,
-         target_fraction: float = TARGET_COMM_FRACTION) -> tuple[Compressor, dict]:
-    """The first candidate (least compression first) whose predicted all-reduce time is at most
-    `target_fraction * compute_seconds`, or if none is, the one with the shortest predicted step
-    (compute + all-reduce); but the first candidate (plain averaging) unless the choice's step is
-    at least MIN_STEP_GAIN shorter than its. Reasons say which and why.
-
-    reasons: {"compute_s", "target_s", "predicted_s": {name: seconds}, "payload_bytes": {name: bytes},
-    "uncompressed_bytes", "chosen", "fits": bool, "why": a sentence}.
-    """
-    candidates = list(ladder(params) if candidates is None else candidates)
-    if not candidates:
-        raise ValueError("plan needs at least one candidate")
-    target = target_fraction * compute_seconds
-    payload = {c.name: c.payload_bytes(params) for c in candidates}
-    predicted = {c.name: comm_model.seconds(payload[c.name], c.collectives) for c in candidates}
-    reasons = {"compute_s": compute_seconds, "target_s": target, "predicted_s": predicted, "payload_bytes": payload,
-               "uncompressed_bytes": uncompressed_bytes(params)}
-    step = {name: compute_seconds + t for name, t in predicted.items()}
-    plain = candidates[0]
-    fitting = [c for c in candidates if predicted[c.name] <= target]
-    if plain in fitting:
-        why = (f"{plain.name}: predicted all-reduce {predicted[plain.name] * 1e3:.3g} ms <= {target_fraction:g} x compute "
-               f"{compute_seconds * 1e3:.3g} ms")
-        return plain, {**reasons, "chosen": plain.name, "fits": True, "why": why}
-    fastest = min(candidates, key=lambda c: step[c.name])  # the first of equals: the least compression
-    choice = fitting[0] if fitting else fastest
-    gain = 1 - step[choice.name] / step[plain.name]
-    if gain < MIN_STEP_GAIN:
-        why = (f"{plain.name}: the best candidate ({choice.name}) predicts a step only {gain:.0%} shorter (< "
-               f"{MIN_STEP_GAIN:.0%}); the all-reduce costs latency more than bandwidth here")
-        return plain, {**reasons, "chosen": plain.name, "fits": False, "why": why}
-    if fitting:
-        why = (f"{choice.name}: predicted all-reduce {predicted[choice.name] * 1e3:.3g} ms <= {target_fraction:g} x "
-               f"compute {compute_seconds * 1e3:.3g} ms, the least compression that fits; a step {gain:.0%} shorter")
-    else:
-        why = (f"{choice.name}: no candidate fits {target_fraction:g} x compute {compute_seconds * 1e3:.3g} ms; it predicts "
-               f"the shortest step, {gain:.0%} shorter than {plain.name} (communication still dominates: fewer "
-               f"synchronisations, e.g. local steps, would be next)")
-    return choice, {**reasons, "chosen": choice.name, "fits": bool(fitting), "why": why}
-
-
-def relative_error(approx_mean: Tree, true_mean: Tree) -> jax.Array:
-    """float32 ||approx - true|| / ||true|| over the whole tree (global norms); 0 when both are 0."""
-    diff = sum(jnp.sum(jnp.square(jnp.asarray(a, jnp.float32) - jnp.asarray(t, jnp.float32)))
-               for a, t in zip(jax.tree.leaves(approx_mean), jax.tree.leaves(true_mean)))
-    true = sum(jnp.sum(jnp.square(jnp.asarray(t, jnp.float32))) for t in jax.tree.leaves(true_mean))
-    return jnp.sqrt(jnp.asarray(diff, jnp.float32) / jnp.maximum(jnp.asarray(true, jnp.float32), jnp.finfo(jnp.float32).tiny))
-
-
-def running_sum_error(applied_sum: Tree, mean_error_start: Tree, mean_error_end: Tree) -> jax.Array:
-    """`relative_error(applied, true)` for the sums over a window of compressed steps, from what the
-    caller can afford to measure: the applied (decompressed) means summed over the window, and the
-    device-mean of the error buffer at its start and end (one uncompressed all-reduce of `error`
-    each). Error feedback makes it exact: Σ true means = Σ applied + ē_end - ē_start (telescoping
-    ē_{t+1} = ē_t + mean(g_t) - applied_t). This is what `guard` should be given for PowerSGD;
-    for none and bf16 (no error feedback) the per-step `relative_error` is the right measure."""
-    true_sum = jax.tree.map(lambda a, e1, e0: a + e1 - e0, applied_sum, mean_error_end, mean_error_start)
-    return relative_error(applied_sum, true_sum)
-
-
-def weaker(choice: Compressor, candidates: Sequence[Compressor] | None = None) -> Compressor:
-    """The next candidate with less compression: the previous one in `candidates` when `choice` is
-    in it; otherwise PowerSGD rank r -> 2r (up to the largest of DEFAULT_RANKS), then bf16, then none."""
-    candidates = list(candidates or [])
-    if choice in candidates:
-        return candidates[max(candidates.index(choice) - 1, 0)]
-    if isinstance(choice, PowerSGD):
-        if choice.rank * 2 <= max(DEFAULT_RANKS):
-            return dataclasses.replace(choice, rank=choice.rank * 2)
-        return Bf16()
-    return NoCompression()
-
-
-def guard(choice: Compressor, rel_error: float, threshold: float = GUARD_THRESHOLD,
-          candidates: Sequence[Compressor] | None = None) -> Compressor:
-    """`choice` while `rel_error <= threshold`; above it, the next weaker candidate (`weaker`).
-    Give it `running_sum_error` for PowerSGD (see GUARD_THRESHOLD); a NaN error steps back too."""
-    if float(rel_error) <= threshold:
-        return choice
-    return weaker(choice, candidates)
-
-
-# ---------------------------------------------------------------------------------------------
-# In the TrainState: `state.sync` (jaxdp.state.SyncState) under the name "compression".
-# ---------------------------------------------------------------------------------------------
-
-STATE_NAME = "compression"
-AUTO = "auto"
-
-
-def resolve(spec: Any) -> Compressor | str | None:
-    """None for no compression ("none" too), AUTO for "auto", else the Compressor (ValueError if bad)."""
-    if spec is None or isinstance(spec, NoCompression):
-        return None
-    if isinstance(spec, Compressor):
-        return spec
-    if isinstance(spec, str) and spec.strip().lower() == AUTO:
-        return AUTO
-    compressor = parse(spec)
-    return None if isinstance(compressor, NoCompression) else compressor
-
-
-def _safe(key: str) -> str:
-    """A leaf's keystr ("['Dense_0']['kernel']") as a checkpoint-safe name ("Dense_0.kernel")."""
-    return re.sub(r"[^A-Za-z0-9_]+", ".", key).strip(".")
-
-
-def state_for(spec: Any, params: Tree) -> CompressionState:
-    """One device's state for `spec`; for AUTO, one state that serves every candidate of `ladder`:
-    the error of every leaf any candidate compresses, and Q at the largest rank (a candidate of
-    rank r uses its first r columns). Keys are checkpoint-safe names (`_safe`)."""
-    compressor = resolve(spec)
-    if compressor is None or isinstance(compressor, Bf16):
-        return CompressionState()
-    if compressor == AUTO:
-        powersgd = [c for c in ladder(params) if isinstance(c, PowerSGD)]
-        if not powersgd:
-            return CompressionState()
-        keys = set().union(*(c.layout(params) for c in powersgd))
-        widest = PowerSGD(rank=max(c.rank for c in powersgd), min_rate=0.0).init(params)
-        state = CompressionState(error={k: v for k, v in widest.error.items() if k in keys},
-                                 q={k: v for k, v in widest.q.items() if k in keys})
-    else:
-        state = compressor.init(params)
-    return CompressionState(error={_safe(k): v for k, v in state.error.items()},
-                            q={_safe(k): v for k, v in state.q.items()})
-
-
-def sync_state(spec: Any, params: Tree, mesh: Any) -> Any:
-    """The `SyncState` of a new TrainState: the error stacked per device (sharded over the data
-    axis), Q replicated. Empty without compression state."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from jaxdp.mesh import axis_name, replicate
-    from jaxdp.state import SyncState
-
-    state = jax.device_get(state_for(spec, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)))
-    if not state.error and not state.q:
-        return SyncState()
-    rows = NamedSharding(mesh, P(axis_name(mesh)))
-    error = {k: jax.make_array_from_callback((mesh.size, *e.shape), rows, lambda index, e=e: np.broadcast_to(
-        np.asarray(e), (mesh.size, *e.shape))[index]) for k, e in state.error.items()}
-    return SyncState(per_device={STATE_NAME: error}, shared={STATE_NAME: replicate(state.q, mesh)})
-
-
-def view(compressor: Compressor, stored: CompressionState, grads: Tree) -> CompressionState:
-    """The part of a stored state (made by `state_for` for this compressor, or for AUTO) that
-    `compressor.mean` reads, keyed as it expects. ValueError if the stored state lacks a leaf."""
-    if not isinstance(compressor, PowerSGD):
-        return CompressionState()
-    layout = compressor.layout(grads)
-    missing = [k for k in layout if _safe(k) not in stored.error]
-    if missing:
-        raise ValueError(f"the state has no compression state for {compressor.name} (leaf {missing[0]}); make it with "
-                         f"init_state(..., compression={compressor.name!r}) or compression='auto'")
-    return CompressionState(error={k: stored.error[_safe(k)] for k in layout},
-                            q={k: stored.q[_safe(k)][:, :r] for k, (_, _, r) in layout.items()})
-
-
-def merge(stored: CompressionState, new: CompressionState) -> CompressionState:
-    """`view`'s inverse: the stored state with the compressor's new error and Q written back."""
-    error, q = dict(stored.error), dict(stored.q)
-    for k, e in new.error.items():
-        error[_safe(k)] = e.astype(error[_safe(k)].dtype)
-    for k, v in new.q.items():
-        old = q[_safe(k)]
-        q[_safe(k)] = v.astype(old.dtype) if v.shape == old.shape else old.at[:, :v.shape[1]].set(v.astype(old.dtype))
-    return CompressionState(error=error, q=q)
+    warnings.warn(f"jaxdp.compression.{name} moved to {_MOVED[name]}.{name}; the old path goes in the next release",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(_MOVED[name]), name)

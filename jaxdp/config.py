@@ -5,7 +5,7 @@ validation below cannot drift apart. Choices come from `jaxdp.registry`, which n
 importing them: parsing flags imports no JAX. Validation raises `ConfigError` with one sentence that
 says what to change; `jaxdp.train` turns it into exit code 2 without a traceback.
 
-Why argparse and not tyro or simple_parsing: the generator below is forty lines, keeps `--help`
+Why argparse and not tyro or simple_parsing: `build_parser` below is about thirty lines, keeps `--help`
 free of imports, and gives every error as one line; those libraries would add a dependency for the
 same dataclass-to-flags mapping.
 """
@@ -22,11 +22,11 @@ import sys
 import tomllib
 from typing import Any, Sequence
 
-from jaxdp import registry
+from jaxdp import registry, syncspec
 from jaxdp.errors import InputError
 
 TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/tokens.py), for --model gpt
-SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.local_sgd.AUTO; named here too, so parsing imports no JAX)
+SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.syncspec.AUTO)
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
@@ -187,14 +187,10 @@ def _check_inputs(config: Config) -> None:
                             config.compression):
             raise ConfigError(f"--compression={config.compression!r} is not none, bf16, auto or "
                               f"powersgd:RANK[:start=STEP][:min_rate=R][:seed=S] (e.g. powersgd:4)")
-        _check_in_graph_sum(config, "--compression", " yet: compression needs the whole averaged gradient on every device")
     if not 0 < config.comm_target:
         raise ConfigError(f"--comm-target must be a positive fraction of compute time, got {config.comm_target}")
     if config.compression_every < 0:
         raise ConfigError(f"--compression-every must be 0 (decide once) or a number of steps, got {config.compression_every}")
-    if config.shard_optimizer and config.strategy == "host":
-        raise ConfigError("--shard-optimizer needs an in-graph strategy (--strategy psum or ring): host averages whole "
-                          "gradients in host memory, so there is no device-side optimizer update to shard")
     auto_sync = config.sync_every == SYNC_AUTO
     if isinstance(config.sync_every, str) and not auto_sync:
         raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training) or auto, "
@@ -207,8 +203,8 @@ def _check_inputs(config: Config) -> None:
     if config.sync_fragments < 1 or (not auto_sync and config.sync_every % config.sync_fragments):
         raise ConfigError(f"--sync-fragments={config.sync_fragments} must be a positive integer that divides "
                           f"--sync-every={config.sync_every}")
-    if auto_sync or config.sync_every > 1:  # auto may choose local steps: the same checks, before JAX starts
-        _check_in_graph_sum(config, "--sync-every", ": every device keeps its own whole inner optimizer state")
+    _check_combinations(config, local=auto_sync or config.sync_every > 1)  # auto may choose local steps
+    if auto_sync or config.sync_every > 1:
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
             raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")
         if not math.isfinite(config.outer_momentum) or not 0 <= config.outer_momentum < 1:
@@ -236,13 +232,18 @@ def _check_inputs(config: Config) -> None:
                               f"point it at a path in a directory")
 
 
-def _check_in_graph_sum(config: Config, flag: str, why_not_sharded: str) -> None:
-    """`flag` needs the strategy's in-graph sum over devices, and does not work with ZeRO-1."""
-    if config.strategy == "host":
-        raise ConfigError(f"{flag} needs an in-graph strategy (--strategy psum or ring): host averages whole "
-                          f"gradients in host memory")
-    if config.shard_optimizer:
-        raise ConfigError(f"{flag} and --shard-optimizer do not combine{why_not_sharded}; use one of them")
+def _check_combinations(config: Config, local: bool) -> None:
+    """The sync choices against the one compatibility table (jaxdp.syncspec), in flag terms."""
+    clash = syncspec.incompatible(syncspec.abilities(config.strategy), compression=config.compression != "none",
+                                  local=local, shard_optimizer=config.shard_optimizer)
+    if clash is None:
+        return
+    feature, culprit, why = clash
+    flag = {"compression": "--compression", "local": "--sync-every", "shard_optimizer": "--shard-optimizer"}[feature]
+    if culprit == "strategy":
+        raise ConfigError(f"{flag} needs an in-graph strategy (--strategy psum or ring): --strategy={config.strategy} "
+                          f"does not qualify ({why})")
+    raise ConfigError(f"{flag} and --shard-optimizer do not combine: {why}; use one of them")
 
 
 def _flag(name: str) -> str:

@@ -1,36 +1,41 @@
-"""`--compression auto`: choose gradient compression from measured compute and communication time.
+"""`--compression auto` and `--sync-every auto`: choose compression and local steps from measured
+compute and communication time.
 
-    controller = Controller(loss_fn, mesh, strategy, params, ...)
-    decision = controller.decide(state, batches)     # at start, and every --compression-every steps
-    step = decision.compressor                       # None (plain), Bf16 or PowerSGD(rank)
+    begun = start(requested_spec, mesh, params, make_state=..., make_step=..., batches=..., recorded=...)
+    spec = begun.spec                                 # a SyncSpec: the codec and H to train with now
+    decision = begun.controller.decide(state, batches, step)   # --compression auto, again while training
+    spec = spec.replace(compression=decision.compressor)      # None (plain), Bf16 or PowerSGD(rank)
+
+`Controller(local_grads, mesh, strategy, params)` measures; the decisions themselves are pure
+functions of the measured figures (jaxdp/costmodel.py).
 
 Each decision measures, on the run's own devices and link:
 * compute: the step's forward and backward pass on the device's slice of a real batch, with no
   collective (the fastest of a few runs: other work on the machine only ever adds time, and a
   busy machine made medians look bandwidth-bound where the link was not);
 * communication: the strategy's all-reduce of a buffer as big as the gradients, and of one 1/16
-  of that size; a line through the two (`compression.fit_comm_model`) gives latency and bandwidth.
+  of that size; a line through the two (`costmodel.fit_comm_model`) gives latency and bandwidth.
 
 Every process measures, and the slowest process's figures decide (gathered, so every process
-takes the same decision). `compression.plan` then picks the least compression whose predicted
+takes the same decision). `costmodel.plan` then picks the least compression whose predicted
 all-reduce time is at most `target` x compute: none on a fast link, bf16, or PowerSGD at the
 largest rank that fits. A PowerSGD choice must pass the quality guard: over `GUARD_BATCHES`
 batches at the current parameters, the sum of the compressed, error-corrected gradients against
 the sum of the true mean gradients (one uncompressed all-reduce per batch: what the guard costs;
 the candidates are then replayed on those means with no collective, `Controller.truth`),
-`compression.relative_error`; above `compression.GUARD_THRESHOLD` the controller steps back to
+`costmodel.relative_error`; above `costmodel.GUARD_THRESHOLD` the controller steps back to
 the next weaker candidate (higher rank, then bf16, then none) and checks again.
 
 Every decision is a record of the metrics file ("event": "compression") with the numbers behind it.
 When no candidate meets the target, the record also proposes local steps (`propose_local_steps`:
-the smallest `--sync-every` whose one all-reduce per period would, `local_sgd.choose_sync_every`),
+the smallest `--sync-every` whose one all-reduce per period would, `costmodel.choose_sync_every`),
 and process 0 prints it: changing the synchronisation period changes what the run computes, so the
 controller proposes it and the user decides.
 
 The user decides by `--sync-every auto`: then the CLI asks `decide_sync_every` once, at the start
-of a fresh run, and applies its H (`local_sgd.auto_sync_every`: 1 if one all-reduce per step fits
+of a fresh run, and applies its H (`costmodel.auto_sync_every`: 1 if one all-reduce per step fits
 the target, else the next power of two at or above `choose_sync_every`'s H, at most
-`local_sgd.MAX_AUTO_SYNC_EVERY`), logged as an "event": "local_steps" record
+`costmodel.MAX_AUTO_SYNC_EVERY`), logged as an "event": "local_steps" record
 (`local_steps_record`, a pure function of the gathered figures, so every process takes the same
 decision). With `--compression auto` the compression decision comes first: if its choice fits,
 H = 1; otherwise H is sized for the uncompressed pseudo-gradient, which goes uncompressed (the
@@ -50,12 +55,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp import compression
-from jaxdp.mesh import axis_name as mesh_axis_name
+from jaxdp import compression, costmodel
+from jaxdp.errors import InputError
+from jaxdp.exchange import STATE_NAME, codec as codec_of, read_slot, write_slot
+from jaxdp.mesh import data_axes
 from jaxdp.step import state_specs
-from jaxdp.sync import summing
+from jaxdp.sync import as_collective
+from jaxdp.syncspec import AUTO, SyncSpec
 
-GUARD_BATCHES = compression.GUARD_WINDOW  # batches the guard sums over (each: one uncompressed all-reduce)
+GUARD_BATCHES = costmodel.GUARD_WINDOW  # batches the guard sums over (each: one uncompressed all-reduce)
 COMPUTE_REPEATS = 5
 COMM_REPEATS = 3
 
@@ -70,12 +78,12 @@ class Controller:
     """Measures and decides; `jaxdp.train` swaps in the step for `Decision.compressor`."""
 
     def __init__(self, local_grads: Callable, mesh: Mesh, strategy: Callable, params: Any, *,
-                 target_fraction: float = compression.TARGET_COMM_FRACTION,
-                 guard_threshold: float = compression.GUARD_THRESHOLD):
-        self.mesh, self.axis, self.n = mesh, mesh_axis_name(mesh), mesh.size
-        self.total = summing(strategy)
+                 target_fraction: float = costmodel.TARGET_COMM_FRACTION,
+                 guard_threshold: float = costmodel.GUARD_THRESHOLD):
+        self.mesh, self.axis, self.n = mesh, data_axes(mesh), mesh.size
+        self.total = as_collective(strategy).sum
         self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        self.candidates = compression.ladder(self.abstract)
+        self.candidates = costmodel.ladder(self.abstract)
         self.target_fraction, self.guard_threshold = target_fraction, guard_threshold
         self.grad_bytes = compression.uncompressed_bytes(self.abstract)
         axis = self.axis
@@ -124,8 +132,8 @@ class Controller:
         started = time.perf_counter()
         figures = self.measure(state, batches[0])
         measured = time.perf_counter()
-        model = comm_model(figures)
-        choice, reasons = compression.plan(figures["compute_s"], model, self.abstract, self.candidates,
+        model = costmodel.comm_model(figures)
+        choice, reasons = costmodel.plan(figures["compute_s"], model, self.abstract, self.candidates,
                                            self.target_fraction)
         checks = []
         if isinstance(choice, compression.PowerSGD) and (reasons["fits"] or guard_misses):
@@ -136,15 +144,13 @@ class Controller:
             for candidate in upwards[::-1]:  # from the chosen rank upwards
                 error = self.replay(candidate, truth)
                 checks.append({"candidate": candidate.name, "relative_error": error})
-                choice = compression.guard(candidate, error, self.guard_threshold, self.candidates)
+                choice = costmodel.guard(candidate, error, self.guard_threshold, self.candidates)
                 if choice == candidate:
                     break
         cost_s = {"measure": measured - started, "quality": time.perf_counter() - measured}
         proposal = None
         if not reasons["fits"]:  # even the chosen compression misses the target: local steps would be next
-            from jaxdp import local_sgd
-
-            sync_every = local_sgd.choose_sync_every(figures["compute_s"], model, reasons["payload_bytes"][choice.name],
+            sync_every = costmodel.choose_sync_every(figures["compute_s"], model, reasons["payload_bytes"][choice.name],
                                                      choice.collectives, self.target_fraction)
             proposal = {"sync_every": sync_every,
                         "why": f"{choice.name} still predicts {reasons['predicted_s'][choice.name] * 1e3:.3g} ms of "
@@ -174,27 +180,20 @@ class Controller:
             figures = decision.record
             if figures["fits"]:
                 chosen = decision.compressor or compression.NoCompression()
-                record = local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract),
+                record = costmodel.local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract),
                                             chosen.collectives, self.target_fraction)
                 return decision, {**record, "sync_every": 1, "why": f"synchronous: --compression auto chose "
                                   f"{chosen.name}, which meets the target ({figures['why']})"}
             # Plain averaging misses the target too (else plan would have chosen it): H > 1.
-            record = local_steps_record(figures, "none", self.grad_bytes, 1, self.target_fraction)
+            record = costmodel.local_steps_record(figures, "none", self.grad_bytes, 1, self.target_fraction)
             decision.record["applied"] = False  # the step compresses nothing: local steps instead
             return decision, {**record, "why": f"{record['why']}; no compression meets the target "
                               f"({figures['why']}), so local steps, the pseudo-gradient uncompressed: the quality "
                               f"guard measures gradients, not pseudo-gradients"}
         figures = self.measure(state, batches[0])
         chosen = compressor or compression.NoCompression()
-        return None, local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract), chosen.collectives,
+        return None, costmodel.local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract), chosen.collectives,
                                         self.target_fraction)
-
-    def quality(self, state: Any, batches: list[Any], candidates: list[compression.PowerSGD]) -> dict[str, float]:
-        """For each candidate: relative_error(sum of its compressed means, sum of the true means)
-        over `batches` (GUARD_BATCHES of them), its error feedback threaded from `state` (which is
-        not changed) and Q held at the state's, as the threshold was calibrated."""
-        truth = self.truth(state, batches)
-        return {c.name: self.replay(c, truth) for c in candidates}
 
     def truth(self, state: Any, batches: list[Any]) -> tuple[list[Any], Any, Any]:
         """What every candidate's check reads: the true mean gradient of each of GUARD_BATCHES
@@ -221,8 +220,8 @@ class Controller:
             self._mean_rows = jax.jit(lambda rows: jax.tree.map(lambda x: jnp.mean(x, axis=0), rows),
                                       out_shardings=NamedSharding(self.mesh, P()))
         means = [self._truth(state, batch) for batch in batches[:GUARD_BATCHES]]
-        error = self._mean_rows(state.sync.per_device.get(compression.STATE_NAME, {}))
-        return means, error, state.sync.shared.get(compression.STATE_NAME, {})
+        error = self._mean_rows(state.sync.per_device.get(STATE_NAME, {}))
+        return means, error, state.sync.shared.get(STATE_NAME, {})
 
     def replay(self, candidate: compression.PowerSGD, truth: tuple[list[Any], Any, Any]) -> float:
         """`candidate`'s relative error over the window of `truth` (see `truth`), on every device
@@ -232,11 +231,11 @@ class Controller:
                 applied = []
                 for mean in means:
                     stored = compression.CompressionState(error=error, q=q)
-                    approx, new, _ = candidate.mean(mean, compression.view(candidate, stored, mean), lambda t: t, 1,
+                    approx, new, _ = candidate.mean(mean, read_slot(candidate, stored, mean), lambda t: t, 1,
                                                     candidate.start)  # past any start step: compressed
-                    error = compression.merge(stored, new).error
+                    error = write_slot(stored, new).error
                     applied.append(approx)
-                return compression.relative_error(_tree_sum(applied), _tree_sum(means))
+                return costmodel.relative_error(_tree_sum(applied), _tree_sum(means))
 
             self._replays[candidate.name] = jax.jit(replay)
         # The largest over the processes: they compute the replay alike, but a process whose CPU
@@ -257,34 +256,6 @@ def _over_processes(value: np.ndarray, reduce: Callable[..., np.ndarray]) -> np.
 
 def _tree_sum(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *trees)
-
-
-def comm_model(figures: dict[str, Any]) -> compression.CommModel:
-    """The all-reduce time line through `measure`'s two sizes (latency alone if the times do not
-    grow with size: a fast link)."""
-    try:
-        return compression.fit_comm_model(figures["comm_sizes"], [figures["comm_small_s"], figures["comm_full_s"]])
-    except ValueError:
-        return compression.CommModel(latency_s=figures["comm_full_s"], seconds_per_byte=0.0)
-
-
-def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_bytes: int, collectives: int,
-                       target_fraction: float) -> dict[str, Any]:
-    """The "local_steps" record of `--sync-every auto`: H (`local_sgd.auto_sync_every`, a pure function
-    of `measure`'s gathered figures, so every process takes the same decision) and the numbers
-    behind it. `pseudo_gradient` names the compression the pseudo-gradient (or, at H = 1, the
-    gradient) goes through, `payload_bytes` and `collectives` what it sends per average."""
-    from jaxdp import local_sgd
-
-    model = comm_model(figures)
-    choice = local_sgd.auto_sync_every(figures["compute_s"], model, payload_bytes, collectives, target_fraction)
-    return {"sync_every": choice["sync_every"], "why": choice["why"], "compute_s": figures["compute_s"],
-            "comm_full_s": figures["comm_full_s"], "latency_s": model.latency_s,
-            "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
-            "pseudo_gradient": pseudo_gradient, "payload_bytes": payload_bytes, "collectives": collectives,
-            "comm_per_sync_s": choice["comm_per_sync_s"], "predicted_comm_s": choice["predicted_comm_s"],
-            "target_fraction": target_fraction, "target_s": choice["target_s"], "fits": choice["fits"],
-            "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": local_sgd.MAX_AUTO_SYNC_EVERY}
 
 
 def _fastest_time(fn: Callable[[], Any], repeats: int, budget_s: float = 0.25, most: int = 50) -> float:
@@ -311,3 +282,88 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI's policy: --compression auto and --sync-every auto at the start of a run.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Start:
+    """What `start` decided for a run.
+
+    spec:       the step's SyncSpec now: compression a codec or None, sync_every an int.
+    state_spec: what `init_state` makes: its compression slot stays "auto" where the controller
+                may switch codecs later.
+    records:    [(event, record)] for the metrics file, in the order they were taken.
+    controller: the Controller that decides `--compression auto` again while training (first at
+                the run's first step unless `decided`), or None.
+    decided:    compression was already decided here (by `--sync-every auto`'s measurement).
+    state:      the state measured on, when it can be reused (state_spec's), else None.
+    sync_every_auto: whether `--sync-every auto` chose H by measuring (checkpoints record it).
+    """
+
+    spec: SyncSpec
+    state_spec: SyncSpec
+    records: list
+    controller: Controller | None = None
+    decided: bool = False
+    state: Any = None
+    sync_every_auto: bool | None = None
+
+
+def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[[SyncSpec], Any],
+          make_step: Callable[[SyncSpec], Any], batches: Callable[[int], list], recorded: dict | None,
+          target_fraction: float = costmodel.TARGET_COMM_FRACTION) -> Start:
+    """Resolve the "auto" choices of `requested` (jaxdp.syncspec.AUTO in compression and/or
+    sync_every) for a run's start; `requested.outer_tx` is the outer optimizer local steps use if H > 1.
+
+    `--sync-every auto`: a resumed run (`recorded`, the checkpoint's meta) keeps the H it recorded
+    and measures nothing; one device is synchronous; otherwise measure once on a synchronous state
+    (`Controller.decide_sync_every`). Under `--compression auto` too, compression is decided first;
+    if local steps are chosen over it, the pseudo-gradient goes plain and compression is not
+    decided again. `--compression auto` alone is decided at the first step, then every
+    `--compression-every` steps, by the returned controller.
+    """
+    auto = requested.compression == AUTO
+    fixed = None if auto else codec_of(requested.compression)
+    records: list = []
+    state = decided = None
+    plain_pseudo, chose = False, None
+    if requested.sync_every == AUTO:
+        if recorded is not None:  # resume: the H the checkpoint recorded, never a new measurement
+            sync_every, chose = (recorded.get("config") or {}).get("sync_every"), recorded.get("sync_every_auto")
+            if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+                raise InputError("sync_every auto: the checkpoint records no sync_every to resume with; pass sync_every N",
+                                 setting="sync_every")
+            record = {"sync_every": sync_every, "why": f"resumed from the checkpoint of step {recorded['step']}, "
+                      f"which records sync_every={sync_every}: a resumed run keeps its H (no new measurement)"}
+            plain_pseudo = auto and sync_every > 1 and bool(chose)
+        elif mesh.size == 1:
+            record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
+        else:  # a fresh run: measure once, on a synchronous state, and decide (the same on every process)
+            synchronous = requested.replace(sync_every=1, outer_tx=None)
+            state = make_state(synchronous)
+            controller = Controller(make_step(synchronous.replace(compression=fixed)).local_grads, mesh,
+                                    requested.strategy, params, target_fraction=target_fraction)
+            decided, record = controller.decide_sync_every(state, batches(GUARD_BATCHES if auto else 1), 0, fixed, auto)
+            plain_pseudo, chose = auto and record["sync_every"] > 1, True
+            if decided:
+                records.append(("compression", decided.record))
+        records.append(("local_steps", record))
+        sync_every = record["sync_every"]
+    else:
+        sync_every = requested.sync_every
+    resolved = requested.replace(sync_every=sync_every, outer_tx=requested.outer_tx if sync_every > 1 else None)
+    state_spec = resolved.replace(compression=None) if plain_pseudo else resolved
+    # Local steps chosen over compression send the pseudo-gradient plain, whatever the plan was.
+    initial = None if plain_pseudo else decided.compressor if decided else None if auto else fixed
+    spec = resolved.replace(compression=initial)
+    if state is not None and sync_every > 1:
+        state = None  # measured on a synchronous state: local steps need their own
+    controller = None
+    if auto and not plain_pseudo and mesh.size > 1:
+        controller = Controller(make_step(spec).local_grads, mesh, requested.strategy, params,
+                                target_fraction=target_fraction)
+    return Start(spec, state_spec, records, controller, decided is not None, state, chose)

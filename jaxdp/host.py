@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jaxdp.sync import on_host
+from jaxdp.coordination import client as coordination_client, namespace
+from jaxdp.sync import Collective, on_host
 
 Tree = Any
 ProcessSum = Callable[[list[np.ndarray]], list[np.ndarray]]
@@ -55,6 +56,10 @@ def host_mean(local_trees: Sequence[Tree], *, num_devices: int | None = None,
     return jax.tree.unflatten(treedef, means)
 
 
+# The strategy registered as "host" (jaxdp.registry.STRATEGIES).
+HOST = Collective("host", host=host_mean)
+
+
 def process_sum_for(mesh: jax.sharding.Mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessSum | None:
     """The cross-process transport for a step over `mesh`: None when the mesh is in one process."""
     processes = {d.process_index for d in mesh.devices.flat}
@@ -64,18 +69,6 @@ def process_sum_for(mesh: jax.sharding.Mesh, timeout_s: float = DEFAULT_TIMEOUT_
         raise ValueError(f"the host strategy needs a mesh over every process or over one; this mesh "
                          f"spans processes {sorted(processes)} of {jax.process_count()}")
     return KeyValueSum(coordination_client(), jax.process_index(), jax.process_count(), timeout_s)
-
-
-def coordination_client() -> Any:
-    """JAX's coordination-service client, set up by `jax.distributed.initialize` (private API:
-    orbax reaches it the same way). Raises if this process is not part of a distributed run."""
-    from jax._src import distributed as jax_distributed
-
-    client = jax_distributed.global_state.client
-    if client is None:
-        raise RuntimeError("this process has several processes' devices but no coordination client; "
-                           "call jax.distributed.initialize() (or jaxdp.initialize()) first")
-    return client
 
 
 # Every process builds its transports in the same order (they build the same steps), so the n-th
@@ -97,7 +90,7 @@ class KeyValueSum:
     def __init__(self, client: Any, process_index: int, process_count: int, timeout_s: float):
         self._client, self._me, self._count = client, process_index, process_count
         self._timeout_ms = int(timeout_s * 1000)
-        self._prefix = f"jaxdp/host_sum/{next(_TRANSPORT_IDS)}"
+        self._prefix = f"{namespace('host_sum')}{next(_TRANSPORT_IDS)}"
         self._rounds = itertools.count()
 
     def _key(self, r: int, process: int) -> str:

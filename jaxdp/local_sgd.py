@@ -8,9 +8,9 @@ The replica is the DEVICE: every device of the mesh, in every process, keeps its
 parameters and of the inner optimizer state (`tx`, e.g. AdamW) and trains it on its own slice of
 each global batch with no gradient all-reduce. After every `sync_every` (H) steps, i.e. on the step
 with (step + 1) % H == 0, each device computes its pseudo-gradient (global params - its params),
-the devices average it through the strategy's sum (psum or ring, pre-scaled by 1/N) and the
-compression if any (jaxdp/compression.py: the pseudo-gradient is what gets compressed, its state in
-`state.sync` as for gradients), and the outer optimizer (`outer_tx`, any optax transformation;
+the devices average it through the step's exchange (jaxdp/exchange.py: the strategy's collective,
+and the codec if any; the pseudo-gradient is what gets compressed, its state in `state.sync` as
+for gradients), and the outer optimizer (`outer_tx`, any optax transformation;
 DiLoCo: SGD with Nesterov momentum 0.9, lr 0.7) applies that mean to the shared global
 parameters. Every replica then restarts from the new global parameters; the inner optimizer state
 stays per device (DiLoCo keeps each worker's AdamW moments).
@@ -60,16 +60,12 @@ every H/F steps, in turn, so each fragment is still averaged every H steps but t
 1/F of the model at a time instead of all of it at once. Each fragment has its own outer
 optimizer state; the compression state is keyed by leaf, so compression works per fragment too.
 
-For an adaptive controller: `comm_seconds_per_step(comm_model, payload_bytes, H)` predicts the
-per-step communication time of local steps, and `choose_sync_every` the smallest H that fits a
-budget. `auto_sync_every` is the rule of the CLI's `--sync-every auto` (jaxdp/controller.py
-measures, jaxdp/train.py applies): 1 when one all-reduce per step fits, else the next power of two
-at or above `choose_sync_every`'s H, capped at MAX_AUTO_SYNC_EVERY = 16 (why 16: below).
+`--sync-every auto` chooses H from measured figures: the rule is `jaxdp.costmodel.auto_sync_every`,
+the measurement jaxdp/controller.py.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import jax
@@ -77,6 +73,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp.compression import bytes_sent
+from jaxdp.exchange import leaf_names
+from jaxdp.mesh import data_axes, replicated_sharding
 
 STATE_NAME = "local_sgd"   # state.sync.per_device[STATE_NAME] = {"params": rows, "opt_state": rows}
 OUTER_NAME = "outer"       # state.sync.shared[OUTER_NAME] = the outer optimizer's state
@@ -92,16 +92,6 @@ def optimizer_states(state: Any) -> Any:
     if not is_local(state):
         return ()
     return state.sync.per_device[STATE_NAME]["opt_state"], state.sync.shared[OUTER_NAME]
-
-
-def check_sync_every(sync_every: Any, sync_fragments: Any = 1) -> int:
-    for name, value in (("sync_every", sync_every), ("sync_fragments", sync_fragments)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if sync_every % sync_fragments:
-        raise ValueError(f"sync_fragments={sync_fragments} must divide sync_every={sync_every}: each fragment is "
-                         f"synchronised every sync_every steps, one every sync_every / sync_fragments steps")
-    return int(sync_every)
 
 
 def default_outer(outer_tx: optax.GradientTransformation | None) -> optax.GradientTransformation:
@@ -124,12 +114,6 @@ def fragments(params: Any, count: int) -> list[list[int]]:
     return [list(range(cuts[k], cuts[k + 1])) for k in range(count)]
 
 
-def _names(params: Any) -> list[str]:
-    from jaxdp.compression import _safe
-
-    return [_safe(jax.tree_util.keystr(path)) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-
 def _subset(leaves: list, names: list[str], group: list[int]) -> dict:
     return {names[i]: leaves[i] for i in group}
 
@@ -140,13 +124,11 @@ def init_sync(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
     with a fresh `tx` state, stacked one row per device and sharded over the data axis; the outer
     optimizer's state replicated, one per fragment (a tuple), each over {leaf name: leaf} of its
     fragment's leaves. `params` are the replicated global parameters."""
-    from jaxdp.mesh import axis_name, replicated_sharding
-
-    rows = NamedSharding(mesh, P(axis_name(mesh)))
+    rows = NamedSharding(mesh, P(data_axes(mesh)))
     inner = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
     stack = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (mesh.size, *jnp.shape(x))), tree),
                     out_shardings=rows)
-    leaves, names = jax.tree.leaves(params), _names(params)
+    leaves, names = jax.tree.leaves(params), leaf_names(params)
     outer_init = jax.jit(default_outer(outer_tx).init, out_shardings=replicated_sharding(mesh))
     outer = tuple(outer_init(_subset(leaves, names, group)) for group in fragments(params, sync_fragments))
     return {STATE_NAME: stack({"params": params, "opt_state": inner})}, {OUTER_NAME: outer}
@@ -158,13 +140,11 @@ def init_sync(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
 
 
 def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation,
-                     sync: Callable, compressor: Any, axis: str, n: int, sync_every: int, grad_norm: bool,
-                     sync_fragments: int = 1) -> Callable:
-    """`(state, local batch) -> (state, metrics)` on one device, inside `shard_map`."""
-    from jaxdp import compression as compression_lib
-    from jaxdp.step import _compress_together, _sync_together
-
-    compressor = compression_lib.NoCompression() if compressor is None else compressor
+                     exchange: Any, sync_every: int, sync_fragments: int, grad_norm: bool) -> Callable:
+    """`(state, local batch) -> (state, metrics)` on one device, inside `shard_map`: `tx` on this
+    device's replica, and every H steps the pseudo-gradient averaged through `exchange`
+    (jaxdp/exchange.py) and applied by `outer_tx`."""
+    outer_tx = default_outer(outer_tx)
     count, every = sync_fragments, sync_every // sync_fragments  # one fragment synchronised every `every` steps
 
     def device_step(state: Any, batch: Any) -> tuple[Any, dict]:
@@ -180,13 +160,13 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
             raise ValueError(f"this state was made with sync_fragments={len(outer_states)} but the step with "
                              f"sync_fragments={count}; pass the same to init_state and make_train_step")
         global_leaves, treedef = jax.tree.flatten(state.params)
-        replica_leaves, names = jax.tree.leaves(replica), _names(state.params)
+        replica_leaves, names = jax.tree.leaves(replica), leaf_names(state.params)
         groups = fragments(state.params, count)
 
         def masked(leaves: list, group: list[int]) -> Any:  # the fragment's leaves, None elsewhere (same paths)
             return jax.tree.unflatten(treedef, [leaves[i] if i in group else None for i in range(len(leaves))])
 
-        wire = float(compression_lib.bytes_sent(sum(compressor.payload_bytes(masked(global_leaves, g)) for g in groups), n))
+        wire = float(bytes_sent(sum(exchange.payload_bytes(masked(global_leaves, g)) for g in groups), exchange.n))
 
         def rows(params: Any, sync_state: Any) -> Any:
             local = {"params": params, "opt_state": inner}
@@ -196,8 +176,9 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
             group = groups[f]
             # The pseudo-gradient of fragment f: how far this replica moved from the global parameters.
             delta = masked([g - r for g, r in zip(global_leaves, replica_leaves)], group)
-            mean, out, new_model_state, sync_state = _compress_together(
-                compressor, sync, axis, n, delta, metrics, model_state, state)
+            mean, out, new_model_state, sync_state, extra = exchange.mean(delta, metrics, model_state, state.sync,
+                                                                          state.step)
+            out = {**out, **extra}
             before = _subset(global_leaves, names, group)
             updates, outer = outer_tx.update(dict(zip(before, jax.tree.leaves(mean))), outer_states[f], before)
             after = optax.apply_updates(before, updates)
@@ -216,9 +197,8 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         shapes = jax.eval_shape(lambda: synced(0))[1]
 
         def local() -> tuple[Any, dict]:
-            out, new_model_state = metrics, model_state
-            if n > 1:  # a few scalars (and BatchNorm statistics), so every process logs the same values
-                _, out, new_model_state = _sync_together(sync, axis, {}, metrics, model_state)
+            # A few scalars (and BatchNorm statistics), so every process logs the same values.
+            out, new_model_state = exchange.riders(metrics, model_state)
             out = {**{k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}, **out,
                    "comm_bytes_per_step": jnp.float32(wire / sync_every)}
             return state.replace(step=step, model_state=new_model_state, sync=rows(replica, state.sync)), out
@@ -228,80 +208,3 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         return jax.lax.switch(branch, [local, *(lambda f=f: synced(f) for f in range(count))])
 
     return device_step
-
-
-# ---------------------------------------------------------------------------------------------
-# For an adaptive controller: the per-step communication time of local steps
-# ---------------------------------------------------------------------------------------------
-
-
-def comm_seconds_per_step(comm_model: Any, payload_bytes: int, sync_every: int, collectives: int = 1) -> float:
-    """Predicted all-reduce seconds per step, averaged over a period of `sync_every` steps: one
-    all-reduce of the pseudo-gradient (`payload_bytes`, in `collectives` calls) per period.
-    `comm_model` is a `jaxdp.compression.CommModel` (latency + bytes / bandwidth). The per-step
-    scalar metrics (a few floats) are left out: one latency each step, `comm_model.latency_s`."""
-    return comm_model.seconds(payload_bytes, collectives) / check_sync_every(sync_every)
-
-
-def choose_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: int, collectives: int = 1,
-                      target_fraction: float | None = None, max_sync_every: int = 1024) -> int:
-    """The smallest H whose predicted per-step communication is at most `target_fraction` (default:
-    jaxdp.compression.TARGET_COMM_FRACTION) of the compute time, capped at `max_sync_every`."""
-    from jaxdp.compression import TARGET_COMM_FRACTION
-
-    target = (TARGET_COMM_FRACTION if target_fraction is None else target_fraction) * compute_seconds
-    per_sync = comm_model.seconds(payload_bytes, collectives)
-    if target <= 0:
-        return max_sync_every
-    return int(min(max(1, math.ceil(per_sync / target)), max_sync_every))
-
-
-# ---------------------------------------------------------------------------------------------
-# --sync-every auto: the H the CLI applies when the link is too slow for one all-reduce per step
-# ---------------------------------------------------------------------------------------------
-
-AUTO = "auto"
-# The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
-# project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
-# 0.20x its time (docs/perf/localsgd.json). Once the all-reduce per step is below the compute, a
-# doubling of H buys at most a few percent of wall time while the loss keeps drifting from the
-# synchronous run's. A user who wants a larger H passes it explicitly (--sync-every 64).
-MAX_AUTO_SYNC_EVERY = 16
-
-
-def auto_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: int, collectives: int = 1,
-                    target_fraction: float | None = None, max_sync_every: int = MAX_AUTO_SYNC_EVERY) -> dict[str, Any]:
-    """The H of `--sync-every auto`, a pure function of measured figures (so every process that has
-    the same gathered figures takes the same decision), and the numbers behind it.
-
-    1 when one all-reduce of `payload_bytes` (in `collectives` calls) per step is at most
-    `target_fraction` (default jaxdp.compression.TARGET_COMM_FRACTION) of `compute_seconds`: the
-    normal synchronous step. Otherwise the smallest power of two >= `choose_sync_every(...)`,
-    capped at `max_sync_every`. Powers of two: a handful of values across runs and machines whose
-    figures differ by a little, and every divisor a later `--sync-fragments` might want.
-
-    Returns {"sync_every", "uncapped_sync_every" (choose_sync_every's H, no power of two, no cap),
-    "fits" (the chosen H meets the target), "comm_per_sync_s", "predicted_comm_s" (per step at the
-    chosen H), "target_s", "why"}.
-    """
-    from jaxdp.compression import TARGET_COMM_FRACTION
-
-    fraction = TARGET_COMM_FRACTION if target_fraction is None else target_fraction
-    target = fraction * compute_seconds
-    per_sync = comm_model.seconds(payload_bytes, collectives)
-    needed = choose_sync_every(compute_seconds, comm_model, payload_bytes, collectives, fraction, max_sync_every=1 << 30)
-    sync_every = 1 if needed == 1 else min(1 << (needed - 1).bit_length(), max_sync_every)
-    predicted = per_sync / sync_every
-    numbers = (f"one all-reduce of {payload_bytes} bytes predicts {per_sync * 1e3:.3g} ms against a target of "
-               f"{fraction:g} x compute {compute_seconds * 1e3:.3g} ms = {target * 1e3:.3g} ms per step")
-    if sync_every == 1:
-        why = f"synchronous: {numbers}"
-    elif sync_every < needed:
-        why = (f"local steps, averaged every {sync_every} steps (the cap, MAX_AUTO_SYNC_EVERY): {numbers}; meeting it "
-               f"would take H = {needed} ({predicted * 1e3:.3g} ms per step at H = {sync_every}); pass --sync-every "
-               f"{needed} for that")
-    else:
-        why = (f"local steps, averaged every {sync_every} steps: {numbers}; H = {needed} would meet it, rounded up to a "
-               f"power of two: {predicted * 1e3:.3g} ms per step")
-    return {"sync_every": sync_every, "uncapped_sync_every": needed, "fits": predicted <= target,
-            "comm_per_sync_s": per_sync, "predicted_comm_s": predicted, "target_s": target, "why": why}

@@ -6,14 +6,14 @@ and each name is written exactly once: adding a strategy is its own function plu
 
     from jaxdp.registry import STRATEGIES
     list(STRATEGIES)            # ["psum", "ring", "host"]: names only, nothing imported
-    STRATEGIES["ring"]          # jaxdp.sync.ring_mean, imported now
+    STRATEGIES["ring"]          # jaxdp.sync.RING (a Collective), imported now
     STRATEGIES.register("mine", my_strategy)   # a user's own, then usable by name everywhere
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 
 class Registry(Mapping[str, Any]):
@@ -49,12 +49,16 @@ class Registry(Mapping[str, Any]):
         self._loaded[name] = obj
         return obj
 
-    def decorator(self, name: str) -> Callable[[Any], Any]:
-        return lambda obj: self.register(name, obj)
 
+# Gradient synchronisation: `jaxdp.sync.Collective` values; a user's own is a bare `fn(tree, axis)`
+# (jaxdp/sync.py).
+STRATEGIES = Registry("strategy", {"psum": "jaxdp.sync:PSUM", "ring": "jaxdp.sync:RING", "host": "jaxdp.host:HOST"})
 
-# Gradient synchronisation: in-graph `fn(tree, axis_name)`, or on-host (see jaxdp/sync.py).
-STRATEGIES = Registry("strategy", {"psum": "jaxdp.sync:psum_mean", "ring": "jaxdp.sync:ring_mean", "host": "jaxdp.host:host_mean"})
+# What each built-in strategy can do, known without importing it (jaxdp.syncspec checks the
+# command line's combinations before JAX starts): "sum" an in-graph sum (compression, local
+# steps), "halves" a reduce-scatter and an all-gather (ZeRO-1), "host" an on-host mean.
+STRATEGY_ABILITIES = {"psum": frozenset({"sum", "halves"}), "ring": frozenset({"sum", "halves"}),
+                      "host": frozenset({"host"})}
 
 # Built-in models: `build(config, num_outputs, axis_name) -> flax.linen.Module`; num_outputs is the
 # number of classes, or the vocabulary size for gpt.
@@ -64,12 +68,12 @@ MODELS = Registry("model", {"mlp": "jaxdp.models:build_mlp", "cnn": "jaxdp.model
 DATASETS = Registry("dataset", {"digits": "jaxdp.data:digits", "synthetic": "jaxdp.data:synthetic"})
 
 # Learning-rate schedules: `build(lr, steps, warmup_steps, final_fraction) -> optax.Schedule`.
-SCHEDULES = Registry("schedule", {"constant": "jaxdp.state:constant_schedule", "cosine": "jaxdp.state:cosine_schedule",
-                                  "warmup-cosine": "jaxdp.state:warmup_cosine_schedule"})
+SCHEDULES = Registry("schedule", {"constant": "jaxdp.optim:constant_schedule", "cosine": "jaxdp.optim:cosine_schedule",
+                                  "warmup-cosine": "jaxdp.optim:warmup_cosine_schedule"})
 
 # optax optimizers: `build(learning_rate, momentum, weight_decay) -> optax.GradientTransformation`.
-OPTIMIZERS = Registry("optimizer", {"adam": "jaxdp.state:adam", "adamw": "jaxdp.state:adamw", "sgd": "jaxdp.state:sgd",
-                                    "momentum": "jaxdp.state:momentum"})
+OPTIMIZERS = Registry("optimizer", {"adam": "jaxdp.optim:adam", "adamw": "jaxdp.optim:adamw", "sgd": "jaxdp.optim:sgd",
+                                    "momentum": "jaxdp.optim:momentum"})
 
 # Outer optimizers of local steps (--sync-every, jaxdp/local_sgd.py): `build(lr, momentum) -> optax.GradientTransformation`.
-OUTER_OPTIMIZERS = Registry("outer optimizer", {"nesterov": "jaxdp.state:nesterov_outer", "sgd": "jaxdp.state:sgd_outer"})
+OUTER_OPTIMIZERS = Registry("outer optimizer", {"nesterov": "jaxdp.optim:nesterov_outer", "sgd": "jaxdp.optim:sgd_outer"})

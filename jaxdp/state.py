@@ -1,4 +1,10 @@
-"""The train state (an immutable pytree, replicated over the mesh) and optimizer construction."""
+"""The train state (an immutable pytree, replicated over the mesh) and `init_state`.
+
+`init_state` composes what each sync axis keeps (jaxdp/syncspec.py): the codec's slot
+(jaxdp/exchange.py), local steps' replicas and outer state (jaxdp/local_sgd.py), ZeRO-1's sharded
+optimizer state (jaxdp/zero.py). The state carries the `StateLayout` it was made for as a static
+tag, which the step compares with its own. Optimizers and schedules: jaxdp/optim.py.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from jaxdp import exchange, local_sgd, zero
 from jaxdp.mesh import replicate, replicated_sharding
+from jaxdp.syncspec import StateLayout, SyncSpec
 
 
 class OptimizerTag:
@@ -71,6 +79,9 @@ class TrainState:
                  (`per_device["local_sgd"]`) and the outer optimizer state (`shared["outer"]`);
                  empty without them. `params` stay the global parameters.
     optimizer:   (static) which optax transformation `opt_state` belongs to; not an array.
+    layout:      (static) the `jaxdp.syncspec.StateLayout` it was made for (replicated, local or
+                 sharded; fragments; what its compression slot serves); `make_train_step`'s step
+                 compares it with its own.
     """
 
     step: jax.Array
@@ -80,6 +91,7 @@ class TrainState:
     rng: jax.Array | None = None
     sync: SyncState = flax.struct.field(default_factory=SyncState)
     optimizer: OptimizerTag = flax.struct.field(pytree_node=False, default=OptimizerTag(None))
+    layout: StateLayout = flax.struct.field(pytree_node=False, default=StateLayout())
 
 
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
@@ -107,117 +119,51 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     `state.opt_state` is `()`. Pass the same `sync_every`, `outer_tx` and `sync_fragments` (Streaming
     DiLoCo: the outer state is one per fragment) to `make_train_step`.
     """
+    spec = SyncSpec(compression=compression, sync_every=sync_every, sync_fragments=sync_fragments,
+                    outer_tx=outer_tx, shard_optimizer=shard_optimizer)
+    if shard_optimizer and spec.local:
+        raise ValueError("init_state: local steps (sync_every > 1 or an outer_tx) and shard_optimizer do not combine")
+    spec.validate()
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
-    from jaxdp import compression as compression_lib, local_sgd
 
     params = replicate(params, mesh)
-    sync = compression_lib.sync_state(compression, params, mesh)
-    local = local_sgd.check_sync_every(sync_every, sync_fragments) > 1 or outer_tx is not None
-    if local and shard_optimizer:
-        raise ValueError("init_state: local steps (sync_every > 1 or an outer_tx) and shard_optimizer do not combine")
-    if local:
-        per_device, shared = local_sgd.init_sync(params, tx, mesh, outer_tx, sync_fragments)
-        sync = sync.replace(per_device={**sync.per_device, **per_device}, shared={**sync.shared, **shared})
+    per_device, shared = exchange.init_slot(compression, params, mesh)
+    if spec.local:
+        rows, outer = local_sgd.init_sync(params, tx, mesh, outer_tx, sync_fragments)
+        per_device, shared = {**per_device, **rows}, {**shared, **outer}
         opt_state = ()
     elif shard_optimizer:
-        from jaxdp import zero
-
         opt_state = zero.init(params, tx, mesh)
     else:
         opt_state = jax.jit(tx.init, out_shardings=replicated_sharding(mesh))(params)
     return TrainState(
         step=replicate(np.int32(0), mesh),
-        sync=sync,
+        sync=SyncState(per_device=per_device, shared=shared),
         params=params,
         opt_state=opt_state,
         model_state=replicate({} if model_state is None else model_state, mesh),
         rng=replicate(np.asarray(rng, dtype=np.uint32), mesh),
         optimizer=OptimizerTag(tx),
+        layout=spec.layout(),
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# The optimizers behind --optimizer (jaxdp.registry.OPTIMIZERS): (lr, momentum, weight_decay) -> tx
-# ---------------------------------------------------------------------------------------------
+_MOVED = ("adam", "adamw", "sgd", "momentum", "make_optimizer", "nesterov_outer", "sgd_outer", "make_outer_optimizer",
+          "constant_schedule", "cosine_schedule", "warmup_cosine_schedule", "make_schedule")
 
 
-def adam(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    return optax.adam(lr)
+def __getattr__(name: str) -> Any:
+    """The optimizer builders lived here before jaxdp/optim.py: a forward, with a warning, for one release."""
+    if name not in _MOVED:
+        raise AttributeError(f"module 'jaxdp.state' has no attribute {name!r}")
+    import warnings
+
+    from jaxdp import optim
+
+    warnings.warn(f"jaxdp.state.{name} moved to jaxdp.optim.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(optim, name)
 
 
-def adamw(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    return optax.adamw(lr, weight_decay=weight_decay)
-
-
-def sgd(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    return optax.sgd(lr)
-
-
-def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    return optax.sgd(lr, momentum=momentum)
-
-
-def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: float = 1e-4, *,
-                   clip_norm: float = 0.0) -> optax.GradientTransformation:
-    """The optax optimizer called `name` in `jaxdp.registry.OPTIMIZERS`; `lr` may be a schedule.
-    `clip_norm` > 0 clips the global gradient norm first (optax.clip_by_global_norm)."""
-    from jaxdp.registry import OPTIMIZERS
-
-    tx = OPTIMIZERS[name](lr, momentum, weight_decay)
-    return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
-
-
-# The outer optimizers behind --outer-optimizer (jaxdp.registry.OUTER_OPTIMIZERS; local steps,
-# jaxdp/local_sgd.py): (lr, momentum) -> tx, applied to the averaged pseudo-gradient every sync.
-
-
-def nesterov_outer(lr: float, momentum: float) -> optax.GradientTransformation:
-    if not momentum:
-        raise ValueError("the nesterov outer optimizer needs a momentum > 0; use sgd for none")
-    return optax.sgd(lr, momentum=momentum, nesterov=True)
-
-
-def sgd_outer(lr: float, momentum: float) -> optax.GradientTransformation:
-    return optax.sgd(lr, momentum=momentum or None)
-
-
-def make_outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
-    """The optimizer that applies the averaged pseudo-gradient to the global parameters every sync,
-    by its name in `jaxdp.registry.OUTER_OPTIMIZERS`: "nesterov" (DiLoCo: lr 0.7, momentum 0.9) or
-    "sgd" (heavy-ball momentum if `momentum` > 0; lr 1 and momentum 0 is plain model averaging,
-    Local SGD)."""
-    from jaxdp.registry import OUTER_OPTIMIZERS
-
-    return OUTER_OPTIMIZERS[name](lr, momentum)
-
-
-# ---------------------------------------------------------------------------------------------
-# The schedules behind --schedule (jaxdp.registry.SCHEDULES): (lr, steps, warmup, final) -> schedule
-# ---------------------------------------------------------------------------------------------
-
-
-def constant_schedule(lr: float, steps: int, warmup_steps: int, final_fraction: float) -> optax.Schedule:
-    del steps, final_fraction
-    if warmup_steps:
-        return optax.linear_schedule(0.0, lr, warmup_steps)
-    return optax.constant_schedule(lr)
-
-
-def cosine_schedule(lr: float, steps: int, warmup_steps: int, final_fraction: float) -> optax.Schedule:
-    del warmup_steps
-    return optax.cosine_decay_schedule(lr, max(steps, 1), alpha=final_fraction)
-
-
-def warmup_cosine_schedule(lr: float, steps: int, warmup_steps: int, final_fraction: float) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, max(steps, warmup_steps + 1),
-                                              end_value=lr * final_fraction)
-
-
-def make_schedule(name: str, lr: float, steps: int, warmup_steps: int = 0, final_fraction: float = 0.1) -> optax.Schedule:
-    """The learning rate as a function of the step, by its name in `jaxdp.registry.SCHEDULES`."""
-    from jaxdp.registry import SCHEDULES
-
-    return SCHEDULES[name](lr, steps, warmup_steps, final_fraction)

@@ -33,20 +33,21 @@ synchronises them; tests compare every strategy with a single-device reference.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp import compression as compression_lib, host, local_sgd, zero
-from jaxdp.errors import InputError
-from jaxdp.mesh import axis_name as mesh_axis_name, replicate
+from jaxdp import host, local_sgd, zero
+from jaxdp.compression import NoCompression
+from jaxdp.exchange import codec as codec_of, make_exchange
+from jaxdp.mesh import data_axes, replicate
 from jaxdp.state import SyncState, TrainState
-from jaxdp.sync import halves as sync_halves, is_on_host, psum_mean, summing as sync_summing
+from jaxdp.sync import Collective, as_collective
+from jaxdp.syncspec import StateLayout, SyncSpec
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -57,28 +58,26 @@ class TrainStep:
 
     `lower(state, batch)` returns JAX's `Lowered` of the compiled program (for in-graph
     strategies, the whole step; for `host`, the per-device gradient program it runs before the
-    numpy average), for cost analysis and for reading the HLO.
+    numpy average), for cost analysis and for reading the HLO. `spec` is the step's `SyncSpec`,
+    `strategy` its `Collective`, `local_grads` the per-device, unsynchronised gradient function
+    (what the compression controller times).
     """
 
-    def __init__(self, run: Callable[[TrainState, Batch], tuple[TrainState, Metrics]],
-                 lowerable: Any, tx: optax.GradientTransformation, strategy: Callable, shard_optimizer: bool = False,
-                 local: bool = False):
-        self._run, self._lowerable, self.tx, self.strategy = run, lowerable, tx, strategy
-        self.shard_optimizer, self.local = shard_optimizer, local
+    def __init__(self, run: Callable[[TrainState, Batch], tuple[TrainState, Metrics]], lowerable: Any,
+                 tx: optax.GradientTransformation, spec: SyncSpec, local_grads: Callable):
+        self._run, self._lowerable, self.tx, self.spec = run, lowerable, tx, spec
+        self.strategy: Collective = as_collective(spec.strategy)
+        self.layout: StateLayout = spec.layout()
+        self.local_grads = local_grads
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         made_for = state.optimizer.tx
         if made_for is not None and made_for is not self.tx:
             raise ValueError("this state was made by init_state with a different optax transformation than "
                              "the one given to make_train_step; pass the same tx object to both")
-        if zero.is_sharded(state.opt_state) != self.shard_optimizer:
-            layout = "replicated" if self.shard_optimizer else "sharded"
-            raise ValueError(f"this state's optimizer state is {layout} but the step was made with shard_optimizer="
-                             f"{self.shard_optimizer}; pass the same shard_optimizer to init_state and make_train_step")
-        if local_sgd.is_local(state) != self.local:
-            made = "without" if self.local else "with"
-            raise ValueError(f"this state was made by init_state {made} local steps (sync_every > 1 or an outer_tx) but "
-                             f"the step was not; pass the same sync_every and outer_tx to init_state and make_train_step")
+        differs = state.layout.serves(self.layout)
+        if differs:
+            raise ValueError(differs)
         return self._run(state, batch)
 
     def lower(self, state: TrainState, batch: Batch) -> Any:
@@ -119,78 +118,67 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     (Streaming DiLoCo) synchronises 1/F of the parameter arrays every H/F steps instead of all of
     them every H steps.
     """
-    from jaxdp.registry import STRATEGIES
-
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"make_train_step: grad_accum must be a positive integer, got {grad_accum!r}")
-    sync = STRATEGIES[strategy] if isinstance(strategy, str) else strategy
-    axis = mesh_axis_name(mesh)
-    compressor = compression_lib.resolve(compression)
-    if compressor == compression_lib.AUTO:
-        raise ValueError("make_train_step: compression='auto' is decided while training (jaxdp.train's controller); "
-                         "give the step one choice: none, bf16 or powersgd:RANK (a state made for 'auto' serves each)")
-    if compressor is not None:
-        _check_in_graph_sum("compression", strategy, sync, shard_optimizer,
-                            " yet: compression needs the whole averaged gradient on every device")
+    codec = codec_of(compression)  # ValueError for "auto": the controller decides it while training
+    spec = SyncSpec(strategy=strategy, compression=codec, sync_every=sync_every, sync_fragments=sync_fragments,
+                    outer_tx=outer_tx, shard_optimizer=shard_optimizer).validate()
+    axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    sync_every = local_sgd.check_sync_every(sync_every, sync_fragments)
-    if sync_every > 1 or outer_tx is not None:
-        _check_in_graph_sum("local steps (sync_every)", strategy, sync, shard_optimizer,
-                            ": every device keeps its own whole inner optimizer state")
-        device_step = local_sgd.make_device_step(local_grads, tx, local_sgd.default_outer(outer_tx), sync, compressor,
-                                                 axis, mesh.size, sync_every, grad_norm, sync_fragments)
-        return _in_graph_step(device_step, mesh, tx, sync, local_grads, local=True)
+    return RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)
 
-    def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
 
-    if shard_optimizer:
-        if sync_halves(sync) is None:
-            name = _strategy_name(strategy)
-            why = ("it averages whole gradients in host memory, so there is no device-side update to shard"
-                   if is_on_host(sync) else "it has no reduce-scatter and all-gather halves (jaxdp.sync.Halves)")
-            raise InputError(f"shard_optimizer does not apply to strategy {name!r}: {why}; use psum or ring",
-                             argument="strategy")
-        return _sharded_step(local_grads, sync, mesh, tx, grad_norm)
-    if is_on_host(sync):
-        return _host_step(local_grads, apply_update, sync, mesh, tx, grad_norm)
+# ---------------------------------------------------------------------------------------------
+# The update rules: how a step turns per-device gradients into the next state.
+# ---------------------------------------------------------------------------------------------
+
+
+def _replicated(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
+                grad_norm: bool) -> TrainStep:
+    """Every device averages its gradients through the exchange and applies the same update."""
+    exchange = make_exchange(as_collective(spec.strategy), data_axes(mesh), mesh.size, spec.compression)
 
     def device_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         metrics, model_state, grads = local_grads(state, batch)
-        sync_state = state.sync
-        if compressor is not None:
-            grads, metrics, model_state, sync_state = _compress_together(
-                compressor, sync, axis, mesh.size, grads, metrics, model_state, state)
-        elif mesh.size > 1:  # on one device the mean is the value; XLA would still run a 1-device all-reduce
-            grads, metrics, model_state = _sync_together(sync, axis, grads, metrics, model_state)
+        grads, metrics, model_state, sync, extra = exchange.mean(grads, metrics, model_state, state.sync, state.step)
+        metrics = {**metrics, **extra}
         if grad_norm:
             metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
-        return apply_update(state, grads, model_state).replace(sync=sync_state), metrics
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+                             sync=sync), metrics
 
-    return _in_graph_step(device_step, mesh, tx, sync, local_grads, uses_sync=compressor is not None)
-
-
-def _check_in_graph_sum(feature: str, strategy: Any, sync: Callable, shard_optimizer: bool, why_not_sharded: str) -> None:
-    """InputError unless `feature` can run: it needs the strategy's in-graph sum, and no ZeRO-1."""
-    if sync_summing(sync) is None:
-        raise InputError(f"{feature} does not apply to strategy {_strategy_name(strategy)!r}: it needs an in-graph sum over devices "
-                         f"(psum or ring)", argument="strategy")
-    if shard_optimizer:
-        raise InputError(f"{feature} and shard_optimizer do not combine{why_not_sharded}; use one of them",
-                         argument="shard_optimizer")
+    # Without a codec the step keeps no compression state: a state made for "auto" passes its
+    # rows around the step untouched.
+    return _in_graph(device_step, mesh, tx, spec, local_grads, uses_sync=spec.compression is not None)
 
 
-def _strategy_name(strategy: Any) -> str:
-    return strategy if isinstance(strategy, str) else getattr(strategy, "__name__", "this strategy")
+def _local(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
+           grad_norm: bool) -> TrainStep:
+    """Local steps (jaxdp/local_sgd.py): the pseudo-gradient averaged every H steps, through the
+    collective's sum (pre-scaled by 1/N) and the codec if any."""
+    exchange = make_exchange(as_collective(spec.strategy), data_axes(mesh), mesh.size,
+                             spec.compression or NoCompression())
+    device_step = local_sgd.make_device_step(local_grads, tx, spec.outer_tx, exchange, spec.sync_every,
+                                             spec.sync_fragments, grad_norm)
+    return _in_graph(device_step, mesh, tx, spec, local_grads)
 
 
-def _in_graph_step(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformation, sync: Callable,
-                   local_grads: Callable, local: bool = False, uses_sync: bool = True) -> TrainStep:
+def _sharded(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
+             grad_norm: bool) -> TrainStep:
+    """ZeRO-1 (jaxdp/zero.py): reduce-scatter, each device's update of its 1/N, all-gather."""
+    collective = as_collective(spec.strategy)
+    jitted = zero.make_step(local_grads, tx, mesh, collective, make_exchange(collective, data_axes(mesh), mesh.size),
+                            grad_norm)
+    return TrainStep(_bounded(jitted, mesh), jitted, tx, spec, local_grads)
+
+
+def _in_graph(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformation, spec: SyncSpec,
+              local_grads: Callable, uses_sync: bool = True) -> TrainStep:
     """`device_step` mapped over the mesh and jitted; the state replicated but for the per-device
-    rows of `state.sync` (sharded over the data axis); the old state donated."""
-    axis = mesh_axis_name(mesh)
+    rows of `state.sync` (sharded over the data axes); the old state donated."""
+    axis = data_axes(mesh)
 
     def mapped(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         held = None
@@ -200,15 +188,12 @@ def _in_graph_step(device_step: Callable, mesh: Mesh, tx: optax.GradientTransfor
         state, metrics = jax.shard_map(device_step, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
                                        check_vma=False)(state, batch)
         return (state if held is None else state.replace(sync=held)), metrics
+
     step = jax.jit(mapped, donate_argnums=0)
-    # One device runs no collective, so nothing can deadlock and steps may queue freely.
-    run = _one_step_in_flight(step) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else step
-    train_step = TrainStep(run, step, tx, sync, local=local)
-    train_step.local_grads = local_grads  # per device, unsynchronised: what the compression controller times
-    return train_step
+    return TrainStep(_bounded(step, mesh), step, tx, spec, local_grads)
 
 
-def state_specs(state: TrainState, axis: str) -> Any:
+def state_specs(state: TrainState, axis: Any) -> Any:
     """shard_map specs for a (replicated) TrainState: P() everywhere but for the per-device rows
     of `state.sync`, which are split over `axis`."""
     rows = jax.tree.map(lambda _: P(axis), state.sync.per_device)
@@ -216,13 +201,16 @@ def state_specs(state: TrainState, axis: str) -> Any:
         sync=state.sync.replace(per_device=rows, shared=jax.tree.map(lambda _: P(), state.sync.shared)))
 
 
-def _one_step_in_flight(step: Callable) -> Callable:
-    """Wait for the previous step to finish before dispatching the next (CPU meshes only).
+def _bounded(step: Callable, mesh: Mesh) -> Callable:
+    """Wait for the previous step to finish before dispatching the next (CPU meshes of several
+    devices only; one device runs no collective, so nothing can deadlock and steps may queue).
 
     Hazard: with several steps queued, XLA's in-process CPU collectives can deadlock until their
     40 s rendezvous timeout aborts the process (seen at 2, 4 and 8 simulated devices). One step
     in flight avoids it, and the caller still prepares the next batch while the current step runs.
     """
+    if mesh.devices.flat[0].platform != "cpu" or mesh.size == 1:
+        return step
     previous = None
 
     def bounded(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -233,6 +221,55 @@ def _one_step_in_flight(step: Callable) -> Callable:
         return state, metrics
 
     return bounded
+
+
+def _host(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
+          grad_norm: bool) -> TrainStep:
+    """The on-host path: jitted per-device gradients -> numpy mean on the host -> jitted update.
+
+    Nothing crosses devices inside XLA: every device's gradients (and loss, aux, model state)
+    are copied to host memory, averaged there (across processes through the run's own
+    `host.process_sum_for(mesh)` transport), and copied back to every device.
+    """
+    axis = data_axes(mesh)
+    process_sum = host.process_sum_for(mesh)
+    host_mean = as_collective(spec.strategy).host
+
+    def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+
+    def per_device(state: TrainState, batch: Batch) -> Any:
+        out = local_grads(state, batch)
+        return jax.tree.map(lambda x: x[None], out)  # leading axis: one row per device
+
+    grads_fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis)),
+                                     out_specs=P(axis), check_vma=False))
+    update_fn = jax.jit(apply_update, donate_argnums=0)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        stacked = grads_fn(state, batch)
+        # Host sync point: every local device's values come to host memory.
+        leaves, treedef = jax.tree.flatten(stacked)
+        shards = [sorted(leaf.addressable_shards, key=lambda s: s.index[0].start) for leaf in leaves]
+        host_values = jax.device_get([[s.data for s in leaf_shards] for leaf_shards in shards])
+        per_device = [jax.tree.unflatten(treedef, [leaf[d][0] for leaf in host_values]) for d in range(len(shards[0]))]
+        metrics, model_state, grads = host_mean(per_device, num_devices=mesh.size, process_sum=process_sum)
+        if grad_norm:
+            metrics["grad_norm"] = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
+        grads, model_state = replicate((grads, model_state), mesh)  # host -> every device
+        return update_fn(state, grads, model_state), {k: np.float32(v) for k, v in metrics.items()}
+
+    return TrainStep(step, grads_fn, tx, spec, local_grads)
+
+
+RULES = {"replicated": _replicated, "local": _local, "sharded": _sharded, "host": _host}
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-device gradients (no collective inside).
+# ---------------------------------------------------------------------------------------------
 
 
 def _local_grads_fn(loss_fn: Callable, stateful: bool, axis: str) -> Callable:
@@ -293,158 +330,11 @@ def _accumulated(local_grads: Callable, k: int) -> Callable:
     return accumulate
 
 
-def _compress_together(compressor: Any, sync: Callable, axis: str, n: int, grads: Any, metrics: Metrics,
-                       model_state: Any, state: TrainState) -> tuple[Any, Metrics, Any, Any]:
-    """`_sync_together` with the gradients compressed: the metrics and model state ride in the
-    compressor's first collective (before a PowerSGD start step, in their own). Returns the mean
-    gradients, metrics, model state and the new `state.sync`."""
-    name = compression_lib.STATE_NAME
-    stored = compression_lib.CompressionState(
-        error=jax.tree.map(lambda x: x[0], state.sync.per_device.get(name, {})), q=state.sync.shared.get(name, {}))
-    floats, rejoin = _float_leaves(model_state)
-    extras = (metrics, floats)
-    total = sync_summing(sync)
-    riding: list[Any] = []
-
-    def sum_with_extras(tree: Any) -> Any:  # the first call also carries the scaled metrics and model state
-        if riding:
-            return total(tree, axis)
-        summed, extras_sum = total((tree, jax.tree.map(lambda x: x / n, extras)), axis)
-        riding.append(extras_sum)
-        return summed
-
-    separate = n == 1 or getattr(compressor, "start", 0) > 0  # lax.cond branches cannot hand values out
-    view = compression_lib.view(compressor, stored, grads)
-    grads, new, scalars = compressor.mean(grads, view, (lambda t: total(t, axis)) if separate else sum_with_extras,
-                                          n, state.step)
-    metrics, synced = sync(extras, axis) if separate and n > 1 else (riding[0] if riding else extras)
-    model_state = rejoin(synced)
-    merged = compression_lib.merge(stored, new)
-    sync_state = state.sync
-    if merged.error or merged.q:
-        sync_state = sync_state.replace(per_device={**sync_state.per_device, name: jax.tree.map(lambda x: x[None], merged.error)},
-                                        shared={**sync_state.shared, name: merged.q})
-    payload = compressor.payload_bytes(grads)
-    metrics = {**metrics, **scalars,
-               "comm_bytes": jnp.float32(compression_lib.bytes_sent(payload, n)),
-               "compression_ratio": jnp.float32(compression_lib.uncompressed_bytes(grads) / payload)}
-    return grads, metrics, model_state, sync_state
-
-
-def _sync_together(sync: Callable, axis: str, grads: Any, metrics: Metrics, model_state: Any) -> tuple[Any, Metrics, Any]:
-    """Average gradients, metrics and the float leaves of the model state over devices, in one
-    call of the strategy: the scalars and BatchNorm statistics ride in the gradients' fused
-    buffer instead of paying a collective's latency of their own (across processes on CPU each
-    collective is a gloo round trip of milliseconds; README "Performance")."""
-    floats, rejoin = _float_leaves(model_state)
-    grads, metrics, synced = sync((grads, metrics, floats), axis)
-    return grads, metrics, rejoin(synced)
-
-
-def _float_leaves(model_state: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """The model state's float leaves (what is averaged over devices), and the function that puts
-    averaged ones back in their places beside the untouched integer leaves (e.g. counters)."""
-    leaves, treedef = jax.tree.flatten(model_state)
-    is_float = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-
-    def rejoin(floats: list[Any]) -> Any:
-        floats = iter(floats)
-        return jax.tree.unflatten(treedef, [next(floats) if f else x for x, f in zip(leaves, is_float)])
-
-    return [x for x, f in zip(leaves, is_float) if f], rejoin
-
-
-def _sharded_step(local_grads: Callable, sync: Callable, mesh: Mesh, tx: optax.GradientTransformation,
-                  grad_norm: bool) -> TrainStep:
-    """ZeRO-1: reduce-scatter -> the update of each device's 1/N -> all-gather, in one jitted step.
-
-    Two `shard_map`s hold the collectives; between them the update runs on global arrays sharded
-    over the data axis, so each device updates its own chunk, and XLA adds the all-reduce that a
-    global reduction (clip_by_global_norm, the grad_norm metric) needs. Metrics and the model
-    state are averaged with the strategy as in the replicated step.
-    """
-    axis = mesh_axis_name(mesh)
-    reduce_scatter, all_gather = sync_halves(sync)
-    split = NamedSharding(mesh, P(axis))
-    # One collective per buffer where XLA combines them itself (its own collectives, one process);
-    # one interleaved buffer per dtype for the ring, and across processes (zero.scatter).
-    fuse = sync is not psum_mean or jax.process_count() > 1
-
-    def scatter(state: TrainState, batch: Batch, layout: zero.FlatLayout) -> tuple[Any, Metrics, Any]:
-        metrics, model_state, grads = local_grads(state, batch)
-        owned = zero.scatter(layout.flatten(grads), reduce_scatter, axis, mesh.size, fuse)
-        if mesh.size > 1:
-            _, metrics, model_state = _sync_together(sync, axis, {}, metrics, model_state)
-        return owned, metrics, model_state
-
-    def gather(owned: zero.FlatBuffers, layout: zero.FlatLayout) -> Any:
-        return layout.unflatten(zero.gather(owned, all_gather, axis, mesh.size, fuse))
-
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        layout = state.opt_state.layout
-        if layout.shards != mesh.size:
-            raise ValueError(f"the optimizer state is cut into {layout.shards} slices but the mesh has {mesh.size} "
-                             f"devices; make the state with init_state on this mesh")
-        in_specs = (P(), P(axis))
-        grads, metrics, model_state = jax.shard_map(
-            functools.partial(scatter, layout=layout), mesh=mesh, in_specs=in_specs,
-            out_specs=(P(axis), P(), P()), check_vma=False)(state.replace(opt_state=None), batch)
-        owned = jax.lax.with_sharding_constraint(layout.flatten(state.params), split)
-        updates, inner = tx.update(grads, state.opt_state.inner, owned)
-        owned = jax.lax.with_sharding_constraint(optax.apply_updates(owned, updates), split)
-        params = jax.shard_map(functools.partial(gather, layout=layout), mesh=mesh, in_specs=P(axis),
-                               out_specs=P(), check_vma=False)(owned)
-        if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
-        state = state.replace(step=state.step + 1, params=params, model_state=model_state,
-                              opt_state=zero.ShardedOptState(inner, layout))
-        return state, metrics
-
-    jitted = jax.jit(step, donate_argnums=0)
-    run = _one_step_in_flight(jitted) if mesh.devices.flat[0].platform == "cpu" and mesh.size > 1 else jitted
-    return TrainStep(run, jitted, tx, sync, shard_optimizer=True)
-
-
-def _host_step(local_grads: Callable, apply_update: Callable, host_mean: Callable, mesh: Mesh,
-               tx: optax.GradientTransformation, grad_norm: bool) -> TrainStep:
-    """The on-host path: jitted per-device gradients -> numpy mean on the host -> jitted update.
-
-    Nothing crosses devices inside XLA: every device's gradients (and loss, aux, model state)
-    are copied to host memory, averaged there (across processes through the run's own
-    `host.process_sum_for(mesh)` transport), and copied back to every device.
-    """
-    axis = mesh_axis_name(mesh)
-    process_sum = host.process_sum_for(mesh)
-
-    def per_device(state: TrainState, batch: Batch) -> Any:
-        out = local_grads(state, batch)
-        return jax.tree.map(lambda x: x[None], out)  # leading axis: one row per device
-
-    grads_fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis)),
-                                     out_specs=P(axis), check_vma=False))
-    update_fn = jax.jit(apply_update, donate_argnums=0)
-
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        stacked = grads_fn(state, batch)
-        # Host sync point: every local device's values come to host memory.
-        leaves, treedef = jax.tree.flatten(stacked)
-        shards = [sorted(leaf.addressable_shards, key=lambda s: s.index[0].start) for leaf in leaves]
-        host_values = jax.device_get([[s.data for s in leaf_shards] for leaf_shards in shards])
-        per_device = [jax.tree.unflatten(treedef, [leaf[d][0] for leaf in host_values]) for d in range(len(shards[0]))]
-        metrics, model_state, grads = host_mean(per_device, num_devices=mesh.size, process_sum=process_sum)
-        if grad_norm:
-            metrics["grad_norm"] = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
-        grads, model_state = replicate((grads, model_state), mesh)  # host -> every device
-        return update_fn(state, grads, model_state), {k: np.float32(v) for k, v in metrics.items()}
-
-    return TrainStep(step, grads_fn, tx, host_mean)
-
-
 def make_eval_step(eval_fn: Callable, mesh: Mesh) -> Callable[[TrainState, Batch], Any]:
     """`(state, batch) -> sums`: `eval_fn(params, model_state, local_batch)` returns a pytree of
     per-device sums (e.g. correct predictions, summed loss, example count); they are summed over
     all devices."""
-    axis = mesh_axis_name(mesh)
+    axis = data_axes(mesh)
 
     def device_eval(state: TrainState, batch: Batch) -> Any:
         return jax.lax.psum(eval_fn(state.params, state.model_state, batch), axis)

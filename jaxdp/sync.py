@@ -1,24 +1,27 @@
-"""Gradient synchronisation strategies, registered by name in `jaxdp.registry.STRATEGIES`.
+"""Collectives as values: what turns each device's tree into the mean over the mesh.
 
-A strategy turns each device's gradients into the mean over all devices. Two kinds exist:
+A strategy is a `Collective`: a frozen value with its mean `(tree, axis) -> tree` (called inside
+`shard_map` on each device's own tree), and where it has them its sum, its reduce-scatter and
+all-gather halves (`Halves`, what ZeRO-1 puts its update between), or an on-host mean. `PSUM`
+(XLA's all-reduce) and `RING` (an explicit ring of `jax.lax.ppermute`) are here; `HOST` (the
+device -> host -> device baseline) is in jaxdp/host.py. They are registered by name in
+`jaxdp.registry.STRATEGIES`.
 
-* in-graph: `fn(grads, axis_name) -> mean_grads`, called inside `shard_map` on each device's own
-  gradients. `psum` and `ring` (here) are of this kind. A new collective is one such function plus
-  one line in `STRATEGIES`; the step, the CLI, the tests and the benchmarks pick it up from there.
-  A strategy that can also be cut into a reduce-scatter and an all-gather carries them as
-  `fn.halves` (a `Halves`); ZeRO-1 (`shard_optimizer=True`) needs them.
-* on-host (marked with `@on_host`): `fn(local_trees, *, num_devices, process_sum) -> mean`, called
-  outside jit on a list with one numpy pytree per local device. `host` (jaxdp/host.py) is the only
-  one: it exists to show what a collective saves.
+A user's own strategy stays a bare function `fn(tree, axis) -> mean`:
+`STRATEGIES.register("mine", fn)`; `as_collective` wraps it (and reads the `fn.sum` / `fn.halves`
+attributes older code set on such functions). A function marked `@on_host` is an on-host mean
+`fn(local_trees, *, num_devices, process_sum) -> mean`.
 
-Every strategy returns a tree of the same structure and dtypes as its input. The train step
-calls its strategy once per step, on the gradients together with the metrics and the float
-leaves of the model state (one collective instead of three), so a strategy averages whatever
-float tree it is given, not only gradients.
+Every collective returns a tree of the same structure and dtypes as its input, and averages
+whatever float tree it is given: the train step hands it the gradients together with the
+metrics and the model state's float leaves (jaxdp/exchange.py), one collective instead of three.
+`axis` is the mesh's data axis (`jaxdp.mesh.data_axes`): a name, or a tuple of names on a mesh
+with several data axes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -34,9 +37,9 @@ def on_host(fn: Callable) -> Callable:
     return fn
 
 
-def is_on_host(strategy: Callable) -> bool:
-    """True for a strategy marked with `@on_host`."""
-    return getattr(strategy, "on_host", False)
+def is_on_host(strategy: Any) -> bool:
+    """True for an on-host strategy: a function marked with `@on_host`, or a Collective with a host mean."""
+    return bool(getattr(strategy, "on_host", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +79,7 @@ def _group_by_dtype(leaves: Sequence[jax.Array]) -> dict[Any, list[int]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def psum_mean(grads: Tree, axis_name: str) -> Tree:
+def psum_mean(grads: Tree, axis_name: Any) -> Tree:
     """`jax.lax.pmean`; across processes, of one fused buffer per dtype.
 
     Within a process, XLA's all-reduce of each leaf is the fastest (fusing costs a concatenation
@@ -94,7 +97,7 @@ def psum_mean(grads: Tree, axis_name: str) -> Tree:
 # ---------------------------------------------------------------------------------------------
 
 
-def ring_allreduce(tree: Tree, axis_name: str, *, mean: bool = False) -> Tree:
+def ring_allreduce(tree: Tree, axis_name: Any, *, mean: bool = False) -> Tree:
     """Sum `tree` over `axis_name` with an explicit ring; same result as `jax.lax.psum(tree, axis_name)`.
 
     Call it inside `shard_map` (with `check_vma=False`) or `pmap`. Leaves are fused into one
@@ -126,7 +129,7 @@ def ring_allreduce(tree: Tree, axis_name: str, *, mean: bool = False) -> Tree:
     return fused(lambda flat: _ring_sum(flat, axis_name, n, mean), tree)
 
 
-def _ring_sum(flat: jax.Array, axis_name: str, n: int, mean: bool = False) -> jax.Array:
+def _ring_sum(flat: jax.Array, axis_name: Any, n: int, mean: bool = False) -> jax.Array:
     """Ring all-reduce (sum, or mean) of a 1-D buffer over `n` devices: its two halves."""
     size = flat.shape[0]
     chunk = -(-size // n)  # ceil(size / n): the last chunk is zero-padded
@@ -134,7 +137,7 @@ def _ring_sum(flat: jax.Array, axis_name: str, n: int, mean: bool = False) -> ja
     return ring_all_gather(ring_reduce_scatter(padded, axis_name, mean=mean), axis_name)[:size]
 
 
-def ring_reduce_scatter(padded: jax.Array, axis_name: str, *, mean: bool = False) -> jax.Array:
+def ring_reduce_scatter(padded: jax.Array, axis_name: Any, *, mean: bool = False) -> jax.Array:
     """The ring's first half: a 1-D buffer of N equal chunks in, on device i the sum (or mean)
     over devices of chunk i out. N - 1 hops, each moving one chunk to the next device."""
     n = jax.lax.axis_size(axis_name)
@@ -157,7 +160,7 @@ def ring_reduce_scatter(padded: jax.Array, axis_name: str, *, mean: bool = False
     return acc / n if mean else acc  # a mean divides only the one chunk this device owns
 
 
-def ring_all_gather(owned: jax.Array, axis_name: str) -> jax.Array:
+def ring_all_gather(owned: jax.Array, axis_name: Any) -> jax.Array:
     """The ring's second half: device i's chunk i in, every chunk (in order) out on every device.
     N - 1 hops; each received chunk lands in place in one fresh output buffer."""
     n = jax.lax.axis_size(axis_name)
@@ -178,45 +181,94 @@ def ring_all_gather(owned: jax.Array, axis_name: str) -> jax.Array:
     return out
 
 
-def ring_mean(grads: Tree, axis_name: str) -> Tree:
+def ring_mean(grads: Tree, axis_name: Any) -> Tree:
     return ring_allreduce(grads, axis_name, mean=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# Halves: what ZeRO-1 (jaxdp/zero.py) puts its optimizer update between.
+# Collectives as values.
 # ---------------------------------------------------------------------------------------------
 
 
 class Halves(NamedTuple):
-    """A strategy's all-reduce cut in two, on 1-D buffers of N equal chunks (inside shard_map):
+    """An all-reduce cut in two, on 1-D buffers of N equal chunks (inside shard_map):
     `reduce_scatter(buffer, axis) -> the mean of chunk i` on device i, and
     `all_gather(chunk, axis) -> the whole buffer` on every device."""
 
-    reduce_scatter: Callable[[jax.Array, str], jax.Array]
-    all_gather: Callable[[jax.Array, str], jax.Array]
+    reduce_scatter: Callable[[jax.Array, Any], jax.Array]
+    all_gather: Callable[[jax.Array, Any], jax.Array]
 
 
-def _psum_scatter_mean(padded: jax.Array, axis_name: str) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """A gradient-sync strategy as a value.
+
+    name:         its name in STRATEGIES (or the function's name).
+    mean:         `(tree, axis) -> mean over devices`, in-graph; None for an on-host collective.
+    sum:          `(tree, axis) -> sum over devices`, in-graph; compression and local steps need it
+                  (they pre-scale by 1/N themselves, so narrow dtypes cannot overflow).
+    halves:       its reduce-scatter and all-gather; ZeRO-1 needs them.
+    host:         an on-host mean `(local_trees, *, num_devices, process_sum) -> mean` (jaxdp/host.py).
+    xla_combines: XLA combines this collective's per-leaf calls by itself (XLA's own all-reduce in
+                  one process), so ZeRO-1 need not interleave its buffers into one.
+
+    Calling it is calling its mean, so a Collective is also a strategy function: `fn(tree, axis)`
+    in-graph, or the on-host `fn(local_trees, *, num_devices, process_sum)`.
+    """
+
+    name: str
+    mean: Callable[[Tree, Any], Tree] | None = None
+    sum: Callable[[Tree, Any], Tree] | None = None
+    halves: Halves | None = None
+    host: Callable[..., Tree] | None = None
+    xla_combines: bool = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tree:
+        return (self.mean or self.host)(*args, **kwargs)
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
+
+def _psum_sum(tree: Tree, axis_name: Any) -> Tree:
+    """`jax.lax.psum`; across processes, of one fused buffer per dtype (as `psum_mean`)."""
+    if jax.process_count() > 1:
+        return fused(lambda flat: jax.lax.psum(flat, axis_name), tree)
+    return jax.lax.psum(tree, axis_name)
+
+
+def _psum_scatter_mean(padded: jax.Array, axis_name: Any) -> jax.Array:
     return jax.lax.psum_scatter(padded, axis_name, tiled=True) / jax.lax.axis_size(axis_name)
 
 
-def _psum_all_gather(owned: jax.Array, axis_name: str) -> jax.Array:
+def _psum_all_gather(owned: jax.Array, axis_name: Any) -> jax.Array:
     return jax.lax.all_gather(owned, axis_name, tiled=True)
 
 
-psum_mean.halves = Halves(_psum_scatter_mean, _psum_all_gather)
-# The plain sum over devices (compression pre-scales by 1/N itself, so narrow dtypes cannot overflow).
-psum_mean.sum = lambda tree, axis_name: (fused(lambda flat: jax.lax.psum(flat, axis_name), tree)
-                                         if jax.process_count() > 1 else jax.lax.psum(tree, axis_name))
-ring_mean.sum = ring_allreduce
-ring_mean.halves = Halves(functools.partial(ring_reduce_scatter, mean=True), ring_all_gather)
+PSUM = Collective("psum", mean=psum_mean, sum=_psum_sum, halves=Halves(_psum_scatter_mean, _psum_all_gather),
+                  xla_combines=True)
+RING = Collective("ring", mean=ring_mean, sum=ring_allreduce,
+                  halves=Halves(functools.partial(ring_reduce_scatter, mean=True), ring_all_gather))
 
 
-def summing(strategy: Callable) -> Callable[[Tree, str], Tree] | None:
-    """The strategy's sum over devices `(tree, axis) -> tree`, or None if it has none."""
-    return getattr(strategy, "sum", None)
+def as_collective(strategy: Any) -> Collective:
+    """A Collective for a strategy given as a Collective, a registered name, an `@on_host`
+    function, or a bare in-graph `fn(tree, axis)` (with the optional `fn.sum` / `fn.halves` that
+    older code attached)."""
+    if isinstance(strategy, Collective):
+        return strategy
+    if isinstance(strategy, str):
+        from jaxdp.registry import STRATEGIES
 
-
-def halves(strategy: Callable) -> Halves | None:
-    """The strategy's reduce-scatter and all-gather, or None if it has none (`host`, a custom one)."""
-    return getattr(strategy, "halves", None)
+        return as_collective(STRATEGIES[strategy])
+    if not callable(strategy):
+        raise TypeError(f"a strategy is a name in STRATEGIES, a Collective or a function fn(tree, axis), got {strategy!r}")
+    name = getattr(strategy, "__name__", "this strategy")
+    if is_on_host(strategy):
+        return Collective(name, host=strategy)
+    if strategy is psum_mean:
+        return PSUM
+    if strategy is ring_mean:
+        return RING
+    return Collective(name, mean=strategy, sum=getattr(strategy, "sum", None), halves=getattr(strategy, "halves", None))

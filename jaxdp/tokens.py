@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxdp.data import global_batch_indices
+from jaxdp.order import global_batch_indices
 from jaxdp.errors import InputError
 
 HELD_OUT_FRACTION = 0.1  # the tail of the stream: a fixed split, independent of --seed

@@ -54,14 +54,16 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import compression, data, distributed, heartbeat, local_sgd, models, tasks, zero
-    from jaxdp.controller import GUARD_BATCHES, Controller
+    from jaxdp import compression, controller as controller_lib, data, distributed, heartbeat, local_sgd, models, \
+        syncspec, tasks, zero
+    from jaxdp.controller import GUARD_BATCHES
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
     from jaxdp.metrics import MetricsWriter, check_finite, peak_tflops, write_text_atomically
     from jaxdp.prefetch import Prefetcher
     from jaxdp.preemption import Preemption
-    from jaxdp.state import init_state, make_optimizer, make_outer_optimizer, make_schedule
+    from jaxdp.optim import make_optimizer, make_outer_optimizer, make_schedule
+    from jaxdp.state import init_state
     from jaxdp.step import make_eval_step, make_train_step
 
     # ---- distribution and mesh ---------------------------------------------------------------
@@ -106,70 +108,41 @@ def train(config: Config) -> Result:
                                     config=config)
     try:
         # ---- update step ---------------------------------------------------------------------
-        def local_steps(sync_every: int) -> dict[str, Any]:  # H > 1: local steps, jaxdp/local_sgd.py
-            return dict(sync_every=sync_every, sync_fragments=config.sync_fragments, outer_tx=make_outer_optimizer(
-                config.outer_optimizer, config.outer_lr, config.outer_momentum)) if sync_every > 1 else {}
+        # The sync choices as one value; "auto" ones are resolved by the controller (jaxdp/controller.py).
+        outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+        requested = syncspec.from_config(config, outer_tx)
 
-        def new_state(sync_every: int, compression_spec: Any) -> Any:
+        def new_state(spec: Any) -> Any:
             return init_state(params, tx, mesh, model_state=model_state, rng=config.seed,
-                              shard_optimizer=config.shard_optimizer, compression=compression_spec,
-                              **local_steps(sync_every))
+                              shard_optimizer=spec.shard_optimizer, compression=spec.compression,
+                              sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
 
-        steps_by_choice: dict[Any, Any] = {}
+        steps_by_spec: dict[Any, Any] = {}
 
-        def step_for(compressor: Any, sync_every: int) -> Any:  # one compiled step per choice (auto switches)
-            if (compressor, sync_every) not in steps_by_choice:
-                steps_by_choice[compressor, sync_every] = make_train_step(
-                    task.loss_fn, tx, mesh, config.strategy, stateful=True, grad_accum=config.grad_accum,
-                    grad_norm=True, shard_optimizer=config.shard_optimizer, compression=compressor,
-                    **local_steps(sync_every))
-            return steps_by_choice[compressor, sync_every]
+        def step_for(spec: Any) -> Any:  # one compiled step per choice (--compression auto switches)
+            if spec not in steps_by_spec:
+                steps_by_spec[spec] = make_train_step(
+                    task.loss_fn, tx, mesh, spec.strategy, stateful=True, grad_accum=config.grad_accum, grad_norm=True,
+                    shard_optimizer=spec.shard_optimizer, compression=spec.compression, sync_every=spec.sync_every,
+                    outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
+            return steps_by_spec[spec]
 
-        def new_controller(step: Any) -> Controller:
-            return Controller(step.local_grads, mesh, step.strategy, params, target_fraction=config.comm_target)
-
-        auto = config.compression == compression.AUTO
-        fixed = None if auto else compression.resolve(config.compression)
-        early: list[tuple[str, dict]] = []  # decisions taken before the loop, logged after the "start" record
-        state = controller = decided = None  # decided: the --compression auto decision --sync-every auto took
-        plain_pseudo = False  # --sync-every auto chose H > 1 under --compression auto: the pseudo-gradient goes plain
-        requested = config  # as given: config.toml says --sync-every auto, so a rerun resumes as this run did
-        sync_auto = config.sync_every == local_sgd.AUTO
+        sync_auto = config.sync_every == syncspec.AUTO
+        begun = controller_lib.start(
+            requested, mesh, params, make_state=new_state, make_step=step_for,
+            batches=lambda k: [batch_at(i) for i in range(k)], target_fraction=config.comm_target,
+            recorded=checkpointer.recorded_meta() if checkpointer and sync_auto else None)
+        spec, controller, early = begun.spec, begun.controller, begun.records
+        state = begun.state if begun.state is not None else new_state(begun.state_spec)
+        train_step = step_for(spec)
+        requested_config = config  # as given: config.toml says --sync-every auto, so a rerun resumes as this run did
         if sync_auto:
-            recorded = checkpointer.recorded_meta() if checkpointer else None
-            if recorded is not None:  # resume: the H the checkpoint recorded, never a new measurement
-                sync_every, chose = (recorded.get("config") or {}).get("sync_every"), recorded.get("sync_every_auto")
-                if isinstance(sync_every, bool) or not isinstance(sync_every, int):
-                    raise ConfigError(f"--sync-every auto: the checkpoint in --checkpoint-dir={config.checkpoint_dir!r} "
-                                      f"records no sync_every to resume with; pass --sync-every N")
-                record = {"sync_every": sync_every, "why": f"resumed from the checkpoint of step {recorded['step']}, "
-                          f"which records sync_every={sync_every}: a resumed run keeps its H (no new measurement)"}
-                plain_pseudo = auto and sync_every > 1 and bool(chose)
-            elif mesh.size == 1:
-                record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
-            else:  # a fresh run: measure once, on a synchronous state, and decide (the same on every process)
-                state = new_state(1, config.compression)
-                controller = new_controller(step_for(fixed, 1))
-                decided, record = controller.decide_sync_every(
-                    state, [batch_at(k) for k in range(GUARD_BATCHES if auto else 1)], 0, fixed, auto)
-                plain_pseudo, chose = auto and record["sync_every"] > 1, True
-                if decided:
-                    early.append(("compression", decided.record))
-            early.append(("local_steps", record))
-            config = config.replace(sync_every=record["sync_every"])
+            config = config.replace(sync_every=spec.sync_every)
             if is_main:
-                print(f"jaxdp: --sync-every auto: {record['sync_every']}: {record['why']}", file=sys.stderr)
+                print(f"jaxdp: --sync-every auto: {spec.sync_every}: {dict(early)['local_steps']['why']}", file=sys.stderr)
             if checkpointer:  # checkpoints record the resolved H, and that auto chose it
-                checkpointer.config, checkpointer.extra_meta = config, {"sync_every_auto": bool(chose)}
-        if state is None or config.sync_every > 1:
-            state = new_state(config.sync_every, None if plain_pseudo else config.compression)
-        # Local steps chosen over compression send the pseudo-gradient plain, whatever the plan was.
-        initial = None if plain_pseudo else decided.compressor if decided else None if auto else fixed
-        train_step = step_for(initial, config.sync_every)
-        if auto and not plain_pseudo and mesh.size > 1:
-            controller = controller or new_controller(train_step)
-        else:
-            controller = None  # no --compression auto, or local steps it does not re-decide for
+                checkpointer.config = config
+                checkpointer.extra_meta = {"sync_every_auto": bool(begun.sync_every_auto)}
         # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
         plain_comm = {"comm_bytes": compression.bytes_sent(compression.uncompressed_bytes(params), mesh.size),
                       "compression_ratio": 1.0}
@@ -187,7 +160,7 @@ def train(config: Config) -> Result:
         raise
     if checkpointer and is_main:  # the effective config, beside the checkpoints: `--config DIR/config.toml` reruns it
         write_text_atomically(os.path.join(checkpointer.directory, "config.toml"), config_toml(
-            requested, comment=f"--sync-every auto chose {config.sync_every} (the checkpoints record it)" if sync_auto else None))
+            requested_config, comment=f"--sync-every auto chose {config.sync_every} (the checkpoints record it)" if sync_auto else None))
 
     def evaluate(state: Any) -> dict[str, float]:
         """Held-out metrics over the held-out split (at most --eval-batches global batches)."""
@@ -239,7 +212,7 @@ def train(config: Config) -> Result:
     beat = heartbeat.for_run(config.stall_timeout)
     try:
         for step, batch in batches:
-            first = step == start_step and decided is None  # --sync-every auto decided compression already
+            first = step == start_step and not begun.decided  # --sync-every auto decided compression already
             if controller and (first or (step > start_step and config.compression_every
                                          and step % config.compression_every == 0)):
                 checked()
@@ -247,7 +220,8 @@ def train(config: Config) -> Result:
                 writer.event("compression", step, **decision.record)
                 if is_main and decision.record["propose_local_steps"] and config.sync_every == 1:
                     print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
-                train_step = step_for(decision.compressor, config.sync_every)
+                spec = spec.replace(compression=decision.compressor)
+                train_step = step_for(spec)
             dispatch = time.perf_counter()
             state, metrics = train_step(state, batch)
             done = step + 1

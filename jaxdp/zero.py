@@ -42,6 +42,7 @@ buffers are cut again) and a run may switch `--shard-optimizer` on or off when i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -53,7 +54,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
-from jaxdp.mesh import axis_name as mesh_axis_name
+from jaxdp.mesh import data_axes
 
 
 @flax.struct.dataclass
@@ -171,6 +172,58 @@ def _split(flat: jax.Array, sizes: list[int]) -> list[jax.Array]:
     return [flat[offsets[k]:offsets[k + 1]] for k in range(len(sizes))]
 
 
+# ---------------------------------------------------------------------------------------------
+# The step: reduce-scatter -> each device's update of its 1/N -> all-gather.
+# ---------------------------------------------------------------------------------------------
+
+
+def make_step(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, collective: Any, exchange: Any,
+              grad_norm: bool) -> Callable:
+    """The jitted ZeRO-1 step `(state, batch) -> (state, metrics)` (the old state donated).
+
+    Two `shard_map`s hold the collective's halves; between them the update runs on global arrays
+    sharded over the data axes, so each device updates its own chunk, and XLA adds the all-reduce
+    that a global reduction (clip_by_global_norm, the grad_norm metric) needs. The metrics and the
+    model state are averaged by `exchange` (jaxdp/exchange.py) as in the replicated step.
+    """
+    axis = data_axes(mesh)
+    reduce_scatter, all_gather = collective.halves
+    split = NamedSharding(mesh, P(axis))
+    # One collective per buffer where XLA combines them itself (its own collectives, one process);
+    # one interleaved buffer per dtype for the ring, and across processes (`scatter`).
+    fuse = not collective.xla_combines or jax.process_count() > 1
+
+    def scatter_grads(state: Any, batch: Any, layout: FlatLayout) -> tuple[Any, dict, Any]:
+        metrics, model_state, grads = local_grads(state, batch)
+        owned = scatter(layout.flatten(grads), reduce_scatter, axis, mesh.size, fuse)
+        metrics, model_state = exchange.riders(metrics, model_state)
+        return owned, metrics, model_state
+
+    def gather_params(owned: FlatBuffers, layout: FlatLayout) -> Any:
+        return layout.unflatten(gather(owned, all_gather, axis, mesh.size, fuse))
+
+    def step(state: Any, batch: Any) -> tuple[Any, dict]:
+        layout = state.opt_state.layout
+        if layout.shards != mesh.size:
+            raise ValueError(f"the optimizer state is cut into {layout.shards} slices but the mesh has {mesh.size} "
+                             f"devices; make the state with init_state on this mesh")
+        grads, metrics, model_state = jax.shard_map(
+            functools.partial(scatter_grads, layout=layout), mesh=mesh, in_specs=(P(), P(axis)),
+            out_specs=(P(axis), P(), P()), check_vma=False)(state.replace(opt_state=None), batch)
+        owned = jax.lax.with_sharding_constraint(layout.flatten(state.params), split)
+        updates, inner = tx.update(grads, state.opt_state.inner, owned)
+        owned = jax.lax.with_sharding_constraint(optax.apply_updates(owned, updates), split)
+        params = jax.shard_map(functools.partial(gather_params, layout=layout), mesh=mesh, in_specs=P(axis),
+                               out_specs=P(), check_vma=False)(owned)
+        if grad_norm:
+            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        state = state.replace(step=state.step + 1, params=params, model_state=model_state,
+                              opt_state=ShardedOptState(inner, layout))
+        return state, metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
 def is_sharded(opt_state: Any) -> bool:
     return isinstance(opt_state, ShardedOptState)
 
@@ -181,7 +234,7 @@ def _is_flat(x: Any) -> bool:
 
 def shardings(abstract_inner: Any, mesh: Mesh) -> Any:
     """Sharded over the data axis for every flat buffer of an optax state, replicated otherwise."""
-    split, whole = NamedSharding(mesh, P(mesh_axis_name(mesh))), NamedSharding(mesh, P())
+    split, whole = NamedSharding(mesh, P(data_axes(mesh))), NamedSharding(mesh, P())
     return jax.tree.map(lambda x: jax.tree.map(lambda _: split, x) if _is_flat(x) else whole,
                         abstract_inner, is_leaf=_is_flat)
 

@@ -17,7 +17,7 @@ def test_choices_are_the_registries_names():
                        "outer_optimizer": tuple(registry.OUTER_OPTIMIZERS),
                        "precision": ("fp32", "bf16"), "attention": ("auto", "xla", "cudnn")}
     assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
-    assert jaxdp.STRATEGIES["ring"] is jaxdp.ring_mean  # resolved lazily, the real function
+    assert jaxdp.STRATEGIES["ring"] is jaxdp.sync.RING and jaxdp.STRATEGIES["ring"].mean is jaxdp.ring_mean  # lazily
 
 
 def test_every_field_is_a_flag_in_a_group_and_help_shows_defaults():

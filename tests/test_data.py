@@ -1,24 +1,24 @@
-"""Batch order is a pure function of (seed, step), and process slices tile the global batch."""
+"""Batch order (jaxdp/order.py) is a pure function of (seed, step), and process slices tile the global batch; datasets load."""
 
 import numpy as np
 import pytest
 
-from jaxdp import data
+from jaxdp import data, order
 
 
 def test_every_example_once_per_epoch_and_order_depends_on_seed():
     n, batch = 100, 10
-    epoch = np.concatenate([data.global_batch_indices(n, batch, s, seed=3) for s in range(10)])
+    epoch = np.concatenate([order.global_batch_indices(n, batch, s, seed=3) for s in range(10)])
     assert sorted(epoch) == list(range(n))
-    again = np.concatenate([data.global_batch_indices(n, batch, s, seed=3) for s in range(10)])
-    other = np.concatenate([data.global_batch_indices(n, batch, s, seed=4) for s in range(10)])
+    again = np.concatenate([order.global_batch_indices(n, batch, s, seed=3) for s in range(10)])
+    other = np.concatenate([order.global_batch_indices(n, batch, s, seed=4) for s in range(10)])
     np.testing.assert_array_equal(epoch, again)
     assert not np.array_equal(epoch, other)
 
 
 def test_batches_straddle_epoch_boundaries():
     n, batch = 10, 4  # step 2 holds rows 8, 9 of epoch 0 and rows 0, 1 of epoch 1
-    stream = np.concatenate([data.global_batch_indices(n, batch, s, seed=0) for s in range(5)])
+    stream = np.concatenate([order.global_batch_indices(n, batch, s, seed=0) for s in range(5)])
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
 
 
@@ -26,15 +26,15 @@ def test_batches_straddle_epoch_boundaries():
 def test_process_slices_concatenate_to_the_global_batch(processes):
     x, y = np.arange(50)[:, None].astype(np.float32), np.arange(50).astype(np.int32)
     for step in range(7):
-        whole = data.local_batch(x, y, 16, step, seed=1)
-        parts = [data.local_batch(x, y, 16, step, seed=1, process_index=p, process_count=processes)
+        whole = order.local_batch(x, y, 16, step, seed=1)
+        parts = [order.local_batch(x, y, 16, step, seed=1, process_index=p, process_count=processes)
                  for p in range(processes)]
         np.testing.assert_array_equal(np.concatenate([p["y"] for p in parts]), whole["y"])
 
 
 def test_eval_batches_cover_the_set_once_with_a_mask():
     x, y = np.arange(23)[:, None].astype(np.float32), np.arange(23).astype(np.int32)
-    batches = list(data.eval_batches(x, y, 8))
+    batches = list(order.eval_batches(x, y, 8))
     seen = np.concatenate([b["y"][b["mask"] > 0] for b in batches])
     np.testing.assert_array_equal(seen, y)
     assert all(len(b["y"]) == 8 for b in batches)
@@ -68,8 +68,8 @@ def reference_indices(n, batch, step, seed):
 
 @pytest.mark.parametrize("n, batch, step", [(10, 4, 2), (7, 30, 3), (100, 100, 5), (3, 1000, 1)])
 def test_indices_match_the_definition_for_any_batch_to_dataset_ratio(n, batch, step):
-    np.testing.assert_array_equal(data.global_batch_indices(n, batch, step, seed=5), reference_indices(n, batch, step, 5))
-    part = data.global_batch_indices(n, batch, step, seed=5, start=batch // 3, stop=batch // 2)
+    np.testing.assert_array_equal(order.global_batch_indices(n, batch, step, seed=5), reference_indices(n, batch, step, 5))
+    part = order.global_batch_indices(n, batch, step, seed=5, start=batch // 3, stop=batch // 2)
     np.testing.assert_array_equal(part, reference_indices(n, batch, step, 5)[batch // 3:batch // 2])
 
 
@@ -78,8 +78,8 @@ def test_a_batch_far_above_the_dataset_size_costs_its_own_size(monkeypatch):
     crosses (the whole global batch used to be computed by every process, with a pass over all
     its rows per epoch: quadratic in the batch size)."""
     calls = []
-    original = data._epoch_permutation.__wrapped__
-    monkeypatch.setattr(data, "_epoch_permutation", lambda n, seed, epoch: calls.append(epoch) or original(n, seed, epoch))
+    original = order._epoch_permutation.__wrapped__
+    monkeypatch.setattr(order, "_epoch_permutation", lambda n, seed, epoch: calls.append(epoch) or original(n, seed, epoch))
     x, y = np.zeros((1437, 1), np.float32), np.arange(1437, dtype=np.int32)
-    batch = data.local_batch(x, y, 4_000_000, step=3, seed=0, process_index=7, process_count=400_000)
+    batch = order.local_batch(x, y, 4_000_000, step=3, seed=0, process_index=7, process_count=400_000)
     assert len(batch["y"]) == 10 and len(set(calls)) <= 2

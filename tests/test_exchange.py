@@ -1,5 +1,6 @@
-"""Compression inside the train step (make_train_step(compression=...)), its state in checkpoints,
-the CLI's --compression, and the adaptive controller's choice on a fast link."""
+"""jaxdp/exchange.py through the step: training through a codec against plain averaging and across
+resume, the bytes it reports, the guard's replay, a mesh of two data axes, and the CLI's
+--compression with the adaptive controller's choice on a fast link."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 
 import jaxdp
 from helpers import records, run_cli
-from jaxdp import compression
+from jaxdp import compression, costmodel
 from jaxdp.errors import InputError
 from jaxdp.models import MLP
 
@@ -91,7 +92,7 @@ def test_error_feedback_survives_checkpoint_and_resume_bit_identically(devices, 
     resumed, _ = train(mesh, tx, "ring", "powersgd:2", batches[6:], state=restored)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    # On 4 devices: every new device owes the mean of the 8 old errors (compression.redistribute_error).
+    # On 4 devices: every new device owes the mean of the 8 old errors (jaxdp/checkpoint.py).
     mesh4 = jaxdp.make_mesh(devices[:4])
     with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
         four = ckpt.restore(jaxdp.init_state(PARAMS, tx, mesh4, compression="powersgd:2"))
@@ -149,7 +150,7 @@ def test_cli_compression_runs_and_auto_picks_none_on_a_fast_link(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["psum", "ring"])
 def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
-    """Controller.quality checks candidates on the true means with no collective (PowerSGD through
+    """The guard (Controller.truth, then .replay per candidate) checks candidates on the true means with no collective (PowerSGD through
     an all-reduce is linear in its input). It must equal compressing every device's own gradient
     through the strategy's real all-reduce, per-device error feedback threaded, from a state whose
     error rows differ between devices (a few compressed steps in)."""
@@ -157,7 +158,7 @@ def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
 
     from jaxdp.controller import GUARD_BATCHES, Controller
     from jaxdp.step import state_specs
-    from jaxdp.sync import summing
+    from jaxdp.exchange import STATE_NAME, read_slot, write_slot
 
     mesh, tx = jaxdp.make_mesh(devices), optax.sgd(0.1, momentum=0.9)
     state, _ = train(mesh, tx, strategy, "powersgd:2", data(3), state_spec="auto")
@@ -167,29 +168,58 @@ def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
     ranks = [c for c in controller.candidates if isinstance(c, compression.PowerSGD)]
     candidates = [ranks[0], ranks[-1]]  # the highest rank and the lowest
     assert candidates[0] != candidates[1]
-    replayed = controller.quality(state, batches, candidates)
+    truth = controller.truth(state, batches)
+    replayed = {c.name: controller.replay(c, truth) for c in candidates}
 
-    axis, n, total = jaxdp.mesh.axis_name(mesh), mesh.size, summing(step.strategy)
+    axis, n, total = jaxdp.mesh.axis_name(mesh), mesh.size, step.strategy.sum
 
     def window(state, batches, compressor):  # the distributed way, the old guard's program
         def per_device(state, batch, rows):
             _, _, grads = step.local_grads(state, batch)
             stored = compression.CompressionState(error=jax.tree.map(lambda x: x[0], rows),
-                                                  q=state.sync.shared[compression.STATE_NAME])
-            mean, new, _ = compressor.mean(grads, compression.view(compressor, stored, grads),
+                                                  q=state.sync.shared[STATE_NAME])
+            mean, new, _ = compressor.mean(grads, read_slot(compressor, stored, grads),
                                            lambda t: total(t, axis), n, 0)
             true = total(jax.tree.map(lambda g: g / n, grads), axis)
-            return (mean, true), jax.tree.map(lambda x: x[None], compression.merge(stored, new).error)
+            return (mean, true), jax.tree.map(lambda x: x[None], write_slot(stored, new).error)
 
         fn = jax.jit(lambda state, batch, rows: jax.shard_map(
             per_device, mesh=mesh, in_specs=(state_specs(state, axis), P(axis), P(axis)),
             out_specs=((P(), P()), P(axis)), check_vma=False)(state, batch, rows))
-        rows, sums = state.sync.per_device[compression.STATE_NAME], None
+        rows, sums = state.sync.per_device[STATE_NAME], None
         for batch in batches:
             out, rows = fn(state.replace(opt_state=None), batch, rows)
             sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-        return float(compression.relative_error(*sums))
+        return float(costmodel.relative_error(*sums))
 
     for candidate in candidates:
         assert replayed[candidate.name] == pytest.approx(window(state, batches, candidate), rel=1e-4, abs=1e-6)
     assert len({round(e, 6) for e in replayed.values()}) == len(candidates) and min(replayed.values()) > 0
+
+
+def test_before_its_start_step_a_codec_reports_the_bytes_it_really_sends(devices):
+    """powersgd:2:start=2 sends the whole gradient at steps 0 and 1: comm_bytes and the ratio say so."""
+    mesh, tx = jaxdp.make_mesh(devices), optax.sgd(0.1)
+    _, history = train(mesh, tx, "ring", "powersgd:2:start=2", data(4))
+    plain = compression.bytes_sent(compression.uncompressed_bytes(PARAMS), mesh.size)
+    compressed = compression.bytes_sent(compression.parse("powersgd:2").payload_bytes(PARAMS), mesh.size)
+    assert [float(h["comm_bytes"]) for h in history] == pytest.approx([plain, plain, compressed, compressed], rel=1e-6)
+    assert [float(h["compression_ratio"]) for h in history][:2] == [1.0, 1.0] and history[-1]["compression_ratio"] > 1.5
+    assert [float(h["compressed"]) for h in history] == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("strategy, spec, shard", [("psum", None, False), ("ring", "powersgd:2", False),
+                                                    ("ring", None, True)])
+def test_a_mesh_of_two_data_axes_trains_like_the_flat_mesh(devices, strategy, spec, shard):
+    """make_mesh(axis_name=("hosts", "local")): every collective runs over both axes together, so
+    training equals the 1-D mesh's (the groundwork of a hierarchical exchange)."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    results = []
+    for mesh in (jaxdp.make_mesh(devices), jaxdp.make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))):
+        state = jaxdp.init_state(PARAMS, tx, mesh, compression=spec, shard_optimizer=shard)
+        step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy, compression=spec, shard_optimizer=shard)
+        for batch in data(3):
+            state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        results.append((jax.device_get(state.params), float(metrics["loss"])))
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-6)
+    assert max_relative(results[1][0], results[0][0]) <= 1e-6

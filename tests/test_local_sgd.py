@@ -14,7 +14,6 @@ import pytest
 import jaxdp
 from helpers import ROOT, cli_env, records, step_records
 from jaxdp import local_sgd
-from jaxdp.compression import CommModel
 from jaxdp.config import parse_args
 from jaxdp.models import MLP
 from jaxdp.train import train
@@ -245,19 +244,8 @@ def test_bad_input_exits_2_with_one_line_before_jax_starts(case):
 # ---- for the controller ------------------------------------------------------------------------
 
 
-def test_comm_seconds_per_step_and_choose_sync_every():
-    model = CommModel(latency_s=0.001, seconds_per_byte=1e-6)  # 1 MB/s
-    assert local_sgd.comm_seconds_per_step(model, 1_000_000, 1) == pytest.approx(1.001)
-    assert local_sgd.comm_seconds_per_step(model, 1_000_000, 10) == pytest.approx(0.1001)
-    # 1.001 s per sync, compute 0.1 s per step, comm at most 0.25 x compute: H = ceil(1.001 / 0.025) = 41
-    assert local_sgd.choose_sync_every(0.1, model, 1_000_000) == 41
-    assert local_sgd.choose_sync_every(100.0, model, 1_000_000) == 1
-    with pytest.raises(ValueError, match="sync_every must be a positive integer"):
-        local_sgd.comm_seconds_per_step(model, 1, 0)
-
-
 def test_make_outer_optimizer():
-    from jaxdp.state import make_outer_optimizer
+    from jaxdp.optim import make_outer_optimizer
 
     grads = {"w": jnp.ones(3)}
     for name, momentum in (("nesterov", 0.9), ("sgd", 0.0), ("sgd", 0.5)):

@@ -1,6 +1,7 @@
-"""`--sync-every auto` (jaxdp/train.py, controller.py, local_sgd.py): the H rule as a pure function of
-measured figures, the flags, and CLI runs where the decision is forced by --comm-target (a real
-measurement against a target nothing meets, or one everything meets)."""
+"""jaxdp/controller.py: `--sync-every auto` and `--compression auto` at a run's start (`start`,
+`decide_sync_every`), the flags, and CLI runs where the decision is forced by --comm-target (a real
+measurement against a target nothing meets, or one everything meets). The H rule itself, a pure
+function of measured figures: tests/test_costmodel.py."""
 
 import jax
 import jax.numpy as jnp
@@ -10,55 +11,13 @@ import jaxdp
 import jaxdp.sync
 from jaxdp.errors import InputError
 from helpers import records, step_records
-from jaxdp import compression, local_sgd
-from jaxdp.compression import CommModel
+from jaxdp import compression
 from jaxdp.config import ConfigError, config_toml, parse_args, read_config_file
-from jaxdp.controller import Controller, local_steps_record
+from jaxdp.controller import Controller
 from jaxdp.models import MLP
 from jaxdp.train import train
 
-# ---- the rule ------------------------------------------------------------------------------------
-
-EXACT = CommModel(latency_s=0.0, seconds_per_byte=2.0 ** -20)  # 2**23 bytes: 8 s per all-reduce, exactly
-
-
-@pytest.mark.parametrize("compute_s, expected, needed", [
-    (32.0, 1, 1),    # target 8 s: one all-reduce per step fits, synchronous
-    (16.0, 2, 2),    # target 4 s
-    (4.0, 8, 8),     # target 1 s: exactly 8, a power of two already
-    (3.0, 16, 11),   # target 0.75 s: 10.67 -> 11 -> 16
-    (1.0, 16, 32),   # target 0.25 s: 32, capped at 16
-])
-def test_h_is_1_when_it_fits_else_the_next_power_of_two_capped_at_16(compute_s, expected, needed):
-    choice = local_sgd.auto_sync_every(compute_s, EXACT, 2 ** 23, target_fraction=0.25)
-    assert (choice["sync_every"], choice["uncapped_sync_every"]) == (expected, needed)
-    smallest = local_sgd.choose_sync_every(compute_s, EXACT, 2 ** 23, target_fraction=0.25)
-    assert choice["sync_every"] == min(smallest, 16) or smallest < choice["sync_every"] < 2 * smallest
-    assert choice["comm_per_sync_s"] == 8.0 and choice["predicted_comm_s"] == 8.0 / expected
-    assert choice["fits"] == (needed <= local_sgd.MAX_AUTO_SYNC_EVERY)
-    assert ("the cap" in choice["why"]) == (needed > 16) and ("synchronous" in choice["why"]) == (expected == 1)
-
-
-def test_latency_and_collectives_count_and_the_default_target():
-    model = CommModel(latency_s=0.5, seconds_per_byte=2.0 ** -20)
-    # 2 calls x 0.5 s + 8 s = 9 s per average against 0.25 x 4.5 s = 1.125 s: 8 exactly
-    assert local_sgd.auto_sync_every(4.5, model, 2 ** 23, collectives=2)["sync_every"] == 8
-    assert local_sgd.auto_sync_every(4.5, model, 2 ** 23, collectives=2, max_sync_every=4)["sync_every"] == 4
-    assert compression.TARGET_COMM_FRACTION == 0.25 and local_sgd.MAX_AUTO_SYNC_EVERY == 16
-
-
-def test_the_record_is_a_pure_function_of_the_gathered_figures():
-    # all-reduce of 4096 bytes: 1.0 s, of 65536 bytes: 2.0 s -> latency 14/15 s, 61440 bytes/s
-    figures = {"compute_s": 2.0, "comm_small_s": 1.0, "comm_full_s": 2.0, "comm_sizes": [4096, 65536]}
-    record = local_steps_record(figures, "none", 65536, 1, 0.25)
-    assert record == local_steps_record(dict(figures), "none", 65536, 1, 0.25)
-    # 2.0 s per average against 0.5 s per step: 4
-    assert record["sync_every"] == 4 and record["uncapped_sync_every"] == 4 and record["fits"]
-    assert record["comm_per_sync_s"] == pytest.approx(2.0) and record["predicted_comm_s"] == pytest.approx(0.5)
-    assert record["bandwidth_bytes_per_s"] == pytest.approx(61440) and record["latency_s"] == pytest.approx(14 / 15)
-    assert (record["target_fraction"], record["payload_bytes"], record["max_sync_every"]) == (0.25, 65536, 16)
-    assert local_steps_record(figures, "bf16", 32768, 1, 0.25)["sync_every"] == 4  # 1.47 s: ceil(2.93) = 3 -> 4
-    assert local_steps_record({**figures, "compute_s": 100.0}, "none", 65536, 1, 0.25)["sync_every"] == 1
+# ---- the measurement ----------------------------------------------------------------------------
 
 
 def test_a_fixed_compressor_sizes_h_for_its_payload(devices, monkeypatch):
@@ -93,7 +52,7 @@ def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_re
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: guarded.append(1) or ([], {}, {}))
     monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.0)
     decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
-    assert isinstance(compression.resolve(decision.record["choice"]), compression.PowerSGD) and not decision.record["fits"]
+    assert isinstance(compression.parse(decision.record["choice"]), compression.PowerSGD) and not decision.record["fits"]
     assert record["sync_every"] == 16 and decision.record["quality_checks"] == [] and not guarded
     assert controller.decide(None, [None], 0).record["quality_checks"] and guarded  # without local steps: guarded
 

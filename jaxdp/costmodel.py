@@ -1,0 +1,257 @@
+"""The cost model: predictions and decisions from measured figures, pure (nothing is measured here).
+
+    model = fit_comm_model([1 << 20, 16 << 20], [t_small, t_large])   # latency + bytes / bandwidth
+    choice, reasons = plan(compute_seconds, model, params)            # the least compression that fits
+    choice = guard(choice, relative_error(applied_sum, true_sum))     # step back if it loses too much
+    h = auto_sync_every(compute_seconds, model, payload_bytes)        # --sync-every auto's H
+
+jaxdp/controller.py measures on the run's devices and calls these; every process decides from the
+same gathered figures, so every process takes the same decision. The numbers behind each
+threshold are written beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdp.compression import Bf16, Compressor, NoCompression, PowerSGD, uncompressed_bytes
+
+Tree = Any
+
+# The ranks `ladder` offers, from least to most compression (Vogels et al. use 1 to 4 for
+# ResNet/LSTM; 32 is already close to uncompressed for most layers of small models).
+DEFAULT_RANKS = (32, 16, 8, 4, 2, 1)
+
+# plan(): the largest predicted all-reduce time, as a fraction of the compute time, we accept
+# without compressing more. jaxdp's step does not overlap the all-reduce with the backward pass,
+# so a step takes compute + comm: 0.25 keeps scaling efficiency at or above 1 / 1.25 = 80 %, the
+# usual bar for "scales well", while never compressing a run whose link already keeps up (every
+# extra step of compression costs matmuls and some gradient quality).
+TARGET_COMM_FRACTION = 0.25
+
+# When plain averaging misses the target, compress only if the chosen candidate's predicted step
+# (compute + all-reduce) is at least this much shorter than plain averaging's: the prediction
+# leaves out compression's own work (casts, PowerSGD's matmuls) and its cost in gradient quality,
+# and times measured on a shared machine vary by 10-20 %; a smaller predicted gain pays for none
+# of that. A latency-bound link (simulated devices in one process, where an
+# all-reduce costs about the same at any size) is exactly such a case: there, none.
+MIN_STEP_GAIN = 0.20
+
+# guard(): the threshold on the relative error of a window's summed compressed means against its
+# summed true means, as jaxdp/controller.py measures it: GUARD_WINDOW batches at the current
+# parameters, error feedback threaded through them (so the error is exactly the change of the
+# devices' mean error over the window: the progress still owed). Measured on the GPT of
+# `python -m jaxdp.bench compression` (4 layers x 256, SGD momentum 0.9, lr 0.3, 2 devices) after
+# 100 steps: rank 32 0.019, 16 0.24, 8 0.38, 4 0.53, 2 0.74, 1 0.82; after 200 steps the held-out
+# loss was 0.411 at rank 32 against 0.409 uncompressed, but 0.552 at rank 16 and 1.48 at rank 4.
+# At the first step (random parameters) the same probe gave rank 4 0.24, 8 0.14, 16 0.090: a
+# threshold of 0.1 took rank 16 there, and it ended 250 steps 18 % above uncompressed (bench
+# compression, docs/perf). 0.05 stops rank 16 at both points and passes rank 32. (On the digits MLP,
+# 100-step windows, every rank from 1 to 8 matched uncompressed accuracy:
+# tests/scripts/compression_guard_window.py; a 4-step window errs on the side of more rank.) Never give guard the
+# per-step error ||approx - mean|| / ||mean|| of
+# one batch without error feedback: it is 0.5 or more at low rank by design.
+GUARD_THRESHOLD = 0.05
+GUARD_WINDOW = 4
+
+# The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
+# project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
+# 0.20x its time (docs/perf/localsgd.json). Once the all-reduce per step is below the compute, a
+# doubling of H buys at most a few percent of wall time while the loss keeps drifting from the
+# synchronous run's. A user who wants a larger H passes it explicitly (--sync-every 64).
+MAX_AUTO_SYNC_EVERY = 16
+
+
+
+@dataclasses.dataclass(frozen=True)
+class CommModel:
+    """All-reduce time = calls * latency_s + bytes * seconds_per_byte."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def seconds(self, nbytes: int, calls: int = 1) -> float:
+        return calls * self.latency_s + nbytes * self.seconds_per_byte
+
+
+def fit_comm_model(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> CommModel:
+    """Least-squares line through measured (bytes, seconds) all-reduce times, two points or more.
+    A negative intercept (noise) becomes 0 latency; times that do not grow with size raise."""
+    x, y = np.asarray(sizes_bytes, np.float64), np.asarray(seconds, np.float64)
+    if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
+        raise ValueError("fit_comm_model needs all-reduce times for at least two different sizes")
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:
+        raise ValueError("fit_comm_model: the measured times do not grow with size; measure larger buffers")
+    return CommModel(latency_s=max(float(intercept), 0.0), seconds_per_byte=float(slope))
+
+
+def ladder(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0) -> list[Compressor]:
+    """Candidates from least to most compression: none, bf16, then PowerSGD at decreasing ranks.
+    A rank is left out when it is no smaller than the largest matrix's min(n, m) (it would be that
+    matrix's full rank), or when it moves no fewer bytes than the previous PowerSGD candidate."""
+    out: list[Compressor] = [NoCompression(), Bf16()]
+    shapes = [x.shape for x in jax.tree.leaves(params) if len(x.shape) >= 2]
+    largest = max((min(int(np.prod(s[:-1])), int(s[-1])) for s in shapes), default=0)
+    last_bytes = None
+    for r in sorted(set(ranks), reverse=True):
+        candidate = PowerSGD(rank=r, start=start)
+        if r >= largest or not candidate.layout(params):
+            continue
+        payload = candidate.payload_bytes(params)
+        if last_bytes is not None and payload >= last_bytes:
+            continue
+        out.append(candidate)
+        last_bytes = payload
+    return out
+
+
+def plan(compute_seconds: float, comm_model: CommModel, params: Tree, candidates: Sequence[Compressor] | None = None,
+         target_fraction: float = TARGET_COMM_FRACTION) -> tuple[Compressor, dict]:
+    """The first candidate (least compression first) whose predicted all-reduce time is at most
+    `target_fraction * compute_seconds`, or if none is, the one with the shortest predicted step
+    (compute + all-reduce); but the first candidate (plain averaging) unless the choice's step is
+    at least MIN_STEP_GAIN shorter than its. Reasons say which and why.
+
+    reasons: {"compute_s", "target_s", "predicted_s": {name: seconds}, "payload_bytes": {name: bytes},
+    "uncompressed_bytes", "chosen", "fits": bool, "why": a sentence}.
+    """
+    candidates = list(ladder(params) if candidates is None else candidates)
+    if not candidates:
+        raise ValueError("plan needs at least one candidate")
+    target = target_fraction * compute_seconds
+    payload = {c.name: c.payload_bytes(params) for c in candidates}
+    predicted = {c.name: comm_model.seconds(payload[c.name], c.collectives) for c in candidates}
+    reasons = {"compute_s": compute_seconds, "target_s": target, "predicted_s": predicted, "payload_bytes": payload,
+               "uncompressed_bytes": uncompressed_bytes(params)}
+    step = {name: compute_seconds + t for name, t in predicted.items()}
+    plain = candidates[0]
+    fitting = [c for c in candidates if predicted[c.name] <= target]
+    if plain in fitting:
+        why = (f"{plain.name}: predicted all-reduce {predicted[plain.name] * 1e3:.3g} ms <= {target_fraction:g} x compute "
+               f"{compute_seconds * 1e3:.3g} ms")
+        return plain, {**reasons, "chosen": plain.name, "fits": True, "why": why}
+    fastest = min(candidates, key=lambda c: step[c.name])  # the first of equals: the least compression
+    choice = fitting[0] if fitting else fastest
+    gain = 1 - step[choice.name] / step[plain.name]
+    if gain < MIN_STEP_GAIN:
+        why = (f"{plain.name}: the best candidate ({choice.name}) predicts a step only {gain:.0%} shorter (< "
+               f"{MIN_STEP_GAIN:.0%}); the all-reduce costs latency more than bandwidth here")
+        return plain, {**reasons, "chosen": plain.name, "fits": False, "why": why}
+    if fitting:
+        why = (f"{choice.name}: predicted all-reduce {predicted[choice.name] * 1e3:.3g} ms <= {target_fraction:g} x "
+               f"compute {compute_seconds * 1e3:.3g} ms, the least compression that fits; a step {gain:.0%} shorter")
+    else:
+        why = (f"{choice.name}: no candidate fits {target_fraction:g} x compute {compute_seconds * 1e3:.3g} ms; it predicts "
+               f"the shortest step, {gain:.0%} shorter than {plain.name} (communication still dominates: fewer "
+               f"synchronisations, e.g. local steps, would be next)")
+    return choice, {**reasons, "chosen": choice.name, "fits": bool(fitting), "why": why}
+
+
+def relative_error(approx_mean: Tree, true_mean: Tree) -> jax.Array:
+    """float32 ||approx - true|| / ||true|| over the whole tree (global norms); 0 when both are 0."""
+    diff = sum(jnp.sum(jnp.square(jnp.asarray(a, jnp.float32) - jnp.asarray(t, jnp.float32)))
+               for a, t in zip(jax.tree.leaves(approx_mean), jax.tree.leaves(true_mean)))
+    true = sum(jnp.sum(jnp.square(jnp.asarray(t, jnp.float32))) for t in jax.tree.leaves(true_mean))
+    return jnp.sqrt(jnp.asarray(diff, jnp.float32) / jnp.maximum(jnp.asarray(true, jnp.float32), jnp.finfo(jnp.float32).tiny))
+
+
+def weaker(choice: Compressor, candidates: Sequence[Compressor] | None = None) -> Compressor:
+    """The next candidate with less compression: the previous one in `candidates` when `choice` is
+    in it; otherwise PowerSGD rank r -> 2r (up to the largest of DEFAULT_RANKS), then bf16, then none."""
+    candidates = list(candidates or [])
+    if choice in candidates:
+        return candidates[max(candidates.index(choice) - 1, 0)]
+    if isinstance(choice, PowerSGD):
+        if choice.rank * 2 <= max(DEFAULT_RANKS):
+            return dataclasses.replace(choice, rank=choice.rank * 2)
+        return Bf16()
+    return NoCompression()
+
+
+def guard(choice: Compressor, rel_error: float, threshold: float = GUARD_THRESHOLD,
+          candidates: Sequence[Compressor] | None = None) -> Compressor:
+    """`choice` while `rel_error <= threshold`; above it, the next weaker candidate (`weaker`).
+    Give it `running_sum_error` for PowerSGD (see GUARD_THRESHOLD); a NaN error steps back too."""
+    if float(rel_error) <= threshold:
+        return choice
+    return weaker(choice, candidates)
+
+
+def choose_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: int, collectives: int = 1,
+                      target_fraction: float | None = None, max_sync_every: int = 1024) -> int:
+    """The smallest H whose predicted per-step communication is at most `target_fraction` (default:
+    TARGET_COMM_FRACTION) of the compute time, capped at `max_sync_every`."""
+    target = (TARGET_COMM_FRACTION if target_fraction is None else target_fraction) * compute_seconds
+    per_sync = comm_model.seconds(payload_bytes, collectives)
+    if target <= 0:
+        return max_sync_every
+    return int(min(max(1, math.ceil(per_sync / target)), max_sync_every))
+
+
+def auto_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: int, collectives: int = 1,
+                    target_fraction: float | None = None, max_sync_every: int = MAX_AUTO_SYNC_EVERY) -> dict[str, Any]:
+    """The H of `--sync-every auto`, a pure function of measured figures (so every process that has
+    the same gathered figures takes the same decision), and the numbers behind it.
+
+    1 when one all-reduce of `payload_bytes` (in `collectives` calls) per step is at most
+    `target_fraction` (default TARGET_COMM_FRACTION) of `compute_seconds`: the
+    normal synchronous step. Otherwise the smallest power of two >= `choose_sync_every(...)`,
+    capped at `max_sync_every`. Powers of two: a handful of values across runs and machines whose
+    figures differ by a little, and every divisor a later `--sync-fragments` might want.
+
+    Returns {"sync_every", "uncapped_sync_every" (choose_sync_every's H, no power of two, no cap),
+    "fits" (the chosen H meets the target), "comm_per_sync_s", "predicted_comm_s" (per step at the
+    chosen H), "target_s", "why"}.
+    """
+    fraction = TARGET_COMM_FRACTION if target_fraction is None else target_fraction
+    target = fraction * compute_seconds
+    per_sync = comm_model.seconds(payload_bytes, collectives)
+    needed = choose_sync_every(compute_seconds, comm_model, payload_bytes, collectives, fraction, max_sync_every=1 << 30)
+    sync_every = 1 if needed == 1 else min(1 << (needed - 1).bit_length(), max_sync_every)
+    predicted = per_sync / sync_every
+    numbers = (f"one all-reduce of {payload_bytes} bytes predicts {per_sync * 1e3:.3g} ms against a target of "
+               f"{fraction:g} x compute {compute_seconds * 1e3:.3g} ms = {target * 1e3:.3g} ms per step")
+    if sync_every == 1:
+        why = f"synchronous: {numbers}"
+    elif sync_every < needed:
+        why = (f"local steps, averaged every {sync_every} steps (the cap, MAX_AUTO_SYNC_EVERY): {numbers}; meeting it "
+               f"would take H = {needed} ({predicted * 1e3:.3g} ms per step at H = {sync_every}); pass --sync-every "
+               f"{needed} for that")
+    else:
+        why = (f"local steps, averaged every {sync_every} steps: {numbers}; H = {needed} would meet it, rounded up to a "
+               f"power of two: {predicted * 1e3:.3g} ms per step")
+    return {"sync_every": sync_every, "uncapped_sync_every": needed, "fits": predicted <= target,
+            "comm_per_sync_s": per_sync, "predicted_comm_s": predicted, "target_s": target, "why": why}
+
+
+def comm_model(figures: dict[str, Any]) -> CommModel:
+    """The all-reduce time line through `measure`'s two sizes (latency alone if the times do not
+    grow with size: a fast link)."""
+    try:
+        return fit_comm_model(figures["comm_sizes"], [figures["comm_small_s"], figures["comm_full_s"]])
+    except ValueError:
+        return CommModel(latency_s=figures["comm_full_s"], seconds_per_byte=0.0)
+
+
+def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_bytes: int, collectives: int,
+                       target_fraction: float) -> dict[str, Any]:
+    """The "local_steps" record of `--sync-every auto`: H (`auto_sync_every`, a pure function
+    of `measure`'s gathered figures, so every process takes the same decision) and the numbers
+    behind it. `pseudo_gradient` names the compression the pseudo-gradient (or, at H = 1, the
+    gradient) goes through, `payload_bytes` and `collectives` what it sends per average."""
+    model = comm_model(figures)
+    choice = auto_sync_every(figures["compute_s"], model, payload_bytes, collectives, target_fraction)
+    return {"sync_every": choice["sync_every"], "why": choice["why"], "compute_s": figures["compute_s"],
+            "comm_full_s": figures["comm_full_s"], "latency_s": model.latency_s,
+            "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
+            "pseudo_gradient": pseudo_gradient, "payload_bytes": payload_bytes, "collectives": collectives,
+            "comm_per_sync_s": choice["comm_per_sync_s"], "predicted_comm_s": choice["predicted_comm_s"],
+            "target_fraction": target_fraction, "target_s": choice["target_s"], "fits": choice["fits"],
+            "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": MAX_AUTO_SYNC_EVERY}
