@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                            vs_torch=paired_ratio(seconds["torch"], seconds["jaxdp"]) if bench_torch else None))
         if bench_torch:
             results.append(row("torch", batch_size, seconds["torch"], torch_case.params, torch_case.flops_per_token,
-                               xla_tflops_per_step=None, vs_torch=None, compiled=torch_case.compiled, note=torch_case.note, first_step_s=torch_case.first_step_s,
+                               xla_tflops_per_step=None, vs_torch=None, compiled=torch_case.compiled, note=torch_case.note,
+                               first_step_s=torch_case.first_step_s,
                                optimizer="adamw (fused)" if bench_torch.cuda else "adamw",
                                autocast="bfloat16" if bench_torch.autocast else None))
 

@@ -4,7 +4,8 @@
 
     python -m jaxdp.bench localsgd --json docs/perf/localsgd.json --plot docs/perf/localsgd.png
     python -m jaxdp.bench localsgd --rate 100mbit --sync-every 8 --variants "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
-    python -m jaxdp.bench localsgd --variants "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0;--sync-every auto --outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
+    python -m jaxdp.bench localsgd --variants \
+        "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0;--sync-every auto --outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
 
 Each run is `python -m jaxdp.train` with the same model, data, schedule and number of steps (so
 equal tokens), evaluated every `--eval-every` steps on the same held-out batches. Time is training
@@ -139,7 +140,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         row["median_steps_per_s"] = rates[len(rates) // 2] if rates else None
     print(f"2 processes x 1 device over a {args.rate} link; jaxdp.train {args.train_args} --steps {args.steps} "
           f"--eval-every {args.eval_every}; target held-out loss {target:.4f} (synchronous final x {1 + args.margin:g})")
-    print_table(results, [("run", "run", "s"), ("sync_every", "auto H", "d"), ("median_steps_per_s", "steps/s", ".2f"), ("train_s", "train s", ".1f"),
+    print_table(results, [("run", "run", "s"), ("sync_every", "auto H", "d"), ("median_steps_per_s", "steps/s", ".2f"),
+                          ("train_s", "train s", ".1f"),
                           ("final_loss", "final loss", ".4f"), ("loss_vs_sync", "loss / sync", ".3f"),
                           ("s_to_target", "s to target", ".1f"), ("time_vs_sync", "time / sync", ".3f")])
     write_json(args.json, results, rate=args.rate, target=target, margin=args.margin, train_flags=base)

@@ -39,7 +39,8 @@ def machine() -> dict[str, Any]:
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     import jax
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
-            "loadavg_at_start": LOAD_AT_START, "loadavg_at_end": os.getloadavg(), "malloc_env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")},
+            "loadavg_at_start": LOAD_AT_START, "loadavg_at_end": os.getloadavg(),
+            "malloc_env": {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")},
             "command": " ".join(["python", "-m", "jaxdp.bench", *sys.argv[1:]])}
 
 
