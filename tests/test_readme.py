@@ -16,7 +16,8 @@ README), or a not-run marker without a reason fails `test_every_block_is_run_or_
 
 docs/cli.md, the command-line reference, is generated from `jaxdp.config` by docs/gen_cli.py;
 regenerate it with `python docs/gen_cli.py`. docs/api.md names every public name of
-jaxdp/__init__.py. Relative links and their anchors must resolve.
+jaxdp/__init__.py. Relative links and their anchors must resolve (`mkdocs build --strict`, which
+.ci/run runs, checks the site the same way).
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ def test_marker_check_catches_unmarked_and_stale_blocks(tmp_path):
     assert not LOOKS_LIKE_A_COMMAND.search(blocks("```\ndev0 → dev1   a:0\n```\n")[0].code)
 
 
-def test_ci_runs_the_test_command():
+def test_ci_runs_the_test_command_and_builds_the_docs():
     marked = [b for b in blocks() if b.marker == "test-command"]
     assert len(marked) == 1 and marked[0].page == "README.md" and "pytest" in marked[0].code
     ci = (ROOT / ".ci" / "run").read_text()
     assert "<!-- test-command -->" in ci
+    assert re.search(r"^[^#\n]*mkdocs build --strict", ci, re.M), ".ci/run must build the docs site"
 
 
 def test_the_top_of_the_readme_is_not_about_ci():
