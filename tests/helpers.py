@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from jaxdp.launch import free_port  # noqa: F401 - tests take it from here
@@ -78,13 +79,21 @@ def write_corpus(path: Path, sentences: int = 1500, seed: int = 0) -> Path:
     return write(Path(path), sentences, seed)
 
 
-# ---- README blocks (tests/test_readme.py explains the markers) ---------------------------------
+# ---- documentation blocks (tests/test_readme.py explains the markers) --------------------------
 
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 SHELLS = ("bash", "sh", "shell", "console")
 MARKER = re.compile(r"<!--\s*(test-command|run:\s*(?P<node>\S+)|not-run:\s*(?P<reason>.*?))\s*-->")
 LOOKS_LIKE_A_COMMAND = re.compile(r"^\s*(\$ |python|pip |docker |podman |buildah |srun |sbatch |salloc |bash |\.venv/|jaxdp-)", re.M)
-REQUIRED_HEADINGS = ("## Multi-host and SLURM", "## Checkpoints and resume", "## Performance", "## Troubleshooting")
+# Pages other work writes into: each must exist with this title (its first line).
+REQUIRED_PAGES = {"docs/multihost.md": "# Multi-host and SLURM", "docs/checkpoints.md": "# Checkpoints and resume",
+                  "docs/performance.md": "# Performance", "docs/troubleshooting.md": "# Troubleshooting"}
+
+
+def pages() -> list[Path]:
+    """Every page whose code blocks follow the marker rule: README.md, then docs/*.md."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,35 +103,41 @@ class Block:
     line: int            # 1-based line of the opening fence
     marker: str | None   # "test-command", "run", "not-run" or None
     target: str = ""     # the test node id of a run marker, the reason of a not-run marker
+    page: str = "README.md"  # relative to the repository root
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
-def blocks(text: str | None = None) -> list[Block]:
-    """Every fenced code block of README.md with the marker on the line before it (if any)."""
-    lines = (README.read_text() if text is None else text).splitlines()
+def blocks(text: str | None = None, page: str = "README.md") -> list[Block]:
+    """Every fenced code block of README.md and docs/*.md (or of `text`) with the marker on the
+    line before it (if any)."""
+    if text is None:
+        return [b for path in pages() for b in blocks(path.read_text(), str(path.relative_to(ROOT)))]
+    lines = text.splitlines()
     out, i = [], 0
     while i < len(lines):
-        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        fence = re.match(r"^\s*```(\w*)\s*$", lines[i])  # also indented, as inside an admonition
         if not fence:
             i += 1
             continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].lstrip().startswith("```"))
         previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         m = MARKER.fullmatch(previous.strip())
         marker = target = None
         if m:
             marker = m.group(1).split(":")[0]
             target = m.group("node") or m.group("reason") or ""
-        out.append(Block(fence.group(1), "\n".join(lines[i + 1:end]) + "\n", i + 1, marker, target or ""))
+        code = textwrap.dedent("\n".join(lines[i + 1:end]) + "\n")
+        out.append(Block(fence.group(1), code, i + 1, marker, target or "", page))
         i = end + 1
     return out
 
 
 def readme_blocks(node: str) -> list[Block]:
-    """The blocks a test runs: those marked `<!-- run: NODE -->`. Tests elsewhere call this too."""
+    """The blocks a test runs: those marked `<!-- run: NODE -->` in README.md or docs/*.md, in
+    page order. Tests elsewhere call this too."""
     return [b for b in blocks() if b.marker == "run" and b.target == node]
 
 

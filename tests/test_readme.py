@@ -1,33 +1,38 @@
-"""README.md cannot rot: every command in it is run by a test, or says why it cannot run here.
+"""The README and the docs cannot rot: every command in README.md and docs/*.md is run by a test,
+or says why it cannot run here.
 
 Every fenced ```bash (sh, shell, console) and ```python block must be preceded by one marker line:
 
     <!-- test-command -->                 .ci/run extracts and runs the block (the README's test command)
     <!-- run: tests/FILE.py::TEST -->     TEST runs the block. Blocks marked for a test outside this file
-                                          must be read by that test through `readme_blocks(...)` here,
-                                          so the command run is the command shown.
+                                          must be read by that test through `readme_blocks(...)` (it
+                                          reads README.md and docs/*.md), so the command run is the
+                                          command shown.
     <!-- not-run: needs REASON -->        it cannot run on a CPU-only CI machine (GPUs, a Docker
                                           engine, a cluster); the reason says what it needs
 
 A block without a marker, a marker naming a test that does not exist (or does not read the
 README), or a not-run marker without a reason fails `test_every_block_is_run_or_says_why_not`.
 
-The CLI reference between `<!-- cli-reference -->` and `<!-- /cli-reference -->` is generated
-from `jaxdp.config`; regenerate it with `python tests/test_readme.py`.
+docs/cli.md, the command-line reference, is generated from `jaxdp.config` by docs/gen_cli.py;
+regenerate it with `python docs/gen_cli.py`. docs/api.md names every public name of
+jaxdp/__init__.py. Relative links and their anchors must resolve (`mkdocs build --strict`, which
+.ci/run runs, checks the site the same way).
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
+import importlib.util
 import re
 import subprocess
 import sys
+import unicodedata
 
 import pytest
 
-from helpers import (LOOKS_LIKE_A_COMMAND, MARKER, README, REQUIRED_HEADINGS, ROOT, SHELLS, blocks, commands,  # noqa: F401
-                     readme_blocks, run_shell, sandbox)
+from helpers import (DOCS, LOOKS_LIKE_A_COMMAND, MARKER, README, REQUIRED_PAGES, ROOT, SHELLS, blocks,  # noqa: F401
+                     commands, pages, readme_blocks, run_shell, sandbox)
 
 
 # ---- the markers ------------------------------------------------------------------------------
@@ -60,7 +65,7 @@ def check_run_target(node: str) -> list[str]:
     if name not in functions:
         return [f"{path} has no test {name!r}"]
     if "readme_blocks" not in ast.unparse(functions[name]):
-        return [f"{node} does not read its commands with readme_blocks(...), so it may not run what README.md shows"]
+        return [f"{node} does not read its commands with readme_blocks(...), so it may not run what the docs show"]
     return []
 
 
@@ -77,16 +82,23 @@ def test_marker_check_catches_unmarked_and_stale_blocks(tmp_path):
     assert not LOOKS_LIKE_A_COMMAND.search(blocks("```\ndev0 → dev1   a:0\n```\n")[0].code)
 
 
-def test_ci_runs_the_test_command():
+def test_ci_runs_the_test_command_and_builds_the_docs():
     marked = [b for b in blocks() if b.marker == "test-command"]
-    assert len(marked) == 1 and "pytest" in marked[0].code
-    assert "<!-- test-command -->" in (ROOT / ".ci" / "run").read_text()
+    assert len(marked) == 1 and marked[0].page == "README.md" and "pytest" in marked[0].code
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "<!-- test-command -->" in ci
+    assert re.search(r"^[^#\n]*mkdocs build --strict", ci, re.M), ".ci/run must build the docs site"
 
 
-def test_sections_owned_by_others_have_their_headings():
-    text = README.read_text()
-    for heading in REQUIRED_HEADINGS:
-        assert re.search(rf"^{re.escape(heading)}\s*$", text, re.M), heading
+def test_the_top_of_the_readme_is_not_about_ci():
+    """A newcomer reads what jaxdp is and how to start; the suite's timing lives in docs/development.md."""
+    top = "\n".join(README.read_text().splitlines()[:30])
+    assert not re.search(r"\bCI\b|\.ci/run|workers|took \d", top), top
+
+
+def test_pages_owned_by_others_exist():
+    for page, title in REQUIRED_PAGES.items():
+        assert (ROOT / page).read_text().splitlines()[0] == title, page
 
 
 # ---- running the blocks -----------------------------------------------------------------------
@@ -113,11 +125,19 @@ EXPECT = {
     "python -m jaxdp.train --strategy": r"eval_accuracy=\d",
     "python -m jaxdp.train --model cnn": r"eval_accuracy=\d",
     "python examples/custom_model.py": r"test accuracy 0\.[89]\d* after",
+    "python -m jaxdp.launch": r"eval_accuracy=\d.* devices=8",
+    "jaxdp-train": r"eval_accuracy=\d",
 }
 
 
+def _marks(block) -> list:
+    """A block that starts several processes carries the multiprocess mark."""
+    return [pytest.mark.multiprocess] if "jaxdp.launch" in block.code else []
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", readme_blocks("tests/test_readme.py::test_shell_blocks"), ids=lambda b: b.id)
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b))
+                                   for b in readme_blocks("tests/test_readme.py::test_shell_blocks")])
 def test_shell_blocks(block, tmp_path):
     env = sandbox(tmp_path)
     for command in commands(block):  # one at a time, in the same directory, so outputs can be checked
@@ -130,7 +150,7 @@ def test_shell_blocks(block, tmp_path):
 def test_every_output_check_applies_to_a_readme_command():
     shown = [c for b in readme_blocks("tests/test_readme.py::test_shell_blocks") for c in commands(b)]
     unused = [start for start in EXPECT if not any(c.startswith(start) for c in shown)]
-    assert not unused, f"EXPECT entries that match no README command (update them): {unused}"
+    assert not unused, f"EXPECT entries that match no command of the docs (update them): {unused}"
 
 
 # What each Python block must achieve when it has run (appended to the block, same process).
@@ -162,73 +182,89 @@ def test_python_blocks(block, tmp_path):
 
 
 def test_both_flax_apis_are_shown():
-    kinds = sorted("nnx" if "from flax import nnx" in b.code else "linen"
-                   for b in readme_blocks("tests/test_readme.py::test_python_blocks"))
-    assert kinds == ["linen", "nnx", "nnx"]
+    """The README's tour shows flax.linen; the Notebook API page shows linen, nnx, and nnx with
+    BatchNorm and dropout."""
+    kinds = {}
+    for b in readme_blocks("tests/test_readme.py::test_python_blocks"):
+        kind = ("nnx-batchnorm" if "BatchNorm" in b.code else "nnx") if "from flax import nnx" in b.code else "linen"
+        kinds.setdefault(b.page, []).append(kind)
+    assert kinds == {"README.md": ["linen"], "docs/notebook.md": ["linen", "nnx", "nnx-batchnorm"]}
 
 
-# ---- the CLI reference ------------------------------------------------------------------------
-
-CLI_START, CLI_END = "<!-- cli-reference -->", "<!-- /cli-reference -->"
+# ---- generated pages -------------------------------------------------------------------------
 
 
-def cli_reference() -> str:
-    """The README's flag tables, one per flag group, generated from jaxdp.config.Config."""
-    from jaxdp import config
-
-    parser = config.build_parser()
-    lines = ["| flag | meaning |", "| --- | --- |"]
-    for action in parser._action_groups[1]._group_actions:  # argparse's "options": --help, --config
-        if action.dest not in ("help",):
-            lines.append(f"| `{action.option_strings[0]} {action.metavar}` | {action.help} |")
-    lines.append("")
-    for group in config.GROUPS:
-        lines += [f"**{group}**", "", "| flag | default | meaning |", "| --- | --- | --- |"]
-        for f in dataclasses.fields(config.Config):
-            if f.metadata["group"] != group:
-                continue
-            flag = f"--{f.name.replace('_', '-')}"
-            if f.type == "bool":
-                usage = f"`{flag}`, `--no-{flag[2:]}`"
-            elif config.choices(f):
-                usage = f"`{flag} {{{','.join(config.choices(f))}}}`"
-            else:
-                usage = f"`{flag} {config.metavar(f)}`"
-            default = "" if f.default is None else f"`{f.default}`"
-            lines.append(f"| {usage} | {default} | {f.metadata['help'].replace('|', '&#124;')} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def readme_cli_section(text: str) -> str:
-    start, end = text.index(CLI_START), text.index(CLI_END)
-    return text[text.index("\n", start) + 1:end]
+def gen_cli():
+    """docs/gen_cli.py, the generator of docs/cli.md (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("gen_cli", DOCS / "gen_cli.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_cli_reference_is_current():
-    assert readme_cli_section(README.read_text()) == cli_reference() + "\n", \
-        "README.md's CLI reference is stale: run `python tests/test_readme.py` and commit README.md"
+    assert (DOCS / "cli.md").read_text() == gen_cli().cli_reference(), \
+        "docs/cli.md is stale: run `python docs/gen_cli.py` and commit docs/cli.md"
 
 
 def test_cli_reference_matches_help_output():
     from jaxdp.config import build_parser
 
     help_text = build_parser().format_help()
+    page = (DOCS / "cli.md").read_text()
     help_flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", help_text)) - {"--help"}
-    table_flags = set(re.findall(r"`(--[a-z][a-z-]+)", readme_cli_section(README.read_text())))
+    table_flags = set(re.findall(r"^\| `(--[a-z][a-z-]+)", page, re.M)) | set(re.findall(r", `(--no-[a-z-]+)`", page))
     negations = {"--no-" + flag[2:] for flag in help_flags}  # a boolean flag's --no- form, listed beside it
     assert help_flags <= table_flags and table_flags - help_flags <= negations
     sections = re.findall(r"^(\w+):$", help_text, re.M)
-    assert [s for s in sections if s not in ("options",)] == [
-        g for g in re.findall(r"^\*\*(\w+)\*\*$", readme_cli_section(README.read_text()), re.M)]
+    assert [s for s in sections if s not in ("options",)] == re.findall(r"^## (\w+)$", page, re.M)[1:]  # after "general"
     assert "(default: psum)" in help_text and "(default: 128)" in help_text
 
 
-if __name__ == "__main__":  # regenerate the CLI reference in README.md
-    text = README.read_text()
-    start, end = text.index(CLI_START), text.index(CLI_END)
-    README.write_text(text[:text.index("\n", start) + 1] + cli_reference() + "\n" + text[end:])
-    print("README.md: CLI reference regenerated")
+def test_api_reference_lists_every_public_name():
+    """docs/api.md has one `::: module.name` per public name, from the module jaxdp/__init__.py
+    loads it from; a name moved to another module must move on the page too."""
+    tree = ast.parse((ROOT / "jaxdp" / "__init__.py").read_text())
+    exports = next(ast.literal_eval(node.value) for node in tree.body
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS")
+    shown = re.findall(r"^::: (\S+)$", (DOCS / "api.md").read_text(), re.M)
+    assert len(shown) == len(set(shown))
+    assert sorted(shown) == sorted(f"{module}.{name}" for name, module in exports.items())
+
+
+# ---- links -------------------------------------------------------------------------------------
+
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as Python-Markdown's toc extension (mkdocs) makes it."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def anchors(path) -> set[str]:
+    text = re.sub(r"^\s*```.*?^\s*```", "", path.read_text(), flags=re.M | re.S)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+?)\s*$", text, re.M)}
+
+
+def test_links_and_anchors_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists, and an anchor into
+    a page names one of its headings."""
+    problems = []
+    for page in pages():
+        text = re.sub(r"^\s*```.*?^\s*```", "", page.read_text(), flags=re.M | re.S)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                problems.append(f"{page.relative_to(ROOT)}: {target}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                problems.append(f"{page.relative_to(ROOT)}: {target}: no heading with that anchor")
+    assert not problems, "\n".join(problems)
 
 
 def test_exit_code_table_is_jaxdp_errors():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures in README "Performance", measured in one run on one GPU. Run from the
+# The GPU figures in docs/performance.md ("One GPU"), measured in one run on one GPU. Run from the
 # repository root, with the project importable (PYTHONPATH=. on a machine whose JAX is
 # preinstalled); results go to $OUT (default: docs/perf/gpu).
 #   bash docs/perf/gpu_run.sh
