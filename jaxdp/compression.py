@@ -44,16 +44,27 @@ matrix is most nearly square (a Dense kernel (in, out) is itself, a conv kernel 
 r = min(RANK, n, m):
 
     M = g + e                                   (error feedback, per device)
-    P = (M / N) @ orth(Q)                       all-reduced with the uncompressed leaves (call 1)
-    P̂ = orth(P)                                 Gram-Schmidt twice per column, epsilon in the norm,
-                                                columns inside the span of the previous ones -> 0
+    P = (M / N) @ basis(Q)                      all-reduced with the uncompressed leaves (call 1)
+    P̂ = basis(P)
     Q = (M / N)ᵀ @ P̂                            all-reduced (call 2); kept in the state (warm start)
     mean ≈ P̂ Qᵀ,  e = M - P̂ Qᵀ                  (per device)
 
+basis(A) is r orthonormal columns whose span contains A's columns: `orthonormalize(A)` (a
+Householder QR with R's diagonal made non-negative: Gram-Schmidt's result wherever A has full column
+rank), with each column that A does not use (A's rank is below r) replaced by a new random
+direction orthogonal to the others. The new directions come from one draw per step, keyed by (seed,
+step), each leaf's at its place in the draw: the same on every device (A, the all-reduced P or the
+shared Q, is too) and in a resumed run. So a step whose gradient has rank below r (zero, for a
+layer behind a zero-initialised one; constant; sparse) lowers the rank of that step only. Without
+them its Q would keep zero columns for good: a leaf whose first compressed gradient is zero would
+never train.
+
 Because the sums are linear, P̂ Qᵀ = P̂ P̂ᵀ mean(M): the projection of the mean EF-corrected gradient
-onto span(mean(M) @ Q), the same as compressing the mean gradient on one device with the same Q.
-The mean of the devices' new errors is exactly what that projection left out, so the next step
-adds it back. Orthonormalising Q before use changes no span (so no result) and keeps P's scale that
+onto span(P̂) ⊇ span(mean(M) @ basis(Q)), the same as compressing the mean gradient on one device
+with the same Q. The columns of P̂ are orthonormal, so the projection never enlarges the gradient,
+a zero gradient gives exactly 0, and at full rank (r = min(n, m)) the mean is exact. The mean of
+the devices' new errors is exactly what that projection left out, so the next step adds it back.
+Orthonormalising a Q of rank r before use changes no span (so no result) and keeps P's scale that
 of the gradient. Vectors, scalars and matrices too small to gain (n*m < min_rate*(n+m)*r, PyTorch's
 `min_compression_rate`, default 2) are averaged uncompressed in call 1. The factors, the errors and
 the matrix products are float32 (float64 leaves stay float64): the mean is cast back to the leaf's
@@ -80,11 +91,9 @@ import numpy as np
 Tree = Any
 AllReduce = Callable[[Tree], Tree]
 
-# Gram-Schmidt's epsilon: sqrt of float32's smallest normal. A column whose entries are all below it
-# has a sum of squares that may underflow to 0; dividing by (norm + EPS) then still gives entries
-# of at most 1, and an all-zero column (a zero gradient) stays 0 instead of becoming NaN. Any column
-# of a real gradient is far above it, so it does not bias the normalisation (PyTorch's 1e-8 would,
-# for gradients of norm ~1e-6).
+# The epsilon the Gram-Schmidt `orthonormalize` added to each column norm (sqrt of float32's smallest
+# normal), kept for code that reads it. The QR `orthonormalize` needs none: it divides by no column
+# norm, and an all-zero column has R_jj = 0, so it is dropped rather than becoming NaN.
 ORTHO_EPS = float(np.sqrt(np.finfo(np.float32).tiny))
 
 # PyTorch's default min_compression_rate: compress a matrix only if its factors are at most half
@@ -191,6 +200,12 @@ def _bf16_wire(dtype: Any) -> Any:
     return dtype if jnp.dtype(dtype).itemsize <= 2 else jnp.bfloat16
 
 
+# PowerSGD's random streams: the initial Q of leaf i is drawn from fold_in(PRNGKey(seed), i); the new
+# directions of a step from fold_in(fold_in(PRNGKey(seed), _FRESH_STREAM), step), which no leaf
+# index reaches.
+_FRESH_STREAM = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class PowerSGD(Compressor):
     """Rank-`rank` PowerSGD with error feedback and warm start (module docstring)."""
@@ -237,6 +252,16 @@ class PowerSGD(Compressor):
             q[k] = jax.random.normal(jax.random.fold_in(key, i), (m, r), dtype)
         return CompressionState(error=error, q=q)
 
+    def _fresh(self, layout: dict, step: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """{leaf key: (m, r) and (n, r) standard normals}, the new directions `_basis` may give Q and
+        P at `step`: one draw for all leaves (one generator in the program, which compiles in a
+        fraction of the time of one per leaf), each leaf's slice at its index in `layout`. The same
+        on every device and in a resumed run, different at every step."""
+        sizes = [size for n, m, r in layout.values() for size in (m * r, n * r)]
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(self.seed), _FRESH_STREAM), step)
+        pieces = iter(jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32), np.cumsum(sizes)[:-1]))
+        return {k: (next(pieces).reshape(m, r), next(pieces).reshape(n, r)) for k, (n, m, r) in layout.items()}
+
     def payload_bytes(self, params: Tree) -> int:
         layout = self.layout(params)
         total = 8  # the two float32 norms riding in call 1 (scalars["error_ratio"])
@@ -256,7 +281,7 @@ class PowerSGD(Compressor):
             return allreduce_sum(_scaled(grads, num_devices)), state, _scalars(0.0, 0.0)
 
         def compressed():
-            return self._compressed(grads, state, allreduce_sum, num_devices, layout)
+            return self._compressed(grads, state, allreduce_sum, num_devices, layout, step)
 
         def plain():
             return allreduce_sum(_scaled(grads, num_devices)), state, _scalars(0.0, 0.0)
@@ -267,9 +292,10 @@ class PowerSGD(Compressor):
         return jax.lax.cond(jnp.asarray(step) >= self.start, compressed, plain)
 
     def _compressed(self, grads: Tree, state: CompressionState, allreduce_sum: AllReduce, num_devices: int,
-                    layout: dict) -> tuple[Tree, CompressionState, dict]:
+                    layout: dict, step: Any) -> tuple[Tree, CompressionState, dict]:
         items, treedef = jax.tree_util.tree_flatten_with_path(grads)
         scale = 1.0 / num_devices
+        fresh = self._fresh(layout, step)
         ms, ps, rest = {}, {}, []
         err_sq, grad_sq = jnp.float32(0), jnp.float32(0)
         for path, g in items:
@@ -281,13 +307,13 @@ class PowerSGD(Compressor):
             dtype = _compute_dtype(g.dtype)
             e = state.error[k].astype(dtype)
             ms[k] = (g.astype(dtype) + e).reshape(n, m)
-            ps[k] = (ms[k] * scale) @ orthonormalize(state.q[k].astype(dtype))
+            ps[k] = (ms[k] * scale) @ _basis(state.q[k].astype(dtype), fresh[k][0])
             err_sq += jnp.sum(jnp.square(e)).astype(jnp.float32)
             grad_sq += jnp.sum(jnp.square(g.astype(dtype))).astype(jnp.float32)
         # Call 1: P of every compressed leaf, the uncompressed leaves, and two norms for the metrics.
         norms = jnp.stack([err_sq, grad_sq]) * jnp.float32(scale)
         first = allreduce_sum({"p": ps, "rest": rest, "norms": norms})
-        p_hat = {k: orthonormalize(p) for k, p in first["p"].items()}
+        p_hat = {k: _basis(p, fresh[k][1]) for k, p in first["p"].items()}
         # Call 2: Q of every compressed leaf.
         q = allreduce_sum({k: (ms[k] * scale).T @ p_hat[k] for k in ms})
         out, error, rest_iter = [], {}, iter(first["rest"])
@@ -323,30 +349,39 @@ def _compute_dtype(dtype: Any) -> Any:
 
 
 def orthonormalize(a: jax.Array) -> jax.Array:
-    """Orthonormal (or zero) columns spanning those of `a` (k, r), in order: classical Gram-Schmidt
-    run twice per column ("twice is enough", Kahan and Parlett: orthogonal to working precision),
-    each column divided by (norm + ORTHO_EPS), so an all-zero column stays 0.
+    """Orthonormal (or zero) columns whose span contains the columns of `a` (k, r): the Q of a
+    Householder QR (`jnp.linalg.qr`), orthonormal to working precision however ill-conditioned `a`
+    is, each column's sign chosen so that R's diagonal is not negative. Where `a` has full column
+    rank this is Gram-Schmidt's result (column j: the part of a's column j outside the previous
+    ones), deterministic and unique.
 
-    A column that the second pass shrinks by more than half was numerically inside the span of
-    the previous ones (what is left is rounding noise, which may point anywhere, even back along a
-    previous column); it becomes 0. So P̂ P̂ᵀ is always an orthogonal projection: it never
-    enlarges the gradient, even when the gradient's rank is below r (a constant matrix, or a
+    A column of Q that `a` does not use, |row j of R| = |q_jᵀ a| at rounding level (sqrt(k) eps
+    times a's largest column norm), becomes 0: where the rank of `a` is below r, and every column
+    of an all-zero `a` (no NaN). So P̂ P̂ᵀ is always an orthogonal projection that keeps `a`: it
+    never enlarges the gradient, even when the gradient's rank is below r (a constant matrix, or a
     Dense kernel's gradient from fewer rows than r).
     """
-    r = a.shape[1]
-    cols = jnp.arange(r)
+    k, r = a.shape
+    largest = jnp.max(jnp.abs(a))
+    a = a / jnp.where(largest > 0, largest, 1)  # Q is the same; the norms below neither under- nor overflow
+    q, rr = jnp.linalg.qr(jnp.pad(a, ((0, max(r - k, 0)), (0, 0))))  # r rows at least: Q is (., r)
+    used = jnp.linalg.norm(rr, axis=1) > np.sqrt(k) * jnp.finfo(a.dtype).eps * jnp.max(jnp.linalg.norm(a, axis=0))
+    return (q * jnp.where(used, _signs(rr), 0))[:k]
 
-    def body(i, q):
-        done = q * (cols < i).astype(q.dtype)  # the columns already orthonormal, the rest zeroed
-        v = jax.lax.dynamic_index_in_dim(q, i, axis=1, keepdims=False)
-        once = v - done @ (done.T @ v)
-        twice = once - done @ (done.T @ once)
-        norm = jnp.linalg.norm(twice)
-        independent = norm > 0.5 * jnp.linalg.norm(once)
-        v = jnp.where(independent, twice / (norm + jnp.asarray(ORTHO_EPS, v.dtype)), 0)
-        return jax.lax.dynamic_update_index_in_dim(q, v, i, axis=1)
 
-    return jax.lax.fori_loop(0, r, body, a)
+def _signs(r: jax.Array) -> jax.Array:
+    """+1 or -1 per column of QR's Q, making R's diagonal non-negative (R_jj = 0: +1)."""
+    return jnp.where(jnp.diagonal(r) < 0, -1, 1).astype(r.dtype)
+
+
+def _basis(a: jax.Array, fresh: jax.Array) -> jax.Array:
+    """r orthonormal columns (k >= r): `orthonormalize(a)`, its zero columns replaced by the columns of
+    `fresh` (random, shaped like `a`) made orthogonal to the others (module docstring)."""
+    kept = orthonormalize(a)
+    dropped = jnp.all(kept == 0, axis=0)
+    order = jnp.argsort(dropped, stable=True)  # the kept columns first, in order: QR leaves them as they are
+    q, rr = jnp.linalg.qr(jnp.where(dropped, fresh.astype(a.dtype), kept)[:, order])
+    return (q * _signs(rr))[:, jnp.argsort(order)]
 
 
 # ---------------------------------------------------------------------------------------------
