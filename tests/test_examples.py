@@ -83,3 +83,12 @@ if __name__ == "__main__":  # execute the notebook and save it with its outputs
     check(nb)
     nbformat.write(nb, NOTEBOOK)
     print(f"{NOTEBOOK.relative_to(ROOT)}: executed and saved", file=sys.stderr)
+
+
+def test_slurm_scripts_activate_the_venv_and_give_srun_its_cpus():
+    """Slurm 22.05-23.02 do not pass #SBATCH --cpus-per-task on to srun, and a job that does not
+    activate the project's venv fails at `import jax` (checked without a cluster: the text)."""
+    for script in (ROOT / "examples" / "slurm").glob("*.sbatch"):
+        text = script.read_text()
+        assert 'export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"' in text, script
+        assert 'source "$venv/bin/activate"' in text and text.index("activate\"") < text.index("\nsrun "), script
