@@ -280,10 +280,10 @@ def train(config: Config) -> Result:
         if not preempted:
             # ---- evaluation ----------------------------------------------------------------------
             checked()
+            if checkpointer:  # the final state, before evaluating: bad held-out input loses no training
+                checkpointer.save(state)  # (a no-op if the last step was just saved)
             summary = {**evaluate(state), "strategy": config.strategy, "devices": mesh.size, "processes": n_processes,
                        "startup_s": startup_s, "compile_s": writer.compile_s, "compile_cache_hits": cache.hits}
-            if checkpointer:
-                checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
             summary = writer.done(config.steps, summary)
     except Diverged as err:  # nothing non-finite was saved: the check runs before every save
         writer.event("diverged", err.step, metric=err.name, value=err.value)

@@ -1,0 +1,70 @@
+"""Input checks that must come early and mean what they say: every token id checked at load (the
+held-out tail too, in the file's own dtype), the final state saved before the final evaluation."""
+
+import numpy as np
+import pytest
+
+from helpers import saved, step_records
+from jaxdp.data import Dataset
+from jaxdp.errors import InputError
+from jaxdp.tokens import TokenDataset, load_tokens
+from jaxdp.train import main
+
+TINY_GPT = ["--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+            "--batch-size", "8", "--no-progress", "--devices", "2"]
+
+
+# ---- token ids ---------------------------------------------------------------------------------
+
+
+def test_a_bad_token_id_in_the_held_out_split_exits_2_before_any_step(tmp_path, capsys):
+    """It used to surface at the final evaluation: every step trained, exit 2, nothing saved."""
+    ids = np.arange(20_000, dtype=np.int64) % 50
+    ids[18_100] = 77  # in the held-out 10 % (from 18,000), inside its windows
+    np.save(tmp_path / "t.npy", ids)
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    code = main([*TINY_GPT, "--dataset", str(tmp_path / "t.npy"), "--vocab-size", "50", "--steps", "3",
+                 "--metrics-file", str(metrics), "--checkpoint-dir", str(ckpt)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert not metrics.exists() or not step_records(metrics)  # no step trained
+    assert "holds token id 77 at position 18100 (held-out split), outside the vocabulary of 50" in err[0]
+
+
+def test_int64_ids_past_2_to_the_32_are_out_of_range_not_wrapped(tmp_path):
+    """2**32 + 5 cast to int32 first is 5, a valid id: silently wrong training."""
+    ids = np.arange(5_000, dtype=np.int64) % 50
+    ids[100] = 2**32 + 5
+    np.save(tmp_path / "t.npy", ids)
+    with pytest.raises(InputError, match=r"holds token id 4294967301 at position 100 \(training split\)"):
+        load_tokens(str(tmp_path / "t.npy"), 16, 50)
+    # The batch check (a file changed under a running job) compares before the cast too.
+    dataset = TokenDataset(str(tmp_path / "t.npy"), np.load(tmp_path / "t.npy", mmap_mode="r"), 50, 16, 4_500)
+    with pytest.raises(InputError, match="holds token id 4294967301"):
+        dataset._windows(np.array([96]))
+
+
+def test_the_whole_file_is_checked_in_chunks(tmp_path, monkeypatch):
+    import jaxdp.tokens
+
+    monkeypatch.setattr(jaxdp.tokens, "SCAN_CHUNK", 1000, raising=False)  # many chunks: the bad id is in the last one
+    ids = np.arange(10_000, dtype=np.uint16) % 300
+    ids[9_999] = 300
+    ids.tofile(tmp_path / "t.bin")
+    with pytest.raises(InputError, match="holds token id 300 at position 9999"):
+        load_tokens(str(tmp_path / "t.bin"), 16, 300)
+    ids[9_999] = 299
+    ids.tofile(tmp_path / "t.bin")
+    assert load_tokens(str(tmp_path / "t.bin"), 16, 300).vocab_size == 300
+
+
+def test_the_final_state_is_saved_before_the_final_evaluation(tmp_path, monkeypatch, capsys):
+    """Second line of defence: bad held-out input found at the end loses no training."""
+    def bad_eval(self, *args, **kwargs):
+        raise InputError("dataset file 'held-out' is bad", argument="dataset")
+
+    monkeypatch.setattr(Dataset, "eval_batches", bad_eval)
+    ckpt = tmp_path / "ckpt"
+    assert main(["--steps", "4", "--no-progress", "--devices", "2", "--checkpoint-dir", str(ckpt)]) == 2
+    assert "dataset file 'held-out' is bad" in capsys.readouterr().err
+    assert saved(ckpt) == ["4"]
