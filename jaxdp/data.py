@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import zipfile
 from typing import Iterator
@@ -47,6 +48,14 @@ class Dataset:
                      max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         n = len(self.x_test) if not max_batches else min(len(self.x_test), max_batches * batch_size)
         return eval_batches(self.x_test[:n], self.y_test[:n], batch_size, process_index, process_count)
+
+    def fingerprint(self) -> dict[str, str]:
+        """What every process of a run must read alike (jaxdp/agreement.py): the splits' shapes and
+        dtypes, and a digest of a few evenly spaced rows of each (cheap, whatever the size)."""
+        arrays = (self.x_train, self.y_train, self.x_test, self.y_test)
+        what = (f"{len(self.x_train)} training and {len(self.x_test)} held-out rows of "
+                f"{self.x_train.dtype}{list(self.x_train.shape[1:])}, {self.num_classes} classes")
+        return {"what": what, "digest": sample_digest(*arrays)}
 
 
 def load_dataset(name: str, *, seq_len: int = 128, vocab_size: int | None = None) -> Dataset:
@@ -137,6 +146,22 @@ def _check_xy(x: np.ndarray, y: np.ndarray, path: str, xname: str, yname: str) -
     if x.ndim == 3:  # (N, H, W) images: add a channel axis
         x = x[..., None]
     return x, y.astype(np.int32)
+
+
+def sample_digest(*arrays: np.ndarray, samples: int = 16, block_bytes: int = 1 << 15) -> str:
+    """A digest of each array's shape, dtype and `samples` evenly spaced blocks of about
+    `block_bytes` (the first and the last among them): it tells apart data of other sizes or
+    contents without reading it whole (a memory-mapped token file of many GB: 512 KB read)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in arrays:
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        n = len(array)
+        if not n:
+            continue
+        rows = max(1, block_bytes // max(1, array[:1].nbytes))
+        for start in sorted({int(s) for s in np.linspace(0, max(n - rows, 0), samples)}):
+            digest.update(np.ascontiguousarray(array[start:start + rows]).tobytes())
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 
 from jaxdp.data import global_batch_indices
+from jaxdp.data import sample_digest
 from jaxdp.errors import InputError
 
 HELD_OUT_FRACTION = 0.1  # the tail of the stream: a fixed split, independent of --seed
@@ -54,6 +55,11 @@ class TokenDataset:
     def example(self) -> np.ndarray:
         """One input row, for initialising a model."""
         return np.zeros((1, self.seq_len), np.int32)
+
+    def fingerprint(self) -> dict[str, str]:
+        """What every process of a run must read alike (jaxdp/agreement.py): the size, and a digest
+        of a few evenly spaced blocks of ids (cheap: it reads ~64K ids, whatever the file's size)."""
+        return {"what": f"{len(self.tokens)} {self.tokens.dtype} token ids", "digest": sample_digest(self.tokens)}
 
     def _windows(self, starts: np.ndarray) -> dict[str, np.ndarray]:
         rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])

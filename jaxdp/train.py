@@ -54,7 +54,7 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import compression, data, distributed, heartbeat, local_sgd, models, tasks, zero
+    from jaxdp import agreement, compression, data, distributed, heartbeat, local_sgd, models, tasks, zero
     from jaxdp.controller import GUARD_BATCHES, Controller
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
@@ -76,7 +76,10 @@ def train(config: Config) -> Result:
                           f"({mesh.size}); try {max(mesh.size, config.batch_size // mesh.size * mesh.size)}")
 
     # ---- input pipeline ----------------------------------------------------------------------
-    dataset = data.load_dataset(config.dataset, seq_len=config.seq_len, vocab_size=config.vocab_size)
+    # Every process checks its own input, then they agree: bad input or different data on any one
+    # process stops every process with exit 2 naming it, before the first collective.
+    dataset = agreement.load_dataset(lambda: data.load_dataset(config.dataset, seq_len=config.seq_len,
+                                                               vocab_size=config.vocab_size), process, n_processes)
     if config.model == "cnn" and dataset.x_train.ndim != 4:
         raise ConfigError(f"--model=cnn needs image data of shape (N, H, W[, C]), got rows of shape "
                           f"{dataset.x_train.shape[1:]}; use --model=mlp")

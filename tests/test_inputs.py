@@ -1,11 +1,16 @@
 """Input checks that must come early and mean what they say: every token id checked at load (the
-held-out tail too, in the file's own dtype), the final state saved before the final evaluation."""
+held-out tail too, in the file's own dtype), the final state saved before the final evaluation and
+the processes' inputs agreed (a fake coordination service here; real processes in
+tests/test_agreement.py)."""
+
+import json
 
 import numpy as np
 import pytest
 
 from helpers import saved, step_records
-from jaxdp.data import Dataset
+from jaxdp import agreement
+from jaxdp.data import Dataset, load_dataset
 from jaxdp.errors import InputError
 from jaxdp.tokens import TokenDataset, load_tokens
 from jaxdp.train import main
@@ -68,3 +73,55 @@ def test_the_final_state_is_saved_before_the_final_evaluation(tmp_path, monkeypa
     assert main(["--steps", "4", "--no-progress", "--devices", "2", "--checkpoint-dir", str(ckpt)]) == 2
     assert "dataset file 'held-out' is bad" in capsys.readouterr().err
     assert saved(ckpt) == ["4"]
+
+
+# ---- agreement over the processes (a fake coordination service) --------------------------------
+
+
+class _Store:
+    """The calls the agreement makes of JAX's coordination-service client, in memory."""
+
+    def __init__(self, **published):
+        self.values = {f"jaxdp/inputs/{p[1:]}": json.dumps(record) for p, record in published.items()}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def digits():
+    return load_dataset("digits")
+
+
+def test_agreement_names_the_process_whose_input_is_bad():
+    other = {"error": "dataset file 'data.npz' does not exist", "argument": "dataset", "setting": None}
+    with pytest.raises(InputError) as err:
+        agreement.load_dataset(digits, 0, 2, _Store(p1=other))
+    assert str(err.value) == "on process 1 (of 2): dataset file 'data.npz' does not exist"
+    assert err.value.argument == "dataset"
+
+
+def test_agreement_stops_the_process_whose_input_is_bad_only_after_telling_the_others():
+    store = _Store(p0={"fingerprint": digits().fingerprint()})
+
+    def missing():
+        raise InputError("dataset file 'data.npz' does not exist", argument="dataset")
+
+    with pytest.raises(InputError, match=r"^on process 1 \(of 2\): dataset file 'data.npz' does not exist$"):
+        agreement.load_dataset(missing, 1, 2, store)
+    assert "error" in json.loads(store.values["jaxdp/inputs/1"])  # published: process 0 stops too
+
+
+def test_agreement_names_processes_that_read_different_data():
+    other = Dataset(*(a[:100] for a in (digits().x_train, digits().y_train)), digits().x_test, digits().y_test, 10)
+    with pytest.raises(InputError) as err:
+        agreement.load_dataset(digits, 0, 2, _Store(p1={"fingerprint": other.fingerprint()}))
+    message = str(err.value)
+    assert message.startswith("the processes read different data (process 0: 1438 training and 359 held-out rows")
+    assert "process 1: 100 training and 359 held-out rows" in message and err.value.argument == "dataset"
+    same_size = {"fingerprint": {**digits().fingerprint(), "digest": "0" * 32}}
+    with pytest.raises(InputError, match="different contents"):
+        agreement.load_dataset(digits, 0, 2, _Store(p1=same_size))
+    assert agreement.load_dataset(digits, 0, 2, _Store(p1={"fingerprint": digits().fingerprint()})).num_classes == 10
