@@ -75,6 +75,9 @@ def train(config: Config) -> Result:
         raise ConfigError(f"--batch-size={config.batch_size} must be divisible by the number of devices "
                           f"({mesh.size}); try {max(mesh.size, config.batch_size // mesh.size * mesh.size)}")
 
+    # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py), watched from here to the end.
+    beat = heartbeat.for_run(config.stall_timeout)
+
     # ---- input pipeline ----------------------------------------------------------------------
     # Every process checks its own input, then they agree: bad input or different data on any one
     # process stops every process with exit 2 naming it, before the first collective.
@@ -185,6 +188,7 @@ def train(config: Config) -> Result:
                 raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {int(state.step)}, past "
                                   f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
     except BaseException:
+        beat.stop()
         if checkpointer:
             checkpointer.close()  # nothing was written: bad input leaves the directory as it was
         raise
@@ -238,8 +242,6 @@ def train(config: Config) -> Result:
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     batches = Prefetcher(batch_at, start_step, config.steps, depth=config.prefetch)
-    # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py); threads, no host sync here.
-    beat = heartbeat.for_run(config.stall_timeout)
     try:
         for step, batch in batches:
             first = step == start_step and decided is None  # --sync-every auto decided compression already
@@ -266,6 +268,7 @@ def train(config: Config) -> Result:
                                                          **({} if "comm_bytes" in latest else plain_comm)}))
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 checked()
+                beat.phase(f"the evaluation after step {done}")
                 evaluated = time.perf_counter()
                 writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
             if checkpointer:
@@ -279,10 +282,10 @@ def train(config: Config) -> Result:
                 checkpointer.save(state)  # no-op if this step was just saved
                 preempted = True
                 break
-        beat.stop()
         if not preempted:
             # ---- evaluation ----------------------------------------------------------------------
             checked()
+            beat.phase("the final save and evaluation")
             if checkpointer:  # the final state, before evaluating: bad held-out input loses no training
                 checkpointer.save(state)  # (a no-op if the last step was just saved)
             summary = {**evaluate(state), "strategy": config.strategy, "devices": mesh.size, "processes": n_processes,
