@@ -78,6 +78,8 @@ log = logging.getLogger("jaxdp")
 # --sync-every between values above 1 (the state is the same; the next sync comes at the next
 # multiple of the new value; between 1 and more, the states differ: `_check_compatible` says so) and
 # --outer-lr. `--sync-every auto` resumes with the H its checkpoint recorded (`recorded_meta`).
+# --dataset compares the file, not the spelling: the same file by another relative path (a rerun
+# from another directory with `--config DIR/config.toml`, which stores absolute paths) may resume.
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
                          "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr")
@@ -91,6 +93,13 @@ def resume_fields(config: Config) -> dict[str, Any]:
     """The Config fields a resumed run must share with the run that wrote the checkpoint."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
             if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME}
+
+
+def _dataset_path(config: Config) -> str | None:
+    """The absolute path of `config.dataset`, None for a built-in dataset."""
+    from jaxdp.registry import DATASETS
+
+    return None if config.dataset in DATASETS else os.path.abspath(config.dataset)
 
 
 class Checkpointer:
@@ -203,6 +212,8 @@ class Checkpointer:
         saved = meta.get("config") or {}
         if self.config is not None:
             for name, value in resume_fields(self.config).items():
+                if name == "dataset" and _same_dataset(meta, self.config):
+                    continue
                 if name in saved and saved[name] != value:
                     raise InputError(f"{where} made with {name}={saved[name]!r}, but this run has {name}={value!r}; "
                                      f"use the same {name} or another checkpoint directory", argument="directory",
@@ -279,6 +290,8 @@ class Checkpointer:
         self._finish_pending()  # orbax waits for the previous save here anyway
         meta = {"step": step, "data_position": step, "config": None if self.config is None else self.config.to_dict(),
                 "processes": jax.process_count(), "devices": jax.device_count(), **self.extra_meta}
+        if self.config is not None and _dataset_path(self.config):
+            meta["dataset_path"] = _dataset_path(self.config)  # --dataset as given may be relative
         host_state = jax.device_get(_portable(state))
         args = ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta))
         try:
@@ -335,6 +348,16 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _same_dataset(meta: dict, config: Config) -> bool:
+    """Whether checkpoint `meta` was made from the file `config.dataset` names, however spelt: by the
+    absolute path it records, or (checkpoints without one) the recorded path read from here."""
+    path = _dataset_path(config)
+    if path is None:
+        return False
+    recorded = meta.get("dataset_path") or (meta.get("config") or {}).get("dataset")
+    return isinstance(recorded, str) and os.path.abspath(recorded) == path
 
 
 PER_DEVICE = "sync/per_device/"  # paths of per-device rows (jaxdp.state.SyncState): any device count

@@ -1,7 +1,7 @@
 """Input checks that must come early and mean what they say: every token id checked at load (the
-held-out tail too, in the file's own dtype), the final state saved before the final evaluation and
-the processes' inputs agreed (a fake coordination service here; real processes in
-tests/test_agreement.py)."""
+held-out tail too, in the file's own dtype), the final state saved before the final evaluation,
+config.toml reruns from any directory and the processes' inputs agreed (a fake coordination service
+here; real processes in tests/test_agreement.py)."""
 
 import json
 
@@ -73,6 +73,30 @@ def test_the_final_state_is_saved_before_the_final_evaluation(tmp_path, monkeypa
     assert main(["--steps", "4", "--no-progress", "--devices", "2", "--checkpoint-dir", str(ckpt)]) == 2
     assert "dataset file 'held-out' is bad" in capsys.readouterr().err
     assert saved(ckpt) == ["4"]
+
+
+# ---- config.toml from another directory --------------------------------------------------------
+
+
+def test_config_toml_reruns_from_another_directory(tmp_path, monkeypatch, capsys):
+    """Relative paths in it used to name other files: a fresh run somewhere else, or exit 2."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir(), elsewhere.mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(first / "data.npz", x=rng.standard_normal((200, 5)), y=rng.integers(0, 3, 200))
+    monkeypatch.chdir(first)
+    flags = ["--dataset", "data.npz", "--checkpoint-dir", "ckpt", "--metrics-file", "m.jsonl", "--batch-size", "16",
+             "--no-progress", "--devices", "2", "--log-every", "1"]
+    assert main([*flags, "--steps", "3"]) == 0
+    toml = (first / "ckpt" / "config.toml").read_text()
+    assert f'dataset = "{first / "data.npz"}"' in toml and f'checkpoint-dir = "{first / "ckpt"}"' in toml
+    capsys.readouterr()
+
+    monkeypatch.chdir(elsewhere)
+    assert main(["--config", str(first / "ckpt" / "config.toml"), "--steps", "5"]) == 0
+    assert f"resumed from step 3 ({first / 'ckpt'})" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == []  # nothing written here
+    assert [r["step"] for r in step_records(first / "m.jsonl")] == [1, 2, 3, 4, 5]
 
 
 # ---- agreement over the processes (a fake coordination service) --------------------------------
