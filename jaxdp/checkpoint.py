@@ -78,11 +78,16 @@ log = logging.getLogger("jaxdp")
 # --sync-every between values above 1 (the state is the same; the next sync comes at the next
 # multiple of the new value; between 1 and more, the states differ: `_check_compatible` says so) and
 # --outer-lr. `--sync-every auto` resumes with the H its checkpoint recorded (`recorded_meta`).
+# Neither do --prefetch (when batches are made, never which) and --attention (the same attention by
+# another kernel, like --strategy). Options of a choice the run did not take cannot matter either
+# (`_unused`): --momentum unless --optimizer momentum, --weight-decay unless adamw, the GPT's sizes
+# and token options for the other models, the outer optimizer's with synchronous training.
 # --dataset compares the file, not the spelling: the same file by another relative path (a rerun
 # from another directory with `--config DIR/config.toml`, which stores absolute paths) may resume.
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
-                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr")
+                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
+                         "attention")
 
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits
@@ -91,8 +96,23 @@ _BARRIER_IDS = itertools.count()  # every process counts alike, so their barrier
 
 def resume_fields(config: Config) -> dict[str, Any]:
     """The Config fields a resumed run must share with the run that wrote the checkpoint."""
+    unused = _unused(config)
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME}
+            if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME and f.name not in unused}
+
+
+def _unused(config: Config) -> set[str]:
+    """Fields that `config`'s other choices leave unread (jaxdp/state.py, jaxdp/models.py)."""
+    unused = set()
+    if config.optimizer != "momentum":
+        unused.add("momentum")
+    if config.optimizer != "adamw":
+        unused.add("weight_decay")
+    if config.model != "gpt":  # token streams are for the GPT only (Config.validate)
+        unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size"}
+    if config.sync_every == 1:
+        unused |= {"outer_optimizer", "outer_momentum", "sync_fragments"}
+    return unused
 
 
 def _dataset_path(config: Config) -> str | None:

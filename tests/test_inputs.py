@@ -1,7 +1,8 @@
 """Input checks that must come early and mean what they say: every token id checked at load (the
 held-out tail too, in the file's own dtype), the final state saved before the final evaluation,
-config.toml reruns from any directory and the processes' inputs agreed (a fake coordination service
-here; real processes in tests/test_agreement.py)."""
+config.toml reruns from any directory, resume refused only for flags that change the computation and
+the processes' inputs agreed (a fake coordination service here; real processes in
+tests/test_agreement.py)."""
 
 import json
 
@@ -10,6 +11,8 @@ import pytest
 
 from helpers import saved, step_records
 from jaxdp import agreement
+from jaxdp.checkpoint import resume_fields
+from jaxdp.config import parse_args
 from jaxdp.data import Dataset, load_dataset
 from jaxdp.errors import InputError
 from jaxdp.tokens import TokenDataset, load_tokens
@@ -97,6 +100,27 @@ def test_config_toml_reruns_from_another_directory(tmp_path, monkeypatch, capsys
     assert f"resumed from step 3 ({first / 'ckpt'})" in capsys.readouterr().err
     assert list(elsewhere.iterdir()) == []  # nothing written here
     assert [r["step"] for r in step_records(first / "m.jsonl")] == [1, 2, 3, 4, 5]
+
+
+# ---- resume: refuse only what changes the computation ------------------------------------------
+
+
+def test_resume_ignores_flags_that_cannot_matter():
+    base = resume_fields(parse_args([]))  # adam, the MLP, synchronous training
+    for argv in (["--prefetch", "0"], ["--momentum", "0.5"], ["--weight-decay", "0.3"], ["--layers", "7"],
+                 ["--outer-lr", "0.1", "--outer-momentum", "0.5"], ["--attention", "xla"]):
+        assert resume_fields(parse_args(argv)) == base, argv
+    momentum = resume_fields(parse_args(["--optimizer", "momentum"]))
+    assert resume_fields(parse_args(["--optimizer", "momentum", "--momentum", "0.5"])) != momentum
+    for argv in (["--seed", "1"], ["--batch-size", "64"], ["--grad-accum", "2"], ["--precision", "bf16"]):
+        assert resume_fields(parse_args(argv)) != base, argv
+
+
+def test_a_run_resumes_with_another_prefetch_depth_and_an_unused_momentum(tmp_path):
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress", "--devices", "2"]
+    assert main([*ckpt, "--steps", "2"]) == 0
+    assert main([*ckpt, "--steps", "4", "--prefetch", "0", "--momentum", "0.5"]) == 0
+    assert saved(tmp_path / "ckpt") == ["2", "4"]
 
 
 # ---- agreement over the processes (a fake coordination service) --------------------------------
