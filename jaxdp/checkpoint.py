@@ -26,7 +26,12 @@ arrays. So every save records the sha256 of each array's bytes. They are compute
 copy the save makes anyway, in a background thread (off the training path), and written next to
 the step once orbax has committed it (at the next save, `poll` or `close`). A restore checks every
 restored array against them; a mismatch is a damaged checkpoint like any other. A step without the
-file (saved by an older jaxdp, or killed between commit and checksums) is restored unchecked.
+file (saved by an older jaxdp, or killed between commit and checksums) cannot be verified. It is
+restored, because refusing it would throw away the work of a run stopped in that window and every
+checkpoint made before checksums existed, but not silently: it must hold only finite floats (a
+damaged float is often NaN; if not, it is damage like any other), one warning line says it is
+unverified, and `restored_unverified` keeps its step, so that a divergence after the restore does
+not call it intact (the CLI's message says it may be the cause).
 
 A damaged checkpoint is told apart from one made with other flags by what failed: a description
 (`state/_METADATA`, `meta`) that cannot be read or lists no arrays is damage; a complete description
@@ -135,6 +140,7 @@ class Checkpointer:
         self.save_every = save_every
         self.config = config
         self.extra_meta: dict[str, Any] = {}  # more JSON for every checkpoint's meta (the CLI: sync_every_auto)
+        self.restored_unverified: int | None = None  # the step `restore` restored without a checksum record
         _check_writable(self.directory)
         self._lock = DirectoryLock(self.directory, *_process_and_client())  # InputError: in use, or not shared
         # Orbax logs a failed background write from its own threads, with tracebacks; jaxdp reports
@@ -183,12 +189,17 @@ class Checkpointer:
             try:
                 with _quiet():
                     restored = self._restore_step(step, state, shapes)
-                    self._verify(step, restored)
+                    verified = self._verify(step, restored)
                     restored = _unportable(restored, state)
                 break
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
         self._move_aside(unreadable, restored_step=None if restored is None else int(restored.step))
+        if restored is not None and not verified:
+            self.restored_unverified = int(restored.step)
+            _warn(f"checkpoint {os.path.join(self.directory, str(self.restored_unverified))} has no checksum record "
+                  f"({CHECKSUMS_FILE}: saved by a jaxdp without checksums, or the run stopped before writing it), "
+                  f"so its arrays cannot be verified; restored it unverified")
         return state if restored is None else restored
 
     def recorded_meta(self) -> dict | None:
@@ -214,17 +225,25 @@ class Checkpointer:
             raise ValueError("state/_METADATA, the description of its arrays, is missing or unreadable")
         return meta, shapes
 
-    def _verify(self, step: int, restored: TrainState) -> None:
-        """ValueError if an array of checkpoint `step` differs from what was saved (CHECKSUMS_FILE)."""
+    def _verify(self, step: int, restored: TrainState) -> bool:
+        """ValueError if an array of checkpoint `step` differs from what was saved (CHECKSUMS_FILE);
+        False if there is no record to check against (then a non-finite float is damage too)."""
         path = os.path.join(self.directory, str(step), CHECKSUMS_FILE)
-        if not os.path.exists(path):
-            return  # saved by an older jaxdp, or stopped between commit and checksums: nothing to check
+        host = jax.device_get(restored)
+        if not os.path.exists(path):  # saved by an older jaxdp, or stopped between commit and checksums
+            for name, leaf in _named_leaves(host).items():
+                leaf = np.asarray(leaf)
+                if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
+                    raise ValueError(f"array {name} holds non-finite values, and there is no checksum record "
+                                     f"({CHECKSUMS_FILE}) to tell whether it was saved so")
+            return False
         with open(path) as f:
             expected = json.load(f)
-        actual = _checksums(jax.device_get(restored))
+        actual = _checksums(host)
         for name, digest in expected.items():
             if actual.get(name) != digest:
                 raise ValueError(f"array {name} does not match the checksum recorded when it was saved")
+        return True
 
     def _check_compatible(self, step: int, meta: dict, stored: dict, state: TrainState) -> None:
         """InputError if checkpoint `step` was made by a different config or holds other shapes."""
@@ -533,11 +552,16 @@ def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWri
                                 f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
 
 
+def _named_leaves(tree: Any) -> dict[str, Any]:
+    """{"params/Dense_0/kernel": array} for a state."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
 def _checksums(tree: Any) -> dict[str, str]:
     """{"params/Dense_0/kernel": sha256 of its bytes} for a host (numpy) copy of a state."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in path): hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
-            for path, leaf in leaves}
+    return {name: hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
+            for name, leaf in _named_leaves(tree).items()}
 
 
 def _process_and_client() -> tuple[int, int, Any]:

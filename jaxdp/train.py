@@ -294,6 +294,7 @@ def train(config: Config) -> Result:
     except Diverged as err:  # nothing non-finite was saved: the check runs before every save
         writer.event("diverged", err.step, metric=err.name, value=err.value)
         err.last_checkpoint = checkpointer.latest_step() if checkpointer else None
+        err.restored_unverified = checkpointer.restored_unverified if checkpointer else None
         raise
     finally:
         batches.close()
@@ -335,8 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxdp: error: {cli_message(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Diverged as err:
-        last = getattr(err, "last_checkpoint", None)
-        kept = f"; the last checkpoint (step {last}) is intact" if last else ""
+        last, unverified = getattr(err, "last_checkpoint", None), getattr(err, "restored_unverified", None)
+        kept = f"; the last checkpoint (step {last}) is intact" if last and last != unverified else ""
+        if unverified:  # a damaged checkpoint that restored is a likelier cause than the learning rate
+            kept += (f"; this run resumed from checkpoint step {unverified}, which has no checksum record, so it could "
+                     f"not be verified: if it is damaged, that is the likely cause")
         print(f"jaxdp: error: training diverged: {err.name} became {err.value} at step {err.step}; lower --lr or "
               f"set --clip-norm{kept} (exit code {EXIT_DIVERGED})", file=sys.stderr)
         return EXIT_DIVERGED
