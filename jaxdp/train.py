@@ -33,6 +33,10 @@ from jaxdp.errors import (EXIT_BAD_INPUT, EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_
                           EXIT_OK, EXIT_PREEMPTED, CheckpointWriteError, InputError)
 from jaxdp.metrics import Diverged  # noqa: E402
 
+# Steps whose metrics may wait on the devices for the NaN / Inf check: it runs at every log point,
+# and at least this often, so a large --log-every does not keep every step's metrics alive.
+MAX_PENDING_STEPS = 100
+
 # Which flag fed each library argument that an InputError may name.
 FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
                     "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer"}
@@ -230,6 +234,7 @@ def train(config: Config) -> Result:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
     history, preempted, done = [], False, start_step
     pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked for NaN / Inf
+    last_checked: dict[str, Any] = {}  # the metrics of the last step checked, on the host
 
     def checked() -> dict[str, float]:
         """Host sync point: every pending step's metrics come to the host and are checked for
@@ -238,7 +243,10 @@ def train(config: Config) -> Result:
         pending.clear()
         for step, metrics in host:
             check_finite(step, metrics)
-        return host[-1][1] if host else {}
+        if host:
+            last_checked.clear()
+            last_checked.update(host[-1][1])
+        return dict(last_checked)
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     batches = Prefetcher(batch_at, start_step, config.steps, depth=config.prefetch)
@@ -258,6 +266,8 @@ def train(config: Config) -> Result:
             done = step + 1
             beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
             pending.append((done, metrics))
+            if len(pending) >= MAX_PENDING_STEPS:  # a large --log-every: memory stays bounded, the check exact
+                checked()
             if step == start_step:  # the first step compiles: time it apart, then start the clock
                 jax.block_until_ready(metrics)  # host sync point (once)
                 writer.first_step_done(done)

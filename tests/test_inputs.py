@@ -1,22 +1,22 @@
 """Input checks that must come early and mean what they say: every token id checked at load (the
 held-out tail too, in the file's own dtype), the final state saved before the final evaluation,
-config.toml reruns from any directory, resume refused only for flags that change the computation and
-the processes' inputs agreed (a fake coordination service here; real processes in
-tests/test_agreement.py)."""
+config.toml reruns from any directory, resume refused only for flags that change the computation,
+the NaN guard's pending steps bounded and the processes' inputs agreed (a fake coordination service
+here; real processes in tests/test_agreement.py)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from helpers import saved, step_records
-from jaxdp import agreement
+from helpers import records, saved, step_records
+from jaxdp import agreement, train as train_module
 from jaxdp.checkpoint import resume_fields
 from jaxdp.config import parse_args
 from jaxdp.data import Dataset, load_dataset
 from jaxdp.errors import InputError
 from jaxdp.tokens import TokenDataset, load_tokens
-from jaxdp.train import main
+from jaxdp.train import main, train
 
 TINY_GPT = ["--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
             "--batch-size", "8", "--no-progress", "--devices", "2"]
@@ -121,6 +121,34 @@ def test_a_run_resumes_with_another_prefetch_depth_and_an_unused_momentum(tmp_pa
     assert main([*ckpt, "--steps", "2"]) == 0
     assert main([*ckpt, "--steps", "4", "--prefetch", "0", "--momentum", "0.5"]) == 0
     assert saved(tmp_path / "ckpt") == ["2", "4"]
+
+
+# ---- the NaN guard's pending steps -------------------------------------------------------------
+
+
+def test_a_large_log_every_keeps_at_most_max_pending_steps_unchecked(tmp_path, monkeypatch):
+    """Every step's metrics waited on the devices until the next log point (+352 MB over 20,000
+    steps); now at most MAX_PENDING_STEPS do, and every step is still checked, in order."""
+    import jaxdp.metrics
+
+    limit = train_module.MAX_PENDING_STEPS
+    loop, lags, checked = [0], [], []
+    real = jaxdp.metrics.check_finite
+
+    def check_finite(step, metrics, *args):
+        checked.append(step)
+        lags.append(loop[0] - step)
+        return real(step, metrics, *args)
+
+    monkeypatch.setattr(jaxdp.metrics, "check_finite", check_finite)
+    monkeypatch.setattr(jaxdp.metrics.MetricsWriter, "step", lambda self, n=1: loop.__setitem__(0, loop[0] + n))
+    steps = 2 * limit + limit // 2
+    result = train(parse_args(["--steps", str(steps), "--log-every", "100000", "--no-progress", "--devices", "2",
+                               "--metrics-file", str(tmp_path / "m.jsonl")]))
+    assert checked == list(range(1, steps + 1))
+    assert max(lags) < limit, max(lags)
+    assert [r["step"] for r in result.history] == [steps]  # the final step is still logged, once
+    assert records(tmp_path / "m.jsonl")[-1]["event"] == "done"
 
 
 # ---- agreement over the processes (a fake coordination service) --------------------------------
