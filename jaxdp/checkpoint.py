@@ -26,7 +26,12 @@ arrays. So every save records the sha256 of each array's bytes. They are compute
 copy the save makes anyway, in a background thread (off the training path), and written next to
 the step once orbax has committed it (at the next save, `poll` or `close`). A restore checks every
 restored array against them; a mismatch is a damaged checkpoint like any other. A step without the
-file (saved by an older jaxdp, or killed between commit and checksums) is restored unchecked.
+file (saved by an older jaxdp, or killed between commit and checksums) cannot be verified. It is
+restored, because refusing it would throw away the work of a run stopped in that window and every
+checkpoint made before checksums existed, but not silently: it must hold only finite floats (a
+damaged float is often NaN; if not, it is damage like any other), one warning line says it is
+unverified, and `restored_unverified` keeps its step, so that a divergence after the restore does
+not call it intact (the CLI's message says it may be the cause).
 
 A damaged checkpoint is told apart from one made with other flags by what failed: a description
 (`state/_METADATA`, `meta`) that cannot be read or lists no arrays is damage; a complete description
@@ -78,9 +83,16 @@ log = logging.getLogger("jaxdp")
 # --sync-every between values above 1 (the state is the same; the next sync comes at the next
 # multiple of the new value; between 1 and more, the states differ: `_check_compatible` says so) and
 # --outer-lr. `--sync-every auto` resumes with the H its checkpoint recorded (`recorded_meta`).
+# Neither do --prefetch (when batches are made, never which) and --attention (the same attention by
+# another kernel, like --strategy). Options of a choice the run did not take cannot matter either
+# (`_unused`): --momentum unless --optimizer momentum, --weight-decay unless adamw, the GPT's sizes
+# and token options for the other models, the outer optimizer's with synchronous training.
+# --dataset compares the file, not the spelling: the same file by another relative path (a rerun
+# from another directory with `--config DIR/config.toml`, which stores absolute paths) may resume.
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
-                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr")
+                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
+                         "attention")
 
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits
@@ -89,8 +101,30 @@ _BARRIER_IDS = itertools.count()  # every process counts alike, so their barrier
 
 def resume_fields(config: Config) -> dict[str, Any]:
     """The Config fields a resumed run must share with the run that wrote the checkpoint."""
+    unused = _unused(config)
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME}
+            if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME and f.name not in unused}
+
+
+def _unused(config: Config) -> set[str]:
+    """Fields that `config`'s other choices leave unread (jaxdp/state.py, jaxdp/models.py)."""
+    unused = set()
+    if config.optimizer != "momentum":
+        unused.add("momentum")
+    if config.optimizer != "adamw":
+        unused.add("weight_decay")
+    if config.model != "gpt":  # token streams are for the GPT only (Config.validate)
+        unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size"}
+    if config.sync_every == 1:
+        unused |= {"outer_optimizer", "outer_momentum", "sync_fragments"}
+    return unused
+
+
+def _dataset_path(config: Config) -> str | None:
+    """The absolute path of `config.dataset`, None for a built-in dataset."""
+    from jaxdp.registry import DATASETS
+
+    return None if config.dataset in DATASETS else os.path.abspath(config.dataset)
 
 
 class Checkpointer:
@@ -106,6 +140,7 @@ class Checkpointer:
         self.save_every = save_every
         self.config = config
         self.extra_meta: dict[str, Any] = {}  # more JSON for every checkpoint's meta (the CLI: sync_every_auto)
+        self.restored_unverified: int | None = None  # the step `restore` restored without a checksum record
         _check_writable(self.directory)
         self._lock = DirectoryLock(self.directory, *_process_and_client())  # InputError: in use, or not shared
         # Orbax logs a failed background write from its own threads, with tracebacks; jaxdp reports
@@ -154,12 +189,17 @@ class Checkpointer:
             try:
                 with _quiet():
                     restored = self._restore_step(step, state, shapes)
-                    self._verify(step, restored)
+                    verified = self._verify(step, restored)
                     restored = _unportable(restored, state)
                 break
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
         self._move_aside(unreadable, restored_step=None if restored is None else int(restored.step))
+        if restored is not None and not verified:
+            self.restored_unverified = int(restored.step)
+            _warn(f"checkpoint {os.path.join(self.directory, str(self.restored_unverified))} has no checksum record "
+                  f"({CHECKSUMS_FILE}: saved by a jaxdp without checksums, or the run stopped before writing it), "
+                  f"so its arrays cannot be verified; restored it unverified")
         return state if restored is None else restored
 
     def recorded_meta(self) -> dict | None:
@@ -185,17 +225,25 @@ class Checkpointer:
             raise ValueError("state/_METADATA, the description of its arrays, is missing or unreadable")
         return meta, shapes
 
-    def _verify(self, step: int, restored: TrainState) -> None:
-        """ValueError if an array of checkpoint `step` differs from what was saved (CHECKSUMS_FILE)."""
+    def _verify(self, step: int, restored: TrainState) -> bool:
+        """ValueError if an array of checkpoint `step` differs from what was saved (CHECKSUMS_FILE);
+        False if there is no record to check against (then a non-finite float is damage too)."""
         path = os.path.join(self.directory, str(step), CHECKSUMS_FILE)
-        if not os.path.exists(path):
-            return  # saved by an older jaxdp, or stopped between commit and checksums: nothing to check
+        host = jax.device_get(restored)
+        if not os.path.exists(path):  # saved by an older jaxdp, or stopped between commit and checksums
+            for name, leaf in _named_leaves(host).items():
+                leaf = np.asarray(leaf)
+                if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
+                    raise ValueError(f"array {name} holds non-finite values, and there is no checksum record "
+                                     f"({CHECKSUMS_FILE}) to tell whether it was saved so")
+            return False
         with open(path) as f:
             expected = json.load(f)
-        actual = _checksums(jax.device_get(restored))
+        actual = _checksums(host)
         for name, digest in expected.items():
             if actual.get(name) != digest:
                 raise ValueError(f"array {name} does not match the checksum recorded when it was saved")
+        return True
 
     def _check_compatible(self, step: int, meta: dict, stored: dict, state: TrainState) -> None:
         """InputError if checkpoint `step` was made by a different config or holds other shapes."""
@@ -203,6 +251,8 @@ class Checkpointer:
         saved = meta.get("config") or {}
         if self.config is not None:
             for name, value in resume_fields(self.config).items():
+                if name == "dataset" and _same_dataset(meta, self.config):
+                    continue
                 if name in saved and saved[name] != value:
                     raise InputError(f"{where} made with {name}={saved[name]!r}, but this run has {name}={value!r}; "
                                      f"use the same {name} or another checkpoint directory", argument="directory",
@@ -279,6 +329,8 @@ class Checkpointer:
         self._finish_pending()  # orbax waits for the previous save here anyway
         meta = {"step": step, "data_position": step, "config": None if self.config is None else self.config.to_dict(),
                 "processes": jax.process_count(), "devices": jax.device_count(), **self.extra_meta}
+        if self.config is not None and _dataset_path(self.config):
+            meta["dataset_path"] = _dataset_path(self.config)  # --dataset as given may be relative
         host_state = jax.device_get(_portable(state))
         args = ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta))
         try:
@@ -335,6 +387,16 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _same_dataset(meta: dict, config: Config) -> bool:
+    """Whether checkpoint `meta` was made from the file `config.dataset` names, however spelt: by the
+    absolute path it records, or (checkpoints without one) the recorded path read from here."""
+    path = _dataset_path(config)
+    if path is None:
+        return False
+    recorded = meta.get("dataset_path") or (meta.get("config") or {}).get("dataset")
+    return isinstance(recorded, str) and os.path.abspath(recorded) == path
 
 
 PER_DEVICE = "sync/per_device/"  # paths of per-device rows (jaxdp.state.SyncState): any device count
@@ -490,11 +552,16 @@ def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWri
                                 f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
 
 
+def _named_leaves(tree: Any) -> dict[str, Any]:
+    """{"params/Dense_0/kernel": array} for a state."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
 def _checksums(tree: Any) -> dict[str, str]:
     """{"params/Dense_0/kernel": sha256 of its bytes} for a host (numpy) copy of a state."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in path): hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
-            for path, leaf in leaves}
+    return {name: hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
+            for name, leaf in _named_leaves(tree).items()}
 
 
 def _process_and_client() -> tuple[int, int, Any]:

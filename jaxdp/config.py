@@ -358,11 +358,27 @@ def read_config_file(path: str) -> dict[str, Any]:
     return values
 
 
+def absolute_paths(config: Config) -> Config:
+    """`config` with its file and directory paths made absolute, as read from the working directory
+    now: --dataset (unless a built-in name), --checkpoint-dir, --metrics-file, --log-dir and a
+    --compile-cache directory. A relative path in a file read from elsewhere would name another file,
+    and a rerun would quietly start a fresh run in a new directory."""
+    changes = {name: os.path.abspath(getattr(config, name)) for name in ("checkpoint_dir", "metrics_file", "log_dir")
+               if getattr(config, name) is not None}
+    if config.dataset not in registry.DATASETS:
+        changes["dataset"] = os.path.abspath(config.dataset)
+    if config.compile_cache not in ("auto", "off"):
+        changes["compile_cache"] = os.path.abspath(os.path.expanduser(config.compile_cache))
+    return config.replace(**changes)
+
+
 def config_toml(config: Config, comment: str | None = None) -> str:
     """The effective config as a TOML file that `--config` reads back (fields that are None are left
-    out); `comment`, if given, as a second comment line."""
-    lines = ["# the effective configuration of a jaxdp run; rerun it with --config this-file"]
+    out); `comment`, if given, as a second comment line. Paths are written absolute (`absolute_paths`),
+    so the file reruns the same run from any working directory."""
+    lines = ["# the effective configuration of a jaxdp run; rerun it with --config this-file (from any directory)"]
     lines += [f"# {comment}"] if comment else []
+    config = absolute_paths(config)
     for f in dataclasses.fields(Config):
         value = getattr(config, f.name)
         if value is None:

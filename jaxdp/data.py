@@ -19,6 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
+from jaxdp.digest import sample_digest
 from jaxdp.errors import InputError
 from jaxdp.order import eval_batches, local_batch
 
@@ -47,6 +48,14 @@ class Dataset:
                      max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         n = len(self.x_test) if not max_batches else min(len(self.x_test), max_batches * batch_size)
         return eval_batches(self.x_test[:n], self.y_test[:n], batch_size, process_index, process_count)
+
+    def fingerprint(self) -> dict[str, str]:
+        """What every process of a run must read alike (jaxdp/agreement.py): the splits' shapes and
+        dtypes, and a digest of a few evenly spaced rows of each (cheap, whatever the size)."""
+        arrays = (self.x_train, self.y_train, self.x_test, self.y_test)
+        what = (f"{len(self.x_train)} training and {len(self.x_test)} held-out rows of "
+                f"{self.x_train.dtype}{list(self.x_train.shape[1:])}, {self.num_classes} classes")
+        return {"what": what, "digest": sample_digest(*arrays)}
 
 
 def load_dataset(name: str, *, seq_len: int = 128, vocab_size: int | None = None) -> Dataset:

@@ -12,7 +12,13 @@ Here every process of a multi-process run publishes its progress, and every proc
   step's program runs exactly as before; only a background thread learns when it ended.
 * A *publisher* thread writes this process's record every `beat` seconds to the key-value store of
   JAX's coordination service (`jaxdp/heartbeat/<process>`: a beat counter, the last completed step,
-  the time per step this process spent on its own work) and reads everyone's records.
+  what the process is doing, the time per step this process spent on its own work) and reads
+  everyone's records.
+* The watch runs from start-up (right after the mesh: data loading, compilation, the `--sync-every
+  auto` measurement) to the end of the final save and evaluation, not only in the training loop:
+  the training thread names each phase (`phase`), and a verdict names the phase the stalled
+  process was in. A process that is stopped outside the loop used to leave the others waiting in a
+  collective until JAX aborted them, with no jaxdp line.
 * A *checker* thread never blocks. From the latest records, on this process's own clock, it finds:
   - a process that has not completed step k within `stall_timeout` seconds of the first process
     completing it, for k >= 2 (step 1 includes compilation, which may take each process a different
@@ -33,6 +39,7 @@ time is each process's wall time per step and the processes look alike.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import threading
@@ -55,6 +62,11 @@ class Heartbeat:
         """Extra keys for the metrics record at a log point (process 0 of a multi-process run)."""
         return {}
 
+    def phase(self, doing: str) -> None:
+        """What this process does now, outside training steps ("the final evaluation"): published
+        at once, and named in a verdict if it stalls there. Call it once the steps dispatched so
+        far are done (after a host sync); they count as completed from here on."""
+
     def stop(self) -> None:
         """Training is over: stop publishing and watching (the others stop judging this process)."""
 
@@ -75,7 +87,9 @@ class LiveHeartbeat(Heartbeat):
         self._last_call: float | None = None
         self._own_sum, self._own_steps, self._own = 0.0, 0, None
         self._seq = 0
+        self._doing, self._dispatched = "start-up", 0
         self._stopped = threading.Event()
+        atexit.register(self.stop)  # whatever ends the process (bad input too), the others learn it finished
         # what the checker sees: the latest record of every process, and when (our clock) each changed
         now = time.monotonic()
         self._records: dict[int, dict] = {}
@@ -95,8 +109,23 @@ class LiveHeartbeat(Heartbeat):
                 self._own_sum += max(0.0, now - self._last_call - waited_s)
                 self._own_steps += 1
             self._last_call = now
+            self._doing, self._dispatched = f"training, at step {step + 1}", step
             self._pending.append((step, output))
             self._ready.notify()
+
+    def phase(self, doing: str) -> None:
+        with self._lock:
+            waiting = list(self._pending)
+        for _, output in waiting:  # done already where the caller synced (the CLI does, before each phase)
+            try:
+                _wait_for(output)
+            except Exception:  # noqa: BLE001 - a failed step is the training thread's to report
+                pass
+        with self._lock:  # published with the phase, so the others never see those steps as missing
+            self._completed = max(self._completed, self._dispatched)
+            self._doing = doing
+        if not self._stopped.is_set():
+            self._publish()  # now, not at the next beat: a phase may be stopped in within a beat of its start
 
     def stragglers(self) -> dict[str, Any]:
         with self._lock:
@@ -124,11 +153,11 @@ class LiveHeartbeat(Heartbeat):
                     return
                 step, output = self._pending.popleft()
             try:
-                output.block_until_ready()  # this thread waits; the training thread does not
+                _wait_for(output)  # this thread waits; the training thread does not
             except Exception:  # noqa: BLE001 - a failed step is the training thread's to report
                 return
             with self._lock:
-                self._completed = step
+                self._completed = max(self._completed, step)
 
     # -- the publisher: our record out, everyone's records in ---------------------------------------
 
@@ -138,7 +167,8 @@ class LiveHeartbeat(Heartbeat):
                 self._own = self._own_sum / self._own_steps
                 self._own_sum, self._own_steps = 0.0, 0
             self._seq += 1
-            return json.dumps({"seq": self._seq, "done": self._completed, "own": self._own, "finished": finished})
+            return json.dumps({"seq": self._seq, "done": self._completed, "own": self._own, "finished": finished,
+                               "doing": self._doing})
 
     def _publish(self, finished: bool = False) -> None:
         try:
@@ -188,7 +218,7 @@ class LiveHeartbeat(Heartbeat):
             if self._me != 0 and now - self._last_answer > self._timeout:
                 return (f"process 0 (the coordinator) has not answered for {self._timeout:g} s "
                         f"(--stall-timeout): it is alive but stopped or stuck")
-            stalled, at_step = [], None
+            stalled, at_step, doing = [], None, None
             for p in range(self._count):
                 record = self._records.get(p)
                 if p == self._me or (record or {}).get("finished"):
@@ -207,15 +237,29 @@ class LiveHeartbeat(Heartbeat):
                 first = self._first_done.get(missing)
                 behind = (missing >= _OBSERVE_FROM_STEP and first is not None and now - first > self._timeout)
                 silent = now - self._changed[p] > self._timeout
-                if behind or silent:
+                if behind:
                     stalled.append(p)
                     at_step = missing if at_step is None else min(at_step, missing)
+                elif silent:
+                    stalled.append(p)
+                    doing = doing or record.get("doing") or f"step {missing}"
         if not stalled:
             return None
         who = f"process {stalled[0]}" if len(stalled) == 1 else f"processes {stalled}"
+        if at_step is None:  # silent, not behind: say in which phase
+            return (f"{who} (of {self._count}) stalled during {doing}: no heartbeat for {self._timeout:g} s "
+                    f"(--stall-timeout); it is alive but stopped or stuck (SIGSTOP, a frozen node, a deadlock)")
         return (f"{who} (of {self._count}) stalled: not done with step {at_step} {self._timeout:g} s "
                 f"(--stall-timeout) after another process finished it, or not answering; it is alive "
                 f"but stopped or stuck (SIGSTOP, a frozen node, a deadlock)")
+
+
+def _wait_for(output: Any) -> None:
+    """Until a step's output is ready: a jax.Array's, or at once for a host value (the host strategy's
+    metrics are numpy, ready when the step call returns)."""
+    ready = getattr(output, "block_until_ready", None)
+    if ready is not None:
+        ready()
 
 
 def for_run(stall_timeout: float) -> Heartbeat:

@@ -4,11 +4,14 @@
     python -m jaxdp.train --model gpt --dataset train.bin --vocab-size 50304  # uint16 ids (uint32 above 65536)
     python -m jaxdp.train --model gpt --dataset tokens.npy --vocab-size 50304 # any integer .npy
 
-The file is memory-mapped, never read whole: a step reads only the windows of its own process's
-slice of the global batch. The stream is cut into non-overlapping windows of `seq_len + 1` tokens
-(inputs, and the same shifted by one as targets). The last `HELD_OUT_FRACTION` of the tokens is the
+The file is memory-mapped, never read whole into memory: a step reads only the windows of its own
+process's slice of the global batch. Loading checks every token id against the vocabulary once, in
+chunks of `SCAN_CHUNK` ids (a bad id in the held-out tail used to surface only at the final
+evaluation, after all the training), in the file's own dtype (an int64 id of 2**32 + 5 is not 5).
+The stream is cut into non-overlapping windows of `seq_len + 1` tokens (inputs, and the same
+shifted by one as targets). The last `HELD_OUT_FRACTION` of the tokens is the
 held-out split, fixed whatever the seed; the windows before it are the training set, and global
-batch `step` is the same pure function of (seed, step) as for every dataset (`jaxdp.data`), so
+batch `step` is the same pure function of (seed, step) as for every dataset (`jaxdp.order`), so
 resume and multi-process runs see exactly the batches a single uninterrupted run sees.
 """
 
@@ -21,11 +24,12 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxdp.order import global_batch_indices
+from jaxdp.digest import sample_digest
 from jaxdp.errors import InputError
+from jaxdp.order import global_batch_indices
 
 HELD_OUT_FRACTION = 0.1  # the tail of the stream: a fixed split, independent of --seed
-SUFFIXES = (".txt", ".bin", ".npy")
+SCAN_CHUNK = 1 << 24  # token ids per chunk of the load-time range check: at most 128 MB of int64 at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +56,20 @@ class TokenDataset:
         """One input row, for initialising a model."""
         return np.zeros((1, self.seq_len), np.int32)
 
+    def fingerprint(self) -> dict[str, str]:
+        """What every process of a run must read alike (jaxdp/agreement.py): the size, and a digest
+        of a few evenly spaced blocks of ids (cheap: it reads ~64K ids, whatever the file's size)."""
+        return {"what": f"{len(self.tokens)} {self.tokens.dtype} token ids", "digest": sample_digest(self.tokens)}
+
     def _windows(self, starts: np.ndarray) -> dict[str, np.ndarray]:
-        rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts]).astype(np.int32)
+        rows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
+        # Hazard: range-check in the file's dtype, then cast (int64 2**32 + 5 cast to int32 is 5).
+        # Loading checked the whole file already; this catches a file changed under a running job.
         if rows.size and (rows.max() >= self.vocab_size or rows.min() < 0):
             bad = int(rows.max() if rows.max() >= self.vocab_size else rows.min())
             raise InputError(f"dataset file {self.path!r} holds token id {bad}, outside the vocabulary of "
                              f"{self.vocab_size}; pass the tokenizer's vocabulary size", argument="vocab_size")
+        rows = rows.astype(np.int32)
         return {"x": rows[:, :-1], "y": rows[:, 1:]}
 
     def train_batch(self, batch_size: int, step: int, seed: int, process_index: int = 0,
@@ -122,7 +134,27 @@ def load_tokens(path: str, seq_len: int, vocab_size: int | None = None) -> Token
         raise InputError(f"{where} has {len(tokens)} tokens, too few for windows of {seq_len + 1} tokens in both "
                          f"the training split and the {HELD_OUT_FRACTION:.0%} held out; give at least {need} "
                          f"tokens or a shorter sequence length", argument="dataset")
+    check_ids(tokens, int(vocab_size), where, n_train)
     return dataset
+
+
+def check_ids(tokens: np.ndarray, vocab_size: int, where: str, n_train: int | None = None) -> None:
+    """InputError naming the first id outside 0 .. vocab_size - 1, and where it is.
+
+    Reads the memory-mapped `tokens` once, `SCAN_CHUNK` ids at a time, comparing in their own dtype
+    (no cast first). Free when the dtype cannot hold a bad id (bytes; uint16 ids with a vocabulary
+    of 65536)."""
+    info = np.iinfo(tokens.dtype)
+    if info.min >= 0 and info.max < vocab_size:
+        return
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = np.asarray(tokens[start:start + SCAN_CHUNK])
+        if chunk.max() < vocab_size and (info.min >= 0 or chunk.min() >= 0):
+            continue
+        position = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        split = "" if n_train is None else " (training split)" if position < n_train else " (held-out split)"
+        raise InputError(f"{where} holds token id {int(tokens[position])} at position {position}{split}, outside "
+                         f"the vocabulary of {vocab_size}; pass the tokenizer's vocabulary size", argument="vocab_size")
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

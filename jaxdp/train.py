@@ -33,6 +33,10 @@ from jaxdp.errors import (EXIT_BAD_INPUT, EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_
                           EXIT_OK, EXIT_PREEMPTED, CheckpointWriteError, InputError)
 from jaxdp.metrics import Diverged  # noqa: E402
 
+# Steps whose metrics may wait on the devices for the NaN / Inf check: it runs at every log point,
+# and at least this often, so a large --log-every does not keep every step's metrics alive.
+MAX_PENDING_STEPS = 100
+
 # Which flag fed each library argument that an InputError may name.
 FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
                     "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer"}
@@ -54,8 +58,8 @@ def train(config: Config) -> Result:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import compression, controller as controller_lib, data, distributed, heartbeat, local_sgd, models, \
-        syncspec, tasks, zero
+    from jaxdp import agreement, compression, controller as controller_lib, data, distributed, heartbeat, local_sgd, \
+        models, syncspec, tasks, zero
     from jaxdp.controller import GUARD_BATCHES
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.mesh import axis_name, make_mesh, shard_batch
@@ -77,8 +81,14 @@ def train(config: Config) -> Result:
         raise ConfigError(f"--batch-size={config.batch_size} must be divisible by the number of devices "
                           f"({mesh.size}); try {max(mesh.size, config.batch_size // mesh.size * mesh.size)}")
 
+    # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py), watched from here to the end.
+    beat = heartbeat.for_run(config.stall_timeout)
+
     # ---- input pipeline ----------------------------------------------------------------------
-    dataset = data.load_dataset(config.dataset, seq_len=config.seq_len, vocab_size=config.vocab_size)
+    # Every process checks its own input, then they agree: bad input or different data on any one
+    # process stops every process with exit 2 naming it, before the first collective.
+    dataset = agreement.load_dataset(lambda: data.load_dataset(config.dataset, seq_len=config.seq_len,
+                                                               vocab_size=config.vocab_size), process, n_processes)
     if config.model == "cnn" and dataset.x_train.ndim != 4:
         raise ConfigError(f"--model=cnn needs image data of shape (N, H, W[, C]), got rows of shape "
                           f"{dataset.x_train.shape[1:]}; use --model=mlp")
@@ -155,6 +165,7 @@ def train(config: Config) -> Result:
                 raise ConfigError(f"--checkpoint-dir={config.checkpoint_dir!r} holds step {int(state.step)}, past "
                                   f"--steps={config.steps}; raise --steps to train further or use another --checkpoint-dir")
     except BaseException:
+        beat.stop()
         if checkpointer:
             checkpointer.close()  # nothing was written: bad input leaves the directory as it was
         raise
@@ -196,6 +207,7 @@ def train(config: Config) -> Result:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
     history, preempted, done = [], False, start_step
     pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked for NaN / Inf
+    last_checked: dict[str, Any] = {}  # the metrics of the last step checked, on the host
 
     def checked() -> dict[str, float]:
         """Host sync point: every pending step's metrics come to the host and are checked for
@@ -204,12 +216,13 @@ def train(config: Config) -> Result:
         pending.clear()
         for step, metrics in host:
             check_finite(step, metrics)
-        return host[-1][1] if host else {}
+        if host:
+            last_checked.clear()
+            last_checked.update(host[-1][1])
+        return dict(last_checked)
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     batches = Prefetcher(batch_at, start_step, config.steps, depth=config.prefetch)
-    # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py); threads, no host sync here.
-    beat = heartbeat.for_run(config.stall_timeout)
     try:
         for step, batch in batches:
             first = step == start_step and not begun.decided  # --sync-every auto decided compression already
@@ -227,16 +240,20 @@ def train(config: Config) -> Result:
             done = step + 1
             beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
             pending.append((done, metrics))
+            if len(pending) >= MAX_PENDING_STEPS:  # a large --log-every: memory stays bounded, the check exact
+                checked()
             if step == start_step:  # the first step compiles: time it apart, then start the clock
                 jax.block_until_ready(metrics)  # host sync point (once)
-                writer.first_step_done(done)
-            writer.step()
+                writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted
+            else:
+                writer.step()
             if done % config.log_every == 0 or done == config.steps:
                 latest = checked()
                 history.append(writer.log(done, latest, {"lr": float(schedule(done - 1)), **beat.stragglers(),
                                                          **({} if "comm_bytes" in latest else plain_comm)}))
             if config.eval_every and done % config.eval_every == 0 and done < config.steps:
                 checked()
+                beat.phase(f"the evaluation after step {done}")
                 evaluated = time.perf_counter()
                 writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
             if checkpointer:
@@ -250,18 +267,19 @@ def train(config: Config) -> Result:
                 checkpointer.save(state)  # no-op if this step was just saved
                 preempted = True
                 break
-        beat.stop()
         if not preempted:
             # ---- evaluation ----------------------------------------------------------------------
             checked()
+            beat.phase("the final save and evaluation")
+            if checkpointer:  # the final state, before evaluating: bad held-out input loses no training
+                checkpointer.save(state)  # (a no-op if the last step was just saved)
             summary = {**evaluate(state), "strategy": config.strategy, "devices": mesh.size, "processes": n_processes,
                        "startup_s": startup_s, "compile_s": writer.compile_s, "compile_cache_hits": cache.hits}
-            if checkpointer:
-                checkpointer.save(state)  # the final state (a no-op if the last step was just saved)
             summary = writer.done(config.steps, summary)
     except Diverged as err:  # nothing non-finite was saved: the check runs before every save
         writer.event("diverged", err.step, metric=err.name, value=err.value)
         err.last_checkpoint = checkpointer.latest_step() if checkpointer else None
+        err.restored_unverified = checkpointer.restored_unverified if checkpointer else None
         raise
     finally:
         batches.close()
@@ -303,8 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jaxdp: error: {cli_message(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Diverged as err:
-        last = getattr(err, "last_checkpoint", None)
-        kept = f"; the last checkpoint (step {last}) is intact" if last else ""
+        last, unverified = getattr(err, "last_checkpoint", None), getattr(err, "restored_unverified", None)
+        kept = f"; the last checkpoint (step {last}) is intact" if last and last != unverified else ""
+        if unverified:  # a damaged checkpoint that restored is a likelier cause than the learning rate
+            kept += (f"; this run resumed from checkpoint step {unverified}, which has no checksum record, so it could "
+                     f"not be verified: if it is damaged, that is the likely cause")
         print(f"jaxdp: error: training diverged: {err.name} became {err.value} at step {err.step}; lower --lr or "
               f"set --clip-norm{kept} (exit code {EXIT_DIVERGED})", file=sys.stderr)
         return EXIT_DIVERGED

@@ -2,10 +2,12 @@
 one line naming the first differing flag and each process's value (they used to train different
 models quietly, hang, or time out)."""
 
+import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, free_port
@@ -74,3 +76,57 @@ def test_disagreement_names_the_first_differing_flag_in_flag_order():
     short = {**a, "devices": "process 1: --devices=4 but this process has only 2 cpu devices; ask for at most 2"}
     assert disagreement([a, short]) == short["devices"]
     assert "--devices with the smallest count, 2" in disagreement([a, {**a, "devices": 2}])
+
+
+# ---- the same flags, different inputs ------------------------------------------------------------
+
+
+def write_inputs(directory, case, rank):
+    """Process `rank`'s working directory for `case`: the same relative --dataset, another file."""
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    if case == "bad token id":
+        ids = np.arange(4000, dtype=np.int64) % 50
+        if rank == 1:
+            ids[::97] = 77
+        np.save(directory / "t.npy", ids)
+    elif not (case == "missing file" and rank == 1):
+        rows = 100 if case == "different rows" and rank == 1 else 200
+        np.savez(directory / "data.npz", x=rng.standard_normal((rows, 5)), y=rng.integers(0, 3, rows))
+
+
+INPUT_CASES = {
+    "missing file": (["--dataset", "data.npz"], "--dataset: on process 1 (of 2): dataset file 'data.npz' does not exist"),
+    "bad token id": (["--dataset", "t.npy", "--vocab-size", "50", "--model", "gpt", "--layers", "1", "--d-model", "32",
+                      "--heads", "2", "--seq-len", "16"], "--vocab-size: on process 1 (of 2): dataset file 't.npy' holds token id 77"),
+    "different rows": (["--dataset", "data.npz"], "--dataset: the processes read different data (process 0: 180 training and 20 "
+                       "held-out rows of float32[5], 3 classes; process 1: 90 training and 10 held-out rows"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(INPUT_CASES))
+def test_input_bad_on_one_process_stops_every_process_with_exit_2_naming_it(tmp_path, case):
+    """It used to stop that process alone: the other waited in a collective until JAX aborted it
+    (SIGABRT, C++ traces, no jaxdp line), or both trained on different data and exited 0."""
+    flags, needle = INPUT_CASES[case]
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    port, procs = free_port(), []
+    for rank in range(2):
+        cwd = tmp_path / f"p{rank}"
+        write_inputs(cwd, case, rank)
+        procs.append(subprocess.Popen([sys.executable, "-m", "jaxdp.train", *RUN, *flags, "--devices", "2",
+                                       "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+                                       "--process-id", str(rank)], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=open(tmp_path / f"p{rank}.err", "w")))
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    errs = [(tmp_path / f"p{rank}.err").read_text().strip().splitlines() for rank in range(2)]
+    assert codes == [2, 2], (codes, [e[-3:] for e in errs])
+    for err in errs:
+        assert len(err) == 1 and err[0].startswith("jaxdp: error: " + needle), errs

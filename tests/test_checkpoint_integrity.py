@@ -3,15 +3,20 @@
 exit code, and one directory takes one run at a time."""
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 import jaxdp
 from helpers import records, run_cli
-from jaxdp.errors import EXIT_CANNOT_SAVE
-from jaxdp.train import main
+from jaxdp.checkpoint import CHECKSUMS_FILE
+from jaxdp.config import parse_args
+from jaxdp.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED
+from jaxdp.train import main, train
 
 FAST = ["--log-every", "1", "--no-progress", "--save-every", "5", "--keep", "5"]
 
@@ -101,3 +106,46 @@ def test_a_second_run_on_the_same_directory_exits_2(tmp_path, capsys):
     assert proc.returncode == 2 and len(err) == 1 and "is in use by another run" in err[0], err
     assert sorted(os.listdir(tmp_path / "ckpt")) == []  # nothing written, no lock file left behind
     first_run(tmp_path / "ckpt", steps=5)  # released: the next run takes it
+
+
+def save_without_checksums(ckpt: Path, config, state) -> None:
+    """Write `state` as checkpoint `state.step` of `ckpt` with no checksum record: damage that a
+    checksum would have caught, in a checkpoint of an older jaxdp or of a run killed before writing it."""
+    step = int(state.step)
+    shutil.rmtree(ckpt / str(step))
+    with jaxdp.Checkpointer(str(ckpt), config=config) as writer:
+        writer.save(state)
+    (ckpt / str(step) / CHECKSUMS_FILE).unlink()
+
+
+def test_a_checkpoint_without_checksums_restores_with_a_warning_and_is_never_called_intact(tmp_path, capsys):
+    """Wrong but finite arrays and no checksum record: restored (refusing would throw away every
+    checkpoint made before checksums existed) but said so, and a divergence that follows names it
+    as the likely cause instead of calling it intact and blaming the learning rate."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt), "--no-progress", "--optimizer", "sgd", "--lr", "0.01", "--log-every", "1"]
+    result = train(parse_args([*flags, "--steps", "5"]))
+    damaged = result.state.replace(params=jax.tree.map(lambda p: p * 1e20, result.state.params))
+    save_without_checksums(ckpt, parse_args([*flags, "--steps", "5"]), damaged)
+    capsys.readouterr()
+
+    assert main([*flags, "--steps", "10"]) == EXIT_DIVERGED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"jaxdp: warning: checkpoint {ckpt / '5'} has no checksum record"), err
+    assert err[0].endswith("restored it unverified"), err
+    assert err[-1].startswith("jaxdp: error: training diverged") and "is intact" not in err[-1], err
+    assert "resumed from checkpoint step 5, which has no checksum record, so it could not be verified" in err[-1]
+
+
+def test_non_finite_arrays_without_checksums_are_damage(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt), "--no-progress", "--save-every", "5", "--keep", "5"]
+    result = train(parse_args([*flags, "--steps", "10"]))
+    damaged = result.state.replace(params=jax.tree.map(lambda p: p.at[0].set(np.nan), result.state.params))
+    save_without_checksums(ckpt, parse_args([*flags, "--steps", "10"]), damaged)
+    capsys.readouterr()
+
+    assert main([*flags, "--steps", "12"]) == 0  # it used to restore the NaN and exit 65 at step 11
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "holds non-finite values, and there is no checksum record" in err[0] and "resuming from step 5" in err[0], err
+    assert (ckpt / "10.unreadable").is_dir()

@@ -2,14 +2,16 @@
 --stall-timeout + 10 s; the stopped one, once continued, reports the same verdict. And the straggler
 report in the metrics."""
 
+import json
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env, free_port, records
+from helpers import ROOT, cli_env, free_port, records, step_records
 from jaxdp.errors import EXIT_PEER_LOST
 
 STALL = 5
@@ -58,6 +60,40 @@ def test_a_stopped_process_is_named_by_the_others_within_the_stall_timeout(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_process_stopped_during_the_final_evaluation_is_named(tmp_path):
+    """The watch used to stop with the training loop: the other process waited in the evaluation's
+    collective until JAX aborted it (SIGABRT 134 after 40-50 s, no jaxdp line)."""
+    rng = np.random.default_rng(0)
+    data, metrics, port = tmp_path / "data.npz", tmp_path / "m.jsonl", free_port()
+    np.savez(data, x=rng.standard_normal((256, 4)), y=rng.integers(0, 3, 256),  # held out: 313 batches, seconds
+             x_test=rng.standard_normal((80_000, 4)), y_test=rng.integers(0, 3, 80_000))
+    procs = [start(i, port, tmp_path, "--dataset", data, "--steps", 5, "--stall-timeout", STALL, "--metrics-file", metrics)
+             for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and any(r["step"] == 5 for r in step_records(metrics))):  # the loop is over
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (tmp_path / "p0.err").read_text()
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGSTOP)
+        assert procs[0].wait(timeout=STALL + 10) == EXIT_PEER_LOST  # the requirement; also the hang guard
+        procs[1].send_signal(signal.SIGCONT)
+        assert procs[1].wait(timeout=30) == EXIT_PEER_LOST
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            p.wait()
+    for rank in range(2):
+        err = (tmp_path / f"p{rank}.err").read_text().strip().splitlines()
+        assert err[-1].startswith("jaxdp: error: process 1 (of 2) stalled during "), err[-3:]
+        # the phase it published last: the final one, unless it was stopped within milliseconds of it
+        assert "during the final save and evaluation" in err[-1] or "during training, at step 6" in err[-1], err[-1]
+    assert records(metrics)[-1].get("event") != "done"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_metrics_report_each_process_step_time_and_the_slowest(tmp_path):
     port, metrics = free_port(), tmp_path / "m.jsonl"
     procs = [start(i, port, tmp_path, "--steps", 300, "--stall-timeout", 2, "--metrics-file", metrics)
@@ -98,3 +134,36 @@ def test_a_process_stopped_before_its_first_beat_is_named_once_the_others_pass_s
     assert verdict.startswith("process 1 (of 2) stalled: not done with step 5"), verdict
     beat._first_done = {}  # nobody past step 1 (compiling): never judged, however long
     assert beat._verdict(start + 1000) is None
+
+
+def test_a_silent_process_is_named_with_the_phase_it_published():
+    from jaxdp import heartbeat
+
+    beat = heartbeat.start(_Store(), 0, 2, stall_timeout=60)
+    beat.stop()
+    start = time.monotonic()
+    beat._records = {1: {"seq": 9, "done": 5, "own": None, "finished": False, "doing": "the final save and evaluation"}}
+    beat._first_done = dict.fromkeys(range(1, 6), start)  # both finished step 5: nobody is behind
+    beat._changed = {0: start, 1: start}
+    assert beat._verdict(start + 59) is None
+    verdict = beat._verdict(start + 61)
+    assert verdict.startswith("process 1 (of 2) stalled during the final save and evaluation: no heartbeat for 60 s"), verdict
+
+
+def test_a_phase_is_published_at_once_with_the_steps_before_it_done():
+    """Published at the next beat, a stop within a second of the phase's start named the phase
+    before it, and a step not yet seen completed as missing."""
+    import jax.numpy as jnp
+
+    from jaxdp import heartbeat
+
+    store = _Store()
+    beat = heartbeat.start(store, 1, 2, stall_timeout=60)
+    try:
+        beat.dispatched(5, jnp.zeros(()), waited_s=0.0)
+        beat.dispatched(6, np.float32(0.5), waited_s=0.0)  # the host strategy's metrics are numpy
+        beat.phase("the final save and evaluation")
+        record = json.loads(store.values["jaxdp/heartbeat/1"])
+        assert record["done"] == 6 and record["doing"] == "the final save and evaluation", record
+    finally:
+        beat.stop()
