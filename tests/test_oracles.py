@@ -1,6 +1,6 @@
 """jaxdp against implementations it shares no code with: PyTorch DDP's bf16 and PowerSGD
 communication hooks (run in 2 real torch.distributed gloo processes: tests/scripts/torch_hooks.py;
-skipped without torch).
+skipped without torch), and DiLoCo written out from the paper's Algorithm 1 in float64 numpy.
 
 The torch processes start once for the module (5-9 s on 2 busy cores) and put fixed per-rank
 gradients through the hooks themselves, as DDP would call them on a bucket; jaxdp puts the same
@@ -15,9 +15,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jaxdp
 from helpers import ROOT, cli_env, free_port
 from jaxdp import compression as C
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
@@ -159,3 +161,100 @@ def test_powersgd_equals_ddp_powersgd_hook_in_float64(devices, torch_hooks, rank
                     want = want * np.sign(np.sum(want * got, axis=0))
                 assert relative(got, want) <= 1e-10, (k, step)
 
+
+# ---------------------------------------------------------------------------------------------
+# DiLoCo (Douillard et al., 2023, Algorithm 1) in float64 numpy: every worker takes H inner steps
+# (AdamW or SGD) on its own slice of each batch, keeping its inner optimizer state across rounds;
+# then the outer optimizer (SGD with Nesterov momentum, heavy-ball momentum or none, in PyTorch's
+# formulation) steps the global parameters along the averaged pseudo-gradient
+# Δ = θ - mean_i(θ_i), and every worker restarts from them.
+# ---------------------------------------------------------------------------------------------
+
+INNER = {"adamw": {"lr": 0.03, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.1}, "sgd": {"lr": 0.1}}
+OUTER = {"nesterov": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+         "heavy ball": {"lr": 0.7, "momentum": 0.9, "nesterov": False},
+         "plain": {"lr": 0.8, "momentum": 0.0, "nesterov": False}}
+H, ROUNDS, WORKERS = 3, 3, 4
+
+
+def regression_loss(params, batch):
+    residual = batch["x"] @ params["w"] + params["b"] - batch["y"]
+    return 0.5 * jnp.mean(jnp.sum(residual ** 2, axis=-1))
+
+
+def regression_grads(params, x, y):
+    residual = x @ params["w"] + params["b"] - y
+    return {"w": x.T @ residual / len(x), "b": residual.mean(axis=0)}
+
+
+def inner_step(kind, params, state, grads):
+    """One AdamW (decoupled weight decay, bias-corrected moments) or SGD step of one worker."""
+    c = INNER[kind]
+    if kind == "sgd":
+        return {k: params[k] - c["lr"] * grads[k] for k in params}, state
+    count = state["count"] + 1
+    mu = {k: c["b1"] * state["mu"][k] + (1 - c["b1"]) * grads[k] for k in params}
+    nu = {k: c["b2"] * state["nu"][k] + (1 - c["b2"]) * grads[k] ** 2 for k in params}
+    new = {}
+    for k in params:
+        mu_hat, nu_hat = mu[k] / (1 - c["b1"] ** count), nu[k] / (1 - c["b2"] ** count)
+        new[k] = params[k] - c["lr"] * (mu_hat / (np.sqrt(nu_hat) + c["eps"]) + c["weight_decay"] * params[k])
+    return new, {"count": count, "mu": mu, "nu": nu}
+
+
+def diloco(params, batches, inner, outer):
+    """The global parameters and every worker's parameters after each step."""
+    c = OUTER[outer]
+    zeros = {k: np.zeros_like(v) for k, v in params.items()}
+    global_, momentum = dict(params), dict(zeros)
+    workers = [dict(params) for _ in range(WORKERS)]
+    states = [{"count": 0, "mu": dict(zeros), "nu": dict(zeros)} for _ in range(WORKERS)]
+    history = []
+    for t, batch in enumerate(batches):
+        for i, (x, y) in enumerate(zip(np.split(batch["x"], WORKERS), np.split(batch["y"], WORKERS))):
+            workers[i], states[i] = inner_step(inner, workers[i], states[i], regression_grads(workers[i], x, y))
+        if (t + 1) % H == 0:
+            for k in global_:
+                delta = global_[k] - np.mean([w[k] for w in workers], axis=0)
+                momentum[k] = c["momentum"] * momentum[k] + delta
+                step = delta + c["momentum"] * momentum[k] if c["nesterov"] else momentum[k]
+                global_[k] = global_[k] - c["lr"] * step
+            workers = [dict(global_) for _ in range(WORKERS)]
+        history.append((dict(global_), [dict(w) for w in workers]))
+    return history
+
+
+@pytest.mark.parametrize("inner, outer, strategy", [("adamw", "nesterov", "psum"), ("adamw", "nesterov", "ring"),
+                                                    ("sgd", "heavy ball", "psum"), ("sgd", "plain", "ring")])
+def test_local_steps_equal_diloco_from_the_paper_in_float64(devices, inner, outer, strategy):
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((5, 3)), "b": rng.standard_normal(3)}
+    teacher = rng.standard_normal((5, 3))
+    batches = []
+    for _ in range(H * ROUNDS):
+        x = rng.standard_normal((8 * WORKERS, 5))
+        batches.append({"x": x, "y": x @ teacher + 0.1 * rng.standard_normal((8 * WORKERS, 3))})
+    want = diloco(params, batches, inner, outer)
+
+    c = OUTER[outer]
+    a = INNER["adamw"]
+    tx = (optax.adamw(a["lr"], b1=a["b1"], b2=a["b2"], eps=a["eps"], weight_decay=a["weight_decay"])
+          if inner == "adamw" else optax.sgd(INNER["sgd"]["lr"]))
+    outer_tx = optax.sgd(c["lr"], momentum=c["momentum"] or None, nesterov=c["nesterov"])
+    mesh = make_mesh(devices[:WORKERS])
+    with jax.enable_x64(True):
+        state = jaxdp.init_state(params, tx, mesh, sync_every=H, outer_tx=outer_tx)
+        step = jaxdp.make_train_step(regression_loss, tx, mesh, strategy, sync_every=H, outer_tx=outer_tx)
+        for t, batch in enumerate(batches):
+            state, metrics = step(state, shard_batch(batch, mesh))
+            assert float(metrics["synced"]) == float((t + 1) % H == 0)
+            global_, workers = want[t]
+            got = jax.device_get(state.params)
+            replicas = jax.device_get(state.sync.per_device[jaxdp.local_sgd.STATE_NAME]["params"])
+            for k in params:
+                assert got[k].dtype == np.float64
+                assert relative(got[k], global_[k]) <= 1e-12, (k, t)
+                for i in range(WORKERS):
+                    assert relative(replicas[k][i], workers[i][k]) <= 1e-12, (k, t, i)
+    moved = relative(want[-1][0]["w"], params["w"])
+    assert moved > 0.1, moved  # three rounds went somewhere
