@@ -26,7 +26,6 @@ of every process.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import socket
@@ -35,6 +34,7 @@ import threading
 import jax
 
 from jaxdp import gloo, handshake, peer_watch
+from jaxdp.handshake import ENV_BIND_ADDRESS, bind_host
 from jaxdp.cluster import (SLURM_NTASKS, Cluster, detect, handshake_port, in_batch_script_of_several_tasks,
                            parse_address)
 from jaxdp.config import Config, ConfigError
@@ -42,7 +42,6 @@ from jaxdp.config import Config, ConfigError
 log = logging.getLogger("jaxdp")
 
 DEFAULT_CPU_DEVICES = 8  # simulate data parallelism on a laptop
-ENV_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"  # JAX's own variable: where the coordinator listens
 
 
 def initialize(config: Config | None = None) -> Cluster:
@@ -102,43 +101,6 @@ def initialize(config: Config | None = None) -> Cluster:
         agreement.check(coordination_client(), config, cluster.process_id, cluster.num_processes,
                         config.peer_timeout, lambda: len(process_devices(config.devices)))
     return cluster
-
-
-def bind_host(address: str, environ=os.environ) -> str | None:
-    """Where process 0's coordinator (and handshake) should listen for `address` (HOST:PORT); None
-    for every interface.
-
-    The host of $JAX_COORDINATOR_BIND_ADDRESS where set (JAX's own variable); an announced loopback
-    address (127.0.0.1, ::1, localhost) itself, for every process of such a run is on this machine;
-    the address `HOST` resolves to here if it is one of this machine's and not a loopback one (a
-    host name that resolves to 127.0.1.1 here, as Debian's /etc/hosts has it, is reached by other
-    machines on another address); else None.
-    """
-    if environ.get(ENV_BIND_ADDRESS):
-        host, _ = parse_address(environ[ENV_BIND_ADDRESS], ENV_BIND_ADDRESS)
-        return None if host in ("::", "0.0.0.0", "") else host
-    host, port = parse_address(address)
-    try:
-        resolved = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0].split("%")[0]
-    except OSError:
-        return None
-    if ipaddress.ip_address(resolved).is_loopback:
-        literal = host == "localhost" or _is_ip(host)
-        return resolved if literal else None
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in resolved else socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((resolved, 0))
-    except OSError:
-        return None  # not an address of this machine (a NAT, a container's port mapping)
-    return resolved
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
 
 
 def _bind_address(address: str, host: str | None) -> str | None:

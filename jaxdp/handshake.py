@@ -21,17 +21,21 @@ No JAX here: `Admission` (process 0) and `join` (the others) are plain sockets a
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
+import os
 import socket
 import threading
 import time
 
+from jaxdp.cluster import parse_address
 from jaxdp.config import ConfigError
 
 PROTOCOL = 1
 MAX_LINE = 4096        # a hello is far shorter; anything longer is not one
 READ_TIMEOUT_S = 5.0   # how long process 0 waits for a connection's hello
 RETRY_S = 0.1          # how often a process retries while process 0 is not listening yet
+ENV_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"  # JAX's own variable: where the coordinator listens
 
 
 class Admission:
@@ -162,3 +166,40 @@ def _hello(line: bytes) -> dict | None:
         return json.loads(line.decode())
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def bind_host(address: str, environ=os.environ) -> str | None:
+    """Where process 0's coordinator (and handshake) should listen for `address` (HOST:PORT); None
+    for every interface.
+
+    The host of $JAX_COORDINATOR_BIND_ADDRESS where set (JAX's own variable); an announced loopback
+    address (127.0.0.1, ::1, localhost) itself, for every process of such a run is on this machine;
+    the address `HOST` resolves to here if it is one of this machine's and not a loopback one (a
+    host name that resolves to 127.0.1.1 here, as Debian's /etc/hosts has it, is reached by other
+    machines on another address); else None.
+    """
+    if environ.get(ENV_BIND_ADDRESS):
+        host, _ = parse_address(environ[ENV_BIND_ADDRESS], ENV_BIND_ADDRESS)
+        return None if host in ("::", "0.0.0.0", "") else host
+    host, port = parse_address(address)
+    try:
+        resolved = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0].split("%")[0]
+    except OSError:
+        return None
+    if ipaddress.ip_address(resolved).is_loopback:
+        literal = host == "localhost" or _is_ip(host)
+        return resolved if literal else None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in resolved else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((resolved, 0))
+    except OSError:
+        return None  # not an address of this machine (a NAT, a container's port mapping)
+    return resolved
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False

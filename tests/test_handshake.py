@@ -8,6 +8,7 @@ the running run trains on.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import subprocess
 import sys
@@ -117,6 +118,27 @@ def test_a_taken_handshake_port_and_a_stranger_on_it_are_one_sentence_each():
         threading.Thread(target=answer, daemon=True).start()
         with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 answered, but not as jaxdp's run handshake"):
             join(f"127.0.0.1:{port - 1}", port, "r", 1, 2)
+
+
+def test_process_0_listens_where_the_coordinator_is_announced():
+    from jaxdp.handshake import bind_host
+
+    assert bind_host("127.0.0.1:1234", environ={}) == "127.0.0.1"
+    assert ipaddress.ip_address(bind_host("localhost:1234", environ={})).is_loopback
+    assert bind_host("192.0.2.254:1234", environ={}) is None  # not this machine's: every interface
+    # A host name that resolves to a loopback address here may be reached elsewhere on another one.
+    assert bind_host(f"{socket.gethostname()}:1234", environ={}) in (None, *_my_addresses())
+    assert bind_host("127.0.0.1:1234", environ={"JAX_COORDINATOR_BIND_ADDRESS": "[::]:1234"}) is None
+    assert bind_host("node0:1234", environ={"JAX_COORDINATOR_BIND_ADDRESS": "10.1.2.3:1234"}) == "10.1.2.3"
+    for address in _my_addresses():
+        assert bind_host(f"{address}:1234", environ={}) == address
+
+
+def _my_addresses() -> list[str]:
+    from jaxdp import gloo
+
+    found = (gloo.ipv4_of(name) for name in gloo.interfaces())
+    return [a for a in found if a and not ipaddress.ip_address(a).is_loopback]
 
 
 # ---------------------------------------------------------------------------------------------
