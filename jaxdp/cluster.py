@@ -10,8 +10,13 @@
 1. explicit: `--coordinator-address HOST:PORT --num-processes P --process-id I` (all three);
 2. environment: the same three as `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`
    (what `python -m jaxdp.launch` sets, and what `jaxdp.initialize()` reads in a user's script);
-3. slurm: a task started by `srun` (coordinator = first node of the step, port as JAX picks it);
+3. slurm: a task started by `srun` (coordinator = first node of the step, port from the job and
+   step ids: `slurm_port`);
 4. single: one process, no coordinator.
+
+Every multi-process run also has a run id, which the processes present to process 0 before they
+reach JAX's coordinator (jaxdp/handshake.py): `$JAXDP_RUN_ID` (the launcher sets one per start), else
+under SLURM `slurm-JOB.STEP`, else none (process 0 then admits the first process of each number).
 
 Why not JAX's own cluster detection (`jax._src.clusters`): it is private, it cannot be called
 without starting JAX, and it gives one GPU per task whenever SLURM_LOCALID is set; the rules
@@ -33,9 +38,11 @@ ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_COORDINATOR_PORT = "JAX_COORDINATOR_PORT"  # overrides the port SLURM detection picks
 ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # read by JAX itself: overrides the SLURM GPU layout
+ENV_RUN_ID = "JAXDP_RUN_ID"  # the same on every process of one run, different between runs
 
 # What `srun` puts in each task's environment (absent in the bare batch script).
 SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_STEP_ID = "SLURM_STEP_ID"  # optional: 0 where absent
 SLURM_STEP_NODELIST = "SLURM_STEP_NODELIST"
 SLURM_NTASKS = "SLURM_NTASKS"
 SLURM_PROCID = "SLURM_PROCID"
@@ -44,7 +51,11 @@ SLURM_NODEID = "SLURM_NODEID"
 SLURM_STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 SLURM_REQUIRED = (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID)
-SLURM_PORT_BASE, SLURM_PORT_RANGE = 61440, 4096  # JAX's choice: 61440 + job id % 4096
+# The SLURM coordinator port. JAX's own rule, 61440 + job id % 4096, gives every step of a job the
+# same port, and jobs 4096 ids apart too. Ours: an even port in 20480..32766 (below Linux's
+# ephemeral range 32768-60999, so no outgoing connection holds it), the handshake on the odd one after.
+SLURM_PORT_BASE, SLURM_PORT_PAIRS = 20480, 6144
+SLURM_STEP_STRIDE = 3071  # coprime to 6144: the steps of one job never share a port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +67,7 @@ class Cluster:
     num_processes: int = 1
     process_id: int = 0
     local_device_ids: tuple[int, ...] | None = None  # GPUs this process owns (None: all visible)
+    run_id: str = ""                          # the same on every process of this run ("": none given)
 
     @property
     def multi_process(self) -> bool:
@@ -65,8 +77,9 @@ class Cluster:
         if not self.multi_process:
             return f"{self.source}: one process"
         devices = "" if self.local_device_ids is None else f", GPUs {list(self.local_device_ids)} of its node"
+        run = f", run {self.run_id}" if self.run_id else ""
         return (f"{self.source}: process {self.process_id} of {self.num_processes}, "
-                f"coordinator {self.coordinator_address}{devices}")
+                f"coordinator {self.coordinator_address}{devices}{run}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,8 +89,33 @@ class Cluster:
 
 def detect(config: Config, environ: Mapping[str, str] = os.environ) -> Cluster:
     """The first source that applies: explicit flags, JAX_* variables, SLURM, else one process."""
-    return (_from_flags(config) or _from_jax_environment(environ) or _from_slurm(environ)
-            or Cluster("single"))
+    cluster = _from_flags(config) or _from_jax_environment(environ) or _from_slurm(environ)
+    if cluster is None:
+        return Cluster("single")
+    return dataclasses.replace(cluster, run_id=run_id(environ))
+
+
+def run_id(environ: Mapping[str, str] = os.environ) -> str:
+    """$JAXDP_RUN_ID, else SLURM's `slurm-JOB.STEP` (in a task srun started), else "" (none)."""
+    if environ.get(ENV_RUN_ID, "").strip():
+        return environ[ENV_RUN_ID].strip()
+    if SLURM_JOB_ID in environ and SLURM_STEP_NODELIST in environ:
+        return f"slurm-{environ[SLURM_JOB_ID]}.{environ.get(SLURM_STEP_ID, '0')}"
+    return ""
+
+
+def handshake_port(coordinator_port: int) -> int:
+    """The port of process 0's run handshake: the one after the coordinator's (before it at 65535)."""
+    return coordinator_port + 1 if coordinator_port < 65535 else coordinator_port - 1
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """The coordinator port of a SLURM job step (the handshake uses the next one).
+
+    Job ids less than 6144 apart never share a port at the same step, nor do two steps of one job;
+    a rarer collision makes the second run's process 0 exit 2 saying the port is taken, and keeps
+    its other processes out of the first run (the handshake). $JAX_COORDINATOR_PORT overrides it."""
+    return SLURM_PORT_BASE + 2 * ((job_id + SLURM_STEP_STRIDE * step_id) % SLURM_PORT_PAIRS)
 
 
 def _from_flags(config: Config) -> Cluster | None:
@@ -109,8 +147,9 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster | None:
     if ENV_COORDINATOR_ADDRESS in environ:
         address = environ[ENV_COORDINATOR_ADDRESS]
     else:
-        port = environ.get(ENV_COORDINATOR_PORT) or str(
-            SLURM_PORT_BASE + _int(environ[SLURM_JOB_ID], SLURM_JOB_ID) % SLURM_PORT_RANGE)
+        step = environ.get(SLURM_STEP_ID, "0")
+        port = environ.get(ENV_COORDINATOR_PORT) or str(slurm_port(
+            _int(environ[SLURM_JOB_ID], SLURM_JOB_ID), _int(step, SLURM_STEP_ID) if step.isdigit() else 0))
         address = f"{expand_nodelist(environ[SLURM_STEP_NODELIST])[0]}:{port}"
     cluster = _checked("slurm", address, count, index, ENV_COORDINATOR_ADDRESS, SLURM_NTASKS, SLURM_PROCID)
     return dataclasses.replace(cluster, local_device_ids=slurm_local_device_ids(environ))

@@ -3,6 +3,12 @@
 `initialize(config)` is the only caller of `jax.distributed.initialize` in jaxdp. It takes the
 `Cluster` that `jaxdp.cluster.detect` finds (explicit flags, JAX_* variables, SLURM, or one
 process) and logs which it was. A multi-process run then also gets
+* a run handshake before JAX's coordinator is contacted (jaxdp/handshake.py): process 0 admits the
+  other processes of its own run only, so a second run started on its address cannot break it;
+* the coordinator (and the handshake, the port after it) listening where it is announced: on
+  127.0.0.1 for a coordinator at 127.0.0.1 (JAX listens on every interface), on the announced
+  address where it is one of this machine's, else on every interface ($JAX_COORDINATOR_BIND_ADDRESS
+  decides where set);
 * gloo for cross-process collectives on CPU (on GPU, XLA uses NCCL by itself), on the network
   interface that reaches the coordinator, or the one --gloo-interface / $JAXDP_GLOO_INTERFACE /
   $GLOO_SOCKET_IFNAME names (jaxdp/gloo.py: JAX would use the host name's address, often 127.0.0.1);
@@ -27,8 +33,10 @@ import threading
 
 import jax
 
-from jaxdp import gloo, peer_watch
-from jaxdp.cluster import (SLURM_NTASKS, Cluster, detect, in_batch_script_of_several_tasks, parse_address)
+from jaxdp import gloo, handshake, peer_watch
+from jaxdp.handshake import ENV_BIND_ADDRESS, bind_host
+from jaxdp.cluster import (SLURM_NTASKS, Cluster, detect, handshake_port, in_batch_script_of_several_tasks,
+                           parse_address)
 from jaxdp.config import Config, ConfigError
 
 log = logging.getLogger("jaxdp")
@@ -63,17 +71,23 @@ def initialize(config: Config | None = None) -> Cluster:
         alarm = threading.Timer(timeout, _never_arrived, args=(cluster, timeout))
         alarm.daemon = True
         alarm.start()
-        if cluster.process_id == 0:
-            _check_port_free(cluster.coordinator_address)
+        address, host = cluster.coordinator_address, bind_host(cluster.coordinator_address)
+        port = handshake_port(parse_address(address)[1])
         try:
+            if cluster.process_id == 0:  # before the coordinator starts: it admits no one unchecked
+                _check_port_free(address, host)
+                handshake.Admission(host, port, cluster.run_id, cluster.num_processes, address).start()
+            else:  # before this process contacts the coordinator: a refused one never does
+                handshake.join(address, port, cluster.run_id, cluster.process_id, cluster.num_processes,
+                               timeout + 5)  # the alarm fires first, with its message
             jax.distributed.initialize(
-                coordinator_address=cluster.coordinator_address, num_processes=cluster.num_processes,
+                coordinator_address=address, num_processes=cluster.num_processes,
                 process_id=cluster.process_id, local_device_ids=cluster.local_device_ids,
                 initialization_timeout=timeout + 30, heartbeat_timeout_seconds=timeout,
-                shutdown_timeout_seconds=timeout)
+                shutdown_timeout_seconds=timeout, coordinator_bind_address=_bind_address(address, host))
             from jaxdp.host import coordination_client
 
-            peer_watch.start(coordination_client(), cluster, timeout)
+            peer_watch.start(coordination_client(), cluster, timeout, bind=host)
         finally:
             alarm.cancel()
     platform = jax.default_backend()  # starts the backend: everything above must come first
@@ -89,15 +103,27 @@ def initialize(config: Config | None = None) -> Cluster:
     return cluster
 
 
-def _check_port_free(address: str) -> None:
+def _bind_address(address: str, host: str | None) -> str | None:
+    """JAX's coordinator_bind_address for `host` (None: JAX's default, every interface, or
+    $JAX_COORDINATOR_BIND_ADDRESS, which JAX reads itself)."""
+    if host is None or os.environ.get(ENV_BIND_ADDRESS):
+        return None
+    port = parse_address(address)[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_port_free(address: str, host: str | None = None) -> None:
     """ConfigError if the coordinator's port is taken on this machine (JAX says only "Failed to
-    start RPC server" and exits 1). Checked by process 0, which hosts the coordinator."""
+    start RPC server" and exits 1). Checked by process 0, which hosts the coordinator, on the
+    address it will listen on (`host`; None: every interface)."""
     _, port = parse_address(address)
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    tries = (((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")) if host is None else
+             ((socket.AF_INET6 if ":" in host else socket.AF_INET, host),))
+    for family, where in tries:
         try:
             with socket.socket(family, socket.SOCK_STREAM) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would
-                probe.bind((host, port))
+                probe.bind((where, port))
             return
         except OSError as err:
             if err.errno == errno.EADDRINUSE:

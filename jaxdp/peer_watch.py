@@ -33,18 +33,22 @@ _failing = threading.Lock()
 _VERDICT = b"!"  # a line "!<message>" on a link: the sender found a stalled process (jaxdp/heartbeat.py)
 
 
-def start(client: Any, cluster: Cluster, timeout_s: float) -> None:
+def start(client: Any, cluster: Cluster, timeout_s: float, bind: str | None = None) -> None:
     """Connect the processes in a star around process 0 and watch the connections.
 
     A connection only closes when its process ends. Process 0 sees which peer closed and tells
     the others its number before it exits; a peer that sees process 0's connection close without
     a number knows process 0 itself is gone. At interpreter exit each process stops watching
     before JAX's shutdown barrier, so the connections close only after every process is done.
+    Process 0 listens for them on `bind` (an address of this machine; None: every interface).
     """
     me, count = cluster.process_id, cluster.num_processes
     if me == 0:
-        server = socket.create_server(("", 0), family=socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET,
-                                      dualstack_ipv6=socket.has_dualstack_ipv6())
+        if bind is None:
+            dual = socket.has_dualstack_ipv6()
+            server = socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET, dualstack_ipv6=dual)
+        else:
+            server = socket.create_server((bind, 0), family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
         client.key_value_set(_WATCH_KEY, str(server.getsockname()[1]))
         server.settimeout(timeout_s)
         links: dict[int, socket.socket] = {}

@@ -1,8 +1,12 @@
 """`python -m jaxdp.launch`: environment, core binding, exit codes, restarts; a real run that loses a
-process to kill -9 restarts from its checkpoint and ends with the losses of an uninterrupted run."""
+process to kill -9 restarts from its checkpoint and ends with the losses of an uninterrupted run.
+Also: --help, bad input is never restarted, a SIGTERM during a restart stops it, the children die
+with a launcher killed by kill -9, and the run listens on 127.0.0.1 only."""
 
+import ipaddress
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -31,12 +35,13 @@ def test_bindings_are_disjoint_and_cover_the_cores():
 
 def test_children_get_the_jax_environment_and_their_own_cores(tmp_path):
     script = ("import json, os; json.dump({'env': [os.environ[k] for k in ('JAX_COORDINATOR_ADDRESS', "
-              "'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')], 'cores': sorted(os.sched_getaffinity(0))}, "
+              "'JAXDP_RUN_ID', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')], 'cores': sorted(os.sched_getaffinity(0))}, "
               f"open(os.path.join({str(tmp_path)!r}, os.environ['JAX_PROCESS_ID']), 'w'))")
     proc = launch("--nproc-per-node", 2, "--", PY, "-c", script)
     assert proc.returncode == 0, proc.stderr
     seen = [json.loads((tmp_path / str(rank)).read_text()) for rank in range(2)]
-    assert [s["env"][1:] for s in seen] == [["2", "0"], ["2", "1"]] and seen[0]["env"][0] == seen[1]["env"][0]
+    assert [s["env"][2:] for s in seen] == [["2", "0"], ["2", "1"]] and seen[0]["env"][:2] == seen[1]["env"][:2]
+    assert seen[0]["env"][1].startswith("launch-")  # one run id per start, the same for every process
     if len(os.sched_getaffinity(0)) >= 2:
         assert not set(seen[0]["cores"]) & set(seen[1]["cores"])
         assert "bound to cores" in proc.stderr.splitlines()[0]
@@ -64,6 +69,130 @@ def test_exit_codes_and_restarts(tmp_path):
     # Bad usage: exit 2, one line.
     proc = launch("--nproc-per-node", 2, PY, "-c", "pass")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_prints_the_help_and_exits_0():
+    for flag in ("--help", "-h"):
+        proc = launch(flag)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m jaxdp.launch"), proc.stderr
+
+
+def test_a_command_that_cannot_start_is_one_line_and_exit_2():
+    proc = launch("--nproc-per-node", 2, "--", "/nonexistent/cmd")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == "jaxdp.launch: error: cannot start '/nonexistent/cmd': No such file or directory"
+
+
+def test_a_child_with_bad_input_is_not_restarted(tmp_path):
+    """Process 1 exits 2 (bad input), and process 0 then exits 69 as a peer that lost it would: the
+    launcher must end with 2, restarting nothing, and say so in its last line."""
+    marker = tmp_path / "bad-input"
+    script = (f"import os, sys, time; m = {str(marker)!r}\n"
+              "if os.environ['JAX_PROCESS_ID'] == '1': open(m, 'w').close(); sys.exit(2)\n"
+              "deadline = time.monotonic() + 60\n"
+              "while not os.path.exists(m) and time.monotonic() < deadline: time.sleep(0.02)\n"
+              "sys.exit(69)")
+    proc = launch("--nproc-per-node", 2, "--max-restarts", 2, "--", PY, "-c", script)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and not any("restarting" in line for line in lines), proc.stderr
+    assert "process 1 exited with code 2 (bad input" in lines[-1] and "no restart" in lines[-1], lines
+
+
+class StderrLines:
+    """A running launcher's stderr, line by line, with a deadline (a hung launcher fails the test)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(proc.stderr, selectors.EVENT_READ)
+
+    def until(self, needle: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                line = self.proc.stderr.readline()
+                assert line, f"the launcher ended before saying {needle!r}: {self.lines}"
+                self.lines.append(line)
+                if needle in line:
+                    return line
+        raise AssertionError(f"the launcher did not say {needle!r} within {timeout} s: {self.lines}")
+
+
+def test_a_sigterm_while_restarting_stops_the_launcher(tmp_path):
+    """The first attempt loses process 1 (exit 69); process 0 ignores SIGTERM, so the launcher waits
+    for it. A SIGTERM to the launcher then, mid-restart, must end it (75) without a second attempt."""
+    script = (f"import os, signal, sys, time; d = {str(tmp_path)!r}; rank = os.environ['JAX_PROCESS_ID']\n"
+              "starts = os.path.join(d, 'starts.' + rank)\n"
+              "first = not os.path.exists(starts)\n"
+              "open(starts, 'a').write('x')\n"
+              "if not first: open(os.path.join(d, 'restarted.' + rank), 'w').close(); sys.exit(0)\n"
+              "if rank == '1': sys.exit(69)\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)")
+    launcher = subprocess.Popen([PY, "-m", "jaxdp.launch", "--nproc-per-node", "2", "--max-restarts", "3", "--",
+                                 PY, "-c", script], cwd=ROOT, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        StderrLines(launcher).until("process 1 exited with code 69; stopping the others")
+        launcher.send_signal(signal.SIGTERM)
+        _, rest = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 75, rest
+    assert "received SIGTERM: no restart; exit code 75" in rest.strip().splitlines()[-1], rest
+    assert not list(tmp_path.glob("restarted.*")), "a new attempt started after the SIGTERM"
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped by its new parent, is not alive)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_children_die_with_a_launcher_killed_by_kill_9(tmp_path):
+    """kill -9 of the launcher: each child gets SIGTERM (jaxdp.train: save and exit 75) and ends,
+    instead of training on as an orphan that holds the checkpoint directory."""
+    script = (f"import os, signal, sys, time; d = {str(tmp_path)!r}; rank = os.environ['JAX_PROCESS_ID']\n"
+              "def stop(signum, frame): open(os.path.join(d, 'term.' + rank), 'w').close(); sys.exit(75)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "open(os.path.join(d, 'pid.' + rank), 'w').write(str(os.getpid()))\n"
+              "time.sleep(120)")
+    launcher = subprocess.Popen([PY, "-m", "jaxdp.launch", "--nproc-per-node", "2", "--", PY, "-c", script],
+                                cwd=ROOT, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the children did not start"
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]
+            time.sleep(0.02)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in pids), "a child outlived the launcher's kill -9"
+        assert sorted(p.name for p in tmp_path.glob("term.*")) == ["term.0", "term.1"]  # by SIGTERM: a clean stop
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+def test_a_run_under_the_launcher_listens_on_127_0_0_1_only(tmp_path):
+    """The coordinator (JAX listens on every interface by default), the run handshake, the peer watch
+    and gloo: all on the announced 127.0.0.1, so a connection from this machine's own network
+    address to the coordinator's port is refused."""
+    out = tmp_path / "out"
+    proc = launch("--nproc-per-node", 2, "--", PY, str(ROOT / "tests" / "scripts" / "listening.py"), str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    sockets = [s for one in seen for s in one["listening"]]
+    assert sockets and all(ipaddress.ip_address(address).is_loopback for _, address, _ in sockets), sockets
+    assert seen[0]["external"] in ("refused", None), seen[0]  # None: this machine has no other address
 
 
 @pytest.mark.multiprocess

@@ -214,9 +214,10 @@ def test_parse_address_rejects(address):
 def test_detect_prefers_flags_then_jax_environment_then_slurm_then_single():
     flags = Config(coordinator_address="h:1", num_processes=2, process_id=1)
     jax_env = {"JAX_COORDINATOR_ADDRESS": "c:9", "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "2"}
-    assert detect(flags, {**jax_env, **SRUN_TASK}) == Cluster("explicit", "h:1", 2, 1)
-    assert detect(Config(), {**jax_env, **SRUN_TASK}) == Cluster("environment", "c:9", 3, 2)
-    assert detect(Config(), SRUN_TASK) == Cluster("slurm", f"gpu07:{61440 + 4242 % 4096}", 8, 5, (1,))
+    run = "slurm-4242.0"  # the run id every process presents to process 0 (tests/test_handshake.py)
+    assert detect(flags, {**jax_env, **SRUN_TASK}) == Cluster("explicit", "h:1", 2, 1, run_id=run)
+    assert detect(Config(), {**jax_env, **SRUN_TASK}) == Cluster("environment", "c:9", 3, 2, run_id=run)
+    assert detect(Config(), SRUN_TASK) == Cluster("slurm", f"gpu07:{cluster.slurm_port(4242, 0)}", 8, 5, (1,), run)
     assert detect(Config(), {}) == Cluster("single")
 
 
