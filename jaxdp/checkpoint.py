@@ -49,23 +49,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import errno
-import hashlib
 import itertools
 import json
 import logging
 import os
-import re
 import socket
-import sys
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxdp import zero
+from jaxdp import portable, quiet, resume
 from jaxdp.config import Config
 from jaxdp.dirlock import DirectoryLock
 from jaxdp.errors import CheckpointWriteError, InputError
@@ -74,57 +70,9 @@ from jaxdp.state import TrainState
 
 log = logging.getLogger("jaxdp")
 
-# Config groups whose fields decide what a checkpoint contains or which batches come next: a resumed
-# run must use the same values. Every other field may change on resume: --steps (the total to train
-# to), --strategy (psum, ring and host compute the same mean; only bit-identity is lost), the
-# learning rate and its schedule and clipping (to recover from a divergence; the optimizer state's
-# shapes are checked separately), the device and process count (the state is replicated),
-# checkpointing and logging, and --shard-optimizer (checkpoints hold the optimizer state whole);
-# --sync-every between values above 1 (the state is the same; the next sync comes at the next
-# multiple of the new value; between 1 and more, the states differ: `_check_compatible` says so) and
-# --outer-lr. `--sync-every auto` resumes with the H its checkpoint recorded (`recorded_meta`).
-# Neither do --prefetch (when batches are made, never which) and --attention (the same attention by
-# another kernel, like --strategy). Options of a choice the run did not take cannot matter either
-# (`_unused`): --momentum unless --optimizer momentum, --weight-decay unless adamw, the GPT's sizes
-# and token options for the other models, the outer optimizer's with synchronous training.
-# --dataset compares the file, not the spelling: the same file by another relative path (a rerun
-# from another directory with `--config DIR/config.toml`, which stores absolute paths) may resume.
-_RESUME_GROUPS = ("data", "model", "optimisation")
-_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
-                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
-                         "attention")
-
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits
 _BARRIER_IDS = itertools.count()  # every process counts alike, so their barrier names agree
-
-
-def resume_fields(config: Config) -> dict[str, Any]:
-    """The Config fields a resumed run must share with the run that wrote the checkpoint."""
-    unused = _unused(config)
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME and f.name not in unused}
-
-
-def _unused(config: Config) -> set[str]:
-    """Fields that `config`'s other choices leave unread (jaxdp/state.py, jaxdp/models.py)."""
-    unused = set()
-    if config.optimizer != "momentum":
-        unused.add("momentum")
-    if config.optimizer != "adamw":
-        unused.add("weight_decay")
-    if config.model != "gpt":  # token streams are for the GPT only (Config.validate)
-        unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size"}
-    if config.sync_every == 1:
-        unused |= {"outer_optimizer", "outer_momentum", "sync_fragments"}
-    return unused
-
-
-def _dataset_path(config: Config) -> str | None:
-    """The absolute path of `config.dataset`, None for a built-in dataset."""
-    from jaxdp.registry import DATASETS
-
-    return None if config.dataset in DATASETS else os.path.abspath(config.dataset)
 
 
 class Checkpointer:
@@ -146,8 +94,8 @@ class Checkpointer:
         # Orbax logs a failed background write from its own threads, with tracebacks; jaxdp reports
         # it in one line (CheckpointWriteError). Quiet while this checkpointer lives (--debug: not).
         self._quiet = contextlib.ExitStack()
-        self._quiet.enter_context(_quiet())
-        _ignore_closed_event_loop_errors()
+        self._quiet.enter_context(quiet.quiet())
+        quiet.ignore_closed_event_loop_errors()
         self._checksums = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-checksums")
         self._pending: tuple[int, concurrent.futures.Future] | None = None  # saved step, its checksums
         # Old checkpoints (beyond `keep`) are deleted in a background thread, off the training path;
@@ -180,17 +128,17 @@ class Checkpointer:
         restored = None
         for step in reversed(self._manager.all_steps()):
             try:
-                with _quiet():
+                with quiet.quiet():
                     meta, shapes = self._read_description(step)
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
                 continue
             self._check_compatible(step, meta, shapes, state)  # InputError: stop, change nothing
             try:
-                with _quiet():
+                with quiet.quiet():
                     restored = self._restore_step(step, state, shapes)
                     verified = self._verify(step, restored)
-                    restored = _unportable(restored, state)
+                    restored = portable.from_portable(restored, state)
                 break
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
@@ -208,7 +156,7 @@ class Checkpointer:
         cannot be read is left for `restore` to move aside."""
         for step in reversed(self._manager.all_steps()):
             try:
-                with _quiet():
+                with quiet.quiet():
                     return self._read_description(step)[0]
             except Exception:  # noqa: BLE001 - damaged: restore will say so and try the one before
                 continue
@@ -220,7 +168,7 @@ class Checkpointer:
         if not isinstance(meta, dict) or "step" not in meta:
             raise ValueError("its meta/metadata is missing or not jaxdp's")
         description = self._manager.item_metadata(step).get("state")
-        shapes = {} if description is None else _flat_shapes(description)
+        shapes = {} if description is None else portable.flat_shapes(description)
         if not shapes:  # a checkpoint always holds arrays: their description is gone (state/_METADATA)
             raise ValueError("state/_METADATA, the description of its arrays, is missing or unreadable")
         return meta, shapes
@@ -231,7 +179,7 @@ class Checkpointer:
         path = os.path.join(self.directory, str(step), CHECKSUMS_FILE)
         host = jax.device_get(restored)
         if not os.path.exists(path):  # saved by an older jaxdp, or stopped between commit and checksums
-            for name, leaf in _named_leaves(host).items():
+            for name, leaf in portable.named_leaves(host).items():
                 leaf = np.asarray(leaf)
                 if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
                     raise ValueError(f"array {name} holds non-finite values, and there is no checksum record "
@@ -239,7 +187,7 @@ class Checkpointer:
             return False
         with open(path) as f:
             expected = json.load(f)
-        actual = _checksums(host)
+        actual = portable.checksums(host)
         for name, digest in expected.items():
             if actual.get(name) != digest:
                 raise ValueError(f"array {name} does not match the checksum recorded when it was saved")
@@ -250,8 +198,8 @@ class Checkpointer:
         where = f"checkpoint directory {self.directory!r} holds a checkpoint (step {step})"
         saved = meta.get("config") or {}
         if self.config is not None:
-            for name, value in resume_fields(self.config).items():
-                if name == "dataset" and _same_dataset(meta, self.config):
+            for name, value in resume.resume_fields(self.config).items():
+                if name == "dataset" and resume.same_dataset(meta, self.config):
                     continue
                 if name in saved and saved[name] != value:
                     raise InputError(f"{where} made with {name}={saved[name]!r}, but this run has {name}={value!r}; "
@@ -263,20 +211,20 @@ class Checkpointer:
                                  f"steps (sync_every > 1) and synchronous training keep different states: use "
                                  f"sync_every {'> 1' if have > 1 else '= 1'} or another checkpoint directory",
                                  argument="directory", setting="sync_every")
-        wanted = _flat_shapes(_portable(state, abstract=True, stored=stored))
+        wanted = portable.flat_shapes(portable.to_portable(state, abstract=True, stored=stored))
         for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):
-                have = "missing" if path not in stored else _describe(stored[path])
-                want = "nothing" if path not in wanted else _describe(wanted[path])
+                have = "missing" if path not in stored else portable.describe(stored[path])
+                want = "nothing" if path not in wanted else portable.describe(wanted[path])
                 raise InputError(f"{where} whose {path} is {have}, but this run's model and optimizer "
                                  f"need {want}; use the settings it was made with or another checkpoint directory",
                                  argument="directory")
 
     def _restore_step(self, step: int, state: TrainState, stored: dict) -> TrainState:
         target = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x),
-                              _portable(state, abstract=True, stored=stored))
+                              portable.to_portable(state, abstract=True, stored=stored))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-        _ignore_closed_event_loop_errors()
+        quiet.ignore_closed_event_loop_errors()
         restored = self._manager.restore(step, args=args)
         position = restored["meta"].get("data_position")
         if int(restored["state"].step) != step or position != step:
@@ -302,7 +250,7 @@ class Checkpointer:
             source = os.path.join(self.directory, str(step))
             target = _unused_name(source + UNREADABLE_SUFFIX)
             resumed = f"resuming from step {restored_step}" if restored_step else "starting from step 0"
-            _warn(f"checkpoint {source} could not be read ({_first_line(err)}); moved it to {target}, {resumed}")
+            _warn(f"checkpoint {source} could not be read ({quiet.first_line(err)}); moved it to {target}, {resumed}")
             if jax.process_index() == 0:
                 os.replace(source, target)
         # Hazard: every process must see the renames before any of them saves again. (Damage is
@@ -329,17 +277,17 @@ class Checkpointer:
         self._finish_pending()  # orbax waits for the previous save here anyway
         meta = {"step": step, "data_position": step, "config": None if self.config is None else self.config.to_dict(),
                 "processes": jax.process_count(), "devices": jax.device_count(), **self.extra_meta}
-        if self.config is not None and _dataset_path(self.config):
-            meta["dataset_path"] = _dataset_path(self.config)  # --dataset as given may be relative
-        host_state = jax.device_get(_portable(state))
+        if self.config is not None and resume.dataset_path(self.config):
+            meta["dataset_path"] = resume.dataset_path(self.config)  # --dataset as given may be relative
+        host_state = jax.device_get(portable.to_portable(state))
         args = ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta))
         try:
-            with _quiet():
+            with quiet.quiet():
                 saved = self._manager.save(step, args=args, force=True)
         except Exception as err:  # noqa: BLE001 - could not even start writing: say so now
             raise _write_error(step, self.directory, err) from None
         if saved:
-            self._pending = (step, self._checksums.submit(_checksums, host_state))
+            self._pending = (step, self._checksums.submit(portable.checksums, host_state))
         return saved
 
     def poll(self) -> None:
@@ -355,7 +303,7 @@ class Checkpointer:
         step, checksums = self._pending
         self._pending = None
         try:
-            with _quiet():
+            with quiet.quiet():
                 self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - the background write failed
             raise _write_error(step, self.directory, err) from None
@@ -387,76 +335,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _same_dataset(meta: dict, config: Config) -> bool:
-    """Whether checkpoint `meta` was made from the file `config.dataset` names, however spelt: by the
-    absolute path it records, or (checkpoints without one) the recorded path read from here."""
-    path = _dataset_path(config)
-    if path is None:
-        return False
-    recorded = meta.get("dataset_path") or (meta.get("config") or {}).get("dataset")
-    return isinstance(recorded, str) and os.path.abspath(recorded) == path
-
-
-PER_DEVICE = "sync/per_device/"  # paths of per-device rows (jaxdp.state.SyncState): any device count
-
-
-def _portable(state: TrainState, abstract: bool = False, stored: dict | None = None) -> TrainState:
-    """`state` as checkpoints hold it, whole and on the host: a ZeRO-1 optimizer state
-    (jaxdp/zero.py) in its tree form, and the per-device rows of `state.sync` gathered from every
-    process, so that a checkpoint restores onto any device count, sharded or not.
-
-    `abstract`: shapes only, placed on this process's CPU (a restore reads into host memory, not
-    device memory); per-device rows then have the row count `stored` records, if given.
-    """
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    if abstract:
-        shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)  # noqa: E731
-        opt_state = state.opt_state
-        if zero.is_sharded(opt_state):
-            opt_state = jax.tree.map(shape, zero.abstract_tree(opt_state))
-        per_device = jax.tree_util.tree_map_with_path(
-            lambda path, x: jax.ShapeDtypeStruct(_stored_rows(path, x, stored), x.dtype, sharding=host),
-            state.sync.per_device)
-        return state.replace(opt_state=opt_state, sync=state.sync.replace(per_device=per_device))
-    if zero.is_sharded(state.opt_state):
-        state = state.replace(opt_state=zero.to_host_tree(state.opt_state))
-    return state.replace(sync=state.sync.replace(per_device=jax.tree.map(_gather, state.sync.per_device)))
-
-
-def _stored_rows(path: Any, x: Any, stored: dict | None) -> tuple[int, ...]:
-    name = PER_DEVICE + "/".join(_key_name(k) for k in path)
-    saved = (stored or {}).get(name)
-    return (saved[0][0], *x.shape[1:]) if saved else tuple(x.shape)
-
-
-def _gather(x: jax.Array) -> np.ndarray:
-    """A global array, whole, as numpy on every process."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.process_allgather(x, tiled=True)
-
-
-def _unportable(restored: TrainState, like: TrainState) -> TrainState:
-    """`_portable`'s inverse: the restored state placed like `like`. A sharded optimizer state is
-    cut into `like`'s shards; per-device rows saved on another device count become, on every new
-    device, the mean of the old rows (what compression's error feedback owes is that mean, and for
-    local steps' replicas it is exactly what the next sync would average)."""
-    if zero.is_sharded(like.opt_state):
-        mesh = jax.tree.leaves(like.params)[0].sharding.mesh
-        restored = restored.replace(opt_state=zero.from_host_tree(jax.device_get(restored.opt_state), like.opt_state, mesh))
-
-    def place(saved: Any, want: jax.Array) -> jax.Array:
-        rows = np.asarray(saved)
-        if rows.shape[0] != want.shape[0]:
-            rows = np.broadcast_to(rows.mean(axis=0, dtype=rows.dtype), want.shape)
-        return jax.make_array_from_callback(want.shape, want.sharding, lambda index: rows[index])
-
-    per_device = jax.tree.map(place, restored.sync.per_device, like.sync.per_device)
-    return restored.replace(sync=restored.sync.replace(per_device=per_device))
 
 
 def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
@@ -491,41 +369,6 @@ def _unused_name(path: str) -> str:
     return candidate
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{"params/Dense_0/kernel": (shape, dtype)} for a state, or for orbax's metadata of one."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-            for path, leaf in leaves}
-
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _describe(shape_dtype: tuple[tuple[int, ...], str]) -> str:
-    shape, dtype = shape_dtype
-    return f"{dtype}{list(shape)}"
-
-
-def _first_line(err: BaseException) -> str:
-    """One readable line about `err`: no pybind reprs, no tracebacks, at most 200 characters."""
-    text = str(err).strip().splitlines()
-    line = text[0] if text else type(err).__name__
-    line = re.split(r"\s*(?:See full TensorStore details|<bound method|<built-in method)", line)[0].rstrip(" .:;")
-    return line[:200] or type(err).__name__
-
-
-class _DropAll(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-_DROP_ALL = _DropAll()
-
-
 def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWriteError:
     """One line: which save failed, why, and what is left.
 
@@ -534,34 +377,20 @@ def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWri
     it is garbage-collected, which can be after this checkpointer has closed and the run is
     exiting. So once a save has failed, asyncio's logger stays quiet for the rest of the process
     (--debug keeps it)."""
-    if not logging.getLogger().isEnabledFor(logging.INFO):
-        # A filter, not a level: `_quiet` puts levels back when its block ends, which undid this.
-        logging.getLogger("asyncio").addFilter(_DROP_ALL)
+    quiet.silence_asyncio()
     cause = err
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
         why = "no space left on the device"
     elif isinstance(cause, OSError):
-        why = cause.strerror or _first_line(cause)
+        why = cause.strerror or quiet.first_line(cause)
     elif "No space left" in str(err):
         why = "no space left on the device"
     else:
-        why = _first_line(err)
+        why = quiet.first_line(err)
     return CheckpointWriteError(f"cannot write checkpoint step {step} to {directory}: {why}; the earlier "
                                 f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
-
-
-def _named_leaves(tree: Any) -> dict[str, Any]:
-    """{"params/Dense_0/kernel": array} for a state."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
-
-
-def _checksums(tree: Any) -> dict[str, str]:
-    """{"params/Dense_0/kernel": sha256 of its bytes} for a host (numpy) copy of a state."""
-    return {name: hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
-            for name, leaf in _named_leaves(tree).items()}
 
 
 def _process_and_client() -> tuple[int, int, Any]:
@@ -573,48 +402,8 @@ def _process_and_client() -> tuple[int, int, Any]:
     return jax.process_index(), jax.process_count(), coordination.client()
 
 
-_NOISY_LOGGERS = ("absl", "asyncio", "orbax", "jax._src.distributed")
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Orbax and asyncio log every failed read or write with a traceback (100s of lines for one
-    damaged checkpoint); jaxdp reports each failure in one line instead. --debug (INFO) keeps them."""
-    if logging.getLogger().isEnabledFor(logging.INFO):
-        yield
-        return
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def _warn(message: str) -> None:
     if jax.process_index() == 0:
         log.warning("jaxdp: warning: %s", message)
 
 
-def _ignore_closed_event_loop_errors() -> None:
-    """Drop the "Event loop is closed" errors that a *failed* orbax restore reports as unraisable.
-
-    Hazard: when one array of a restore fails, orbax closes its event loop while tensorstore still
-    completes the other reads, some of them after `restore` has returned; each prints a RuntimeError
-    traceback to stderr. They are noise after the real error, which `restore` reports in one line.
-    So from the first restore on, this process ignores exactly those; everything else passes through.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "jaxdp_ignores_closed_event_loop", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if not (isinstance(error, RuntimeError) and "Event loop is closed" in str(error)):
-            previous(unraisable)
-
-    hook.jaxdp_ignores_closed_event_loop = True
-    sys.unraisablehook = hook

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import records, saved, step_records
 from jaxdp import agreement, train as train_module
-from jaxdp.checkpoint import resume_fields
+from jaxdp.resume import resume_fields
 from jaxdp.config import parse_args
 from jaxdp.data import Dataset, load_dataset
 from jaxdp.errors import InputError
