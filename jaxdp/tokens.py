@@ -7,8 +7,9 @@
 The file is memory-mapped, never read whole into memory: a step reads only the windows of its own
 process's slice of the global batch. Loading checks every token id against the vocabulary once, in
 chunks of `SCAN_CHUNK` ids (a bad id in the held-out tail used to surface only at the final
-evaluation, after all the training), in the file's own dtype (an int64 id of 2**32 + 5 is not 5). The stream is cut into non-overlapping windows of `seq_len + 1` tokens
-(inputs, and the same shifted by one as targets). The last `HELD_OUT_FRACTION` of the tokens is the
+evaluation, after all the training), in the file's own dtype (an int64 id of 2**32 + 5 is not 5).
+The stream is cut into non-overlapping windows of `seq_len + 1` tokens (inputs, and the same
+shifted by one as targets). The last `HELD_OUT_FRACTION` of the tokens is the
 held-out split, fixed whatever the seed; the windows before it are the training set, and global
 batch `step` is the same pure function of (seed, step) as for every dataset (`jaxdp.data`), so
 resume and multi-process runs see exactly the batches a single uninterrupted run sees.
@@ -58,7 +59,7 @@ class TokenDataset:
 
     def fingerprint(self) -> dict[str, str]:
         """What every process of a run must read alike (jaxdp/agreement.py): the size, and a digest
-        of a few evenly spaced blocks of ids (cheap: it reads ~64K ids, whatever the file's size)."""
+        of a few evenly spaced blocks of ids (cheap: it reads 512 KB, whatever the file's size)."""
         return {"what": f"{len(self.tokens)} {self.tokens.dtype} token ids", "digest": sample_digest(self.tokens)}
 
     def _windows(self, starts: np.ndarray) -> dict[str, np.ndarray]:
