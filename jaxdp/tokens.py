@@ -58,7 +58,7 @@ class TokenDataset:
 
     def fingerprint(self) -> dict[str, str]:
         """What every process of a run must read alike (jaxdp/agreement.py): the size, and a digest
-        of a few evenly spaced blocks of ids (cheap: it reads ~64K ids, whatever the file's size)."""
+        of a few evenly spaced blocks of ids (cheap: it reads 512 KB, whatever the file's size)."""
         return {"what": f"{len(self.tokens)} {self.tokens.dtype} token ids", "digest": sample_digest(self.tokens)}
 
     def _windows(self, starts: np.ndarray) -> dict[str, np.ndarray]:

@@ -96,11 +96,14 @@ def write_inputs(directory, case, rank):
 
 
 INPUT_CASES = {
-    "missing file": (["--dataset", "data.npz"], "--dataset: on process 1 (of 2): dataset file 'data.npz' does not exist"),
+    "missing file": (["--dataset", "data.npz"],
+                     "--dataset: on process 1 (of 2): dataset file 'data.npz' does not exist"),
     "bad token id": (["--dataset", "t.npy", "--vocab-size", "50", "--model", "gpt", "--layers", "1", "--d-model", "32",
-                      "--heads", "2", "--seq-len", "16"], "--vocab-size: on process 1 (of 2): dataset file 't.npy' holds token id 77"),
-    "different rows": (["--dataset", "data.npz"], "--dataset: the processes read different data (process 0: 180 training and 20 "
-                       "held-out rows of float32[5], 3 classes; process 1: 90 training and 10 held-out rows"),
+                      "--heads", "2", "--seq-len", "16"],
+                     "--vocab-size: on process 1 (of 2): dataset file 't.npy' holds token id 77"),
+    "different rows": (["--dataset", "data.npz"],
+                       "--dataset: the processes read different data (process 0: 180 training and 20 held-out rows "
+                       "of float32[5], 3 classes; process 1: 90 training and 10 held-out rows"),
 }
 
 

@@ -67,8 +67,8 @@ def test_a_process_stopped_during_the_final_evaluation_is_named(tmp_path):
     data, metrics, port = tmp_path / "data.npz", tmp_path / "m.jsonl", free_port()
     np.savez(data, x=rng.standard_normal((256, 4)), y=rng.integers(0, 3, 256),  # held out: 313 batches, seconds
              x_test=rng.standard_normal((80_000, 4)), y_test=rng.integers(0, 3, 80_000))
-    procs = [start(i, port, tmp_path, "--dataset", data, "--steps", 5, "--stall-timeout", STALL, "--metrics-file", metrics)
-             for i in range(2)]
+    procs = [start(i, port, tmp_path, "--dataset", data, "--steps", 5, "--stall-timeout", STALL,
+                   "--metrics-file", metrics) for i in range(2)]
     try:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and any(r["step"] == 5 for r in step_records(metrics))):  # the loop is over
@@ -147,7 +147,8 @@ def test_a_silent_process_is_named_with_the_phase_it_published():
     beat._changed = {0: start, 1: start}
     assert beat._verdict(start + 59) is None
     verdict = beat._verdict(start + 61)
-    assert verdict.startswith("process 1 (of 2) stalled during the final save and evaluation: no heartbeat for 60 s"), verdict
+    assert verdict.startswith("process 1 (of 2) stalled during the final save and evaluation: "
+                              "no heartbeat for 60 s"), verdict
 
 
 def test_a_phase_is_published_at_once_with_the_steps_before_it_done():
