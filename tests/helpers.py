@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from jaxdp.launch import free_port  # noqa: F401 - tests take it from here
+from jaxdp.workers import free_port  # noqa: F401 - tests take it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, records, run_cli
-from jaxdp.launch import bindings
+from jaxdp.workers import bindings
 
 PY = sys.executable
 
