@@ -50,6 +50,7 @@ SLURM_LOCALID = "SLURM_LOCALID"
 SLURM_NODEID = "SLURM_NODEID"
 SLURM_STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+SLURM_GPUS_ON_NODE = "SLURM_GPUS_ON_NODE"  # set by SLURM when it allocated GPUs
 SLURM_REQUIRED = (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID)
 # The SLURM coordinator port. JAX's own rule, 61440 + job id % 4096, gives every step of a job the
 # same port, and jobs 4096 ids apart too. Ours: an even port in 20480..32766 (below Linux's
@@ -156,24 +157,27 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster | None:
 
 
 def slurm_local_device_ids(environ: Mapping[str, str]) -> tuple[int, ...] | None:
-    """Which of the node's GPUs this SLURM task owns; None means every GPU it can see.
+    """Which of the node's GPUs this SLURM task owns.
 
     * one task per node (`--ntasks-per-node=1`): the task owns all GPUs of its node;
     * several tasks per node, SLURM already bound GPUs to each task (`--gpus-per-task`, so
       CUDA_VISIBLE_DEVICES lists fewer GPUs than there are tasks on the node): all it sees;
     * several tasks per node sharing the node's GPUs: one GPU each, number SLURM_LOCALID.
-    `JAX_LOCAL_DEVICE_IDS=0,1` overrides all of this (JAX reads it itself).
+    "All" is said explicitly, `(0, .., n - 1)` for the n GPUs of CUDA_VISIBLE_DEVICES (else
+    SLURM_GPUS_ON_NODE): given None, `jax.distributed.initialize` runs its own SLURM detection and
+    keeps GPU number SLURM_LOCALID alone, so a task that owns its node's 8 GPUs would train on one.
+    None where the count is unknown (no GPUs allocated: a CPU job) or `JAX_LOCAL_DEVICE_IDS=0,1`
+    decides (JAX reads it itself).
     """
     if ENV_LOCAL_DEVICE_IDS in environ:
         return None
     per_node = expand_tasks_per_node(environ.get(SLURM_STEP_TASKS_PER_NODE, "1"))
     node = _int(environ.get(SLURM_NODEID, "0"), SLURM_NODEID)
     tasks_here = per_node[node] if node < len(per_node) else max(per_node)
-    if tasks_here <= 1:
-        return None
     visible = [d for d in environ.get(CUDA_VISIBLE_DEVICES, "").split(",") if d.strip()]
-    if visible and len(visible) < tasks_here:
-        return None
+    if tasks_here <= 1 or (visible and len(visible) < tasks_here):
+        count = len(visible) or _int(environ.get(SLURM_GPUS_ON_NODE, "0"), SLURM_GPUS_ON_NODE)
+        return tuple(range(count)) if count else None
     return (_int(environ[SLURM_LOCALID], SLURM_LOCALID),)
 
 

@@ -238,10 +238,14 @@ def test_slurm_details():
 
 @pytest.mark.parametrize("layout, extra, expected", [
     ("one task per GPU: GPU number SLURM_LOCALID", {}, (1,)),
-    ("one task per node owns every GPU", {"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}, None),
-    ("SLURM bound one GPU per task (--gpus-per-task=1)", {"CUDA_VISIBLE_DEVICES": "3"}, None),
+    ("one task per node owns every GPU it sees",
+     {"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, (0, 1, 2, 3)),
+    ("one task per node, SLURM counted the GPUs", {"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_GPUS_ON_NODE": "8"},
+     tuple(range(8))),
+    ("one task per node without GPUs (a CPU job)", {"SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, None),
+    ("SLURM bound one GPU per task (--gpus-per-task=1)", {"CUDA_VISIBLE_DEVICES": "3"}, (0,)),
     ("every task sees the node's GPUs", {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, (1,)),
-    ("uneven nodes, this one has 1 task", {"SLURM_STEP_TASKS_PER_NODE": "4,1"}, None),
+    ("uneven nodes, this one has 1 task", {"SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_GPUS_ON_NODE": "2"}, (0, 1)),
     ("JAX_LOCAL_DEVICE_IDS decides", {"JAX_LOCAL_DEVICE_IDS": "0,1"}, None),
 ])
 def test_slurm_gpu_layouts(layout, extra, expected):
