@@ -208,3 +208,19 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         return jax.lax.switch(branch, [local, *(lambda f=f: synced(f) for f in range(count))])
 
     return device_step
+
+
+# Names that lived here before the cost model and the sync spec had modules of their own.
+_MOVED = {"choose_sync_every": "jaxdp.costmodel", "auto_sync_every": "jaxdp.costmodel",
+          "MAX_AUTO_SYNC_EVERY": "jaxdp.costmodel", "AUTO": "jaxdp.syncspec", "check_sync_every": "jaxdp.syncspec"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'jaxdp.local_sgd' has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(f"jaxdp.local_sgd.{name} moved to {_MOVED[name]}.{name}; the old path goes in the next release",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(_MOVED[name]), name)

@@ -95,3 +95,16 @@ def test_a_state_for_another_layout_is_refused_in_one_line(devices):
         jaxdp.make_train_step(loss, tx, mesh, compression="powersgd:2:min_rate=0")(state, batch)
     state, _ = jaxdp.make_train_step(loss, tx, mesh, compression="powersgd:1:start=5:min_rate=0")(state, batch)
     state, _ = jaxdp.make_train_step(loss, tx, mesh, compression="bf16")(state, batch)  # needs no state
+
+
+@pytest.mark.parametrize("module, name, home", [("jaxdp.compression", "plan", "jaxdp.costmodel"),
+                                                ("jaxdp.compression", "TARGET_COMM_FRACTION", "jaxdp.costmodel"),
+                                                ("jaxdp.local_sgd", "auto_sync_every", "jaxdp.costmodel"),
+                                                ("jaxdp.local_sgd", "check_sync_every", "jaxdp.syncspec"),
+                                                ("jaxdp.state", "make_schedule", "jaxdp.optim")])
+def test_names_that_moved_still_resolve_with_a_warning(module, name, home):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=f"{home}.{name}"):
+        value = getattr(importlib.import_module(module), name)
+    assert value is getattr(importlib.import_module(home), name)
