@@ -88,6 +88,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp.moved import forwarder
+
 Tree = Any
 AllReduce = Callable[[Tree], Tree]
 
@@ -424,18 +426,7 @@ def parse(spec: str) -> Compressor:
 
 
 # Names that lived here before the cost model and the train-state adapter had modules of their own.
-_MOVED = {**{name: "jaxdp.costmodel" for name in (
+__getattr__ = forwarder(__name__, {**{name: "jaxdp.costmodel" for name in (
     "CommModel", "fit_comm_model", "ladder", "plan", "relative_error", "weaker", "guard", "DEFAULT_RANKS",
     "TARGET_COMM_FRACTION", "MIN_STEP_GAIN", "GUARD_THRESHOLD", "GUARD_WINDOW")},
-    "STATE_NAME": "jaxdp.exchange", "AUTO": "jaxdp.syncspec"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module 'jaxdp.compression' has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(f"jaxdp.compression.{name} moved to {_MOVED[name]}.{name}; the old path goes in the next release",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(_MOVED[name]), name)
+    "STATE_NAME": "jaxdp.exchange", "AUTO": "jaxdp.syncspec"})

@@ -77,6 +77,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp.compression import bytes_sent
 from jaxdp.exchange import leaf_names
 from jaxdp.mesh import data_axes, replicated_sharding
+from jaxdp.moved import forwarder
 
 STATE_NAME = "local_sgd"   # state.sync.per_device[STATE_NAME] = {"params": rows, "opt_state": rows}
 OUTER_NAME = "outer"       # state.sync.shared[OUTER_NAME] = the outer optimizer's state
@@ -211,16 +212,6 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
 
 
 # Names that lived here before the cost model and the sync spec had modules of their own.
-_MOVED = {"choose_sync_every": "jaxdp.costmodel", "auto_sync_every": "jaxdp.costmodel",
-          "MAX_AUTO_SYNC_EVERY": "jaxdp.costmodel", "AUTO": "jaxdp.syncspec", "check_sync_every": "jaxdp.syncspec"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module 'jaxdp.local_sgd' has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(f"jaxdp.local_sgd.{name} moved to {_MOVED[name]}.{name}; the old path goes in the next release",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(_MOVED[name]), name)
+__getattr__ = forwarder(__name__, {"choose_sync_every": "jaxdp.costmodel", "auto_sync_every": "jaxdp.costmodel",
+                                   "MAX_AUTO_SYNC_EVERY": "jaxdp.costmodel", "AUTO": "jaxdp.syncspec",
+                                   "check_sync_every": "jaxdp.syncspec"})

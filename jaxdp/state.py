@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jaxdp import exchange, local_sgd, zero
 from jaxdp.mesh import replicate, replicated_sharding
+from jaxdp.moved import forwarder
 from jaxdp.syncspec import StateLayout, SyncSpec
 
 
@@ -151,19 +152,7 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     )
 
 
-_MOVED = ("adam", "adamw", "sgd", "momentum", "make_optimizer", "nesterov_outer", "sgd_outer", "make_outer_optimizer",
-          "constant_schedule", "cosine_schedule", "warmup_cosine_schedule", "make_schedule")
-
-
-def __getattr__(name: str) -> Any:
-    """The optimizer builders lived here before jaxdp/optim.py: a forward, with a warning, for one release."""
-    if name not in _MOVED:
-        raise AttributeError(f"module 'jaxdp.state' has no attribute {name!r}")
-    import warnings
-
-    from jaxdp import optim
-
-    warnings.warn(f"jaxdp.state.{name} moved to jaxdp.optim.{name}", DeprecationWarning, stacklevel=2)
-    return getattr(optim, name)
-
-
+# The optimizer builders lived here before jaxdp/optim.py.
+__getattr__ = forwarder(__name__, dict.fromkeys(
+    ("adam", "adamw", "sgd", "momentum", "make_optimizer", "nesterov_outer", "sgd_outer", "make_outer_optimizer",
+     "constant_schedule", "cosine_schedule", "warmup_cosine_schedule", "make_schedule"), "jaxdp.optim"))
