@@ -135,7 +135,7 @@ class Controller:
         model = costmodel.comm_model(figures)
         choice, reasons = costmodel.plan(figures["compute_s"], model, self.abstract, self.candidates,
                                            self.target_fraction)
-        checks = []
+        checks, planned = [], choice
         if isinstance(choice, compression.PowerSGD) and (reasons["fits"] or guard_misses):
             # The quality guard: the true means once; then the chosen rank and those above it, in
             # order, until one passes.
@@ -148,6 +148,11 @@ class Controller:
                 if choice == candidate:
                     break
         cost_s = {"measure": measured - started, "quality": time.perf_counter() - measured}
+        why = reasons["why"]
+        if choice != planned:  # the guard stepped back: say so, with the errors that made it
+            errors = ", ".join(f"{c['candidate']} {c['relative_error']:.3g}" for c in checks)
+            why = (f"{choice.name}: the quality guard stepped back from {planned.name} (relative errors {errors} "
+                   f"against {self.guard_threshold:g}); the plan was {why}")
         proposal = None
         if not reasons["fits"]:  # even the chosen compression misses the target: local steps would be next
             sync_every = costmodel.choose_sync_every(figures["compute_s"], model, reasons["payload_bytes"][choice.name],
@@ -160,7 +165,7 @@ class Controller:
                   "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
                   "target_fraction": self.target_fraction, "predicted_s": reasons["predicted_s"],
                   "payload_bytes": reasons["payload_bytes"], "uncompressed_bytes": self.grad_bytes,
-                  "fits": reasons["fits"], "why": reasons["why"], "quality_checks": checks,
+                  "fits": reasons["fits"], "why": why, "planned": planned.name, "quality_checks": checks,
                   "guard_threshold": self.guard_threshold, "cost_s": cost_s}
         return Decision(None if isinstance(choice, compression.NoCompression) else choice, record)
 

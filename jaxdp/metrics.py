@@ -144,6 +144,11 @@ class MetricsWriter:
                              file=sys.stderr, mininterval=0.5)
         return self.compile_s
 
+    def restart_clock(self) -> None:
+        """Leave the time since the last mark out of the next rate and of `compile_s` (work that is
+        neither training nor compilation, e.g. the compression controller's measurements)."""
+        self._last = (self._last[0], time.perf_counter())
+
     def step(self, n: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)

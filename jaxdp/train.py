@@ -206,6 +206,7 @@ def train(config: Config) -> Result:
     if start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory})", file=sys.stderr)
     history, preempted, done = [], False, start_step
+    decided_s = sum(sum(r.get("cost_s", {}).values()) for _, r in early)  # the controller's own time
     pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked for NaN / Inf
     last_checked: dict[str, Any] = {}  # the metrics of the last step checked, on the host
 
@@ -231,8 +232,14 @@ def train(config: Config) -> Result:
                 checked()
                 decision = controller.decide(state, [batch] + [batch_at(step + k) for k in range(1, GUARD_BATCHES)], step)
                 writer.event("compression", step, **decision.record)
-                if is_main and decision.record["propose_local_steps"] and config.sync_every == 1:
-                    print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
+                writer.restart_clock()  # its measurements are neither training nor compilation
+                decided_s += sum(decision.record["cost_s"].values())
+                if is_main:  # one line per decision
+                    cost = decision.record["cost_s"]
+                    print(f"jaxdp: --compression auto at step {step}: {decision.record['why']} (measuring "
+                          f"{cost['measure']:.1f}s, quality guard {cost['quality']:.1f}s)", file=sys.stderr)
+                    if decision.record["propose_local_steps"] and config.sync_every == 1:
+                        print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
                 spec = spec.replace(compression=decision.compressor)
                 train_step = step_for(spec)
             dispatch = time.perf_counter()
@@ -302,7 +309,8 @@ def train(config: Config) -> Result:
         held_out = " ".join(f"{k}={v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
         print(f"{held_out} steps={config.steps} strategy={config.strategy} devices={mesh.size} "
               f"time={time.perf_counter() - STARTED:.1f}s (start-up {startup_s:.1f}s, "
-              f"first step with compilation {writer.compile_s or 0:.1f}s)")
+              f"first step with compilation {writer.compile_s or 0:.1f}s"
+              + (f", --compression/--sync-every auto {decided_s:.1f}s" if decided_s else "") + ")")
     return Result(state=state, history=history, summary=summary)
 
 

@@ -57,6 +57,22 @@ def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_re
     assert controller.decide(None, [None], 0).record["quality_checks"] and guarded  # without local steps: guarded
 
 
+def test_a_choice_the_guard_raised_is_the_one_the_record_explains(devices, monkeypatch):
+    """The record's "why" names the final choice (it named the plan's rank while the guard had
+    raised it), and "planned" keeps the plan's."""
+    mesh = jaxdp.make_mesh(devices[:4])
+    params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
+    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.psum_mean, params)
+    grad_bytes = compression.uncompressed_bytes(params)
+    figures = {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0, "comm_sizes": [grad_bytes // 16, grad_bytes]}
+    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
+    monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
+    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.0 if candidate.rank >= 16 else 0.5)
+    record = controller.decide(None, [None], 0).record
+    assert record["planned"] != record["choice"] and record["choice"].startswith("powersgd:16"), record["why"]
+    assert record["why"].startswith(f"{record['choice']}: the quality guard stepped back from {record['planned']}")
+
+
 # ---- the flags -----------------------------------------------------------------------------------
 
 def test_flags_accept_auto_and_refuse_the_rest_in_one_line(tmp_path):

@@ -140,6 +140,10 @@ def test_cli_compression_runs_and_auto_picks_none_on_a_fast_link(tmp_path):
     decisions = [r for r in records(tmp_path / "a.jsonl") if r.get("event") == "compression"]
     assert [d["step"] for d in decisions] == [0, 6]
     assert all(d["choice"] == "none" for d in decisions), [d["why"] for d in decisions]
+    said = [line for line in auto.stderr.splitlines() if line.startswith("jaxdp: --compression auto at step")]
+    assert [line.split(":")[1].split()[-1] for line in said] == ["0", "6"], auto.stderr  # one line per decision
+    assert all("quality guard" in line and "none" in line for line in said)
+    assert "--compression/--sync-every auto" in auto.stdout  # its cost, apart from compilation
     assert all(d["compute_s"] > 0 and d["comm_full_s"] > 0 and d["predicted_s"]["none"] > 0 for d in decisions)
     steps = [r for r in records(tmp_path / "a.jsonl") if "event" not in r]
     assert all(r["compression_ratio"] == 1.0 for r in steps)
