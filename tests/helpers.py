@@ -137,8 +137,13 @@ def blocks(text: str | None = None, page: str = "README.md") -> list[Block]:
 
 def readme_blocks(node: str) -> list[Block]:
     """The blocks a test runs: those marked `<!-- run: NODE -->` in README.md or docs/*.md, in
-    page order. Tests elsewhere call this too."""
-    return [b for b in blocks() if b.marker == "run" and b.target == node]
+    page order. A block repeated word for word on another page (the README's tour shows some of
+    the docs' examples) runs once, as its first occurrence. Tests elsewhere call this too."""
+    found: dict[str, Block] = {}
+    for b in blocks():
+        if b.marker == "run" and b.target == node:
+            found.setdefault(b.code, b)
+    return list(found.values())
 
 
 def commands(block: Block) -> list[str]:
