@@ -152,6 +152,7 @@ def test_cli_compression_runs_and_auto_picks_none_on_a_fast_link(tmp_path):
     assert bad.stderr.strip().splitlines()[-1].startswith("jaxdp: error: --compression='powersgd:0' is not none, bf16")
 
 
+@pytest.mark.slow  # 14-21 s each on 2 cores: a distributed window per candidate, compiled
 @pytest.mark.parametrize("strategy", ["psum", "ring"])
 def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
     """The guard (Controller.truth, then .replay per candidate) checks candidates on the true means with no collective (PowerSGD through
