@@ -37,17 +37,23 @@ def test_a_fixed_compressor_sizes_h_for_its_payload(devices, monkeypatch):
     assert controller.decide_sync_every(None, [None], 0)[1]["sync_every"] == 1
 
 
-def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_replace_it(devices, monkeypatch):
-    """With --sync-every auto a plan that misses the target means local steps with a plain
-    pseudo-gradient: checking PowerSGD's quality then only costs time (on the 10 Mbit/s testbed,
-    compiling a replay per rank took most of a 2.5-minute start). Plain `decide` still guards."""
+def far_too_slow_a_link(devices, monkeypatch) -> Controller:
+    """A controller on 4 devices whose measurements say: bandwidth-bound and far too slow, so no
+    candidate fits and PowerSGD predicts the shortest step."""
     mesh = jaxdp.make_mesh(devices[:4])
     params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
     controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.psum_mean, params)
     grad_bytes = compression.uncompressed_bytes(params)
-    # Bandwidth-bound and far too slow: no candidate fits, PowerSGD predicts the shortest step.
     figures = {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0, "comm_sizes": [grad_bytes // 16, grad_bytes]}
     monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
+    return controller
+
+
+def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_replace_it(devices, monkeypatch):
+    """With --sync-every auto a plan that misses the target means local steps with a plain
+    pseudo-gradient: checking PowerSGD's quality then only costs time (on the 10 Mbit/s testbed,
+    compiling a replay per rank took most of a 2.5-minute start). Plain `decide` still guards."""
+    controller = far_too_slow_a_link(devices, monkeypatch)
     guarded = []
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: guarded.append(1) or ([], {}, {}))
     monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.0)
@@ -60,12 +66,7 @@ def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_re
 def test_a_choice_the_guard_raised_is_the_one_the_record_explains(devices, monkeypatch):
     """The record's "why" names the final choice (it named the plan's rank while the guard had
     raised it), and "planned" keeps the plan's."""
-    mesh = jaxdp.make_mesh(devices[:4])
-    params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
-    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.psum_mean, params)
-    grad_bytes = compression.uncompressed_bytes(params)
-    figures = {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0, "comm_sizes": [grad_bytes // 16, grad_bytes]}
-    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
+    controller = far_too_slow_a_link(devices, monkeypatch)
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
     monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.0 if candidate.rank >= 16 else 0.5)
     record = controller.decide(None, [None], 0).record
