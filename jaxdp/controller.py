@@ -334,7 +334,7 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
     auto = requested.compression == AUTO
     fixed = None if auto else codec_of(requested.compression)
     records: list = []
-    state = decided = None
+    state = decided = controller = None
     plain_pseudo, chose = False, None
     if requested.sync_every == AUTO:
         if recorded is not None:  # resume: the H the checkpoint recorded, never a new measurement
@@ -367,8 +367,9 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
     spec = resolved.replace(compression=initial)
     if state is not None and sync_every > 1:
         state = None  # measured on a synchronous state: local steps need their own
-    controller = None
-    if auto and not plain_pseudo and mesh.size > 1:
+    if not (auto and not plain_pseudo and mesh.size > 1):
+        controller = None
+    elif controller is None:  # the one that measured for --sync-every auto serves on: its programs are compiled
         controller = Controller(make_step(spec).local_grads, mesh, requested.strategy, params,
                                 target_fraction=target_fraction)
     return Start(spec, state_spec, records, controller, decided is not None, state, chose)

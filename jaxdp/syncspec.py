@@ -130,12 +130,7 @@ class SyncSpec:
     @property
     def compressed(self) -> bool:
         """Compression is on (a codec, or "auto"); "none" and None are off."""
-        c = self.compression
-        if c is None:
-            return False
-        if isinstance(c, str):
-            return c.strip().lower() != "none"
-        return getattr(c, "name", "none") != "none"
+        return self.codec_name() is not None
 
     @property
     def local(self) -> bool:
@@ -171,12 +166,9 @@ class SyncSpec:
 
     def codec_name(self) -> str | None:
         """The compression as a name: None (off), "auto", or the codec's name."""
-        if not self.compressed:
-            return None
         c = self.compression
-        if isinstance(c, str):
-            return AUTO if c.strip().lower() == AUTO else c.strip().lower()
-        return c.name
+        name = None if c is None else c.strip().lower() if isinstance(c, str) else getattr(c, "name", "none")
+        return None if name == "none" else name
 
     def layout(self) -> StateLayout:
         """The StateLayout of a state made for this spec (the host rule keeps a replicated state)."""
