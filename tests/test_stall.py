@@ -25,6 +25,15 @@ def start(rank, port, tmp_path, *flags):
                             cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=err)
 
 
+
+def reap(procs) -> None:
+    """Continue any stopped process, then kill and wait for every one still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait()
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [1, 0])
@@ -43,11 +52,7 @@ def test_a_stopped_process_is_named_by_the_others_within_the_stall_timeout(tmp_p
         procs[victim].send_signal(signal.SIGCONT)
         victim_code = procs[victim].wait(timeout=30)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            p.wait()
+        reap(procs)
     err = (tmp_path / f"p{1 - victim}.err").read_text().strip().splitlines()
     assert err[-1].startswith("jaxdp: error:") and f"process {victim}" in err[-1], err[-3:]
     assert "stalled" in err[-1] or "has not answered" in err[-1], err[-3:]
@@ -79,11 +84,7 @@ def test_a_process_stopped_during_the_final_evaluation_is_named(tmp_path):
         procs[1].send_signal(signal.SIGCONT)
         assert procs[1].wait(timeout=30) == EXIT_PEER_LOST
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            p.wait()
+        reap(procs)
     for rank in range(2):
         err = (tmp_path / f"p{rank}.err").read_text().strip().splitlines()
         assert err[-1].startswith("jaxdp: error: process 1 (of 2) stalled during "), err[-3:]
