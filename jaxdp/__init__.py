@@ -5,6 +5,8 @@
     state = jaxdp.init_state(params, tx, mesh)
     step  = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring")
     state, metrics = step(state, jaxdp.shard_batch(host_batch, mesh))
+    result = jaxdp.fit(loss_fn, params, tx, batch_at, steps=1000, checkpoint_dir="/tmp/run")  # the whole loop
+    params = jaxdp.load_params("/tmp/run")                  # numpy, no template
     with jaxdp.Checkpointer("/tmp/run") as ckpt:   # orbax: ckpt.save(state), ckpt.restore(state)
         state = ckpt.restore(state)
 
@@ -34,6 +36,13 @@ _EXPORTS = {
     "MODELS": "jaxdp.registry",
     "OPTIMIZERS": "jaxdp.registry",
     "Preemption": "jaxdp.preemption",
+    "Prefetcher": "jaxdp.prefetch",
+    "Result": "jaxdp.loop",
+    "fit": "jaxdp.loop",
+    "load_model": "jaxdp.artifacts",
+    "load_params": "jaxdp.artifacts",
+    "load_variables": "jaxdp.artifacts",
+    "pad_batch": "jaxdp.mesh",
     "STRATEGIES": "jaxdp.registry",
     "TrainState": "jaxdp.state",
     "TrainStep": "jaxdp.step",

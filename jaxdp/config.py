@@ -49,7 +49,7 @@ class Config:
     prefetch: int = _field(2, "data", "batches prepared and copied to the devices ahead of the step that needs them, on a background thread (0: none)")
 
     # -- model ----------------------------------------------------------------------------------
-    model: str = _field("mlp", "model", "built-in model", registry=registry.MODELS)
+    model: str = _field("mlp", "model", f"a built-in model ({', '.join(registry.MODELS)}) or your own as MODULE:ATTR: a flax Module class or a factory f(config) in MODULE.py, importable from the current directory (docs/models.md)", builtin=registry.MODELS, metavar="NAME|MODULE:ATTR")
     layers: int = _field(4, "model", "transformer blocks (gpt)")
     d_model: int = _field(256, "model", "model width (gpt)")
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
@@ -62,6 +62,7 @@ class Config:
     optimizer: str = _field("adam", "optimisation", "optax optimizer", registry=registry.OPTIMIZERS)
     lr: float = _field(1e-3, "optimisation", "peak learning rate")
     schedule: str = _field("constant", "optimisation", "learning-rate schedule over --steps", registry=registry.SCHEDULES)
+    schedule_steps: int = _field(0, "optimisation", "the schedule's horizon in steps (0: the --steps the run started with; a resumed run keeps it even when --steps grows, unless this is given)")
     warmup_steps: int = _field(0, "optimisation", "linear warm-up steps from 0 to --lr (warmup-cosine)")
     final_lr_fraction: float = _field(0.1, "optimisation", "the cosine schedules end at this fraction of --lr")
     clip_norm: float = _field(0.0, "optimisation", "clip the global gradient norm to this value (0: no clipping)")
@@ -96,7 +97,7 @@ class Config:
     # -- logging --------------------------------------------------------------------------------
     log_every: int = _field(10, "logging", "log metrics every N steps")
     eval_every: int = _field(0, "logging", "evaluate on the held-out split every N steps (0: only at the end)")
-    eval_batches: int = _field(0, "logging", "at most this many global batches per evaluation (0: the whole held-out split)")
+    eval_batches: int = _field(50, "logging", "at most this many global batches per evaluation, the first ones of the held-out split (0: all of it)")
     metrics_file: str | None = _field(None, "logging", "JSON Lines file: one object per logged step, then one with \"event\": \"done\"")
     log_dir: str | None = _field(None, "logging", "TensorBoard event directory")
     progress: bool = _field(True, "logging", "show a progress bar on process 0")
@@ -125,7 +126,16 @@ class Config:
         for name in ("seq_len", "layers", "d_model", "heads", "grad_accum"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "eval_batches", "prefetch"):
+        if self.model not in registry.MODELS:
+            from jaxdp.usermodel import check_spec
+
+            try:
+                check_spec(self.model)
+            except InputError:
+                raise ConfigError(f"--model={self.model!r} is neither a built-in model ({', '.join(registry.MODELS)}) "
+                                  f"nor MODULE:ATTR (e.g. my_models:Classifier, with my_models.py in the current "
+                                  f"directory)") from None
+        for name in ("warmup_steps", "eval_every", "eval_batches", "prefetch", "schedule_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.d_model % self.heads:
@@ -149,7 +159,7 @@ class Config:
         if self.model == "gpt" and not token_file:
             raise ConfigError(f"--model=gpt trains on a token stream: give --dataset a .txt, .bin or .npy file, "
                               f"not {self.dataset!r}")
-        if self.model != "gpt" and token_file:
+        if self.model in ("mlp", "cnn") and token_file:
             raise ConfigError(f"--dataset={self.dataset!r} is a token stream, for --model=gpt; "
                               f"--model={self.model} needs a built-in dataset or an .npz file")
         if self.dataset not in registry.DATASETS and not self.dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)):

@@ -102,6 +102,37 @@ def shard_batch(host_batch: Any, mesh: Mesh) -> Any:
     return jax.tree.map(put, host_batch)
 
 
+def pad_batch(host_batch: Any, mesh: Mesh) -> Any:
+    """A host batch (a dict of arrays) whose row count this process's devices may not divide, padded
+    with zero rows to the next multiple, with `batch["mask"]` 1 for real rows and 0 for padding
+    (an existing mask is padded with 0). So an evaluation's last, short batch counts every row
+    exactly once, as long as `eval_fn` weights by the mask. A batch that divides and has a mask
+    is returned as it is; one that divides and has none gets a mask of ones."""
+    if not isinstance(host_batch, dict):
+        rows = np.shape(jax.tree.leaves(host_batch)[0])[0]
+        if rows % _local_devices(mesh):
+            raise ValueError(f"a batch of {rows} rows does not split over this process's {_local_devices(mesh)} "
+                             f"devices; give it as a dict, so that it can be padded with a mask")
+        return host_batch
+    leaves = [np.asarray(x) for x in host_batch.values()]
+    rows = leaves[0].shape[0]
+    per = _local_devices(mesh)
+    padded_rows = -(-max(rows, 1) // per) * per
+    if padded_rows == rows and "mask" in host_batch:
+        return host_batch
+    out = {}
+    for name, x in host_batch.items():
+        x = np.asarray(x)
+        out[name] = np.concatenate([x, np.zeros((padded_rows - rows, *x.shape[1:]), x.dtype)]) if padded_rows > rows else x
+    if "mask" not in host_batch:
+        out["mask"] = (np.arange(padded_rows) < rows).astype(np.float32)
+    return out
+
+
+def _local_devices(mesh: Mesh) -> int:
+    return max(1, mesh.size // jax.process_count())
+
+
 def replicate(tree: Any, mesh: Mesh) -> Any:
     """Place a pytree of host values (identical on every process) on every device of the mesh."""
     sharding = replicated_sharding(mesh)

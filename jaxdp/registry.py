@@ -32,6 +32,9 @@ class Registry(Mapping[str, Any]):
             self._loaded[name] = getattr(importlib.import_module(module), attribute)
         return self._loaded[name]
 
+    def __contains__(self, name: object) -> bool:  # by name: Mapping's own would import the entry
+        return name in self._paths
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._paths)
 

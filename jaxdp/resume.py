@@ -31,7 +31,7 @@ from jaxdp.config import Config
 # --dataset compares the file, not the spelling: the same file by another relative path (a rerun
 # from another directory with `--config DIR/config.toml`, which stores absolute paths) may resume.
 _RESUME_GROUPS = ("data", "model", "optimisation")
-_MAY_CHANGE_ON_RESUME = ("steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
+_MAY_CHANGE_ON_RESUME = ("steps", "schedule_steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
                          "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
                          "attention")
 
@@ -50,7 +50,7 @@ def _unused(config: Config) -> set[str]:
         unused.add("momentum")
     if config.optimizer != "adamw":
         unused.add("weight_decay")
-    if config.model != "gpt":  # token streams are for the GPT only (Config.validate)
+    if config.model in ("mlp", "cnn"):  # their sizes are fixed (a --model MODULE:ATTR factory may read them)
         unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size"}
     if config.sync_every == 1:
         unused |= {"outer_optimizer", "outer_momentum", "sync_fragments"}

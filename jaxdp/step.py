@@ -69,6 +69,7 @@ class TrainStep:
         self.strategy: Collective = as_collective(spec.strategy)
         self.layout: StateLayout = spec.layout()
         self.local_grads = local_grads
+        self.schedule: Callable | None = None  # make_train_step(..., schedule=): metrics gain "lr"
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         made_for = state.optimizer.tx
@@ -78,7 +79,11 @@ class TrainStep:
         differs = state.layout.serves(self.layout)
         if differs:
             raise ValueError(differs)
-        return self._run(state, batch)
+        if self.schedule is None:
+            return self._run(state, batch)
+        lr = self.schedule(state.step)  # before the step: `state` is donated to it
+        state, metrics = self._run(state, batch)
+        return state, {**metrics, "lr": lr}
 
     def lower(self, state: TrainState, batch: Batch) -> Any:
         return self._lowerable.lower(state, batch)
@@ -88,7 +93,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
                     strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
                     grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None,
                     sync_every: int = 1, outer_tx: optax.GradientTransformation | None = None,
-                    sync_fragments: int = 1) -> TrainStep:
+                    sync_fragments: int = 1, schedule: Callable | None = None) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -96,6 +101,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     synchronises once per step: the same update as one step on the whole batch, with one
     collective instead of K (PyTorch's `no_sync`). `grad_norm=True` adds `metrics["grad_norm"]`,
     the global norm of the averaged gradient (before clipping), which the NaN guard reads.
+    `schedule` (the optax schedule inside `tx`) adds `metrics["lr"]`, the learning rate the step used.
 
     `shard_optimizer=True` is ZeRO-1 (jaxdp/zero.py): the strategy's reduce-scatter, each device's
     update of its own 1/N of the parameters and optimizer state, then the strategy's all-gather.
@@ -125,7 +131,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
                     outer_tx=outer_tx, shard_optimizer=shard_optimizer).validate()
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    return RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)
+    step = RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)
+    step.schedule = schedule
+    return step
 
 
 # ---------------------------------------------------------------------------------------------

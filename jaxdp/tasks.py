@@ -27,18 +27,20 @@ class Task:
     summarize: Callable[[dict[str, float]], dict[str, float]]
 
 
-def classification(model: nn.Module) -> Task:
-    """Softmax cross-entropy on integer labels; held-out loss and accuracy."""
+def classification(model: nn.Module, takes_train: bool = True) -> Task:
+    """Softmax cross-entropy on integer labels; held-out loss and accuracy. `takes_train`: the
+    module's `__call__` has a `train` parameter (the built-in MLP and CNN do)."""
+    mode = (lambda train: {"train": train}) if takes_train else (lambda train: {})
 
     def loss_fn(params, model_state, batch, rng):
-        logits, new_model_state = model.apply({"params": params, **model_state}, batch["x"], train=True,
+        logits, new_model_state = model.apply({"params": params, **model_state}, batch["x"], **mode(True),
                                               rngs={"dropout": rng}, mutable=list(model_state))
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
         return loss, {"accuracy": accuracy}, new_model_state
 
     def eval_fn(params, model_state, batch):
-        logits = model.apply({"params": params, **model_state}, batch["x"], train=False)
+        logits = model.apply({"params": params, **model_state}, batch["x"], **mode(False))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
         correct = jnp.argmax(logits, -1) == batch["y"]
         return {"loss": jnp.sum(losses * batch["mask"]), "correct": jnp.sum(correct * batch["mask"]),
@@ -50,17 +52,21 @@ def classification(model: nn.Module) -> Task:
     return Task(loss_fn, eval_fn, summarize)
 
 
-def language_model(model: nn.Module) -> Task:
-    """Next-token cross-entropy averaged over every token; held-out loss (nats/token) and perplexity."""
+def language_model(model: nn.Module, takes_train: bool = False) -> Task:
+    """Next-token cross-entropy averaged over every token; held-out loss (nats/token) and perplexity.
+    `takes_train`: the module's `__call__` has a `train` parameter (dropout; the built-in GPT has none)."""
 
     def loss_fn(params, model_state, batch, rng):
-        del rng  # the built-in GPT has no dropout
-        logits = model.apply({"params": params, **model_state}, batch["x"])
+        if takes_train:
+            logits, model_state = model.apply({"params": params, **model_state}, batch["x"], train=True,
+                                              rngs={"dropout": rng}, mutable=list(model_state))
+        else:
+            logits = model.apply({"params": params, **model_state}, batch["x"])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         return loss, {}, model_state
 
     def eval_fn(params, model_state, batch):
-        logits = model.apply({"params": params, **model_state}, batch["x"])
+        logits = model.apply({"params": params, **model_state}, batch["x"], **({"train": False} if takes_train else {}))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])  # (rows, tokens)
         mask = batch["mask"][:, None]
         return {"loss": jnp.sum(losses * mask), "count": jnp.sum(mask) * losses.shape[1]}
@@ -72,6 +78,8 @@ def language_model(model: nn.Module) -> Task:
     return Task(loss_fn, eval_fn, summarize)
 
 
-def for_dataset(kind: str, model: nn.Module) -> Task:
-    """The task for a dataset kind: "classification" or "tokens"."""
-    return {"classification": classification, "tokens": language_model}[kind](model)
+def for_dataset(kind: str, model: nn.Module, takes_train: bool | None = None) -> Task:
+    """The task for a dataset kind: "classification" or "tokens". `takes_train` (default: what
+    the built-in models do) says whether the module's `__call__` has a `train` parameter."""
+    make = {"classification": classification, "tokens": language_model}[kind]
+    return make(model) if takes_train is None else make(model, takes_train)

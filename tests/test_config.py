@@ -12,11 +12,13 @@ from jaxdp.config import Config, ConfigError, build_parser, parse_args
 def test_choices_are_the_registries_names():
     parser = build_parser()
     choices = {action.dest: tuple(action.choices) for action in parser._actions if action.choices}
-    assert choices == {"strategy": tuple(registry.STRATEGIES), "model": tuple(registry.MODELS),
+    assert choices == {"strategy": tuple(registry.STRATEGIES),
                        "optimizer": tuple(registry.OPTIMIZERS), "schedule": tuple(registry.SCHEDULES),
                        "outer_optimizer": tuple(registry.OUTER_OPTIMIZERS),
                        "precision": ("fp32", "bf16"), "attention": ("auto", "xla", "cudnn")}
     assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
+    model_help = next(a.help for a in parser._actions if a.dest == "model")  # --model also takes MODULE:ATTR
+    assert all(name in model_help for name in registry.MODELS) and "MODULE:ATTR" in model_help
     assert jaxdp.STRATEGIES["ring"] is jaxdp.sync.RING and jaxdp.STRATEGIES["ring"].mean is jaxdp.ring_mean  # lazily
 
 

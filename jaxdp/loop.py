@@ -1,0 +1,348 @@
+"""`jaxdp.fit`: the whole training loop as one call, for your own loss function and data.
+
+    result = jaxdp.fit(loss_fn, params, optax.adam(1e-3), batch_at, steps=1000,
+                       strategy="ring", checkpoint_dir="/tmp/run", save_every=100,
+                       eval_fn=eval_fn, eval_data=held_out, eval_every=200, metrics_file="run.jsonl")
+    result.state.params, result.history, result.summary
+
+It is what `python -m jaxdp.train` runs (the command line builds a built-in or `--model` module,
+its dataset and optimizer, then calls this): checkpoints and exact resume, preemption (SIGTERM /
+SIGUSR1 save and stop), the NaN / Inf guard, metrics (JSONL, TensorBoard, W&B), a progress bar,
+periodic evaluation, and every sync mode: the strategy, compression (its automatic controller
+included), local steps, ZeRO-1, gradient accumulation.
+
+Arguments, by what they describe:
+
+* the model: `loss_fn` in either of `make_train_step`'s forms (plain `loss_fn(params, batch)` ->
+  loss or (loss, aux); or `stateful=True`: `loss_fn(params, model_state, batch, rng)` ->
+  (loss, aux, new_model_state)), and the initial `params` (and `model_state`), host or device values.
+* the data: `data(step)` returns the rows of global batch `step` that this process feeds (all of
+  them in a one-process run), as a numpy pytree whose leading axis divides over the local devices.
+  It must be a pure function of `step` for resume to be exact (the built-in datasets are:
+  `jaxdp.data.Dataset.train_batch`). An iterable of batches works too; a resumed run then skips
+  the batches of the steps already trained.
+* evaluation: `eval_fn(params, model_state, batch) -> per-device sums` (a dict; padding rows
+  carry `batch["mask"] == 0` and must be left out of the sums), `eval_data` (an iterable of host
+  batches, or a function returning one; batches that do not divide over the devices are padded
+  with masked rows, so every row counts exactly once), and `summarize(totals) -> metrics`
+  (default: every total divided by `totals["count"]`, named `eval_<total>`).
+* the sync: `strategy`, `compression` (including "auto"), `sync_every` (including "auto"),
+  `outer_tx`, `sync_fragments`, `shard_optimizer`, `grad_accum`, as `make_train_step` takes them.
+* bookkeeping: `checkpoint_dir`, `save_every`, `keep`; `metrics_file`, `log_dir`,
+  `wandb_project`, `log_every`, `eval_every`, `progress`; `schedule` (the learning-rate schedule,
+  logged as "lr").
+
+Returns a `Result`: the final state, the logged records, and the final summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+# Steps whose metrics may wait on the devices for the NaN / Inf check: it runs at every log point,
+# and at least this often, so a large log_every does not keep every step's metrics alive.
+MAX_PENDING_STEPS = 100
+
+
+@dataclasses.dataclass
+class Result:
+    state: Any                 # the final TrainState (replicated jax.Arrays)
+    history: list[dict]        # every logged step record, as written to the metrics file
+    summary: dict[str, Any]    # the final "done" record: eval metrics, ...
+    preempted: bool = False    # stopped early by a preemption signal; the checkpoint holds `state`
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # startup_s, compile_s, decided_s
+
+
+def default_summarize(totals: dict[str, float]) -> dict[str, float]:
+    """Every summed metric divided by the row count `totals["count"]` (if there is one)."""
+    count = totals.get("count")
+    return {f"eval_{k}": (v / count if count else v) for k, v in totals.items() if k != "count"}
+
+
+def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | Iterable[Any], *, steps: int,
+        mesh: Any = None, strategy: Any = "psum", stateful: bool = False, model_state: Any = None,
+        eval_fn: Callable | None = None, eval_data: Any = None, summarize: Callable | None = None,
+        eval_every: int = 0,
+        compression: Any = "none", sync_every: int | str = 1, outer_tx: Any = None, sync_fragments: int = 1,
+        shard_optimizer: bool = False, grad_accum: int = 1, comm_target: float = 0.25,
+        compression_every: int = 500,
+        checkpoint_dir: str | None = None, save_every: int = 0, keep: int = 3,
+        metrics_file: str | None = None, log_dir: str | None = None, wandb_project: str | None = None,
+        log_every: int = 10, progress: bool = True, schedule: Callable[[int], Any] | None = None,
+        seed: int = 0, prefetch: int = 2, stall_timeout: int = 20,
+        config: Any = None, checkpoint_meta: dict | None = None, resume_note: str = "", run_info: dict | None = None,
+        watch: Any = None,
+        examples_per_step: int | None = None, tokens_per_step: int | None = None,
+        flops_per_step: float | None = None, started: float | None = None) -> Result:
+    """Train `params` with `loss_fn` on `data` for `steps` steps, data-parallel over `mesh` (default:
+    every device of every process). See the module docstring for the arguments.
+
+    The last group of keyword arguments is what the command line passes: `config` (its Config,
+    recorded in checkpoints and checked on resume, and written as DIR/config.toml),
+    `checkpoint_meta` (more JSON for every checkpoint), `resume_note` (said after the resume
+    line), `run_info` (more fields for the "start" record), `watch` (a running
+    `jaxdp.heartbeat` watch to use and stop), the per-step counts for throughput and MFU, and when
+    the process `started`.
+    """
+    import jax
+
+    from jaxdp import controller as controller_lib, heartbeat, local_sgd, runtime, syncspec, zero
+    from jaxdp.checkpoint import Checkpointer
+    from jaxdp.compression import bytes_sent, uncompressed_bytes
+    from jaxdp.config import config_toml
+    from jaxdp.controller import GUARD_BATCHES
+    from jaxdp.errors import InputError
+    from jaxdp.mesh import make_mesh, pad_batch, shard_batch
+    from jaxdp.metrics import Diverged, MetricsWriter, check_finite, peak_tflops, write_text_atomically
+    from jaxdp.prefetch import Prefetcher
+    from jaxdp.preemption import Preemption
+    from jaxdp.state import init_state
+    from jaxdp.step import make_eval_step, make_train_step
+
+    started = time.perf_counter() if started is None else started
+    mesh = make_mesh() if mesh is None else mesh
+    is_main = jax.process_index() == 0  # process 0 prints and writes logs; all take part in compute
+    n_processes = jax.process_count()
+    model_state = {} if model_state is None else dict(model_state)
+    if not isinstance(steps, int) or steps < 0:
+        raise InputError(f"fit: steps must be 0 or more, got {steps!r}")
+    # Multi-process: stalled peers and stragglers, watched to the end (the command line starts the
+    # watch before it loads its data and passes it in; it is stopped here either way).
+    beat = heartbeat.for_run(stall_timeout) if watch is None else watch
+
+    batch_at = _batch_function(data, mesh)
+    cache_hits = runtime.CacheHits()  # compiled programs loaded from JAX's persistent cache
+
+    checkpointer = None
+    if checkpoint_dir:
+        checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, config=config)
+        checkpointer.extra_meta.update(checkpoint_meta or {})
+    try:
+        # ---- update step: the sync choices as one value; "auto" ones the controller resolves ----
+        requested = syncspec.SyncSpec(strategy=strategy, compression=None if compression == "none" else compression,
+                                      sync_every=sync_every,
+                                      sync_fragments=sync_fragments, outer_tx=outer_tx, shard_optimizer=shard_optimizer)
+
+        def new_state(spec: Any) -> Any:
+            return init_state(params, tx, mesh, model_state=model_state, rng=seed,
+                              shard_optimizer=spec.shard_optimizer, compression=spec.compression,
+                              sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
+
+        steps_by_spec: dict[Any, Any] = {}
+
+        def step_for(spec: Any) -> Any:  # one compiled step per choice (compression "auto" switches)
+            if spec not in steps_by_spec:
+                steps_by_spec[spec] = make_train_step(
+                    loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
+                    shard_optimizer=spec.shard_optimizer, compression=spec.compression, sync_every=spec.sync_every,
+                    outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
+            return steps_by_spec[spec]
+
+        sync_auto = sync_every == syncspec.AUTO
+        begun = controller_lib.start(
+            requested, mesh, params, make_state=new_state, make_step=step_for,
+            batches=lambda k: [batch_at(i) for i in range(k)], target_fraction=comm_target,
+            recorded=checkpointer.recorded_meta() if checkpointer and sync_auto else None)
+        spec, controller, early = begun.spec, begun.controller, begun.records
+        state = begun.state if begun.state is not None else new_state(begun.state_spec)
+        train_step = step_for(spec)
+        requested_config = config  # as given: config.toml says --sync-every auto, so a rerun resumes as this run did
+        if sync_auto:
+            if config is not None:
+                config = config.replace(sync_every=spec.sync_every)
+            if is_main:
+                print(f"jaxdp: --sync-every auto: {spec.sync_every}: {dict(early)['local_steps']['why']}", file=sys.stderr)
+            if checkpointer:  # checkpoints record the resolved H, and that auto chose it
+                checkpointer.config = config
+                checkpointer.extra_meta["sync_every_auto"] = bool(begun.sync_every_auto)
+        # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
+        plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), mesh.size), "compression_ratio": 1.0}
+        eval_step = make_eval_step(eval_fn, mesh) if eval_fn is not None else None
+
+        if checkpointer:
+            state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
+            if int(state.step) > steps:
+                raise InputError(f"checkpoint directory {checkpointer.directory!r} holds step {int(state.step)}, past "
+                                 f"steps={steps}; raise steps to train further or use another checkpoint directory",
+                                 argument="directory", setting="steps")
+    except BaseException:
+        beat.stop()
+        if checkpointer:
+            checkpointer.close()  # nothing was written: bad input leaves the directory as it was
+        raise
+    if checkpointer and is_main and requested_config is not None:  # `--config DIR/config.toml` reruns it
+        write_text_atomically(os.path.join(checkpointer.directory, "config.toml"), config_toml(
+            requested_config, comment=f"--sync-every auto chose {spec.sync_every} (the checkpoints record it)"
+            if sync_auto else None))
+
+    def evaluate(state: Any) -> dict[str, float]:
+        """Held-out metrics: every eval batch, padded to the device count with masked rows."""
+        totals: dict[str, float] = {}
+        batches = eval_data() if callable(eval_data) else eval_data
+        for batch in batches:
+            sums = jax.device_get(eval_step(state, shard_batch(pad_batch(batch, mesh), mesh)))  # host sync point
+            totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
+        return (summarize or default_summarize)(totals)
+
+    start_step = int(jax.device_get(state.step))  # = the data position: batches are a function of the step
+
+    # ---- the loop ------------------------------------------------------------------------------
+    device_kind = mesh.devices.flat[0].device_kind
+    peak = peak_tflops(device_kind, getattr(config, "precision", "fp32"))
+    writer = MetricsWriter(
+        is_main=is_main, total_steps=steps, start_step=start_step, metrics_file=metrics_file, log_dir=log_dir,
+        progress=progress, examples_per_step=examples_per_step, tokens_per_step=tokens_per_step,
+        flops_per_step=flops_per_step, peak_flops=peak * 1e12 * mesh.size if peak and flops_per_step else None,
+        **({"wandb_project": wandb_project} if wandb_project else {}))
+    startup_s = time.perf_counter() - started
+    writer.event("start", start_step, resumed_from=start_step or None,
+                 config=config.to_dict() if config is not None else None, processes=n_processes,
+                 devices=mesh.size, device_kind=device_kind, jax=jax.__version__,
+                 malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
+                 **(run_info or {}), param_bytes_per_device=zero.bytes_per_device(state.params),
+                 optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
+                 **({"sync_every_auto": True} if sync_auto else {}))
+    for name, record in early:  # --sync-every auto's decisions, taken before the loop
+        writer.event(name, start_step, **record)
+    if start_step and is_main:
+        print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory}){resume_note}", file=sys.stderr)
+    history, preempted, done = [], False, start_step
+    decided_s = sum(sum(r.get("cost_s", {}).values()) for _, r in early)  # the controller's own time
+    pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked for NaN / Inf
+    last_checked: dict[str, Any] = {}  # the metrics of the last step checked, on the host
+
+    def checked() -> dict[str, float]:
+        """Host sync point: every pending step's metrics come to the host and are checked for
+        non-finite values (Diverged names the first bad step); returns the latest step's."""
+        host = jax.device_get(pending)
+        pending.clear()
+        for step, metrics in host:
+            check_finite(step, metrics)
+        if host:
+            last_checked.clear()
+            last_checked.update(host[-1][1])
+        return dict(last_checked)
+
+    preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
+    batches = Prefetcher(batch_at, start_step, steps, depth=prefetch)
+    summary: dict[str, Any] = {}
+    try:
+        for step, batch in batches:
+            first = step == start_step and not begun.decided  # --sync-every auto decided compression already
+            if controller and (first or (step > start_step and compression_every
+                                         and step % compression_every == 0)):
+                checked()
+                decision = controller.decide(state, [batch] + [batch_at(step + k) for k in range(1, GUARD_BATCHES)], step)
+                writer.event("compression", step, **decision.record)
+                writer.restart_clock()  # its measurements are neither training nor compilation
+                decided_s += sum(decision.record["cost_s"].values())
+                if is_main:  # one line per decision
+                    cost = decision.record["cost_s"]
+                    print(f"jaxdp: --compression auto at step {step}: {decision.record['why']} (measuring "
+                          f"{cost['measure']:.1f}s, quality guard {cost['quality']:.1f}s)", file=sys.stderr)
+                    if decision.record["propose_local_steps"] and spec.sync_every == 1:
+                        print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
+                spec = spec.replace(compression=decision.compressor)
+                train_step = step_for(spec)
+            dispatch = time.perf_counter()
+            state, metrics = train_step(state, batch)
+            done = step + 1
+            beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
+            pending.append((done, metrics))
+            if len(pending) >= MAX_PENDING_STEPS:  # a large log_every: memory stays bounded, the check exact
+                checked()
+            if step == start_step:  # the first step compiles: time it apart, then start the clock
+                jax.block_until_ready(metrics)  # host sync point (once)
+                writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted
+            else:
+                writer.step()
+            if done % log_every == 0 or done == steps:
+                latest = checked()
+                extra = {"lr": float(schedule(done - 1))} if schedule is not None else {}
+                history.append(writer.log(done, latest, {**extra, **beat.stragglers(),
+                                                         **({} if "comm_bytes" in latest else plain_comm)}))
+            if eval_step is not None and eval_every and done % eval_every == 0 and done < steps:
+                checked()
+                beat.phase(f"the evaluation after step {done}")
+                evaluated = time.perf_counter()
+                writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
+            if checkpointer:
+                checkpointer.poll()  # a background save that failed stops the run here (exit 73)
+            if checkpointer and checkpointer.should_save(done):
+                checked()  # never write a non-finite state over a good checkpoint
+                checkpointer.save(state)
+            # Multi-process: a tiny all-reduce, so every process stops after the same step.
+            if preemption and done < steps and preemption.should_stop(state):
+                checked()
+                checkpointer.save(state)  # no-op if this step was just saved
+                preempted = True
+                break
+        if not preempted:
+            checked()
+            beat.phase("the final save and evaluation")
+            if checkpointer:  # the final state, before evaluating: bad held-out input loses no training
+                checkpointer.save(state)  # (a no-op if the last step was just saved)
+            held_out = evaluate(state) if eval_step is not None and eval_data is not None else {}
+            summary = {**held_out, "strategy": syncspec.strategy_name(spec.strategy), "devices": mesh.size,
+                       "processes": n_processes, "startup_s": startup_s, "compile_s": writer.compile_s,
+                       "compile_cache_hits": cache_hits.hits}
+            summary = writer.done(steps, summary)
+    except Diverged as err:  # nothing non-finite was saved: the check runs before every save
+        writer.event("diverged", err.step, metric=err.name, value=err.value)
+        err.last_checkpoint = checkpointer.latest_step() if checkpointer else None
+        err.restored_unverified = checkpointer.restored_unverified if checkpointer else None
+        raise
+    finally:
+        batches.close()
+        cache_hits.close()
+        beat.stop()
+        writer.close()
+        if checkpointer:
+            checkpointer.close()  # waits for the last save to be written
+        if preemption and not preempted:
+            preemption.close()
+        # A preempted process keeps its flag-only handlers until it exits, so a second SIGTERM (srun
+        # --kill-on-bad-exit stopping the other tasks, a scheduler's grace-period kill) cannot cut
+        # its shutdown short and turn exit code 75 into 143.
+    if preempted:
+        if is_main:  # only now: the checkpoint is on disk
+            from jaxdp.errors import EXIT_PREEMPTED
+
+            print(f"jaxdp: preempted ({preemption.reason}): saved step {done} to {checkpointer.directory}, "
+                  f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
+        return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
+    timings = {"startup_s": startup_s, "compile_s": writer.compile_s or 0.0, "decided_s": decided_s}
+    return Result(state=state, history=history, summary=summary, timings=timings)
+
+
+def _batch_function(data: Any, mesh: Any) -> Callable[[int], Any]:
+    """`data` as `batch_at(step) -> device batch`: a function of the step, or an iterable read in
+    order (a resumed run skips what the steps before it consumed)."""
+    from jaxdp.mesh import shard_batch
+
+    if callable(data):
+        return lambda step: shard_batch(data(step), mesh)
+    iterator, position, cache = iter(data), [0], {}
+
+    def from_iterable(step: int) -> Any:
+        from jaxdp.errors import InputError
+
+        while position[0] <= step:
+            try:
+                cache[position[0]] = next(iterator)
+            except StopIteration:
+                raise InputError(f"fit: data ran out at step {position[0]}; give at least `steps` batches, or a "
+                                 f"function data(step)") from None
+            position[0] += 1
+            for old in [s for s in cache if s < position[0] - 16]:  # the controller looks a few steps ahead
+                del cache[old]
+        if step not in cache:
+            raise InputError(f"fit: data is an iterable, which cannot go back to step {step}; give a function "
+                             f"data(step)")
+        return shard_batch(cache[step], mesh)
+
+    return from_iterable
