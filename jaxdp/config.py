@@ -49,7 +49,7 @@ class Config:
     prefetch: int = _field(2, "data", "batches prepared and copied to the devices ahead of the step that needs them, on a background thread (0: none)")
 
     # -- model ----------------------------------------------------------------------------------
-    model: str = _field("mlp", "model", f"a built-in model ({', '.join(registry.MODELS)}) or your own as MODULE:ATTR: a flax Module class or a factory f(config) in MODULE.py, importable from the current directory (docs/models.md)", builtin=registry.MODELS, metavar="NAME|MODULE:ATTR")
+    model: str = _field("mlp", "model", f"a built-in model ({', '.join(registry.MODELS)}) or your own as MODULE:ATTR: a flax Module class or a factory f(config) in MODULE.py, importable from the current directory (docs/models.md)", builtin=registry.MODELS, metavar="MODEL")
     layers: int = _field(4, "model", "transformer blocks (gpt)")
     d_model: int = _field(256, "model", "model width (gpt)")
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")

@@ -127,6 +127,8 @@ EXPECT = {
     "python examples/custom_model.py": r"test accuracy 0\.[89]\d* after",
     "python -m jaxdp.launch": r"eval_accuracy=\d.* devices=8",
     "jaxdp-train": r"eval_accuracy=\d",
+    "python -m jaxdp.train --model examples.my_models": r"eval_accuracy=0\.[89]",
+    "python -c \"import jaxdp; module, params = jaxdp.load_model": r"Classifier loaded",
 }
 
 

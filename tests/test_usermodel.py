@@ -232,6 +232,16 @@ def test_fit_with_a_notebook_loss_equals_the_cli(tmp_path, devices):
     np.testing.assert_allclose(result.summary["eval_accuracy"], cli.summary["eval_accuracy"], atol=1e-9)
 
 
+def test_docs_fit_example(devices, capsys):
+    """docs/models.md's jaxdp.fit example, as shown, in this process."""
+    from helpers import readme_blocks
+
+    (block,) = readme_blocks("tests/test_usermodel.py::test_docs_fit_example")
+    scope = {}
+    exec(compile(block.code, "docs/models.md", "exec"), scope)  # noqa: S102 - the page's own code
+    assert scope["result"].summary["eval_accuracy"] > 0.85 and len(scope["result"].history) == 5
+
+
 def test_pad_batch_evaluates_a_short_batch_exactly(devices):
     mesh = jaxdp.make_mesh()
     x = np.random.default_rng(0).normal(size=(13, 3)).astype(np.float32)
