@@ -236,10 +236,15 @@ def test_docs_fit_example(devices, capsys):
     """docs/models.md's jaxdp.fit example, as shown, in this process."""
     from helpers import readme_blocks
 
-    (block,) = readme_blocks("tests/test_usermodel.py::test_docs_fit_example")
+    fit_block, eval_block = readme_blocks("tests/test_usermodel.py::test_docs_fit_example")
     scope = {}
-    exec(compile(block.code, "docs/models.md", "exec"), scope)  # noqa: S102 - the page's own code
+    exec(compile(fit_block.code, "docs/models.md", "exec"), scope)  # noqa: S102 - the page's own code
     assert scope["result"].summary["eval_accuracy"] > 0.85 and len(scope["result"].history) == 5
+    exec(compile(eval_block.code, "docs/models.md", "exec"), scope)  # noqa: S102
+    dataset = scope["dataset"]
+    assert scope["totals"]["count"] == len(dataset.x_test)
+    np.testing.assert_allclose(scope["totals"]["accuracy"] / scope["totals"]["count"],
+                               scope["result"].summary["eval_accuracy"], rtol=1e-6)
 
 
 def test_pad_batch_evaluates_a_short_batch_exactly(devices):
