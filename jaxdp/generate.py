@@ -53,7 +53,7 @@ def generate(module: Any, params: Any, prompt_ids: Any, max_new_tokens: int, tem
     context = _context(module, context)
     prompt = prompt[:, -context:]  # a longer prompt keeps its last `context` tokens
     batch, length = prompt.shape
-    mode = _Sampling(greedy=temperature == 0, top_k=top_k)
+    mode = _Sampling(greedy=temperature == 0, top_k=None if top_k is None else int(top_k))
     key = jax.random.PRNGKey(seed)
     temperature = jnp.float32(temperature or 1.0)
     pieces = []
