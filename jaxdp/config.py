@@ -55,6 +55,7 @@ class Config:
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
     precision: str = _field("fp32", "model", "compute dtype; parameters and optimizer state stay fp32", choices_fixed=("fp32", "bf16"))
     attention: str = _field("auto", "model", "gpt attention: cuDNN flash attention on NVIDIA GPUs with bf16 (auto), or force xla / cudnn", choices_fixed=("auto", "xla", "cudnn"))
+    init_from: str | None = _field(None, "model", "a Hugging Face GPT-2 directory (config.json + model.safetensors) whose architecture and weights --model gpt starts from (its sizes replace --layers, --d-model and --heads)", metavar="DIR")
 
     # -- optimisation ---------------------------------------------------------------------------
     strategy: str = _field("psum", "optimisation", "gradient synchronisation across devices", registry=registry.STRATEGIES)
@@ -162,6 +163,14 @@ class Config:
         if self.model in ("mlp", "cnn") and token_file:
             raise ConfigError(f"--dataset={self.dataset!r} is a token stream, for --model=gpt; "
                               f"--model={self.model} needs a built-in dataset or an .npz file")
+        if self.init_from is not None:
+            if self.model != "gpt":
+                raise ConfigError(f"--init-from starts a --model gpt from Hugging Face GPT-2 weights; it does not "
+                                  f"apply to --model={self.model}")
+            if not os.path.isfile(os.path.join(self.init_from, "config.json")):
+                what = "has no config.json" if os.path.isdir(self.init_from) else "is not a directory"
+                raise ConfigError(f"--init-from={self.init_from!r} {what}; give a Hugging Face GPT-2 directory "
+                                  f"(config.json + model.safetensors, as save_pretrained writes it)")
         if self.dataset not in registry.DATASETS and not self.dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)):
             raise ConfigError(f"--dataset={self.dataset!r} is neither a built-in dataset ({', '.join(registry.DATASETS)}) "
                               f"nor a path ending in .npz, .txt, .bin or .npy")
@@ -370,10 +379,11 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 def absolute_paths(config: Config) -> Config:
     """`config` with its file and directory paths made absolute, as read from the working directory
-    now: --dataset (unless a built-in name), --checkpoint-dir, --metrics-file, --log-dir and a
+    now: --dataset (unless a built-in name), --checkpoint-dir, --metrics-file, --log-dir, --init-from and a
     --compile-cache directory. A relative path in a file read from elsewhere would name another file,
     and a rerun would quietly start a fresh run in a new directory."""
-    changes = {name: os.path.abspath(getattr(config, name)) for name in ("checkpoint_dir", "metrics_file", "log_dir")
+    changes = {name: os.path.abspath(getattr(config, name)) for name in ("checkpoint_dir", "metrics_file", "log_dir",
+                                                                         "init_from")
                if getattr(config, name) is not None}
     if config.dataset not in registry.DATASETS:
         changes["dataset"] = os.path.abspath(config.dataset)

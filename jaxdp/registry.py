@@ -64,8 +64,8 @@ STRATEGY_ABILITIES = {"psum": frozenset({"sum", "halves"}), "ring": frozenset({"
                       "host": frozenset({"host"})}
 
 # Built-in models: `build(config, num_outputs, axis_name) -> flax.linen.Module`; num_outputs is the
-# number of classes, or the vocabulary size for gpt.
-MODELS = Registry("model", {"mlp": "jaxdp.models:build_mlp", "cnn": "jaxdp.models:build_cnn", "gpt": "jaxdp.models:build_gpt"})
+# number of classes, or the vocabulary size for gpt (whose builder also knows --init-from: jaxdp/hf.py).
+MODELS = Registry("model", {"mlp": "jaxdp.models:build_mlp", "cnn": "jaxdp.models:build_cnn", "gpt": "jaxdp.hf:build_gpt"})
 
 # Built-in datasets: `load() -> jaxdp.data.Dataset`. A path to an .npz file is the other choice.
 DATASETS = Registry("dataset", {"digits": "jaxdp.data:digits", "synthetic": "jaxdp.data:synthetic"})

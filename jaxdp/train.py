@@ -78,7 +78,12 @@ def train(config: Config) -> Any:
         tokens = dataset.kind == "tokens"
         num_outputs = dataset.vocab_size if tokens else dataset.num_classes
         model = usermodel.build(config, num_outputs, axis_name(mesh), dataset.kind)
-        variables = jax.jit(model.init)(jax.random.PRNGKey(config.seed), dataset.example())
+        if config.init_from:  # a Hugging Face GPT-2's weights (the registry's gpt builder read its architecture)
+            from jaxdp import hf
+
+            variables = {"params": hf.read_gpt2(config.init_from)[1]}
+        else:
+            variables = jax.jit(model.init)(jax.random.PRNGKey(config.seed), dataset.example())
         if usermodel.is_user_model(config.model):  # the wrong output shape is one line, not a traceback
             usermodel.check_output(model, variables, dataset.example(), dataset.kind, num_outputs, config.model)
         variables = dict(variables)

@@ -1,0 +1,106 @@
+"""Export a trained run's model for use outside jaxdp.
+
+    python -m jaxdp.export --checkpoint-dir /tmp/run --format hf /tmp/run-hf
+    python -m jaxdp.export --checkpoint-dir /tmp/run --format hf /tmp/run-hf --step 200
+
+`--format hf` writes a Hugging Face GPT-2 directory (config.json + model.safetensors) that
+`transformers.GPT2LMHeadModel.from_pretrained(OUT)` loads, from a `--model gpt` run
+(`jaxdp.hf.write_gpt2`; what GPT-2 cannot express is refused). A run with a tokenizer has it copied
+beside them as tokenizer.json. The model comes from the run's checkpoint
+(`jaxdp.artifacts.load_model`: the latest step, or --step).
+
+Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
+--debug for the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tomllib
+import traceback
+from typing import Any, Sequence
+
+from jaxdp.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, InputError
+
+FORMATS = ("hf",)  # hf: a Hugging Face GPT-2 directory
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line on stderr and exit code 2, without the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InputError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m jaxdp.export", allow_abbrev=False,
+                     description="Write the model of a jaxdp run's checkpoint in another library's format.")
+    parser.add_argument("out", metavar="OUT", help="the directory to write (made if missing)")
+    parser.add_argument("--checkpoint-dir", required=True, metavar="PATH",
+                        help="the --checkpoint-dir of a python -m jaxdp.train run")
+    parser.add_argument("--format", required=True, choices=FORMATS,
+                        help="hf: a Hugging Face GPT-2 directory (config.json + model.safetensors)")
+    parser.add_argument("--step", type=int, default=None, metavar="STEP",
+                        help="the checkpoint step to export (default: the latest)")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    return parser
+
+
+def export(checkpoint_dir: str, out: str, step: int | None = None) -> None:
+    """Write checkpoint `step` (default: the latest) of the run in `checkpoint_dir` to `out` as GPT-2."""
+    from jaxdp import hf
+
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise InputError(f"OUT {out!r} is a file, not a directory; name a directory to write")
+    module, params = _load_model(checkpoint_dir, step)
+    try:
+        hf.write_gpt2(module, params, out)
+    except InputError as err:
+        raise InputError(f"the model of {checkpoint_dir!r} cannot be written as GPT-2: {err}") from None
+    config_path = os.path.join(checkpoint_dir, "config.toml")
+    tokenizer = None
+    if os.path.isfile(config_path):
+        with open(config_path, "rb") as f:
+            tokenizer = tomllib.load(f).get("tokenizer")
+    if tokenizer and os.path.isfile(tokenizer):
+        shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
+
+
+def _load_model(checkpoint_dir: str, step: int | None) -> tuple[Any, Any]:
+    from jaxdp.artifacts import load_model
+
+    return load_model(checkpoint_dir, step)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxdp.export ARGS`, returning the exit code (jaxdp/errors.py)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        export(args.checkpoint_dir, args.out, args.step)
+    except InputError as err:
+        if debug:
+            traceback.print_exc()
+        message = f"--checkpoint-dir: {err}" if err.argument == "directory" else str(err)
+        print(f"jaxdp: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("jaxdp: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:  # a bug or an environment problem: one line
+        if debug:
+            traceback.print_exc()
+        else:
+            print(f"jaxdp: error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"wrote {args.out} (config.json, model.safetensors): transformers.GPT2LMHeadModel.from_pretrained"
+          f"({args.out!r}) loads it")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
