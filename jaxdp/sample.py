@@ -142,12 +142,12 @@ def sample(args: argparse.Namespace) -> str:
         raise InputError("--prompt is empty; give some text to continue")
 
     module, params = _load_model(args.checkpoint_dir, args.step)
-    context = model_context(module)
+    context = model_context(module) or config.get("seq-len")  # a --model MODULE:ATTR may have no seq_len field
     if context is not None and len(prompt) > context:
         print(f"jaxdp: the prompt has {len(prompt)} tokens, more than the model's context of {context}: only its last "
               f"{context} are used", file=sys.stderr)
     new = generate(module, params, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed)
+                   seed=args.seed, context=context)
     return decode(new.tolist())
 
 

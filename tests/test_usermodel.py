@@ -84,7 +84,7 @@ def losses(path):
     return [r["loss"] for r in records(path) if "event" not in r]
 
 
-def test_own_lm_trains_resumes_exactly_and_samples_the_period(user_models, tmp_path):
+def test_own_lm_trains_resumes_exactly_and_samples_the_period(user_models, tmp_path, capsys):
     text = tmp_path / "periodic.txt"
     text.write_bytes(b"abcdefgh" * 400)
     flags = [*FAST, "--model", f"{user_models}:Bigram", "--dataset", str(text), "--seq-len", "16",
@@ -94,16 +94,19 @@ def test_own_lm_trains_resumes_exactly_and_samples_the_period(user_models, tmp_p
     train(parse_args([*flags, "--steps", "20", "--checkpoint-dir", str(ckpt)]))
     resumed = train(parse_args([*flags, "--steps", "40", "--checkpoint-dir", str(ckpt),
                                 "--metrics-file", str(tmp_path / "resumed.jsonl")]))
+    capsys.readouterr()
     assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "whole.jsonl")[20:]
     assert resumed.summary["eval_loss"] == whole.summary["eval_loss"] < 0.1
 
     module, params = jaxdp.load_model(ckpt)
     jax.tree.map(np.testing.assert_array_equal, params, jax.device_get(resumed.state.params))
-    from jaxdp.generate import generate
+    from jaxdp import sample
 
-    prompt = np.frombuffer(b"cde", np.uint8).astype(np.int32)
-    out = generate(module, params, prompt, max_new_tokens=12, temperature=0.0)
-    assert bytes(np.asarray(out, np.uint8)) == b"fghabcdefgha"
+    # Greedy sampling from the command line continues the period exactly (the Bigram has no
+    # seq_len field: the run's --seq-len is its context).
+    assert sample.main(["--checkpoint-dir", str(ckpt), "--prompt", "cde", "--max-new-tokens", "12",
+                        "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip() == "fghabcdefgha"
 
 
 def test_own_classifier_with_batchnorm_and_dropout_through_ring_and_powersgd(user_models, tmp_path):
