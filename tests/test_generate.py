@@ -66,6 +66,7 @@ def test_greedy_generation_with_the_cache_equals_full_recomputation(gpt):
     np.testing.assert_array_equal(cached, recomputed)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_any_causal_module_generates_by_full_forward_passes(gpt):
     """A user's module (not jaxdp's GPT: no cache) gives what the cached GPT gives."""
     module, params = gpt
@@ -83,6 +84,7 @@ def test_any_causal_module_generates_by_full_forward_passes(gpt):
     np.testing.assert_array_equal(mine, generate(module, params, prompt, 6, temperature=0.7, top_k=5, seed=3))
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_sampling_follows_the_seed_and_top_k_1_is_greedy(gpt):
     module, params = gpt
     prompt = ids((3,))

@@ -105,6 +105,7 @@ def test_write_gpt2_loads_in_transformers_with_the_same_logits(torch_gpt2, tmp_p
     jax.tree.map(np.testing.assert_array_equal, params_again, params)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_an_untied_jaxdp_gpt_round_trips_through_transformers(torch_gpt2, tmp_path):
     """jaxdp's own GPT (untied head, flax's epsilon, no max_positions): its head bias is zero, so
     GPT-2 can express it; a nonzero bias cannot be."""

@@ -109,6 +109,7 @@ def test_own_lm_trains_resumes_exactly_and_samples_the_period(user_models, tmp_p
     assert capsys.readouterr().out.strip() == "fghabcdefgha"
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_own_classifier_with_batchnorm_and_dropout_through_ring_and_powersgd(user_models, tmp_path):
     result = train(parse_args([*FAST, "--model", f"{user_models}:Classifier", "--strategy", "ring",
                                "--compression", "powersgd:2", "--steps", "30", "--lr", "0.01",
@@ -127,6 +128,7 @@ def test_a_factory_trains_exactly_like_the_built_in_model(user_models, tmp_path)
     assert losses(tmp_path / "own.jsonl") == losses(tmp_path / "builtin.jsonl")
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_an_nnx_module_trains_and_loads(user_models, tmp_path):
     result = train(parse_args([*FAST, "--model", f"{user_models}:Nnx", "--steps", "20", "--lr", "0.01",
                                "--checkpoint-dir", str(tmp_path / "ckpt")]))
@@ -158,6 +160,7 @@ def test_a_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch, capsys
 # -- load_params -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_load_params_is_the_run_s_params_in_every_mode(tmp_path):
     """Plain, ZeRO-1 and local steps: what load_params reads is the final state's params exactly, and
     ZeRO-1's equal the plain run's."""
@@ -235,6 +238,7 @@ def test_fit_with_a_notebook_loss_equals_the_cli(tmp_path, devices):
     np.testing.assert_allclose(result.summary["eval_accuracy"], cli.summary["eval_accuracy"], atol=1e-9)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_docs_fit_example(devices, capsys):
     """docs/models.md's jaxdp.fit example, as shown, in this process."""
     from helpers import readme_blocks
