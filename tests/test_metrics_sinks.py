@@ -133,3 +133,15 @@ def test_wandb_missing_is_one_line_saying_what_to_install(monkeypatch):
         MetricsWriter(is_main=True, total_steps=2, progress=False, wandb_project="p")
     MetricsWriter(is_main=False, total_steps=2, progress=False, wandb_project="p")  # not process 0: not needed
 
+
+def test_a_flag_whose_package_is_missing_is_refused_before_the_run(monkeypatch):
+    import importlib.util
+
+    from jaxdp.config import Config, ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tokenizers") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"--wandb-project needs the wandb package: pip install 'jaxdp\[wandb\]'"):
+        Config(wandb_project="p")
+    with pytest.raises(ConfigError, match=r"--tokenizer needs the tokenizers package: pip install 'jaxdp\[tokenizers\]'"):
+        Config(model="gpt", dataset="book.txt", tokenizer="tok.json")
