@@ -11,7 +11,9 @@ Per-process fields (may differ; see PER_PROCESS): how the process found its plac
 --coordinator-address, --num-processes: a process may get them from flags and another from the
 environment; JAX itself checks they fit together), the network interface its gloo collectives use
 (--gloo-interface: interface names differ between machines), where process 0 writes logs (--metrics-file,
---log-dir: only process 0 writes them), and terminal output (--progress, --debug). Everything
+--log-dir, --wandb-project: only process 0 writes them), the --tokenizer file's path (an absolute path
+that may differ between machines; what it produced is compared: the token ids' fingerprint, below),
+and terminal output (--progress, --debug). Everything
 else, --checkpoint-dir included (every process must write the same directory), must agree. The
 device count is per process but must be equal, so it gets its own sentence.
 
@@ -37,7 +39,8 @@ _KEY = "jaxdp/config/"
 _INPUTS_KEY = "jaxdp/inputs/"
 INPUTS_WAIT_S = 3600.0  # a process slow to load (a large file on a slow disk) is waited for this long; a
                         # process that dies or stops meanwhile is reported by the peer watch and the heartbeat
-PER_PROCESS = ("process_id", "coordinator_address", "num_processes", "gloo_interface", "metrics_file", "log_dir", "progress", "debug")
+PER_PROCESS = ("process_id", "coordinator_address", "num_processes", "gloo_interface", "metrics_file", "log_dir",
+               "wandb_project", "tokenizer", "progress", "debug")
 
 
 def agreed_fields(config: Config) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -44,8 +45,9 @@ class Config:
     # -- data -----------------------------------------------------------------------------------
     dataset: str = _field("digits", "data", "built-in dataset (digits, synthetic), an .npz file with arrays x and y, or for --model gpt a token stream: .txt (bytes), .bin or .npy (token ids)")
     batch_size: int = _field(128, "data", "global batch size (in sequences for gpt), split evenly over every device of every process; with --grad-accum K each step takes K such batches")
-    vocab_size: int | None = _field(None, "data", "vocabulary size of a .bin or .npy token file (a .txt file is bytes: 256)")
+    vocab_size: int | None = _field(None, "data", "vocabulary size of a .bin or .npy token file (a .txt file is bytes: 256, or its --tokenizer's)")
     seq_len: int = _field(128, "data", "tokens per training sequence (gpt)")
+    tokenizer: str | None = _field(None, "data", "a Hugging Face tokenizers JSON file that encodes a .txt --dataset (else read as bytes); its vocabulary size is the model's (or a larger --vocab-size); the text is encoded once into a cache ($JAXDP_TOKEN_CACHE, else ~/.cache/jaxdp/tokens); needs pip install 'jaxdp[tokenizers]'", metavar="PATH")
     prefetch: int = _field(2, "data", "batches prepared and copied to the devices ahead of the step that needs them, on a background thread (0: none)")
 
     # -- model ----------------------------------------------------------------------------------
@@ -101,11 +103,14 @@ class Config:
     eval_batches: int = _field(50, "logging", "at most this many global batches per evaluation, the first ones of the held-out split (0: all of it)")
     metrics_file: str | None = _field(None, "logging", "JSON Lines file: one object per logged step, then one with \"event\": \"done\"")
     log_dir: str | None = _field(None, "logging", "TensorBoard event directory")
+    wandb_project: str | None = _field(None, "logging", "Weights & Biases project: process 0 logs the same records as --metrics-file there (WANDB_ENTITY, WANDB_NAME, WANDB_MODE=offline as wandb reads them); a run resumed from --checkpoint-dir continues the same W&B run; needs pip install 'jaxdp[wandb]'", metavar="NAME")
     progress: bool = _field(True, "logging", "show a progress bar on process 0")
     compile_cache: str = _field("auto", "logging", "JAX's persistent compilation cache: a directory, auto ($JAXDP_COMPILE_CACHE, else ~/.cache/jaxdp/xla), or off")
     debug: bool = _field(False, "logging", "show full tracebacks on errors")
 
     def __post_init__(self) -> None:
+        if self.tokenizer:  # absolute from the start: checkpoints record it, resume and sampling read it from anywhere
+            object.__setattr__(self, "tokenizer", os.path.abspath(os.path.expanduser(self.tokenizer)))
         self.validate()
 
     def validate(self) -> None:
@@ -174,6 +179,14 @@ class Config:
         if self.dataset not in registry.DATASETS and not self.dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)):
             raise ConfigError(f"--dataset={self.dataset!r} is neither a built-in dataset ({', '.join(registry.DATASETS)}) "
                               f"nor a path ending in .npz, .txt, .bin or .npy")
+        if self.tokenizer is not None and not self.dataset.lower().endswith(".txt"):
+            raise ConfigError(f"--tokenizer encodes text: --dataset={self.dataset!r} is not a .txt file (a .bin or "
+                              f".npy holds token ids already: give its --vocab-size; python -m jaxdp.prepare makes one)")
+        for name, package, extra in (("tokenizer", "tokenizers", "tokenizers"), ("wandb_project", "wandb", "wandb")):
+            if getattr(self, name) is not None and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"--{_flag(name)} needs the {package} package: pip install 'jaxdp[{extra}]'")
+        if self.wandb_project is not None and not self.wandb_project.strip():
+            raise ConfigError("--wandb-project must name a project, got an empty name")
         if self.checkpoint_dir is not None and os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):
             raise ConfigError(f"--checkpoint-dir={self.checkpoint_dir!r} is a file, not a directory; point it at a directory")
         if self.num_processes is not None and self.num_processes <= 0:
@@ -379,11 +392,11 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 def absolute_paths(config: Config) -> Config:
     """`config` with its file and directory paths made absolute, as read from the working directory
-    now: --dataset (unless a built-in name), --checkpoint-dir, --metrics-file, --log-dir, --init-from and a
-    --compile-cache directory. A relative path in a file read from elsewhere would name another file,
-    and a rerun would quietly start a fresh run in a new directory."""
+    now: --dataset (unless a built-in name), --tokenizer, --checkpoint-dir, --metrics-file, --log-dir,
+    --init-from and a --compile-cache directory. A relative path in a file read from elsewhere would
+    name another file, and a rerun would quietly start a fresh run in a new directory."""
     changes = {name: os.path.abspath(getattr(config, name)) for name in ("checkpoint_dir", "metrics_file", "log_dir",
-                                                                         "init_from")
+                                                                         "tokenizer", "init_from")
                if getattr(config, name) is not None}
     if config.dataset not in registry.DATASETS:
         changes["dataset"] = os.path.abspath(config.dataset)

@@ -58,17 +58,22 @@ class Dataset:
         return {"what": what, "digest": sample_digest(*arrays)}
 
 
-def load_dataset(name: str, *, seq_len: int = 128, vocab_size: int | None = None) -> Dataset:
+def load_dataset(name: str, *, seq_len: int = 128, vocab_size: int | None = None,
+                 tokenizer: str | None = None) -> Dataset:
     """A built-in dataset of `jaxdp.registry.DATASETS` (digits, synthetic), a path to an .npz, or a
-    token stream (.txt, .bin, .npy: `jaxdp.tokens.TokenDataset`, cut into `seq_len` windows)."""
+    token stream (.txt, .bin, .npy: `jaxdp.tokens.TokenDataset`, cut into `seq_len` windows).
+
+    `tokenizer`: a Hugging Face `tokenizers` JSON file that encodes a .txt (else read as bytes)."""
     from jaxdp.registry import DATASETS
 
+    if tokenizer is not None and not name.lower().endswith(".txt"):
+        raise InputError(f"a tokenizer encodes text: dataset {name!r} is not a .txt file", argument="tokenizer")
     if name in DATASETS:
         return DATASETS[name]()
     if name.lower().endswith((".txt", ".bin", ".npy")):
         from jaxdp.tokens import load_tokens
 
-        return load_tokens(name, seq_len, vocab_size)
+        return load_tokens(name, seq_len, vocab_size, tokenizer=tokenizer)
     return load_npz(name)
 
 

@@ -33,7 +33,7 @@ import threading
 
 import jax
 
-from jaxdp import gloo, handshake, peer_watch
+from jaxdp import gloo, handshake, peer_watch, quiet
 from jaxdp.handshake import ENV_BIND_ADDRESS, bind_host
 from jaxdp.cluster import (SLURM_NTASKS, Cluster, detect, handshake_port, in_batch_script_of_several_tasks,
                            parse_address)
@@ -91,6 +91,8 @@ def initialize(config: Config | None = None) -> Cluster:
         finally:
             alarm.cancel()
     platform = jax.default_backend()  # starts the backend: everything above must come first
+    if given and cluster.multi_process and platform == "cpu":  # gloo's "[Gloo] Rank N is connected to ..." lines
+        quiet.filter_gloo_lines(enabled=not config.debug)     # (one per device, at the first collective)
     collectives = {"cpu": "; gloo collectives", "gpu": "; NCCL collectives"}.get(platform, "")
     log.info("jaxdp.distributed: %s; %d %s devices here%s", cluster.describe(), jax.local_device_count(),
              platform, collectives if cluster.multi_process else "")

@@ -197,7 +197,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         is_main=is_main, total_steps=steps, start_step=start_step, metrics_file=metrics_file, log_dir=log_dir,
         progress=progress, examples_per_step=examples_per_step, tokens_per_step=tokens_per_step,
         flops_per_step=flops_per_step, peak_flops=peak * 1e12 * mesh.size if peak and flops_per_step else None,
-        **({"wandb_project": wandb_project} if wandb_project else {}))
+        **({"wandb_project": wandb_project, "wandb_id_dir": checkpoint_dir} if wandb_project else {}))
     startup_s = time.perf_counter() - started
     writer.event("start", start_step, resumed_from=start_step or None,
                  config=config.to_dict() if config is not None else None, processes=n_processes,

@@ -1,4 +1,4 @@
-"""Where metrics go: a JSON Lines file, TensorBoard, and a progress bar. Process 0 only.
+"""Where metrics go: a JSON Lines file, TensorBoard, Weights & Biases, and a progress bar. Process 0 only.
 
 Every method is a no-op on other processes, so the trainer calls them unconditionally and the
 process-0 role is decided once, here. A custom loop in a notebook uses the same pieces:
@@ -20,6 +20,17 @@ then one record per logged step (`step`, `loss`, the model's metrics, `lr`, `ste
 `{"event": "eval", ...}` records from periodic evaluation, and a last `{"event": "done", ...}` with
 the held-out metrics. A value that is not a finite number is written as the string "NaN",
 "Infinity" or "-Infinity" (bare NaN is not JSON).
+
+Weights & Biases (`wandb_project=`, `pip install 'jaxdp[wandb]'`) gets the same records: the run
+starts at the "start" record, with its config; each logged step's numbers as `train/<name>`, eval
+records and the "done" record's as `eval/<name>` (the "done" record also as the run's summary),
+other events' numbers as `<event>/<name>`, all against the x-axis `step`. With `wandb_id_dir` (the
+command line passes --checkpoint-dir) the W&B run id is kept there in `wandb-run-id`, so a resumed
+run (`start_step` > 0) continues the same W&B run; a fresh run starts a new one. A resumed run may
+log again steps the W&B run already has (a crash after the last checkpoint): they are plotted
+against `step` as they come, not refused, which W&B's own step counter would do. W&B reads its own
+settings from the environment (WANDB_ENTITY, WANDB_NAME, WANDB_MODE=offline, WANDB_DIR, ...); its
+console capture is off, so it leaves the progress bar and the terminal alone.
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ import time
 from typing import Any, Callable, Mapping
 
 from tqdm import tqdm
+
+WANDB_ID_FILE = "wandb-run-id"  # in `wandb_id_dir`: the W&B run a resumed run continues
+BAR_MININTERVAL = 0.5  # seconds between progress bar refreshes
 
 
 class Diverged(ArithmeticError):
@@ -99,9 +113,10 @@ class MetricsWriter:
     def __init__(self, *, is_main: bool, total_steps: int, start_step: int = 0,
                  metrics_file: str | None = None, log_dir: str | None = None, progress: bool = True,
                  examples_per_step: int | None = None, tokens_per_step: int | None = None,
-                 flops_per_step: float | None = None, peak_flops: float | None = None):
+                 flops_per_step: float | None = None, peak_flops: float | None = None,
+                 wandb_project: str | None = None, wandb_id_dir: str | None = None):
         self.is_main = is_main
-        self._jsonl = self._tensorboard = self._bar = None
+        self._jsonl = self._tensorboard = self._bar = self._wandb = None
         self._t0 = time.perf_counter()
         self._last = (start_step, self._t0)
         self._total, self._progress = total_steps, progress
@@ -120,10 +135,14 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir)
+        if wandb_project:
+            self._wandb = WandbSink(wandb_project, wandb_id_dir, resumed=bool(start_step))
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._jsonl:
             self._jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        if self._wandb:
+            self._wandb.write(record)
 
     def event(self, name: str, step: int, **fields: Any) -> dict[str, Any]:
         """A record that is not a logged step: `{"event": name, "step": step, **fields}`. The run's
@@ -139,9 +158,9 @@ class MetricsWriter:
         now = time.perf_counter()
         self.compile_s = now - self._last[1]
         self._last = (step, now)
-        if self.is_main and self._progress:
+        if self.is_main and self._progress and step < self._total:  # (a bar born full would print twice)
             self._bar = tqdm(total=self._total, initial=step, unit="step", dynamic_ncols=True,
-                             file=sys.stderr, mininterval=0.5)
+                             file=sys.stderr, mininterval=BAR_MININTERVAL)
         return self.compile_s
 
     def restart_clock(self) -> None:
@@ -150,7 +169,14 @@ class MetricsWriter:
         self._last = (self._last[0], time.perf_counter())
 
     def step(self, n: int = 1) -> None:
-        if self._bar is not None:
+        if self._bar is None:
+            return
+        if self._bar.n + n >= self._bar.total:
+            # The last step: count it without drawing. `done` or `close` draws the final line once,
+            # with the last loss (drawn here too, it came out twice: 100% with the loss before it,
+            # then 100% again from close).
+            self._bar.n += n
+        else:
             self._bar.update(n)
 
     def log(self, step: int, metrics: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -201,10 +227,72 @@ class MetricsWriter:
                     self._tensorboard.add_scalar(f"{prefix}/{name}", value, step)
 
     def close(self) -> None:
-        for handle in (self._bar, self._jsonl, self._tensorboard):
+        for handle in (self._bar, self._jsonl, self._tensorboard, self._wandb):
             if handle is not None:
                 handle.close()
-        self._bar = self._jsonl = self._tensorboard = None
+        self._bar = self._jsonl = self._tensorboard = self._wandb = None
+
+
+class WandbSink:
+    """The records of a MetricsWriter, sent to Weights & Biases (see the module docstring). The
+    run starts at the first record (the "start" record, whose config becomes the run's config)."""
+
+    def __init__(self, project: str, id_dir: str | None = None, resumed: bool = False):
+        try:
+            import wandb
+        except ImportError:
+            from jaxdp.errors import InputError
+
+            raise InputError("logging to Weights & Biases (wandb_project) needs the wandb package: "
+                             "pip install 'jaxdp[wandb]'", setting="wandb_project") from None
+        self._wandb, self._project, self._run = wandb, project, None
+        self._id_file = os.path.join(id_dir, WANDB_ID_FILE) if id_dir else None
+        self._run_id = None
+        if resumed and self._id_file and os.path.exists(self._id_file):
+            with open(self._id_file) as f:
+                self._run_id = f.read().strip() or None
+        self.resumed = self._run_id is not None
+
+    def _start(self, config: dict[str, Any]) -> None:
+        wandb = self._wandb
+        self._run = wandb.init(project=self._project, id=self._run_id, resume="allow" if self._run_id else None,
+                               config=config, settings=wandb.Settings(console="off"))
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+        if self._id_file and not self.resumed:
+            os.makedirs(os.path.dirname(self._id_file), exist_ok=True)
+            write_text_atomically(self._id_file, self._run.id + "\n")
+
+    def write(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        if self._run is None:
+            start = event == "start"
+            config = dict(record.get("config") or {}) if start else {}
+            if start:  # the rest of the start record: processes, devices, jax, ...
+                config["run"] = {k: v for k, v in record.items() if k not in ("event", "step", "config")}
+            self._start(config)
+            if start:
+                return
+        elif event == "start":  # another start record (a notebook's second run in one writer)
+            self._run.config.update({"run": {k: v for k, v in record.items() if k not in ("event", "step", "config")}},
+                                    allow_val_change=True)
+            return
+        prefix = {None: "train", "eval": "eval", "done": "eval"}.get(event, event)
+        numbers = {f"{prefix}/{k}": v for k, v in record.items()
+                   if k not in ("event", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers:
+            self._run.log({"step": record.get("step"), **numbers})
+        if event == "done":
+            self._run.summary.update({k: v for k, v in record.items() if k != "event" and _plain(v)})
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _keep_records_up_to(path: str, step: int) -> None:

@@ -1,10 +1,13 @@
 """Token streams for language models: a text file, or nanoGPT-style token id files, memory-mapped.
 
     python -m jaxdp.train --model gpt --dataset my_book.txt                 # bytes: vocabulary 256
+    python -m jaxdp.train --model gpt --dataset my_book.txt --tokenizer tokenizer.json  # its vocabulary
     python -m jaxdp.train --model gpt --dataset train.bin --vocab-size 50304  # uint16 ids (uint32 above 65536)
     python -m jaxdp.train --model gpt --dataset tokens.npy --vocab-size 50304 # any integer .npy
 
-The file is memory-mapped, never read whole into memory: a step reads only the windows of its own
+A text with a tokenizer (a Hugging Face `tokenizers` JSON file) is encoded once, in bounded memory,
+into a cache file of ids that is memory-mapped like a .bin (jaxdp/tokenizer.py). The file is
+memory-mapped, never read whole into memory: a step reads only the windows of its own
 process's slice of the global batch. Loading checks every token id against the vocabulary once, in
 chunks of `SCAN_CHUNK` ids (a bad id in the held-out tail used to surface only at the final
 evaluation, after all the training), in the file's own dtype (an int64 id of 2**32 + 5 is not 5).
@@ -94,14 +97,31 @@ class TokenDataset:
             yield {**batch, "mask": real.astype(np.float32)}
 
 
-def load_tokens(path: str, seq_len: int, vocab_size: int | None = None) -> TokenDataset:
-    """Memory-map `path` (.txt bytes, .bin uint16/uint32 ids, or an integer .npy) as a TokenDataset."""
+def load_tokens(path: str, seq_len: int, vocab_size: int | None = None, tokenizer: str | None = None) -> TokenDataset:
+    """Memory-map `path` (.txt bytes, .bin uint16/uint32 ids, or an integer .npy) as a TokenDataset.
+
+    `tokenizer`: a Hugging Face `tokenizers` JSON file, for a .txt only; the text's ids under it
+    (encoded once into a cache, jaxdp/tokenizer.py), with its vocabulary size (or a larger
+    `vocab_size`, e.g. padded to a multiple of 64)."""
     where = f"dataset file {path!r}"
     if not os.path.isfile(path):
         raise InputError(f"{where} does not exist", argument="dataset")
     suffix = os.path.splitext(path)[1].lower()
+    if tokenizer is not None and suffix != ".txt":
+        raise InputError(f"a tokenizer encodes text: {where} is not a .txt file (a .bin or .npy holds ids already)",
+                         argument="tokenizer")
     try:
-        if suffix == ".txt":
+        if tokenizer is not None:
+            from jaxdp import tokenizer as tokenizer_lib
+
+            loaded = tokenizer_lib.load(tokenizer)
+            own = loaded.get_vocab_size()
+            if vocab_size is not None and vocab_size < own:
+                raise InputError(f"the tokenizer {tokenizer!r} has {own} tokens, more than the vocabulary of "
+                                 f"{vocab_size}; leave the vocabulary size out (it is the tokenizer's), or give at "
+                                 f"least {own}", argument="vocab_size")
+            tokens, vocab_size = tokenizer_lib.cached_tokens(path, tokenizer, loaded), vocab_size or own
+        elif suffix == ".txt":
             if vocab_size not in (None, 256):
                 raise InputError(f"{where} is text, read as bytes: its vocabulary is 256, not {vocab_size}",
                                  argument="vocab_size")

@@ -34,7 +34,7 @@ from jaxdp.loop import MAX_PENDING_STEPS, Result  # noqa: E402,F401  (their home
 from jaxdp.metrics import Diverged  # noqa: E402
 
 # Which flag fed each library argument that an InputError may name.
-FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
+FLAG_OF_ARGUMENT = {"tokenizer": "--tokenizer", "directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
                     "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer"}
 
 
@@ -68,7 +68,8 @@ def train(config: Config) -> Any:
         # Every process checks its own input, then they agree: bad input or different data on any
         # one process stops every process with exit 2 naming it, before the first collective.
         dataset = agreement.load_dataset(lambda: data.load_dataset(config.dataset, seq_len=config.seq_len,
-                                                                   vocab_size=config.vocab_size), process, n_processes)
+                                                                   vocab_size=config.vocab_size, tokenizer=config.tokenizer),
+                                       process, n_processes)
         if config.model == "cnn" and dataset.x_train.ndim != 4:
             raise ConfigError(f"--model=cnn needs image data of shape (N, H, W[, C]), got rows of shape "
                               f"{dataset.x_train.shape[1:]}; use --model=mlp")
@@ -115,7 +116,7 @@ def train(config: Config) -> Any:
         shard_optimizer=config.shard_optimizer, grad_accum=config.grad_accum, comm_target=config.comm_target,
         compression_every=config.compression_every, checkpoint_dir=config.checkpoint_dir,
         save_every=config.save_every, keep=config.keep, metrics_file=config.metrics_file, log_dir=config.log_dir,
-        log_every=config.log_every, progress=config.progress, schedule=schedule, seed=config.seed,
+        wandb_project=config.wandb_project, log_every=config.log_every, progress=config.progress, schedule=schedule, seed=config.seed,
         prefetch=config.prefetch, config=config, checkpoint_meta={"num_outputs": num_outputs, "schedule_steps": horizon},
         resume_note=horizon_note, run_info={"compile_cache": cache_dir}, watch=beat,
         examples_per_step=rows_per_step, tokens_per_step=tokens_per_step,

@@ -1,0 +1,114 @@
+"""Encode a text file with a Hugging Face tokenizer into a .bin of token ids, for `--model gpt`.
+
+    python -m jaxdp.prepare --input book.txt --tokenizer tokenizer.json --output book.bin
+    python -m jaxdp.prepare --input book.txt --tokenizer tok.json --output book.bin --train-tokenizer 4096
+    python -m jaxdp.train --model gpt --dataset book.bin --vocab-size 4096      # the size it prints
+
+The .bin is nanoGPT's format: uint16 ids for a vocabulary up to 65536, uint32 above, the rule
+`--vocab-size` makes jaxdp/tokens.py read by. The text is read and encoded in blocks (bounded
+memory, with a progress bar over the bytes read) and cut only where the tokenizer would split
+anyway (jaxdp/tokenizer.py); the .bin is written through a temporary file and a rename, so an
+interrupted run leaves no half file. `--train-tokenizer N` first trains a byte-level BPE tokenizer
+of N tokens (GPT-2's kind) on the text and writes it to the --tokenizer path.
+
+`--tokenizer` on `python -m jaxdp.train` does the same for a .txt dataset by itself, into a cache;
+this command is for a .bin to copy elsewhere, or to keep beside the text.
+
+Exit codes: 0 done, 2 bad input (one line on stderr), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Sequence
+
+from jaxdp.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, InputError
+
+FLAGS = {"tokenizer": "--tokenizer", "dataset": "--input", "vocab_size": "--train-tokenizer"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InputError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m jaxdp.prepare", allow_abbrev=False,
+                     description="Encode a UTF-8 text file with a Hugging Face tokenizer into a .bin of token ids "
+                                 "(uint16, or uint32 above 65536 tokens) for python -m jaxdp.train --model gpt.")
+    parser.add_argument("--input", required=True, metavar="TEXT_FILE", help="the UTF-8 text to encode")
+    parser.add_argument("--tokenizer", required=True, metavar="TOKENIZER_JSON",
+                        help="a Hugging Face tokenizers JSON file (written there with --train-tokenizer)")
+    parser.add_argument("--output", required=True, metavar="OUT_BIN", help="the .bin of token ids to write")
+    parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
+                        help="first train a byte-level BPE tokenizer of this many tokens on --input and write it "
+                             "to --tokenizer (replacing a file there)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return parser
+
+
+def prepare(input_path: str, tokenizer_path: str, output: str, train_tokenizer: int | None = None,
+            progress: bool = True) -> tuple[int, int]:
+    """Encode `input_path` into the .bin `output`; returns (token count, vocabulary size)."""
+    from jaxdp import tokenizer as tokenizer_lib
+
+    if not os.path.isfile(input_path):
+        raise InputError(f"text file {input_path!r} does not exist", argument="dataset")
+    if not output.lower().endswith(".bin"):
+        raise InputError(f"--output={output!r} must end in .bin (python -m jaxdp.train reads a .bin as token ids)")
+    if os.path.isdir(output):
+        raise InputError(f"--output={output!r} is a directory; give a file name ending in .bin")
+    if train_tokenizer is not None:
+        print(f"jaxdp.prepare: training a byte-level BPE tokenizer of {train_tokenizer} tokens on {input_path}",
+              file=sys.stderr, flush=True)
+        tokenizer_lib.train_bpe(input_path, train_tokenizer, tokenizer_path)
+    tokenizer = tokenizer_lib.load(tokenizer_path)
+    vocab_size = tokenizer.get_vocab_size()
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="tokenizing", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    try:
+        count = tokenizer_lib.encode_file(input_path, tokenizer, output, progress=bar.update if bar else None)
+    except OSError as err:
+        raise InputError(f"--output={output!r} cannot be written ({err.strerror or err})") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    return count, vocab_size
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxdp.prepare ARGS`, returning the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        count, vocab_size = prepare(args.input, args.tokenizer, args.output, args.train_tokenizer, args.progress)
+    except InputError as err:
+        flag = FLAGS.get(err.argument or "")
+        print(f"jaxdp.prepare: error: {flag + ': ' if flag else ''}{err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as err:  # a file that cannot be read or written: say which, in one line
+        print(f"jaxdp.prepare: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("jaxdp.prepare: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    print(f"wrote {count} token ids ({dtype}) to {args.output}; vocabulary size {vocab_size}: train with "
+          f"python -m jaxdp.train --model gpt --dataset {shlex.quote(args.output)} --vocab-size {vocab_size}")
+    return EXIT_OK
+
+
+def cli() -> None:
+    """The `jaxdp-prepare` script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
