@@ -93,7 +93,9 @@ def codec_for(config: Mapping[str, Any]) -> tuple[Encode, Decode]:
         if not os.path.isfile(tokenizer_path):
             raise InputError(f"the run's tokenizer {tokenizer_path!r} does not exist (any more)", argument="directory")
         tokenizer = Tokenizer.from_file(tokenizer_path)
-        return (lambda text: tokenizer.encode(text).ids), (lambda ids: tokenizer.decode([int(i) for i in ids]))
+        # as the training stream was encoded (jaxdp/tokenizer.py): no special tokens added
+        return ((lambda text: tokenizer.encode(text, add_special_tokens=False).ids),
+                (lambda ids: tokenizer.decode([int(i) for i in ids])))
     dataset = str(config.get("dataset", ""))
     if dataset.lower().endswith(".txt"):
         return _encode_bytes, _decode_bytes
