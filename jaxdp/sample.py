@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random draws (default: 0)")
     parser.add_argument("--step", type=int, default=None, metavar="STEP",
                         help="the checkpoint step to load (default: the latest)")
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="a Hugging Face tokenizers JSON to encode and decode with, for a run on a .bin made by "
+                             "python -m jaxdp.prepare (default: the run's own --tokenizer, else bytes for a .txt run)")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     return parser
 
@@ -138,6 +141,8 @@ def sample(args: argparse.Namespace) -> str:
 
     check_options(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model loads
     config = run_config(args.checkpoint_dir)
+    if args.tokenizer:
+        config = {**config, "tokenizer": os.path.abspath(args.tokenizer)}
     encode, decode = codec_for(config)
     prompt = parse_ids(args.prompt_ids) if args.prompt_ids is not None else encode(args.prompt)
     if not prompt:
