@@ -17,7 +17,7 @@ Interface (every kind is a frozen dataclass; build it with `parse`, `parse(c.nam
   Every mean is pre-scaled by 1/num_devices BEFORE the sum, so fp16/bf16 sums cannot overflow
   where the mean itself fits. `step` is the traced int32 step, identical on every device.
   A codec whose `needs` is "coded_sum" (int8, int4: `Quantized`) receives instead of `allreduce_sum`
-  the collective's coded ring, `coded_sum(buffer, wire) -> (sum, residual)` (jaxdp.sync.Wire,
+  the collective's coded ring, `coded_sum(buffer, wire) -> (sum, residual)` (`Wire`,
   `ring_coded_allreduce`): it requantizes at every hop, which a whole-tree sum cannot do.
   `Compressor.needs` ("sum" or "coded_sum") is what the exchange checks the collective has.
   `mean_grads` has the structure and dtypes of `grads`; `scalars` is a dict of float32 scalars,
@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -404,6 +404,16 @@ def _basis(a: jax.Array, fresh: jax.Array) -> jax.Array:
 QUANT_BLOCK = 512
 
 
+class Wire(NamedTuple):
+    """A codec's wire format for one ring chunk of a fixed length (float32), what
+    `jaxdp.sync.ring_coded_allreduce` sends at every hop: `encode(chunk) -> (message, residual)`,
+    the 1-D uint8 message and `chunk - decode(message)`; `decode(message) -> chunk`, what the
+    receiver adds (or, for a finished chunk, every device keeps)."""
+
+    encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+    decode: Callable[[jax.Array], jax.Array]
+
+
 @dataclasses.dataclass(frozen=True)
 class Quantized(Compressor):
     """`int8` or `int4`: the whole tree as one float32 buffer through the collective's coded ring
@@ -477,9 +487,7 @@ class Quantized(Compressor):
         return num_devices * self.message_bytes(*self.chunking(size, num_devices))
 
     def wire(self, chunk: int, block: int) -> Any:
-        """The jaxdp.sync.Wire of one chunk: float32 scales (as bytes), then the packed integers."""
-        from jaxdp.sync import Wire
-
+        """The Wire of one chunk: its float32 scales (as bytes), then the packed integers."""
         blocks, qmax = chunk // block, self.qmax
 
         def encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -3,7 +3,7 @@
 A strategy is a `Collective`: a frozen value with its mean `(tree, axis) -> tree` (called inside
 `shard_map` on each device's own tree), and where it has them its sum, its reduce-scatter and
 all-gather halves (`Halves`, what ZeRO-1 puts its update between), a coded sum (the ring whose
-every hop sends through a codec's `Wire`: the int8 / int4 codecs), or an on-host mean. `PSUM`
+every hop sends through a codec's wire format: the int8 / int4 codecs), or an on-host mean. `PSUM`
 (XLA's all-reduce) and `RING` (an explicit ring of `jax.lax.ppermute`) are here; `HOST` (the
 device -> host -> device baseline) is in jaxdp/host.py. They are registered by name in
 `jaxdp.registry.STRATEGIES`.
@@ -191,19 +191,13 @@ def ring_mean(grads: Tree, axis_name: Any) -> Tree:
 # ---------------------------------------------------------------------------------------------
 
 
-class Wire(NamedTuple):
-    """A codec's wire format for one ring chunk of a fixed length (float32):
-    `encode(chunk) -> (message, residual)`: the 1-D uint8 message sent, and `chunk - decode(message)`;
-    `decode(message) -> chunk`: what the receiver (and, for a finished chunk, its owner) adds or keeps."""
-
-    encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
-    decode: Callable[[jax.Array], jax.Array]
-
-
-def ring_coded_allreduce(padded: jax.Array, axis_name: Any, wire: Wire,
+def ring_coded_allreduce(padded: jax.Array, axis_name: Any, wire: Any,
                          exact: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The ring all-reduce of a float32 buffer of N equal chunks whose every message is encoded:
     returns (sum, residual, exact sum), the sum identical on every device.
+
+    `wire` is a codec's wire format for one chunk (`jaxdp.compression.Wire`): `wire.encode(chunk)
+    -> (message, residual)`, a 1-D uint8 message and `chunk - wire.decode(message)`.
 
     Reduce-scatter: in hop s device i encodes its running sum of chunk (i - 1 - s) (at s = 0 its
     own value), sends the message, and the next device adds the decoded message to its own copy.
@@ -290,7 +284,7 @@ class Collective:
     halves:       its reduce-scatter and all-gather; ZeRO-1 needs them.
     host:         an on-host mean `(local_trees, *, num_devices, process_sum) -> mean` (jaxdp/host.py).
     coded_sum:    `(buffer, axis, wire, exact=None) -> (sum, residual, exact sum)`: a sum whose every hop
-                  sends through a codec's `Wire` (`ring_coded_allreduce`); the int8 / int4 codecs need it.
+                  sends through a codec's wire format (`ring_coded_allreduce`); int8 / int4 need it.
     xla_combines: XLA combines this collective's per-leaf calls by itself (XLA's own all-reduce in
                   one process), so ZeRO-1 need not interleave its buffers into one.
 
