@@ -455,11 +455,14 @@ class Quantized(Compressor):
 
     collectives = 1
     needs = "coded_sum"
-    state_name = "quantized"  # int8 and int4 keep the same error feedback, so they share a state
 
     @property
     def name(self) -> str:
         return f"int{self.bits}"
+
+    @property
+    def state_name(self) -> str:
+        return self.name
 
     @property
     def qmax(self) -> int:

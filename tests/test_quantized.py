@@ -64,7 +64,9 @@ def test_ring_sum_matches_the_numpy_reference_within_the_bound_and_is_identical_
     x = rng.standard_normal((n, n * chunk)).astype(np.float32)
     x[rng.integers(0, n, 40), rng.integers(0, n * chunk, 40)] *= 1e3  # outliers
     riders = rng.standard_normal((n, 3)).astype(np.float32)
-    total, residual, exact = jax.device_get(fn(shard_batch(x, mesh), shard_batch(riders, mesh)))
+    args = shard_batch(x, mesh), shard_batch(riders, mesh)
+    total, residual, exact = jax.device_get(fn(*args))
+    assert fn.lower(*args).as_text().count("collective_permute") == 2 * (n - 1)  # one message per hop, riders in it
 
     assert all(np.array_equal(total[d], total[0]) for d in range(n))  # bit-identical on every device
     np.testing.assert_allclose(exact[0], riders.sum(0), rtol=1e-6, atol=1e-6)  # the riders are not quantized
@@ -129,7 +131,7 @@ def test_training_through_the_quantized_ring_tracks_uncompressed_and_replicas_ag
     state, history = run_steps(mesh, name)
     losses, plain_losses = [float(m["loss"]) for m in history], [float(m["loss"]) for m in plain]
     assert losses[-1] < 0.6 * losses[0]
-    assert abs(np.mean(losses[-5:]) - np.mean(plain_losses[-5:])) < (0.03 if name == "int8" else 0.1) * np.mean(plain_losses[-5:])
+    assert abs(np.mean(losses[-5:]) - np.mean(plain_losses[-5:])) < (0.01 if name == "int8" else 0.03) * np.mean(plain_losses[-5:])
     ratio = float(history[-1]["compression_ratio"])
     assert ratio > (3 if name == "int8" else 5), ratio
     for leaf in jax.tree.leaves(state.params):  # every device holds the same bits
@@ -178,3 +180,12 @@ def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
     assert resumed.history[0]["step"] == 5
     assert losses(tmp_path / "cut.jsonl") == losses(tmp_path / "whole.jsonl")
     assert len(losses(tmp_path / "whole.jsonl")) == 8
+
+
+def test_a_state_without_error_feedback_is_refused_with_the_codec_to_make_it_for(devices):
+    mesh = make_mesh(devices)
+    params, loss_fn = setup()
+    tx = optax.sgd(0.1)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", compression="int4")
+    with pytest.raises(Exception, match=r"compression='int4'"):
+        step(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(next(batches(1)), mesh))
