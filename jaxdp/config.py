@@ -75,7 +75,7 @@ class Config:
     sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
     outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
-    compression: str = _field("none", "optimisation", "gradient compression on the way through the strategy: none, bf16, powersgd:RANK[:start=STEP] (low rank, error feedback), or auto: measure compute and all-reduce time and compress only as much as the link needs")
+    compression: str = _field("none", "optimisation", "gradient compression on the way through the strategy: none, bf16, int8 or int4 (blockwise quantized, requantized at every hop of --strategy ring, error feedback), powersgd:RANK[:start=STEP] (low rank, error feedback), or auto: measure compute and all-reduce time and compress only as much as the link needs")
     comm_target: float = _field(0.25, "optimisation", "--compression auto: the all-reduce time it aims for, as a fraction of the step's compute time")
     compression_every: int = _field(500, "optimisation", "--compression auto: measure and decide again every N steps (0: once, at the start)")
     grad_accum: int = _field(1, "optimisation", "micro-batches per step: gradients accumulate on each device and are synchronised once per step")
@@ -215,10 +215,15 @@ def _check_inputs(config: Config) -> None:
         raise ConfigError(f"--stall-timeout must be a positive number of seconds, got {config.stall_timeout}")
     if config.compression != "none":
         # The grammar of jaxdp.compression.parse, checked here without importing JAX.
-        if not re.fullmatch(r"bf16|auto|powersgd:[1-9]\d*(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*",
+        if not re.fullmatch(r"bf16|int8|int4|auto|powersgd:[1-9]\d*(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*",
                             config.compression):
-            raise ConfigError(f"--compression={config.compression!r} is not none, bf16, auto or "
+            raise ConfigError(f"--compression={config.compression!r} is not none, bf16, int8, int4, auto or "
                               f"powersgd:RANK[:start=STEP][:min_rate=R][:seed=S] (e.g. powersgd:4)")
+        clash = syncspec.incompatible(syncspec.abilities(config.strategy), compression=True, local=False,
+                                      shard_optimizer=False, needs=syncspec.codec_needs(config.compression))
+        if clash and syncspec.codec_needs(config.compression) != "sum":
+            raise ConfigError(f"--compression={config.compression} needs --strategy ring: --strategy={config.strategy} "
+                              f"does not qualify ({clash[2]})")
     if not 0 < config.comm_target:
         raise ConfigError(f"--comm-target must be a positive fraction of compute time, got {config.comm_target}")
     if config.compression_every < 0:

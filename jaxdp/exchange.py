@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp.compression import Bf16, CompressionState, Compressor, NoCompression, PowerSGD, bytes_sent, parse, \
-    uncompressed_bytes
+from jaxdp.compression import Bf16, CompressionState, Compressor, NoCompression, PowerSGD, Quantized, bytes_sent, \
+    parse, uncompressed_bytes
 from jaxdp.mesh import data_axes, replicate
 from jaxdp.sync import Collective
 from jaxdp.syncspec import AUTO
@@ -74,7 +74,7 @@ def codec(compression: Any) -> Compressor | None:
         return compression
     if isinstance(compression, str) and compression.strip().lower() == AUTO:
         raise ValueError("compression='auto' is decided while training (jaxdp.train's controller); give the step one "
-                         "choice: none, bf16 or powersgd:RANK (a state made for 'auto' serves each)")
+                         "choice: none, bf16, int8, int4 or powersgd:RANK (a state made for 'auto' serves each)")
     found = parse(compression)
     return None if isinstance(found, NoCompression) else found
 
@@ -110,7 +110,8 @@ class Plain:
 
 @dataclasses.dataclass(frozen=True)
 class Coded:
-    """Averaging through a codec over the collective's sum; its state in the slot STATE_NAME."""
+    """Averaging through a codec over the collective's sum (or, for a codec that needs it, the
+    collective's coded ring: int8 / int4); its state in the slot STATE_NAME."""
 
     collective: Collective
     codec: Compressor
@@ -143,17 +144,34 @@ class Coded:
             riding.append(riders_sum)
             return summed
 
+        def coded_with_riders(buffer: jax.Array, wire: Any) -> tuple[jax.Array, jax.Array]:
+            """The coded ring; its first call carries the scaled riders exactly, in its own messages."""
+            if riding or separate:
+                summed, residual, _ = coded(buffer, axis, wire)
+                return summed, residual
+            leaves, treedef = jax.tree.flatten(riders)
+            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) / n for x in leaves]) if leaves else None
+            summed, residual, flat = coded(buffer, axis, wire, flat)
+            offsets = np.cumsum([0] + [x.size for x in leaves])
+            riding.append(jax.tree.unflatten(treedef, [flat[a:b].reshape(x.shape).astype(x.dtype)
+                                                       for x, a, b in zip(leaves, offsets, offsets[1:])]))
+            return summed, residual
+
         start = getattr(codec, "start", 0)
         separate = n == 1 or start > 0  # lax.cond branches cannot hand values out
-        mean, new, scalars = codec.mean(tree, read_slot(codec, stored, tree), (lambda t: total(t, axis)) if separate
-                                        else sum_with_riders, n, step)
+        coded = self.collective.coded_sum
+        if codec.needs == "coded_sum":
+            reduce = coded_with_riders
+        else:
+            reduce = (lambda t: total(t, axis)) if separate else sum_with_riders
+        mean, new, scalars = codec.mean(tree, read_slot(codec, stored, tree), reduce, n, step)
         metrics, floats = self.collective.mean(riders, axis) if separate and n > 1 else (
             riding[0] if riding else riders)
         merged = write_slot(stored, new)
         if merged.error or merged.q:
             sync = sync.replace(per_device={**sync.per_device, STATE_NAME: jax.tree.map(lambda x: x[None], merged.error)},
                                 shared={**sync.shared, STATE_NAME: merged.q})
-        payload, plain = codec.payload_bytes(tree), uncompressed_bytes(tree)
+        payload, plain = codec.payload_bytes(tree, n), uncompressed_bytes(tree)
         if start > 0:  # before its start step the codec sends the whole tree
             payload = jnp.where(jnp.asarray(step) >= start, jnp.float32(payload), jnp.float32(plain))
         extra = {**scalars, "comm_bytes": jnp.float32(bytes_sent(payload, n)),
@@ -177,6 +195,9 @@ def make_exchange(collective: Collective, axis: Any, n: int, codec: Compressor |
         return Plain(collective, axis, n)
     if collective.sum is None:
         raise ValueError(f"compression needs an in-graph sum over devices; strategy {collective.name!r} has none")
+    if codec.needs == "coded_sum" and collective.coded_sum is None:
+        raise ValueError(f"compression {codec.name} requantizes at every hop of a ring; strategy {collective.name!r} "
+                         f"has no such hops (jaxdp.sync.Collective.coded_sum); use ring")
     return Coded(collective, codec, axis, n)
 
 
@@ -225,6 +246,13 @@ def init_slot(compression: Any, params: Tree, mesh: Any) -> tuple[dict, dict]:
 def read_slot(codec: Compressor, stored: CompressionState, grads: Tree) -> CompressionState:
     """The part of a slot (made by `slot_state` for this codec, or for "auto") that `codec.mean`
     reads, keyed as it expects. ValueError if the slot lacks a leaf."""
+    if isinstance(codec, Quantized):  # error feedback for every leaf
+        keys = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+        missing = [k for k in keys if _checkpoint_safe(k) not in stored.error]
+        if missing:
+            raise ValueError(f"the state has no compression state for {codec.name} (leaf {missing[0]}); make it with "
+                             f"init_state(..., compression={codec.name!r})")
+        return CompressionState(error={k: stored.error[_checkpoint_safe(k)] for k in keys})
     if not isinstance(codec, PowerSGD):
         return CompressionState()
     layout = codec.layout(grads)

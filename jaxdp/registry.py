@@ -59,8 +59,9 @@ STRATEGIES = Registry("strategy", {"psum": "jaxdp.sync:PSUM", "ring": "jaxdp.syn
 
 # What each built-in strategy can do, known without importing it (jaxdp.syncspec checks the
 # command line's combinations before JAX starts): "sum" an in-graph sum (compression, local
-# steps), "halves" a reduce-scatter and an all-gather (ZeRO-1), "host" an on-host mean.
-STRATEGY_ABILITIES = {"psum": frozenset({"sum", "halves"}), "ring": frozenset({"sum", "halves"}),
+# steps), "halves" a reduce-scatter and an all-gather (ZeRO-1), "coded_sum" a ring whose hops a codec
+# encodes (int8 / int4 compression), "host" an on-host mean.
+STRATEGY_ABILITIES = {"psum": frozenset({"sum", "halves"}), "ring": frozenset({"sum", "halves", "coded_sum"}),
                       "host": frozenset({"host"})}
 
 # Built-in models: `build(config, num_outputs, axis_name) -> flax.linen.Module`; num_outputs is the

@@ -109,7 +109,7 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     per device instead of replicated; pass it to `make_train_step` too. InputError if `tx` looks at
     the parameter tree itself and so cannot run on the flat slices.
 
-    `compression` ("bf16", "powersgd:RANK", "auto", or a `jaxdp.compression.Compressor`; None or
+    `compression` ("bf16", "int8", "int4", "powersgd:RANK", "auto", or a `jaxdp.compression.Compressor`; None or
     "none": no state): the state gradient compression keeps between steps, in `state.sync`; pass
     the same to `make_train_step`. A state made for "auto" serves every candidate of the adaptive
     controller (jaxdp/compression.py).
@@ -120,7 +120,9 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     `state.opt_state` is `()`. Pass the same `sync_every`, `outer_tx` and `sync_fragments` (Streaming
     DiLoCo: the outer state is one per fragment) to `make_train_step`.
     """
-    spec = SyncSpec(compression=compression, sync_every=sync_every, sync_fragments=sync_fragments,
+    # The state does not depend on the strategy: check the other choices against the in-graph one
+    # that can do everything (ring; int8 / int4 need its hops), make_train_step checks the strategy.
+    spec = SyncSpec(strategy="ring", compression=compression, sync_every=sync_every, sync_fragments=sync_fragments,
                     outer_tx=outer_tx, shard_optimizer=shard_optimizer)
     if shard_optimizer and spec.local:
         raise ValueError("init_state: local steps (sync_every > 1 or an outer_tx) and shard_optimizer do not combine")

@@ -2,7 +2,8 @@
 
 A strategy is a `Collective`: a frozen value with its mean `(tree, axis) -> tree` (called inside
 `shard_map` on each device's own tree), and where it has them its sum, its reduce-scatter and
-all-gather halves (`Halves`, what ZeRO-1 puts its update between), or an on-host mean. `PSUM`
+all-gather halves (`Halves`, what ZeRO-1 puts its update between), a coded sum (the ring whose
+every hop sends through a codec's wire format: the int8 / int4 codecs), or an on-host mean. `PSUM`
 (XLA's all-reduce) and `RING` (an explicit ring of `jax.lax.ppermute`) are here; `HOST` (the
 device -> host -> device baseline) is in jaxdp/host.py. They are registered by name in
 `jaxdp.registry.STRATEGIES`.
@@ -186,6 +187,79 @@ def ring_mean(grads: Tree, axis_name: Any) -> Tree:
 
 
 # ---------------------------------------------------------------------------------------------
+# The coded ring: every hop sends through a codec's wire format (int8 / int4 in jaxdp/compression.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def ring_coded_allreduce(padded: jax.Array, axis_name: Any, wire: Any,
+                         exact: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The ring all-reduce of a float32 buffer of N equal chunks whose every message is encoded:
+    returns (sum, residual, exact sum), the sum identical on every device.
+
+    `wire` is a codec's wire format for one chunk (`jaxdp.compression.Wire`): `wire.encode(chunk)
+    -> (message, residual)`, a 1-D uint8 message and `chunk - wire.decode(message)`.
+
+    Reduce-scatter: in hop s device i encodes its running sum of chunk (i - 1 - s) (at s = 0 its
+    own value), sends the message, and the next device adds the decoded message to its own copy.
+    The owner of a finished chunk encodes it once; the all-gather passes that message on unchanged
+    and every device, the owner too, keeps its decoding: the same bytes decoded the same way, so
+    all replicas get bit-identical sums.
+
+    Every device encodes each chunk position exactly once (N - 1 partial sums, then its finished
+    chunk), so `residual` (what this device's encodings left out, at their positions) is a whole
+    buffer, and the residuals telescope: sum over devices of residual = exact sum - returned sum.
+    A codec with error feedback keeps it and adds it to the next step's input.
+
+    `exact`: an optional float32 1-D buffer (the metrics riding along) summed in float32 in the
+    same messages, appended to them as raw bytes: no collective of its own.
+    """
+    n = jax.lax.axis_size(axis_name)
+    if n == 1:
+        return padded, jnp.zeros_like(padded), exact
+    chunk = padded.shape[0] // n
+    if chunk * n != padded.shape[0]:
+        raise ValueError(f"ring_coded_allreduce: a buffer of {padded.shape[0]} values does not cut into {n} chunks")
+    me = jax.lax.axis_index(axis_name)
+    to_next = [(j, (j + 1) % n) for j in range(n)]
+    extra = None if exact is None else jnp.pad(exact.astype(jnp.float32), (0, -(-exact.shape[0] // n) * n - exact.shape[0]))
+    per = 0 if extra is None else extra.shape[0] // n
+
+    def chunk_of(buffer: jax.Array, c: jax.Array, size: int) -> jax.Array:
+        return jax.lax.dynamic_slice_in_dim(buffer, (c % n) * size, size)
+
+    def put(out: jax.Array, value: jax.Array, c: jax.Array, size: int) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(out, value, (c % n) * size, 0)
+
+    def send(message: jax.Array, riding: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """One collective-permute: the message, then the riding float32 values as bytes."""
+        if riding is None:
+            return jax.lax.ppermute(message, axis_name, to_next), None
+        got = jax.lax.ppermute(jnp.concatenate([message, jax.lax.bitcast_convert_type(riding, jnp.uint8).ravel()]),
+                               axis_name, to_next)
+        return got[:message.shape[0]], jax.lax.bitcast_convert_type(got[message.shape[0]:].reshape(-1, 4), jnp.float32)
+
+    residual = jnp.zeros_like(padded)
+    acc, acc_extra = chunk_of(padded, me - 1, chunk), None if extra is None else chunk_of(extra, me - 1, per)
+    for s in range(n - 1):
+        message, left = wire.encode(acc)
+        residual = put(residual, left, me - 1 - s, chunk)
+        message, got_extra = send(message, acc_extra)
+        acc = chunk_of(padded, me - s - 2, chunk) + wire.decode(message)
+        if extra is not None:
+            acc_extra = chunk_of(extra, me - s - 2, per) + got_extra
+    message, left = wire.encode(acc)  # my finished chunk, encoded once
+    residual = put(residual, left, me, chunk)
+    out = put(jax.lax.empty((chunk * n,), jnp.float32), wire.decode(message), me, chunk)
+    out_extra = None if extra is None else put(jnp.zeros((per * n,), jnp.float32), acc_extra, me, per)
+    for s in range(n - 1):
+        message, acc_extra = send(message, acc_extra)
+        out = put(out, wire.decode(message), me - s - 1, chunk)
+        if extra is not None:
+            out_extra = put(out_extra, acc_extra, me - s - 1, per)
+    return out, residual, None if exact is None else out_extra[:exact.shape[0]]
+
+
+# ---------------------------------------------------------------------------------------------
 # Collectives as values.
 # ---------------------------------------------------------------------------------------------
 
@@ -209,6 +283,8 @@ class Collective:
                   (they pre-scale by 1/N themselves, so narrow dtypes cannot overflow).
     halves:       its reduce-scatter and all-gather; ZeRO-1 needs them.
     host:         an on-host mean `(local_trees, *, num_devices, process_sum) -> mean` (jaxdp/host.py).
+    coded_sum:    `(buffer, axis, wire, exact=None) -> (sum, residual, exact sum)`: a sum whose every hop
+                  sends through a codec's wire format (`ring_coded_allreduce`); int8 / int4 need it.
     xla_combines: XLA combines this collective's per-leaf calls by itself (XLA's own all-reduce in
                   one process), so ZeRO-1 need not interleave its buffers into one.
 
@@ -222,6 +298,7 @@ class Collective:
     halves: Halves | None = None
     host: Callable[..., Tree] | None = None
     xla_combines: bool = False
+    coded_sum: Callable[..., tuple[jax.Array, jax.Array, jax.Array | None]] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tree:
         return (self.mean or self.host)(*args, **kwargs)
@@ -249,7 +326,8 @@ def _psum_all_gather(owned: jax.Array, axis_name: Any) -> jax.Array:
 PSUM = Collective("psum", mean=psum_mean, sum=_psum_sum, halves=Halves(_psum_scatter_mean, _psum_all_gather),
                   xla_combines=True)
 RING = Collective("ring", mean=ring_mean, sum=ring_allreduce,
-                  halves=Halves(functools.partial(ring_reduce_scatter, mean=True), ring_all_gather))
+                  halves=Halves(functools.partial(ring_reduce_scatter, mean=True), ring_all_gather),
+                  coded_sum=ring_coded_allreduce)
 
 
 def as_collective(strategy: Any) -> Collective:

@@ -10,7 +10,7 @@ Five axes, each with one owner:
 | axis | values | owner |
 |---|---|---|
 | strategy | a name in STRATEGIES, a `Collective`, or a bare `fn(tree, axis)` | jaxdp/sync.py, jaxdp/host.py |
-| compression | None, "auto", a codec name ("bf16", "powersgd:4") or a `Compressor` | jaxdp/compression.py, jaxdp/exchange.py |
+| compression | None, "auto", a codec name ("bf16", "int8", "powersgd:4") or a `Compressor` | jaxdp/compression.py, jaxdp/exchange.py |
 | sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/zero.py |
 
@@ -47,7 +47,7 @@ def check_sync_every(sync_every: Any, sync_fragments: Any = 1) -> int:
 
 
 def abilities(strategy: Any) -> frozenset[str]:
-    """What a strategy can do: a subset of {"sum", "halves", "host"}."""
+    """What a strategy can do: a subset of {"sum", "halves", "coded_sum", "host"}."""
     from jaxdp.registry import STRATEGIES, STRATEGY_ABILITIES
 
     if isinstance(strategy, str) and strategy in STRATEGY_ABILITIES and strategy in STRATEGIES._paths:
@@ -56,19 +56,37 @@ def abilities(strategy: Any) -> frozenset[str]:
 
     collective = as_collective(strategy)
     return frozenset(name for name, has in (("sum", collective.sum), ("halves", collective.halves),
-                                            ("host", collective.host)) if has is not None)
+                                            ("coded_sum", collective.coded_sum), ("host", collective.host))
+                     if has is not None)
+
+
+def codec_needs(compression: Any) -> str:
+    """What a codec needs of the strategy, without JAX: "coded_sum" for int8 / int4 (they requantize
+    at every hop of a ring), else "sum". `compression` is a codec name or a `Compressor`."""
+    if not isinstance(compression, str):
+        return getattr(compression, "needs", "sum")
+    return CODED_CODECS.get(compression.strip().lower(), "sum")
+
+
+# The codecs whose `needs` (jaxdp.compression.Compressor.needs) is not "sum", by name, for the
+# command line's check before JAX starts (tests/test_quantized.py checks it against the codecs).
+CODED_CODECS = {"int8": "coded_sum", "int4": "coded_sum"}
 
 
 def incompatible(strategy_abilities: frozenset[str], *, compression: bool, local: bool,
-                 shard_optimizer: bool) -> tuple[str, str, str] | None:
+                 shard_optimizer: bool, needs: str = "sum") -> tuple[str, str, str] | None:
     """The compatibility table. None if the choices combine, else (feature, culprit, why):
     `feature` is "compression", "local" or "shard_optimizer"; `culprit` is "strategy" (the
     strategy lacks what the feature needs) or "shard_optimizer" (the feature and ZeRO-1 exclude
-    each other); `why` is the reason in words."""
+    each other); `why` is the reason in words. `needs`: what the codec needs of the strategy
+    (`codec_needs`)."""
     if compression or local:
         feature = "compression" if compression else "local"
         if "sum" not in strategy_abilities:
             return feature, "strategy", "it needs an in-graph sum over devices"
+        if compression and needs not in strategy_abilities:
+            return feature, "strategy", ("it requantizes at every hop of a ring, and this strategy's all-reduce has no "
+                                         "hops to requantize (XLA's all-reduce sums in full precision inside)")
         if shard_optimizer:
             return feature, "shard_optimizer", (
                 "compression needs the whole averaged gradient on every device" if feature == "compression"
@@ -151,15 +169,17 @@ class SyncSpec:
         for a bad sync_every / sync_fragments)."""
         if self.sync_every != AUTO:
             check_sync_every(self.sync_every, self.sync_fragments)
+        needs = codec_needs(self.compression) if self.compressed else "sum"
         clash = incompatible(abilities(self.strategy), compression=self.compressed, local=self.local,
-                             shard_optimizer=self.shard_optimizer)
+                             shard_optimizer=self.shard_optimizer, needs=needs)
         if clash:
             feature, culprit, why = clash
             name = {"compression": "compression", "local": "local steps (sync_every)",
                     "shard_optimizer": "shard_optimizer"}[feature]
             if culprit == "strategy":
-                raise InputError(f"{name} does not apply to strategy {strategy_name(self.strategy)!r}: {why}; use psum "
-                                 f"or ring", argument="strategy")
+                use = "ring" if feature == "compression" and needs != "sum" else "psum or ring"
+                raise InputError(f"{name} does not apply to strategy {strategy_name(self.strategy)!r}: {why}; use {use}",
+                                 argument="strategy")
             raise InputError(f"{name} and shard_optimizer do not combine: {why}; use one of them",
                              argument="shard_optimizer")
         return self

@@ -32,8 +32,13 @@ def test_the_table_names_the_first_clash():
 
 
 def test_abilities_of_builtin_registered_and_bare_strategies():
-    assert abilities("psum") == abilities("ring") == {"sum", "halves"} and abilities("host") == {"host"}
-    assert abilities(jaxdp.sync.RING) == {"sum", "halves"}
+    assert abilities("psum") == {"sum", "halves"} and abilities("host") == {"host"}
+    assert abilities("ring") == abilities(jaxdp.sync.RING) == {"sum", "halves", "coded_sum"}
+    assert abilities(jaxdp.sync.PSUM) == abilities("psum")
+    # int8 / int4 requantize at every hop: the ring has hops, XLA's all-reduce has none.
+    assert incompatible(abilities("psum"), compression=True, local=False, shard_optimizer=False,
+                        needs="coded_sum")[:2] == ("compression", "strategy")
+    assert incompatible(abilities("ring"), compression=True, local=True, shard_optimizer=False, needs="coded_sum") is None
     assert abilities(lambda tree, axis: jax.lax.pmean(tree, axis)) == frozenset()  # a bare mean: nothing more
 
 

@@ -1,0 +1,191 @@
+"""--compression int8 / int4: the quantized ring (requantized at every hop, error feedback) against
+a numpy reference and its bound; training, local steps, exact resume and the psum refusal."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxdp
+from helpers import ROOT, cli_env, records
+from jaxdp import compression as C, syncspec
+from jaxdp.config import parse_args
+from jaxdp.errors import InputError
+from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
+from jaxdp.models import MLP
+from jaxdp.sync import ring_coded_allreduce
+from jaxdp.train import train
+
+CODECS = ["int8", "int4"]
+
+
+def quantize_reference(v, comp, block):
+    """numpy: one encoding and decoding of a chunk, blocks of `block` values, float32 throughout."""
+    b = v.reshape(-1, block)
+    scale = (np.abs(b).max(axis=1) / np.float32(comp.qmax)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.where(scale[:, None] > 0, np.clip(np.round(b / safe[:, None]), -comp.qmax, comp.qmax), 0)
+    return (q.astype(np.float32) * scale[:, None]).ravel()
+
+
+def ring_reference(x, comp, chunk, block):
+    """numpy: the ring's sum of x (n, n * chunk): chunk c starts on device c + 1, each device adds its
+    own copy to the decoded message and encodes again, the owner c encodes the finished chunk once."""
+    n = x.shape[0]
+    out = np.empty(x.shape[1], np.float32)
+    for c in range(n):
+        part = slice(c * chunk, (c + 1) * chunk)
+        acc = x[(c + 1) % n, part]
+        for k in range(2, n + 1):
+            acc = x[(c + k) % n, part] + quantize_reference(acc, comp, block)
+        out[part] = quantize_reference(acc, comp, block)
+    return out
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_ring_sum_matches_the_numpy_reference_within_the_bound_and_is_identical_everywhere(devices, name):
+    n, comp = 8, C.parse(name)
+    assert comp.name == name and C.parse(comp.name) == comp and comp.needs == syncspec.CODED_CODECS[name]
+    chunk, block = comp.chunking(3000, n)
+    mesh = make_mesh(devices[:n])
+    wire = comp.wire(chunk, block)
+
+    def body(x, riders):
+        total, residual, exact = ring_coded_allreduce(x[0], DATA_AXIS, wire, riders[0])
+        return total[None], residual[None], exact[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(DATA_AXIS), check_vma=False))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, n * chunk)).astype(np.float32)
+    x[rng.integers(0, n, 40), rng.integers(0, n * chunk, 40)] *= 1e3  # outliers
+    riders = rng.standard_normal((n, 3)).astype(np.float32)
+    args = shard_batch(x, mesh), shard_batch(riders, mesh)
+    total, residual, exact = jax.device_get(fn(*args))
+    assert fn.lower(*args).as_text().count("collective_permute") == 2 * (n - 1)  # one message per hop, riders in it
+
+    assert all(np.array_equal(total[d], total[0]) for d in range(n))  # bit-identical on every device
+    np.testing.assert_allclose(exact[0], riders.sum(0), rtol=1e-6, atol=1e-6)  # the riders are not quantized
+    true = x.astype(np.float64).sum(0)
+    # The bound: N encodings per value, each off by at most amax / (2 qmax) of its block, and every
+    # block max at most A (the block's largest sum of |x| over devices) plus the errors before it.
+    a = np.repeat(np.abs(x).astype(np.float64).sum(0).reshape(-1, block).max(axis=1), block)
+    bound = ((1 + 1 / (2 * comp.qmax)) ** n - 1) * a
+    err = np.abs(total[0] - true)
+    assert (err <= bound * (1 + 1e-5) + 1e-4).all() and err.max() > 0
+    # Each device encoded every position once; the residuals telescope to the whole error.
+    np.testing.assert_allclose(true - residual.astype(np.float64).sum(0), total[0], atol=1e-5 * a.max())
+    np.testing.assert_allclose(total[0], ring_reference(x, comp, chunk, block), rtol=1e-6, atol=1e-6 * a.max())
+
+
+def test_payload_counts_the_values_and_scales_sent(devices):
+    params = {"w": jax.ShapeDtypeStruct((100, 64), jnp.float32), "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
+    size = 100 * 64 + 64
+    for name, bits in (("int8", 8), ("int4", 4)):
+        comp = C.parse(name)
+        chunk, block = comp.chunking(size, 8)
+        assert chunk * 8 >= size and chunk % block == 0 and block <= C.QUANT_BLOCK and block % 2 == 0
+        assert comp.payload_bytes(params, 8) == 8 * (chunk // block * 4 + chunk * bits // 8)
+        assert comp.payload_bytes(params) == size * bits // 8 + -(-size // C.QUANT_BLOCK) * 4
+    assert C.uncompressed_bytes(params) / C.parse("int8").payload_bytes(params) > 3.9
+
+
+def setup():
+    model = MLP(hidden=(32,))
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
+
+    def loss_fn(p, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, batch["x"]), batch["y"]).mean()
+
+    return params, loss_fn
+
+
+def batches(n_steps, batch=64, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((12, 10)).astype(np.float32)
+    for _ in range(n_steps):
+        x = rng.standard_normal((batch, 12)).astype(np.float32)
+        yield {"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int32)}
+
+
+def run_steps(mesh, compression, steps=30, **local):
+    params, loss_fn = setup()
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = jaxdp.init_state(params, tx, mesh, compression=compression, **local)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", compression=compression, **local)
+    history = []
+    for batch in batches(steps):
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        history.append(jax.device_get(metrics))
+    return state, history
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_training_through_the_quantized_ring_tracks_uncompressed_and_replicas_agree(devices, name):
+    mesh = make_mesh(devices)
+    plain_state, plain = run_steps(mesh, None)
+    state, history = run_steps(mesh, name)
+    losses, plain_losses = [float(m["loss"]) for m in history], [float(m["loss"]) for m in plain]
+    assert losses[-1] < 0.6 * losses[0]
+    assert abs(np.mean(losses[-5:]) - np.mean(plain_losses[-5:])) < (0.01 if name == "int8" else 0.03) * np.mean(plain_losses[-5:])
+    ratio = float(history[-1]["compression_ratio"])
+    assert ratio > (3 if name == "int8" else 5), ratio
+    for leaf in jax.tree.leaves(state.params):  # every device holds the same bits
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert all(np.array_equal(s, shards[0]) for s in shards)
+    errors = jax.tree.leaves(state.sync.per_device["compression"])
+    assert errors and all(e.shape[0] == 8 for e in errors)  # error feedback, one row per device
+
+
+def test_local_steps_average_pseudo_gradients_through_int8(devices):
+    mesh = make_mesh(devices)
+    local = dict(sync_every=4, outer_tx=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    state, history = run_steps(mesh, "int8", steps=12, **local)
+    assert all(np.isfinite(float(m["loss"])) for m in history)
+    assert [float(m["synced"]) for m in history][3::4] == [1, 1, 1]
+    assert float(history[3]["compression_ratio"]) > 3
+    replicas = state.sync.per_device["local_sgd"]["params"]  # after a sync every replica is the global params
+    jax.tree.map(lambda r, g: np.testing.assert_array_equal(np.asarray(r), np.broadcast_to(np.asarray(g), r.shape)),
+                 replicas, state.params)
+
+
+def test_psum_refuses_quantized_compression(devices):
+    with pytest.raises(InputError, match="requantizes at every hop.*use ring"):
+        jaxdp.make_train_step(setup()[1], optax.sgd(0.1), make_mesh(devices), strategy="psum", compression="int8")
+    probe = "import sys; from jaxdp.train import main; code = main(sys.argv[1:]); print('jax' in sys.modules); sys.exit(code)"
+    proc = subprocess.run([sys.executable, "-c", probe, "--strategy", "psum", "--compression", "int4", "--steps", "1",
+                           "--no-progress"], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "needs --strategy ring" in err[0], err
+    assert proc.stdout.strip() == "False"  # JAX never imported
+
+
+def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
+    flags = ["--log-every", "1", "--no-progress", "--compression", "int8", "--strategy", "ring"]
+
+    def run(*more):
+        return train(parse_args([*flags, *map(str, more)]))
+
+    def losses(path):
+        return [(r["step"], r["loss"], r["comm_bytes"]) for r in records(path) if "event" not in r]
+
+    run("--steps", 8, "--metrics-file", tmp_path / "whole.jsonl")
+    ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 4, "--metrics-file", tmp_path / "cut.jsonl"]
+    run(*ckpt, "--steps", 4)
+    resumed = run(*ckpt, "--steps", 8)
+    assert resumed.history[0]["step"] == 5
+    assert losses(tmp_path / "cut.jsonl") == losses(tmp_path / "whole.jsonl")
+    assert len(losses(tmp_path / "whole.jsonl")) == 8
+
+
+def test_a_state_without_error_feedback_is_refused_with_the_codec_to_make_it_for(devices):
+    mesh = make_mesh(devices)
+    params, loss_fn = setup()
+    tx = optax.sgd(0.1)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", compression="int4")
+    with pytest.raises(Exception, match=r"compression='int4'"):
+        step(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(next(batches(1)), mesh))
