@@ -20,6 +20,7 @@ TINY_GPT = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq-len", "32
             "--batch-size", "4", "--steps", "2", "--repeats", "1"]
 
 
+@pytest.mark.slow  # a bench subprocess: about 20 s on 2 cores
 def test_gpt_reports_tokens_flops_and_mfu(tmp_path):
     out = tmp_path / "g.json"
     proc = run_cli("gpt", *TINY_GPT, "--devices", "2", "--peak-tflops", "0.5", "--json", str(out), module="jaxdp.bench")

@@ -80,6 +80,7 @@ def test_powersgd_at_full_rank_equals_uncompressed_averaging_over_steps(devices)
         assert scalars["compressed"][0, 0] == 1
 
 
+@pytest.mark.slow  # 13 s for 8 devices on 2 cores
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_low_rank_through_the_ring_equals_psum_and_compressing_the_mean_on_one_device(devices, n):
     comp = C.parse("powersgd:2")
@@ -125,6 +126,7 @@ def test_ring_carries_one_fused_buffer_per_phase(devices):
     assert text.count("collective_permute") == 2 * 2 * (n - 1)
 
 
+@pytest.mark.slow  # about 8 s on 2 cores
 def test_error_feedback_running_sum_of_updates_approaches_the_true_sum(devices):
     # A fixed gradient, rank 1: each step's approximation is poor, but what is left out is carried
     # and sent later, so the sum of applied updates converges to the sum of true mean gradients.

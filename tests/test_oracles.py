@@ -19,11 +19,14 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+
 import jaxdp
 from helpers import ROOT, cli_env, free_port
 from jaxdp import compression as C
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
 from jaxdp.sync import ring_allreduce
+
+pytestmark = pytest.mark.slow  # torch's two gloo ranks in subprocesses: 30 s in all on 2 cores
 
 REDUCE = {"psum": lambda t: jax.lax.psum(t, DATA_AXIS), "ring": lambda t: ring_allreduce(t, DATA_AXIS)}
 WORLD = 2  # ranks = devices: one rounding in every sum, whatever order psum, the ring and gloo add in
