@@ -300,3 +300,19 @@ def test_raising_steps_on_resume_keeps_the_schedule_unless_asked(tmp_path, capsy
     restretched = [r["lr"] for r in records(tmp_path / "new.jsonl") if "event" not in r]
     expected = [float(optax.cosine_decay_schedule(0.01, 14, 0.1)(s)) for s in range(10, 14)]
     np.testing.assert_allclose(restretched, expected, rtol=1e-6)
+
+
+def test_the_built_in_gpt_samples_a_periodic_text_greedily_through_its_cache(tmp_path, capsys):
+    """jaxdp's GPT trained on a periodic text: greedy sampling (the KV-cache path) continues the
+    period exactly, past the training context."""
+    text = tmp_path / "periodic.txt"
+    text.write_bytes(b"0123456789" * 400)
+    train(parse_args([*FAST, "--model", "gpt", "--dataset", str(text), "--layers", "1", "--d-model", "32",
+                      "--heads", "2", "--seq-len", "16", "--batch-size", "16", "--steps", "60", "--lr", "0.01",
+                      "--checkpoint-dir", str(tmp_path / "gpt")]))
+    capsys.readouterr()
+    from jaxdp import sample
+
+    assert sample.main(["--checkpoint-dir", str(tmp_path / "gpt"), "--prompt", "456", "--max-new-tokens", "24",
+                        "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip() == "789012345678901234567890"
