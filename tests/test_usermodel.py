@@ -302,6 +302,7 @@ def test_raising_steps_on_resume_keeps_the_schedule_unless_asked(tmp_path, capsy
     np.testing.assert_allclose(restretched, expected, rtol=1e-6)
 
 
+@pytest.mark.slow  # about 13 s on 2 cores
 def test_the_built_in_gpt_samples_a_periodic_text_greedily_through_its_cache(tmp_path, capsys):
     """jaxdp's GPT trained on a periodic text: greedy sampling (the KV-cache path) continues the
     period exactly, past the training context."""
