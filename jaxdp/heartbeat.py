@@ -109,9 +109,12 @@ class LiveHeartbeat(Heartbeat):
                 self._own_sum += max(0.0, now - self._last_call - waited_s)
                 self._own_steps += 1
             self._last_call = now
+            entering = not self._doing.startswith("training")
             self._doing, self._dispatched = f"training, at step {step + 1}", step
             self._pending.append((step, output))
             self._ready.notify()
+        if entering and not self._stopped.is_set():
+            self._publish()  # now, not at the next beat: a short run may end within a beat of its first step
 
     def phase(self, doing: str) -> None:
         with self._lock:

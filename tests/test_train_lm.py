@@ -229,21 +229,3 @@ def test_readme_gpt_commands(tmp_path):
     done = records(tmp_path / "gpt.jsonl")[-1]
     assert done["event"] == "done" and np.isfinite(done["eval_loss"]) and (tmp_path / "gpt-ckpt" / "config.toml").exists()
 
-
-@pytest.mark.slow
-def test_laptop_recipe(tmp_path):
-    """docs/training.md's "A GPT on a laptop" commands, shrunk to a few steps: train, then sample."""
-    import shlex
-
-    from helpers import commands, readme_blocks, run_shell, sandbox
-
-    (block,) = readme_blocks("tests/test_train_lm.py::test_laptop_recipe")
-    shown = commands(block)
-    assert [c.split()[:3] for c in shown[1:]] == [["python", "-m", "jaxdp.train"], ["python", "-m", "jaxdp.sample"]]
-    env = sandbox(tmp_path)
-    run_shell(shown[0], tmp_path, env)
-    shrink = ["--steps", "6", "--layers", "1", "--d-model", "32", "--warmup-steps", "2", "--eval-every", "3",
-              "--eval-batches", "2", "--no-progress", "--devices", "2"]
-    run_shell(shlex.join([*shlex.split(shown[1]), *shrink]), tmp_path, env)
-    sampled = run_shell(shlex.join([*shlex.split(shown[2]), "--max-new-tokens", "20"]), tmp_path, env)
-    assert sampled.stdout.strip() and records(tmp_path / "laptop.jsonl")[-1]["event"] == "done"
