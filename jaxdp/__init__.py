@@ -47,6 +47,7 @@ _EXPORTS = {
     "TrainState": "jaxdp.state",
     "TrainStep": "jaxdp.step",
     "batch_sharding": "jaxdp.mesh",
+    "hierarchical": "jaxdp.sync",
     "host_mean": "jaxdp.host",
     "init_state": "jaxdp.state",
     "initialize": "jaxdp.distributed",

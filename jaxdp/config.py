@@ -90,6 +90,7 @@ class Config:
     process_id: int | None = _field(None, "distribution", "this process's index, 0 .. num-processes - 1")
     peer_timeout: int = _field(60, "distribution", "seconds a multi-process run waits for every process to join, and for a silent process before giving up (a process that dies is noticed at once)")
     gloo_interface: str | None = _field(None, "distribution", "network interface for CPU collectives between processes (gloo), e.g. eth0; hostname: JAX's own choice, the address the host name resolves to (default: $JAXDP_GLOO_INTERFACE, else $GLOO_SOCKET_IFNAME, else the interface that reaches the coordinator)", metavar="NAME")
+    hierarchy: str = _field("auto", "distribution", "with several processes of several devices each: auto sums exactly inside each process first (XLA's collective), then runs --strategy (and --compression) across processes on 1/G of the buffer per device, then gathers inside the process; flat: one all-reduce over every device (the same sum, in another order)", choices_fixed=("auto", "flat"))
     stall_timeout: int = _field(20, "distribution", "seconds a multi-process run waits for a process that is alive but makes no progress (stopped, stuck) once another process finished the same step; checked from step 2 on, so compilation never counts")
 
     # -- checkpointing --------------------------------------------------------------------------

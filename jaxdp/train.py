@@ -38,6 +38,28 @@ FLAG_OF_ARGUMENT = {"tokenizer": "--tokenizer", "directory": "--checkpoint-dir",
                     "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer"}
 
 
+def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
+    """The mesh and the strategy for `--hierarchy`: with several processes of several devices each
+    and an in-graph strategy, `auto` makes the mesh ("hosts", "local") and the strategy
+    hierarchical (jaxdp.sync.hierarchical), and says so in one line; otherwise one flat axis."""
+    import jax
+
+    from jaxdp import syncspec
+    from jaxdp.mesh import make_mesh
+    from jaxdp.sync import hierarchical
+
+    processes = len({d.process_index for d in devices})
+    local = len(devices) // processes
+    if (config.hierarchy == "flat" or processes == 1 or local == 1
+            or not {"sum"} <= syncspec.abilities(config.strategy) or "host" in syncspec.abilities(config.strategy)):
+        return make_mesh(devices), config.strategy
+    if jax.process_index() == 0:
+        print(f"jaxdp: --hierarchy auto: {processes} processes x {local} devices: each process sums its devices' "
+              f"gradients exactly first, then --strategy {config.strategy} runs across processes on 1/{local} of "
+              f"the buffer per device (--hierarchy flat: one all-reduce over all {len(devices)})", flush=True)
+    return make_mesh(devices, axis_name=("hosts", "local")), hierarchical(config.strategy)
+
+
 def train(config: Config) -> Any:
     """Run `config`: build its model, data and optimizer, then `jaxdp.fit` them. Returns fit's Result."""
     # JAX is imported here, after the flags are parsed, because distributed.initialize must run
@@ -49,13 +71,13 @@ def train(config: Config) -> Any:
 
     from jaxdp import agreement, data, distributed, heartbeat, usermodel
     from jaxdp.loop import fit
-    from jaxdp.mesh import axis_name, make_mesh
+    from jaxdp.mesh import axis_name
     from jaxdp.optim import make_optimizer, make_outer_optimizer, make_schedule
 
     # ---- distribution and mesh ---------------------------------------------------------------
     distributed.initialize(config)
     cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
-    mesh = make_mesh(distributed.mesh_devices(config.devices))
+    mesh, strategy = _mesh_and_strategy(config, distributed.mesh_devices(config.devices))
     n_processes, process = jax.process_count(), jax.process_index()
     if config.batch_size % mesh.size:
         raise ConfigError(f"--batch-size={config.batch_size} must be divisible by the number of devices "
@@ -109,7 +131,7 @@ def train(config: Config) -> Any:
     tokens_per_step = rows_per_step * config.seq_len if tokens else None
     flops = getattr(model, "flops_per_token", None)
     result = fit(
-        task.loss_fn, params, tx, batch_at, steps=config.steps, mesh=mesh, strategy=config.strategy, stateful=True,
+        task.loss_fn, params, tx, batch_at, steps=config.steps, mesh=mesh, strategy=strategy, stateful=True,
         model_state=model_state, eval_fn=task.eval_fn, eval_data=held_out, summarize=task.summarize,
         eval_every=config.eval_every, compression=config.compression, sync_every=config.sync_every,
         outer_tx=None if config.sync_every == 1 else outer_tx, sync_fragments=config.sync_fragments,
