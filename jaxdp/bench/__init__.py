@@ -7,9 +7,10 @@
     python -m jaxdp.bench gpt --json g.json        # on a GPU: bf16 GPT-2-small step, tokens/s, MFU
     python -m jaxdp.bench gpt --batch-sizes 16,32 --vs-torch --json g.json   # the same GPT in PyTorch beside it (needs torch)
     python -m jaxdp.bench slowlink --json s.json   # 2 processes over a 1gbit, 100mbit, 10mbit link (root, iproute2)
+    python -m jaxdp.bench hierarchy --rate 100mbit --devices 4   # 2 processes x 4 devices: --hierarchy auto vs flat
     python -m jaxdp.bench localsgd --json l.json --plot l.png   # time to a held-out loss at 10mbit: sync vs --sync-every 16
 
-One module per benchmark (collectives, train, gpt, ddp, slowlink, localsgd; torch_gpt is gpt's PyTorch side,
+One module per benchmark (collectives, train, gpt, ddp, slowlink, hierarchy, localsgd; torch_gpt is gpt's PyTorch side,
 testbed the network namespaces slowlink runs in) says what it measures; `python -m jaxdp.bench <command> --help` lists its flags.
 
 Method: every figure is the median over --repeats; configurations are interleaved within each
