@@ -3,7 +3,9 @@
 On one process the mesh ("hosts", "local") of shape (2, 4) stands for 2 processes x 4 devices: the
 hierarchical collective must equal the flat one over the same 8 devices (the same sum in another
 order), give ZeRO-1 the same chunk per device, carry a codec's hops only across "hosts", and train
-like the flat ring in every mode. The command line's choice is tested across real processes.
+like the flat ring in every mode. Across real processes `--hierarchy auto` is the default, so
+tests/test_multiprocess.py (psum, 2 processes x 4 devices against 1 x 8, and its console line) and
+tests/test_local_sgd.py (ring, 2 x 2 against 1 x 4) compare it with a flat process to 1e-5.
 """
 
 import jax
@@ -14,7 +16,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from helpers import records, step_records
 from jaxdp import compression as C
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
 from jaxdp.models import MLP
@@ -201,38 +202,3 @@ def test_int8_through_the_hierarchy_resumes_bit_identically(meshes, tmp_path):
     assert [x.tobytes() for x in cut_losses + resumed_losses] == [x.tobytes() for x in whole_losses]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.params, whole.params)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.sync, whole.sync)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_sum_hierarchically_by_default_and_say_so(tmp_path):
-    """2 processes x 2 devices, ring + int8: --hierarchy auto (the default) says what it does in one
-    line and trains; the quantized ring crosses processes on 1/2 of the buffer per device. (That
-    auto trains like one flat process: tests/test_multiprocess.py, psum, 2 x 4 against 1 x 8, and
-    tests/test_local_sgd.py, ring, 2 x 2 against 1 x 4, both to 1e-5.)"""
-    import subprocess
-    import sys
-
-    from helpers import ROOT, cli_env, free_port
-
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", "--devices", "2", "--strategy", "ring",
-                               "--compression", "int8", "--batch-size", "64", "--log-every", "1", "--no-progress",
-                               "--steps", "8", "--metrics-file", str(tmp_path / f"m.{i}.jsonl"),
-                               "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
-                               "--process-id", str(i)],
-                              cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:]
-    said = [line for line in outs[0][0].splitlines() if line.startswith("jaxdp: --hierarchy auto")]
-    assert len(said) == 1 and "2 processes x 2 devices" in said[0], outs[0][0]
-    assert not any("--hierarchy" in line for line in outs[1][0].splitlines())  # process 0 speaks
-    steps = step_records(tmp_path / "m.0.jsonl")
-    assert [r["step"] for r in steps] == list(range(1, 9)) and all(np.isfinite(r["loss"]) for r in steps)
-    assert steps[-1]["loss"] < steps[0]["loss"] and steps[-1]["compression_ratio"] > 3
-    assert records(tmp_path / "m.0.jsonl")[-1]["event"] == "done"

@@ -77,6 +77,10 @@ def test_two_processes_train_like_one_process_with_as_many_devices(tmp_path, str
     assert done["eval_accuracy"] == ref_done["eval_accuracy"]
     assert "eval_accuracy=" in (tmp_path / "p0.out").read_text()
     assert "eval_accuracy=" not in (tmp_path / "p1.out").read_text()  # only process 0 prints
+    # --hierarchy auto (the default): psum sums inside each process, then across; host already does
+    said = [line for line in (tmp_path / "p0.out").read_text().splitlines() if line.startswith("jaxdp: --hierarchy")]
+    assert len(said) == (strategy != "host") and all("2 processes x 4 devices" in line for line in said), said
+    assert "--hierarchy" not in (tmp_path / "p1.out").read_text()
 
 
 # ---------------------------------------------------------------------------------------------
