@@ -6,6 +6,11 @@ checked against this module by a test. Codes above 2 come from BSD's sysexits.h 
 
 from __future__ import annotations
 
+import argparse
+import sys
+import traceback
+from typing import Callable
+
 EXIT_OK = 0
 EXIT_ERROR = 1            # anything unexpected: a bug or an environment problem (--debug: traceback)
 EXIT_BAD_INPUT = 2        # bad flags, files or config: one line on stderr, nothing changed on disk
@@ -47,3 +52,33 @@ class CheckpointWriteError(RuntimeError):
     The message is one line that names the step and the directory. Earlier checkpoints are intact;
     the failed save is left as `<step>.orbax-checkpoint-tmp`, which is never restored.
     """
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse for the tools (sample, export, prepare): a usage error raises InputError, so it is
+    one line on stderr and exit code 2, without the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InputError(message)
+
+
+def run_tool(body: Callable[[], int], *, debug: bool, describe: Callable[[InputError], str] = str) -> int:
+    """A tool's `main` around `body` (which returns its exit code): bad input is one line
+    `jaxdp: error: ...` (`describe` puts it in flag terms) and EXIT_BAD_INPUT, Ctrl-C is
+    EXIT_INTERRUPTED, anything else one line and EXIT_ERROR; `debug` (--debug) adds the traceback."""
+    try:
+        return body()
+    except InputError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"jaxdp: error: {describe(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("jaxdp: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:  # a bug or an environment problem: one line
+        if debug:
+            traceback.print_exc()
+        else:
+            print(f"jaxdp: error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_ERROR

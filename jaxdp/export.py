@@ -20,23 +20,15 @@ import os
 import shutil
 import sys
 import tomllib
-import traceback
 from typing import Any, Sequence
 
-from jaxdp.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, InputError
+from jaxdp.errors import EXIT_OK, InputError, OneLineParser, run_tool
 
 FORMATS = ("hf",)  # hf: a Hugging Face GPT-2 directory
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line on stderr and exit code 2, without the usage block."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise InputError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m jaxdp.export", allow_abbrev=False,
+    parser = OneLineParser(prog="python -m jaxdp.export", allow_abbrev=False,
                      description="Write the model of a jaxdp run's checkpoint in another library's format.")
     parser.add_argument("out", metavar="OUT", help="the directory to write (made if missing)")
     parser.add_argument("--checkpoint-dir", required=True, metavar="PATH",
@@ -78,29 +70,16 @@ def _load_model(checkpoint_dir: str, step: int | None) -> tuple[Any, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxdp.export ARGS`, returning the exit code (jaxdp/errors.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    try:
+
+    def body() -> int:
         args = build_parser().parse_args(argv)
         export(args.checkpoint_dir, args.out, args.step)
-    except InputError as err:
-        if debug:
-            traceback.print_exc()
-        message = f"--checkpoint-dir: {err}" if err.argument == "directory" else str(err)
-        print(f"jaxdp: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("jaxdp: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as err:  # a bug or an environment problem: one line
-        if debug:
-            traceback.print_exc()
-        else:
-            print(f"jaxdp: error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
-        return EXIT_ERROR
-    print(f"wrote {args.out} (config.json, model.safetensors): transformers.GPT2LMHeadModel.from_pretrained"
-          f"({args.out!r}) loads it")
-    return EXIT_OK
+        print(f"wrote {args.out} (config.json, model.safetensors): transformers.GPT2LMHeadModel.from_pretrained"
+              f"({args.out!r}) loads it")
+        return EXIT_OK
 
+    return run_tool(body, debug="--debug" in argv,
+                    describe=lambda err: f"--checkpoint-dir: {err}" if err.argument == "directory" else str(err))
 
 if __name__ == "__main__":
     sys.exit(main())

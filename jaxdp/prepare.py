@@ -25,18 +25,13 @@ import shlex
 import sys
 from typing import Sequence
 
-from jaxdp.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, InputError
+from jaxdp.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, InputError, OneLineParser
 
 FLAGS = {"tokenizer": "--tokenizer", "dataset": "--input", "vocab_size": "--train-tokenizer"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise InputError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m jaxdp.prepare", allow_abbrev=False,
+    parser = OneLineParser(prog="python -m jaxdp.prepare", allow_abbrev=False,
                      description="Encode a UTF-8 text file with a Hugging Face tokenizer into a .bin of token ids "
                                  "(uint16, or uint32 above 65536 tokens) for python -m jaxdp.train --model gpt.")
     parser.add_argument("--input", required=True, metavar="TEXT_FILE", help="the UTF-8 text to encode")

@@ -22,10 +22,9 @@ import argparse
 import os
 import sys
 import tomllib
-import traceback
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxdp.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, InputError
+from jaxdp.errors import EXIT_OK, InputError, OneLineParser, run_tool
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[Sequence[int]], str]
@@ -35,15 +34,8 @@ FLAG_OF_ARGUMENT = {"directory": "--checkpoint-dir", "max_new_tokens": "--max-ne
                     "top_k": "--top-k", "seed": "--seed", "prompt_ids": "--prompt-ids", "prompt": "--prompt"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line on stderr and exit code 2, without the usage block."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise InputError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m jaxdp.sample", allow_abbrev=False,
+    parser = OneLineParser(prog="python -m jaxdp.sample", allow_abbrev=False,
                      description="Continue a prompt with the language model of a jaxdp run's checkpoint.")
     parser.add_argument("--checkpoint-dir", required=True, metavar="PATH",
                         help="the --checkpoint-dir of a python -m jaxdp.train run (its config.toml and checkpoints)")
@@ -167,26 +159,12 @@ def _load_model(checkpoint_dir: str, step: int | None) -> tuple[Any, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m jaxdp.sample ARGS`, returning the exit code (jaxdp/errors.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
-    try:
-        text = sample(build_parser().parse_args(argv))
-    except InputError as err:
-        if debug:
-            traceback.print_exc()
-        print(f"jaxdp: error: {cli_message(err)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("jaxdp: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as err:  # a bug or an environment problem: one line
-        if debug:
-            traceback.print_exc()
-        else:
-            print(f"jaxdp: error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
-        return EXIT_ERROR
-    print(text)
-    return EXIT_OK
 
+    def body() -> int:
+        print(sample(build_parser().parse_args(argv)))
+        return EXIT_OK
+
+    return run_tool(body, debug="--debug" in argv, describe=cli_message)
 
 def cli_message(err: InputError) -> str:
     """A library's InputError in flag terms: "temperature must be ..." as "--temperature must be ...",
