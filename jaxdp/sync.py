@@ -362,64 +362,52 @@ def hierarchical(strategy: Any) -> Collective:
     if base.sum is None:
         raise ValueError(f"hierarchical: strategy {base.name!r} has no sum over devices (Collective.sum)")
 
-    def mean(tree: Tree, axis: Any) -> Tree:
-        split = _two_levels(axis)
-        if split is None:
-            return base(tree, axis)
-        outer, inner = split
+    def mean(tree: Tree, outer: Any, inner: str) -> Tree:
         return fused(lambda flat: _across(flat, inner, lambda block: base(block, outer),
                                           1.0 / jax.lax.axis_size(inner)), tree)
 
-    def total(tree: Tree, axis: Any) -> Tree:
-        split = _two_levels(axis)
-        if split is None:
-            return base.sum(tree, axis)
-        outer, inner = split
+    def total(tree: Tree, outer: Any, inner: str) -> Tree:
         return fused(lambda flat: _across(flat, inner, lambda block: base.sum(block, outer)), tree)
 
-    halves = None
-    if base.halves is not None:
-        def reduce_scatter(padded: jax.Array, axis: Any) -> jax.Array:
-            split = _two_levels(axis)
-            if split is None:
-                return base.halves.reduce_scatter(padded, axis)
-            outer, inner = split
-            hosts, local = jax.lax.axis_size(outer), jax.lax.axis_size(inner)
-            # chunk h G + l must end on device (h, l): order the chunks local-major, so that the
-            # local reduce-scatter's block l holds chunks (0, l), (1, l), ... for the ring across hosts
-            by_local = padded.reshape(hosts, local, -1).swapaxes(0, 1).reshape(-1)
-            block = jax.lax.psum_scatter(by_local, inner, tiled=True) / local
-            return base.halves.reduce_scatter(block, outer)
+    def reduce_scatter(padded: jax.Array, outer: Any, inner: str) -> jax.Array:
+        hosts, local = jax.lax.axis_size(outer), jax.lax.axis_size(inner)
+        # chunk h G + l must end on device (h, l): order the chunks local-major, so that the
+        # local reduce-scatter's block l holds chunks (0, l), (1, l), ... for the ring across hosts
+        by_local = padded.reshape(hosts, local, -1).swapaxes(0, 1).reshape(-1)
+        block = jax.lax.psum_scatter(by_local, inner, tiled=True) / local
+        return base.halves.reduce_scatter(block, outer)
 
-        def all_gather(owned: jax.Array, axis: Any) -> jax.Array:
-            split = _two_levels(axis)
-            if split is None:
-                return base.halves.all_gather(owned, axis)
-            outer, inner = split
-            hosts, local = jax.lax.axis_size(outer), jax.lax.axis_size(inner)
-            by_local = jax.lax.all_gather(base.halves.all_gather(owned, outer), inner, tiled=True)
-            return by_local.reshape(local, hosts, -1).swapaxes(0, 1).reshape(-1)
+    def all_gather(owned: jax.Array, outer: Any, inner: str) -> jax.Array:
+        hosts, local = jax.lax.axis_size(outer), jax.lax.axis_size(inner)
+        by_local = jax.lax.all_gather(base.halves.all_gather(owned, outer), inner, tiled=True)
+        return by_local.reshape(local, hosts, -1).swapaxes(0, 1).reshape(-1)
 
-        halves = Halves(reduce_scatter, all_gather)
+    def coded_sum(padded: jax.Array, outer: Any, inner: str, wire: Any,
+                  exact: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        block = jax.lax.psum_scatter(padded, inner, tiled=True)  # exact, inside the process
+        riding = None if exact is None else jax.lax.psum(exact, inner)
+        got, left, riding = base.coded_sum(block, outer, wire, riding)
+        # what this device's encodings left out sits at its block's place; over all devices the
+        # residuals still add up to (exact sum - returned sum), so error feedback is unchanged
+        residual = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(padded), left,
+                                                       jax.lax.axis_index(inner) * block.shape[0], 0)
+        return jax.lax.all_gather(got, inner, tiled=True), residual, riding
 
-    coded_sum = None
-    if base.coded_sum is not None:
-        def coded_sum(padded: jax.Array, axis: Any, wire: Any,
-                      exact: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-            split = _two_levels(axis)
-            if split is None:
-                return base.coded_sum(padded, axis, wire, exact)
-            outer, inner = split
-            block = jax.lax.psum_scatter(padded, inner, tiled=True)  # exact, inside the process
-            riding = None if exact is None else jax.lax.psum(exact, inner)
-            got, left, riding = base.coded_sum(block, outer, wire, riding)
-            # what this device's encodings left out sits at its block's place; over all devices the
-            # residuals still add up to (exact sum - returned sum), so error feedback is unchanged
-            residual = jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(padded), left,
-                                                           jax.lax.axis_index(inner) * block.shape[0], 0)
-            return jax.lax.all_gather(got, inner, tiled=True), residual, riding
+    halves = None if base.halves is None else Halves(_two_level(base.halves.reduce_scatter, reduce_scatter),
+                                                     _two_level(base.halves.all_gather, all_gather))
+    return Collective(base.name, mean=_two_level(base, mean), sum=_two_level(base.sum, total), halves=halves,
+                      coded_sum=None if base.coded_sum is None else _two_level(base.coded_sum, coded_sum),
+                      hierarchical=True)
 
-    return Collective(base.name, mean=mean, sum=total, halves=halves, coded_sum=coded_sum, hierarchical=True)
+
+def _two_level(flat: Callable[..., Any], two: Callable[..., Any]) -> Callable[..., Any]:
+    """`flat(x, axis, *rest)` on a mesh of one data axis; `two(x, outer, inner, *rest)` on a mesh of
+    several (`_two_levels`)."""
+    def call(x: Any, axis: Any, *rest: Any, **named: Any) -> Any:
+        split = _two_levels(axis)
+        return flat(x, axis, *rest, **named) if split is None else two(x, *split, *rest, **named)
+
+    return call
 
 
 def _two_levels(axis: Any) -> tuple[Any, str] | None:
