@@ -17,14 +17,12 @@ reported beside it: the two sum the same numbers in another order.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 from typing import Any
 
 from jaxdp.bench import testbed
 from jaxdp.bench.report import print_table, write_json
-from jaxdp.bench.slowlink import run_training
+from jaxdp.bench.slowlink import add_run_flags, run_training, train_flags
 
 
 def register(subparsers: Any) -> None:
@@ -35,25 +33,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--strategy", default="ring", choices=("ring", "psum"))
     p.add_argument("--compressions", type=lambda t: t.split(","), default=["none"],
                    help="comma-separated --compression values, one pair of runs each (int8, int4: ring only)")
-    p.add_argument("--steps", type=int, default=200, help="steps per run")
-    p.add_argument("--log-every", type=int, default=20, help="steps per repeat (a log interval of the run)")
-    p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    p.add_argument("--json")
+    add_run_flags(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    reason = testbed.unavailable_reason()
-    if reason:
-        print(f"jaxdp.bench: hierarchy: {reason}", file=sys.stderr)
-        raise SystemExit(2)
+    testbed.require("hierarchy")
     if args.devices < 2:
         raise SystemExit("jaxdp.bench: hierarchy: --devices must be at least 2 (one device per process has no "
                          "hierarchy)")
     testbed.parse_rate(args.rate)
-    flags = ["--steps", str(args.steps), "--log-every", str(args.log_every), "--strategy", args.strategy,
-             *shlex.split(args.train_args)]
+    flags = [*train_flags(args), "--strategy", args.strategy]
     results = []
     with testbed.Testbed(num_hosts=2, rate=args.rate) as bed:
         for i, compression in enumerate(args.compressions):

@@ -24,7 +24,6 @@ import argparse
 import glob
 import os
 import shlex
-import sys
 import tempfile
 from typing import Any
 
@@ -101,10 +100,7 @@ def default_corpus(directory: str) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    reason = testbed.unavailable_reason()
-    if reason:
-        print(f"jaxdp.bench: localsgd: {reason}", file=sys.stderr)
-        raise SystemExit(2)
+    testbed.require("localsgd")
     rate = None if args.rate == slowlink.UNSHAPED else args.rate
     if rate:
         testbed.parse_rate(rate)

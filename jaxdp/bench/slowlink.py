@@ -115,24 +115,32 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rates", type=lambda t: t.split(","), default=[UNSHAPED, "1gbit", "100mbit", "10mbit"],
                    help=f"link rates in tc's syntax, or {UNSHAPED}")
     p.add_argument("--strategies", type=lambda t: t.split(","), default=["psum", "ring"])
-    p.add_argument("--steps", type=int, default=200, help="steps per run")
-    p.add_argument("--log-every", type=int, default=20, help="steps per repeat (a log interval of the run)")
-    p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
+    add_run_flags(p)
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not give each process its own core")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    p.add_argument("--json")
     p.set_defaults(run=run)
 
 
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a benchmark made of one `run_training` per cell, its log intervals the repeats:
+    --steps, --log-every, --train-args, --timeout, --json; `train_flags(args)` turns them into flags."""
+    p.add_argument("--steps", type=int, default=200, help="steps per run")
+    p.add_argument("--log-every", type=int, default=20, help="steps per repeat (a log interval of the run)")
+    p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--json")
+
+
+def train_flags(args: argparse.Namespace) -> list[str]:
+    """The jaxdp.train flags `add_run_flags` asked for."""
+    return ["--steps", str(args.steps), "--log-every", str(args.log_every), *shlex.split(args.train_args)]
+
+
 def run(args: argparse.Namespace) -> list[dict]:
-    reason = testbed.unavailable_reason()
-    if reason:
-        print(f"jaxdp.bench: slowlink: {reason}", file=sys.stderr)
-        raise SystemExit(2)
+    testbed.require("slowlink")
     for rate in args.rates:
         if rate != UNSHAPED:
             testbed.parse_rate(rate)  # a bad rate fails before the first run, not after it
-    flags = ["--steps", str(args.steps), "--log-every", str(args.log_every), *shlex.split(args.train_args)]
+    flags = train_flags(args)
     results = []
     for rate in args.rates:
         row: dict[str, Any] = {"rate": rate}

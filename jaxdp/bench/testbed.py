@@ -38,6 +38,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from typing import Mapping, Sequence
 
 from jaxdp.errors import InputError
@@ -94,6 +95,15 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
+def require(command: str) -> None:
+    """A benchmark's first act: exit 2 with one line (`jaxdp.bench: COMMAND: why`) where no testbed
+    can be built here."""
+    reason = unavailable_reason()
+    if reason:
+        print(f"jaxdp.bench: {command}: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def has_netem() -> bool:
     """Whether this kernel has the netem qdisc (added latency); probed once in a scratch namespace."""
     probe = f"{PREFIX}-{os.getpid()}-netem"
