@@ -19,6 +19,35 @@ from jaxdp.workers import free_port  # noqa: F401 - tests take it from here
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def mlp_problem():
+    """The small classification problem of the in-process training tests: jaxdp's MLP (12 inputs,
+    one hidden layer of 32, 10 classes) and its cross-entropy loss, as (params, loss_fn)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxdp.models import MLP
+
+    model = MLP(hidden=(32,))
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
+
+    def loss_fn(p, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, batch["x"]), batch["y"]).mean()
+
+    return params, loss_fn
+
+
+def mlp_batches(n_steps: int, batch: int = 64, seed: int = 0):
+    """`n_steps` host batches for `mlp_problem`, labelled by a fixed random linear teacher (learnable)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((12, 10)).astype(np.float32)
+    for _ in range(n_steps):
+        x = rng.standard_normal((batch, 12)).astype(np.float32)
+        yield {"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int32)}
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """Environment for a CLI subprocess: no inherited device-count flag, so the CLI decides."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -9,16 +9,15 @@ tests/test_local_sgd.py (ring, 2 x 2 against 1 x 4) compare it with a flat proce
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
+from helpers import mlp_batches, mlp_problem
 from jaxdp import compression as C
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.models import MLP
 from jaxdp.sync import as_collective, hierarchical
 
 TWO = ("hosts", "local")
@@ -100,27 +99,14 @@ def test_a_codec_quantizes_only_across_hosts_and_its_residuals_telescope(meshes,
     assert text.count("collective_permute") == 2
 
 
-def setup():
-    model = MLP(hidden=(32,))
-    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
-
-    def loss_fn(p, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, batch["x"]), batch["y"]).mean()
-
-    return params, loss_fn
-
-
 def train_steps(mesh, strategy, steps=12, **options):
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     state = jaxdp.init_state(params, tx, mesh, **options)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy=strategy, **options)
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((12, 10)).astype(np.float32)
     losses = []
-    for _ in range(steps):
-        x = rng.standard_normal((64, 12)).astype(np.float32)
-        state, metrics = step(state, jaxdp.shard_batch({"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int32)}, mesh))
+    for batch in mlp_batches(steps):
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
     return state, losses
 
@@ -170,16 +156,11 @@ def test_int8_through_the_hierarchy_resumes_bit_identically(meshes, tmp_path):
     """Stop at 4, restore from disk onto a fresh state, go on to 8: the uninterrupted run's bits
     (error feedback laid out by the hierarchy, in state.sync, saved and restored)."""
     _, two_mesh = meshes
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     strategy = jaxdp.hierarchical("ring")
     step = jaxdp.make_train_step(loss_fn, tx, two_mesh, strategy=strategy, compression="int8")
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((12, 10)).astype(np.float32)
-    data = []
-    for _ in range(8):
-        x = rng.standard_normal((64, 12)).astype(np.float32)
-        data.append({"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int32)})
+    data = list(mlp_batches(8))
 
     def fresh():
         return jaxdp.init_state(params, tx, two_mesh, compression="int8")

@@ -12,40 +12,21 @@ import optax
 import pytest
 
 import jaxdp
-from helpers import ROOT, cli_env, records, step_records
+from helpers import ROOT, cli_env, mlp_batches, mlp_problem, records, step_records
 from jaxdp import local_sgd
 from jaxdp.config import parse_args
-from jaxdp.models import MLP
 from jaxdp.train import train
 
 STEPS = 12
 DILOCO = lambda: optax.sgd(0.7, momentum=0.9, nesterov=True)  # noqa: E731
 
 
-def batches(n_steps, batch=64, seed=0):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((12, 10)).astype(np.float32)
-    for _ in range(n_steps):
-        x = rng.standard_normal((batch, 12)).astype(np.float32)
-        yield {"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int32)}  # learnable labels
-
-
-def setup():
-    model = MLP(hidden=(32,))
-    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
-
-    def loss_fn(p, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, batch["x"]), batch["y"]).mean()
-
-    return params, loss_fn
-
-
 def train_steps(mesh, tx, strategy="psum", steps=STEPS, **local):
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     state = jaxdp.init_state(params, tx, mesh, **local)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy=strategy, **local)
     losses, synced = [], []
-    for batch in batches(steps):
+    for batch in mlp_batches(steps):
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
         synced.append(float(metrics.get("synced", 1.0)))
@@ -76,14 +57,14 @@ def test_h4_differs_from_synchronous_but_trains(devices):
 
 def test_replicas_diverge_between_syncs_and_equal_the_global_params_after_a_sync(devices):
     mesh = jaxdp.make_mesh(devices)
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.sgd(0.1)
     state = jaxdp.init_state(params, tx, mesh, sync_every=3, outer_tx=DILOCO())
     step = jaxdp.make_train_step(loss_fn, tx, mesh, sync_every=3, outer_tx=DILOCO())
     assert state.opt_state == () and local_sgd.is_local(state)
     rows = state.sync.per_device[local_sgd.STATE_NAME]["params"]
     assert all(leaf.sharding.spec == jax.sharding.PartitionSpec(jaxdp.DATA_AXIS) for leaf in jax.tree.leaves(rows))
-    for i, batch in enumerate(batches(6)):
+    for i, batch in enumerate(mlp_batches(6)):
         before = jax.device_get(state.params)
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         replicas = jax.device_get(state.sync.per_device[local_sgd.STATE_NAME]["params"])
@@ -102,12 +83,12 @@ def test_replicas_diverge_between_syncs_and_equal_the_global_params_after_a_sync
 @pytest.mark.parametrize("spec", ["bf16", "powersgd:2"])
 def test_compressed_pseudo_gradients_train(devices, spec):
     mesh = jaxdp.make_mesh(devices)
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     state = jaxdp.init_state(params, tx, mesh, sync_every=4, outer_tx=DILOCO(), compression=spec)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, sync_every=4, outer_tx=DILOCO(), compression=spec)
     losses, ratios = [], []
-    for batch in batches(24):
+    for batch in mlp_batches(24):
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
         ratios.append(float(metrics["compression_ratio"]))
@@ -117,13 +98,13 @@ def test_compressed_pseudo_gradients_train(devices, spec):
 
 def test_powersgd_compresses_each_fragment(devices):
     mesh = jaxdp.make_mesh(devices)
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     local = dict(sync_every=4, sync_fragments=2, outer_tx=DILOCO(), compression="powersgd:2")
     state = jaxdp.init_state(params, tx, mesh, **local)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, **local)
     losses, sent = [], []
-    for batch in batches(24):
+    for batch in mlp_batches(24):
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         losses.append(float(metrics["loss"]))
         sent.append(float(metrics["comm_bytes"]))
@@ -133,7 +114,7 @@ def test_powersgd_compresses_each_fragment(devices):
 
 def test_bad_combinations_raise_one_line(devices):
     mesh = jaxdp.make_mesh(devices)
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.sgd(0.1)
     for kwargs, needle in [({"strategy": "host"}, "apply to strategy 'host'"),
                            ({"shard_optimizer": True}, "do not combine")]:
@@ -144,7 +125,7 @@ def test_bad_combinations_raise_one_line(devices):
     state = jaxdp.init_state(params, tx, mesh)  # synchronous state, local step
     step = jaxdp.make_train_step(loss_fn, tx, mesh, sync_every=4)
     with pytest.raises(ValueError, match="pass the same sync_every"):
-        step(state, jaxdp.shard_batch(next(batches(1)), mesh))
+        step(state, jaxdp.shard_batch(next(mlp_batches(1)), mesh))
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -174,12 +155,12 @@ def test_resume_in_the_middle_of_a_period_is_bit_identical(tmp_path, fragments):
 
 
 def test_restore_on_another_device_count_gives_each_device_the_mean_replica(devices, tmp_path):
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.adam(1e-2)
     eight, four = jaxdp.make_mesh(devices), jaxdp.make_mesh(devices[:4])
     state = jaxdp.init_state(params, tx, eight, sync_every=4, outer_tx=DILOCO())
     step = jaxdp.make_train_step(loss_fn, tx, eight, sync_every=4, outer_tx=DILOCO())
-    for batch in batches(6):  # two steps into the second period: the replicas differ
+    for batch in mlp_batches(6):  # two steps into the second period: the replicas differ
         state, _ = step(state, jaxdp.shard_batch(batch, eight))
     with jaxdp.Checkpointer(tmp_path) as ckpt:
         ckpt.save(state)
@@ -195,7 +176,7 @@ def test_restore_on_another_device_count_gives_each_device_the_mean_replica(devi
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.sync.shared), jax.device_get(state.sync.shared))
     # The next sync's mean pseudo-gradient is unchanged by the move: global - mean(replicas).
     step4 = jaxdp.make_train_step(loss_fn, tx, four, sync_every=4, outer_tx=DILOCO())
-    for batch in batches(2, seed=1):
+    for batch in mlp_batches(2, seed=1):
         restored, metrics = step4(restored, jaxdp.shard_batch(batch, four))
     assert int(restored.step) == 8 and float(metrics["synced"]) == 1 and np.isfinite(float(metrics["loss"]))
 
@@ -305,7 +286,7 @@ def test_fragments_are_contiguous_balanced_and_cover_every_leaf():
 
 def test_each_fragment_syncs_in_turn_every_h_over_f_steps(devices):
     mesh = jaxdp.make_mesh(devices)
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.sgd(0.1)
     local = dict(sync_every=4, sync_fragments=2, outer_tx=DILOCO())
     state = jaxdp.init_state(params, tx, mesh, **local)
@@ -313,7 +294,7 @@ def test_each_fragment_syncs_in_turn_every_h_over_f_steps(devices):
     groups = local_sgd.fragments(params, 2)
     assert len(state.sync.shared[local_sgd.OUTER_NAME]) == 2
     full = None
-    for i, batch in enumerate(batches(8)):
+    for i, batch in enumerate(mlp_batches(8)):
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         replicas = jax.tree.leaves(jax.device_get(state.sync.per_device[local_sgd.STATE_NAME]["params"]))
         glob = jax.tree.leaves(jax.device_get(state.params))

@@ -12,12 +12,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from helpers import ROOT, cli_env, records
+from helpers import ROOT, cli_env, mlp_batches, mlp_problem, records
 from jaxdp import compression as C, syncspec
 from jaxdp.config import parse_args
 from jaxdp.errors import InputError
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.models import MLP
 from jaxdp.sync import ring_coded_allreduce
 from jaxdp.train import train
 
@@ -94,31 +93,13 @@ def test_payload_counts_the_values_and_scales_sent(devices):
     assert C.uncompressed_bytes(params) / C.parse("int8").payload_bytes(params) > 3.9
 
 
-def setup():
-    model = MLP(hidden=(32,))
-    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
-
-    def loss_fn(p, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, batch["x"]), batch["y"]).mean()
-
-    return params, loss_fn
-
-
-def batches(n_steps, batch=64, seed=0):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((12, 10)).astype(np.float32)
-    for _ in range(n_steps):
-        x = rng.standard_normal((batch, 12)).astype(np.float32)
-        yield {"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int32)}
-
-
 def run_steps(mesh, compression, steps=30, **local):
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.sgd(0.1, momentum=0.9)
     state = jaxdp.init_state(params, tx, mesh, compression=compression, **local)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", compression=compression, **local)
     history = []
-    for batch in batches(steps):
+    for batch in mlp_batches(steps):
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         history.append(jax.device_get(metrics))
     return state, history
@@ -155,7 +136,7 @@ def test_local_steps_average_pseudo_gradients_through_int8(devices):
 
 def test_psum_refuses_quantized_compression(devices):
     with pytest.raises(InputError, match="requantizes at every hop.*use ring"):
-        jaxdp.make_train_step(setup()[1], optax.sgd(0.1), make_mesh(devices), strategy="psum", compression="int8")
+        jaxdp.make_train_step(mlp_problem()[1], optax.sgd(0.1), make_mesh(devices), strategy="psum", compression="int8")
     probe = "import sys; from jaxdp.train import main; code = main(sys.argv[1:]); print('jax' in sys.modules); sys.exit(code)"
     proc = subprocess.run([sys.executable, "-c", probe, "--strategy", "psum", "--compression", "int4", "--steps", "1",
                            "--no-progress"], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=120)
@@ -184,8 +165,8 @@ def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
 
 def test_a_state_without_error_feedback_is_refused_with_the_codec_to_make_it_for(devices):
     mesh = make_mesh(devices)
-    params, loss_fn = setup()
+    params, loss_fn = mlp_problem()
     tx = optax.sgd(0.1)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", compression="int4")
     with pytest.raises(Exception, match=r"compression='int4'"):
-        step(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(next(batches(1)), mesh))
+        step(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(next(mlp_batches(1)), mesh))
