@@ -50,8 +50,8 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
 
     processes = len({d.process_index for d in devices})
     local = len(devices) // processes
-    if (config.hierarchy == "flat" or processes == 1 or local == 1
-            or not {"sum"} <= syncspec.abilities(config.strategy) or "host" in syncspec.abilities(config.strategy)):
+    abilities = syncspec.abilities(config.strategy)
+    if config.hierarchy == "flat" or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:
         return make_mesh(devices), config.strategy
     if jax.process_index() == 0:
         print(f"jaxdp: --hierarchy auto: {processes} processes x {local} devices: each process sums its devices' "
