@@ -73,6 +73,7 @@ class Config:
     sync_every: int | str = _field(1, "optimisation", "local steps (DiLoCo): every device trains its own replica and the replicas are averaged every N steps through --outer-optimizer (psum, ring); 1: synchronous training, gradients averaged every step; auto: measure the step's compute and all-reduce time at the start and average every step if the link keeps up, else every H steps, H a power of two up to 16 (a resumed run keeps the H its checkpoint recorded)", metavar="{N,auto}")
     outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
     sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
+    sync_seconds: float = _field(0.0, "optimisation", "workers at their own pace: local steps in rounds of S seconds of wall clock; every process takes as many steps as it manages in S seconds, then the pseudo-gradients are averaged weighted by the examples each process trained on, through --outer-optimizer (psum, ring; instead of --sync-every; 0: off)", metavar="S")
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
     outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
     compression: str = _field("none", "optimisation", "gradient compression on the way through the strategy: none, bf16, int8 or int4 (blockwise quantized, requantized at every hop of --strategy ring, error feedback), powersgd:RANK[:start=STEP] (low rank, error feedback), or auto: measure compute and all-reduce time and compress only as much as the link needs")
@@ -241,8 +242,18 @@ def _check_inputs(config: Config) -> None:
     if config.sync_fragments < 1 or (not auto_sync and config.sync_every % config.sync_fragments):
         raise ConfigError(f"--sync-fragments={config.sync_fragments} must be a positive integer that divides "
                           f"--sync-every={config.sync_every}")
-    _check_combinations(config, local=auto_sync or config.sync_every > 1)  # auto may choose local steps
-    if auto_sync or config.sync_every > 1:
+    paced = config.sync_seconds != 0
+    if paced:
+        if not math.isfinite(config.sync_seconds) or config.sync_seconds < 0:
+            raise ConfigError(f"--sync-seconds must be a positive number of seconds (0: off), got {config.sync_seconds}")
+        clash = ("--sync-every", config.sync_every) if config.sync_every != 1 else ("--compression", "auto") \
+            if config.compression == "auto" else ("--sync-fragments", config.sync_fragments) \
+            if config.sync_fragments != 1 else ("--shard-optimizer", "true") if config.shard_optimizer else None
+        if clash:
+            raise ConfigError(f"--sync-seconds does not combine with {clash[0]}={clash[1]}: the rounds are "
+                              f"--sync-seconds long, with one fixed --compression; drop one of them")
+    _check_combinations(config, local=auto_sync or config.sync_every > 1 or paced)  # auto may choose local steps
+    if auto_sync or config.sync_every > 1 or paced:
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
             raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")
         if not math.isfinite(config.outer_momentum) or not 0 <= config.outer_momentum < 1:

@@ -68,7 +68,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         eval_fn: Callable | None = None, eval_data: Any = None, summarize: Callable | None = None,
         eval_every: int = 0,
         compression: Any = "none", sync_every: int | str = 1, outer_tx: Any = None, sync_fragments: int = 1,
-        shard_optimizer: bool = False, grad_accum: int = 1, comm_target: float = 0.25,
+        sync_seconds: Any = None, shard_optimizer: bool = False, grad_accum: int = 1, comm_target: float = 0.25,
         compression_every: int = 500,
         checkpoint_dir: str | None = None, save_every: int = 0, keep: int = 3,
         metrics_file: str | None = None, log_dir: str | None = None, wandb_project: str | None = None,
@@ -90,7 +90,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     """
     import jax
 
-    from jaxdp import controller as controller_lib, heartbeat, local_sgd, runtime, syncspec, zero
+    from jaxdp import controller as controller_lib, exchange, heartbeat, local_sgd, paced, runtime, syncspec, zero
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.compression import bytes_sent, uncompressed_bytes
     from jaxdp.config import config_toml
@@ -114,6 +114,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     # watch before it loads its data and passes it in; it is stopped here either way).
     beat = heartbeat.for_run(stall_timeout) if watch is None else watch
 
+    if sync_seconds is not None:  # workers at their own pace (jaxdp/paced.py)
+        _check_paced(sync_seconds, data, mesh, strategy, compression, sync_every, sync_fragments, shard_optimizer)
+        outer_tx = local_sgd.default_outer(outer_tx)  # local steps, with rounds of time instead of H
     batch_at = _batch_function(data, mesh)
     cache_hits = runtime.CacheHits()  # compiled programs loaded from JAX's persistent cache
 
@@ -128,9 +131,14 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                                       sync_fragments=sync_fragments, outer_tx=outer_tx, shard_optimizer=shard_optimizer)
 
         def new_state(spec: Any) -> Any:
-            return init_state(params, tx, mesh, model_state=model_state, rng=seed,
+            made = init_state(params, tx, mesh, model_state=model_state, rng=seed,
                               shard_optimizer=spec.shard_optimizer, compression=spec.compression,
                               sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
+            if sync_seconds is None:
+                return made
+            rows, shared = paced.init_sync(mesh)
+            return made.replace(sync=made.sync.replace(per_device={**made.sync.per_device, **rows},
+                                                       shared={**made.sync.shared, **shared}))
 
         steps_by_spec: dict[Any, Any] = {}
 
@@ -143,10 +151,14 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             return steps_by_spec[spec]
 
         sync_auto = sync_every == syncspec.AUTO
-        begun = controller_lib.start(
-            requested, mesh, params, make_state=new_state, make_step=step_for,
-            batches=lambda k: [batch_at(i) for i in range(k)], target_fraction=comm_target,
-            recorded=checkpointer.recorded_meta() if checkpointer and sync_auto else None)
+        if sync_seconds is not None:  # nothing "auto" to resolve (_check_paced); local steps at any H
+            fixed = requested.replace(compression=None if compression == "none" else exchange.codec(compression))
+            begun = controller_lib.Start(fixed, requested, [], None, False, None, False)
+        else:
+            begun = controller_lib.start(
+                requested, mesh, params, make_state=new_state, make_step=step_for,
+                batches=lambda k: [batch_at(i) for i in range(k)], target_fraction=comm_target,
+                recorded=checkpointer.recorded_meta() if checkpointer and sync_auto else None)
         spec, controller, early = begun.spec, begun.controller, begun.records
         state = begun.state if begun.state is not None else new_state(begun.state_spec)
         train_step = step_for(spec)
@@ -165,6 +177,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
         if checkpointer:
             state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
+            if sync_seconds is not None:
+                paced.check_state(state)
             if int(state.step) > steps:
                 raise InputError(f"checkpoint directory {checkpointer.directory!r} holds step {int(state.step)}, past "
                                  f"steps={steps}; raise steps to train further or use another checkpoint directory",
@@ -228,9 +242,16 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         return dict(last_checked)
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
-    batches = Prefetcher(batch_at, start_step, steps, depth=prefetch)
+    batches = Prefetcher(batch_at, start_step, steps if sync_seconds is None else start_step, depth=prefetch)
     summary: dict[str, Any] = {}
     try:
+        if sync_seconds is not None:
+            rounds = paced.Rounds(train_step.local_grads, tx, mesh, spec.strategy, spec.compression, outer_tx,
+                                  sync_seconds, data, examples_per_step)
+            state, done, preempted = paced.train(
+                rounds, state, steps=steps, writer=writer, history=history, beat=beat, checkpointer=checkpointer,
+                preemption=preemption, evaluate=evaluate if eval_step is not None else None, eval_every=eval_every,
+                is_main=is_main)
         for step, batch in batches:
             first = step == start_step and not begun.decided  # --sync-every auto decided compression already
             if controller and (first or (step > start_step and compression_every
@@ -290,7 +311,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             summary = {**held_out, "strategy": syncspec.strategy_name(spec.strategy), "devices": mesh.size,
                        "processes": n_processes, "startup_s": startup_s, "compile_s": writer.compile_s,
                        "compile_cache_hits": cache_hits.hits}
-            summary = writer.done(steps, summary)
+            summary = writer.done(done, summary)
     except Diverged as err:  # nothing non-finite was saved: the check runs before every save
         writer.event("diverged", err.step, metric=err.name, value=err.value)
         err.last_checkpoint = checkpointer.latest_step() if checkpointer else None
@@ -317,6 +338,28 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
     timings = {"startup_s": startup_s, "compile_s": writer.compile_s or 0.0, "decided_s": decided_s}
     return Result(state=state, history=history, summary=summary, timings=timings)
+
+
+def _check_paced(sync_seconds: Any, data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any,
+                 sync_fragments: int, shard_optimizer: bool) -> None:
+    """InputError for what `sync_seconds` (jaxdp/paced.py) does not combine with."""
+    from jaxdp import paced
+    from jaxdp.errors import InputError
+    from jaxdp.sync import as_collective
+
+    paced.check(sync_seconds, mesh)
+    clash = ("sync_every", f"sync_every={sync_every!r}: the round is sync_seconds long, not H steps") \
+        if sync_every != 1 else ("compression", "compression auto: choose one (none, bf16, int8, ...)") \
+        if compression == "auto" else ("sync_fragments", f"sync_fragments={sync_fragments}") \
+        if sync_fragments != 1 else ("shard_optimizer", "shard_optimizer (ZeRO-1)") if shard_optimizer else None
+    if clash:
+        raise InputError(f"sync_seconds does not combine with {clash[1]}", setting=clash[0])
+    if as_collective(strategy).sum is None:
+        raise InputError(f"sync_seconds needs an in-graph strategy (psum or ring), not {as_collective(strategy).name}",
+                         setting="strategy")
+    if not callable(data):
+        raise InputError("sync_seconds needs data as a function data(step) (each process reads its own positions)",
+                         argument="data")
 
 
 def _batch_function(data: Any, mesh: Any) -> Callable[[int], Any]:

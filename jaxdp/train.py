@@ -51,7 +51,8 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     processes = len({d.process_index for d in devices})
     local = len(devices) // processes
     abilities = syncspec.abilities(config.strategy)
-    if config.hierarchy == "flat" or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:
+    flat = config.hierarchy == "flat" or config.sync_seconds  # --sync-seconds: one axis (jaxdp/paced.py)
+    if flat or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:
         return make_mesh(devices), config.strategy
     if jax.process_index() == 0:
         print(f"jaxdp: --hierarchy auto: {processes} processes x {local} devices: each process sums its devices' "
@@ -134,7 +135,8 @@ def train(config: Config) -> Any:
         task.loss_fn, params, tx, batch_at, steps=config.steps, mesh=mesh, strategy=strategy, stateful=True,
         model_state=model_state, eval_fn=task.eval_fn, eval_data=held_out, summarize=task.summarize,
         eval_every=config.eval_every, compression=config.compression, sync_every=config.sync_every,
-        outer_tx=None if config.sync_every == 1 else outer_tx, sync_fragments=config.sync_fragments,
+        outer_tx=None if config.sync_every == 1 and not config.sync_seconds else outer_tx,
+        sync_fragments=config.sync_fragments, sync_seconds=config.sync_seconds or None,
         shard_optimizer=config.shard_optimizer, grad_accum=config.grad_accum, comm_target=config.comm_target,
         compression_every=config.compression_every, checkpoint_dir=config.checkpoint_dir,
         save_every=config.save_every, keep=config.keep, metrics_file=config.metrics_file, log_dir=config.log_dir,

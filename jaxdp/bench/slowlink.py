@@ -61,10 +61,12 @@ class Training:
 def run_training(bed: testbed.Testbed, flags: Sequence[str], *, devices: int = 1, pin: bool = True,
                  timeout: float = 600, env: Mapping[str, str] | None = None,
                  process_flags: Sequence[Sequence[str]] | None = None,
-                 process_env: Sequence[Mapping[str, str]] | None = None) -> Training:
+                 process_env: Sequence[Mapping[str, str]] | None = None,
+                 process_cpu: Sequence[float | None] | None = None) -> Training:
     """`python -m jaxdp.train --devices DEVICES *flags` on every host of `bed`, host 0 the
     coordinator, process 0 writing the metrics file. `process_flags[i]` / `process_env[i]` add to
-    process i's flags / environment. `pin`: process i runs on core i (mod the cores there are).
+    process i's flags / environment; `process_cpu[i]` holds process i to that fraction of its core
+    (testbed.Testbed.run). `pin`: process i runs on core i (mod the cores there are).
     Processes still running after `timeout` seconds are killed (their return code is then negative)."""
     base_env = {k: v for k, v in (os.environ if env is None else env).items() if k != "XLA_FLAGS"}  # --devices decides
     cores = sorted(os.sched_getaffinity(0)) if pin and hasattr(os, "sched_setaffinity") else None
@@ -83,7 +85,7 @@ def run_training(bed: testbed.Testbed, flags: Sequence[str], *, devices: int = 1
             logs.append(log)
             core = None if cores is None else {cores[i % len(cores)]}
             procs.append(bed.run(i, argv, env={**base_env, **(process_env[i] if process_env else {})},
-                                 stdout=log, stderr=log,
+                                 stdout=log, stderr=log, cpu=process_cpu[i] if process_cpu else None,
                                  preexec_fn=None if core is None else (lambda core=core: os.sched_setaffinity(0, core))))
         deadline = start + timeout
         for proc in procs:

@@ -25,6 +25,13 @@ carried 94-95 Mbit/s of TCP. Added latency needs the `netem` qdisc, which some k
 exists (netem delay on each host's eth0, the token bucket below it) and raises `TestbedError`
 saying so where it does not; there is no user-space delaying relay.
 
+CPU: `run(host, argv, cpu=0.5)` holds a process to half of one core, to make one worker slower than
+the others for real. Where the cpu controller of cgroups can be written (cgroup v1's
+`cpu.cfs_quota_us`, or v2's `cpu.max`) the process goes into a cgroup of its own with that quota,
+over a 20 ms period (short, so the quota does not beat with rounds of a tenth of a second);
+elsewhere it shares its core with round(1 / cpu) - 1 busy-looping processes pinned to the same core
+(so only 1/2, 1/3, ... of a core). `cpu_limit_kind()` says which one this machine gets.
+
 `unavailable_reason()` says in one line why no testbed can be built here (not root, no `ip` or
 `tc`, no namespaces or token bucket), or None; tests skip with it.
 """
@@ -117,6 +124,26 @@ def has_netem() -> bool:
         _ip("ip", "netns", "del", probe, check=False)
 
 
+CPU_PERIOD_US = 20_000
+_CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"
+_CGROUP_V2 = "/sys/fs/cgroup"
+
+
+@functools.cache
+def cpu_limit_kind() -> str:
+    """How `Testbed.run(..., cpu=f)` holds a process to a fraction of a core here: "cgroup v1",
+    "cgroup v2" or "shared core"."""
+    if os.access(os.path.join(_CGROUP_V1_CPU, "cpu.cfs_quota_us"), os.R_OK) and os.access(_CGROUP_V1_CPU, os.W_OK):
+        return "cgroup v1"
+    try:
+        with open(os.path.join(_CGROUP_V2, "cgroup.subtree_control")) as f:
+            if "cpu" in f.read().split() and os.access(_CGROUP_V2, os.W_OK):
+                return "cgroup v2"
+    except OSError:
+        pass
+    return "shared core"
+
+
 def _tbf_args(bits_per_s: int) -> list[str]:
     """A token bucket at `bits_per_s`: a burst of 10 ms of traffic (at least 64 KiB, so one TSO
     segment always fits) and a queue of at most 100 ms (then packets drop, as on a real link)."""
@@ -153,6 +180,8 @@ class Testbed:
         self.tag = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
         self.processes: list[subprocess.Popen] = []
         self._namespaces: list[str] = []
+        self._cgroups: list[str] = []
+        self._hogs: list[subprocess.Popen] = []
 
     def namespace(self, host: int) -> str:
         return f"{self.tag}-h{host}"
@@ -225,6 +254,16 @@ class Testbed:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        for hog in self._hogs:
+            hog.kill()
+            hog.wait()
+        self._hogs.clear()
+        for group in self._cgroups:
+            try:
+                os.rmdir(group)
+            except OSError:
+                pass
+        self._cgroups.clear()
         bridge_ns = f"{self.tag}-br"
         if bridge_ns in self._namespaces:  # veths first: a deleted namespace's devices can linger a moment
             for host in range(self.num_hosts):
@@ -235,14 +274,52 @@ class Testbed:
 
     # -- running commands ------------------------------------------------------------------------
 
-    def run(self, host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
+    def run(self, host: int, argv: Sequence[str], env: Mapping[str, str] | None = None, cpu: float | None = None,
             **popen_kwargs) -> subprocess.Popen:
         """Start `argv` inside host `host`'s namespace (`ip netns exec`), in a session of its own;
-        killed at teardown if still running."""
+        killed at teardown if still running. `cpu`: hold it to that fraction of one core (module
+        docstring); a `preexec_fn` in `popen_kwargs` (e.g. pinning it to a core) still runs."""
         self.address(host)  # checks the index
         if not self._namespaces:
             raise TestbedError("the testbed is not up: use it inside `with Testbed(...) as bed:`")
+        if cpu is not None and not 0 < cpu <= 1:
+            raise TestbedError(f"cpu={cpu!r} must be a fraction of one core, above 0 and at most 1")
+        limited = cpu is not None and cpu < 1
+        kind = cpu_limit_kind() if limited else None
+        if kind in ("cgroup v1", "cgroup v2"):
+            group = self._cgroup(host, cpu, kind)
+            then = popen_kwargs.pop("preexec_fn", None)
+
+            def enter() -> None:
+                with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+                if then is not None:
+                    then()
+
+            popen_kwargs["preexec_fn"] = enter
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv],
                                 env=None if env is None else dict(env), start_new_session=True, **popen_kwargs)
         self.processes.append(proc)
+        if kind == "shared core":
+            cores = os.sched_getaffinity(proc.pid)
+            for _ in range(max(1, round(1 / cpu) - 1)):
+                self._hogs.append(subprocess.Popen(
+                    [sys.executable, "-c", "while True: pass"], start_new_session=True,
+                    preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores)))
         return proc
+
+    def _cgroup(self, host: int, cpu: float, kind: str) -> str:
+        """A cpu cgroup of this testbed's for `host`, with the quota `cpu` of one core."""
+        group = os.path.join(_CGROUP_V1_CPU if kind == "cgroup v1" else _CGROUP_V2, f"{self.tag}-h{host}")
+        os.makedirs(group, exist_ok=True)
+        if group not in self._cgroups:
+            self._cgroups.append(group)
+        quota = max(1000, int(cpu * CPU_PERIOD_US))
+        if kind == "cgroup v1":
+            for name, value in (("cpu.cfs_period_us", CPU_PERIOD_US), ("cpu.cfs_quota_us", quota)):
+                with open(os.path.join(group, name), "w") as f:
+                    f.write(str(value))
+        else:
+            with open(os.path.join(group, "cpu.max"), "w") as f:
+                f.write(f"{quota} {CPU_PERIOD_US}")
+        return group
