@@ -230,3 +230,23 @@ def test_auto_compression_compresses_on_a_slow_link():
     assert [r["step"] for r in steps] == [2, 4]
     assert all(r["compression_ratio"] > 1.5 for r in steps)
     assert run.records[-1]["event"] == "done" and np.isfinite(run.records[-1]["eval_loss"])
+
+
+@needs_testbed
+def test_cpu_holds_a_process_to_its_fraction_of_a_core():
+    """`run(..., cpu=0.5)`: the process is in a cgroup of the testbed's whose quota is half its
+    period (or, without a writable cpu controller, shares its core with one busy loop); removed at
+    teardown. A fraction outside (0, 1] is refused."""
+    with Testbed(num_hosts=2) as bed:
+        with pytest.raises(TestbedError, match="fraction of one core"):
+            bed.run(0, ["true"], cpu=1.5)
+        proc = bed.run(1, [sys.executable, "-c", "import time; time.sleep(30)"], cpu=0.5)
+        time.sleep(0.5)  # `ip netns exec` replaces itself with python: the pid stays
+        kind = testbed.cpu_limit_kind()
+        if kind == "cgroup v1":
+            group = f"/sys/fs/cgroup/cpu/{bed.tag}-h1"
+            assert f"cpu:/{bed.tag}-h1" in open(f"/proc/{proc.pid}/cgroup").read()
+            assert int(open(f"{group}/cpu.cfs_quota_us").read()) * 2 == int(open(f"{group}/cpu.cfs_period_us").read())
+        else:
+            assert kind == "cgroup v2" or len(bed._hogs) == 1
+    assert kind != "cgroup v1" or not os.path.exists(group)
