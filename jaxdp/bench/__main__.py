@@ -7,11 +7,11 @@ import argparse
 import sys
 
 from jaxdp import bench
-from jaxdp.bench import collectives, compression, ddp, gpt, hierarchy, localsgd, pace, slowlink, train, zero
+from jaxdp.bench import collectives, compression, ddp, goodput, gpt, hierarchy, localsgd, pace, slowlink, train, zero
 from jaxdp.malloc_env import reexec_if_needed
 
 # Each registers its subcommands, with `run` (args -> list of result dicts) as their default.
-BENCHMARKS = (collectives, gpt, train, ddp, zero, slowlink, hierarchy, compression, localsgd, pace)
+BENCHMARKS = (collectives, gpt, train, ddp, zero, slowlink, hierarchy, compression, localsgd, pace, goodput)
 
 
 def build_parser() -> argparse.ArgumentParser:

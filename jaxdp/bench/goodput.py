@@ -1,0 +1,123 @@
+"""goodput: a 2-process run under `python -m jaxdp.launch --max-restarts`, with a random worker
+killed (SIGKILL) every `--kill-every` seconds, against the same run undisturbed.
+
+    python -m jaxdp.bench goodput                                  # a kill every 10 s
+    python -m jaxdp.bench goodput --kill-every 10 --steps 6000 --save-every 100 --json g.json
+
+Both runs are `python -m jaxdp.launch --nproc-per-node 2 [--max-restarts 1000] -- python -m
+jaxdp.train --devices 1 --steps N --checkpoint-dir D --save-every K` (the default MLP, one core
+per process, the persistent compilation cache shared, so every restart finds its programs
+compiled). Goodput = undisturbed wall time / disturbed wall time for the same steps; the time lost
+per kill is the difference divided by the kills. The final parameters of the two runs are compared
+through the checksums every checkpoint records (jaxdp/checkpoint.py): a restarted run resumes
+exactly, so they must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from jaxdp.bench.report import print_table, write_json
+
+CHECKSUMS_FILE = "jaxdp_checksums.json"  # = jaxdp.checkpoint.CHECKSUMS_FILE
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("goodput", help="a random worker killed every N s under the launcher's restarts, "
+                                              "against the same run undisturbed")
+    p.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
+    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
+    p.add_argument("--seed", type=int, default=0, help="of the choice of worker to kill")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--json")
+    p.set_defaults(run=run)
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _run(args: argparse.Namespace, directory: str, kill_every: float | None, steps: int | None = None) -> dict:
+    import shlex
+
+    steps = args.steps if steps is None else steps
+    command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2",
+               *(["--max-restarts", "1000"] if kill_every else []), "--", sys.executable, "-m", "jaxdp.train",
+               "--devices", "1", "--no-progress", "--steps", str(steps), "--checkpoint-dir", directory,
+               "--save-every", str(args.save_every), *shlex.split(args.train_args)]
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kills: list[float] = []
+    stop = threading.Event()
+
+    def killer() -> None:
+        chooser = random.Random(args.seed)
+        while not stop.wait(kill_every):
+            workers = _children(proc.pid)
+            if workers:
+                victim = chooser.choice(sorted(workers))
+                try:
+                    os.kill(victim, signal.SIGKILL)
+                    kills.append(time.perf_counter() - started)
+                except ProcessLookupError:
+                    pass
+
+    thread = threading.Thread(target=killer, daemon=True) if kill_every else None
+    if thread:
+        thread.start()
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+    wall = time.perf_counter() - started
+    if proc.returncode:
+        raise SystemExit(f"jaxdp.bench: goodput: the run failed (exit code {proc.returncode}):\n{output[-4000:]}")
+    with open(os.path.join(directory, str(steps), CHECKSUMS_FILE)) as f:
+        checksums = {k: v for k, v in json.load(f).items() if k.startswith("params")}
+    return {"wall_s": wall, "kills": len(kills), "checksums": checksums}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    if args.kill_every <= 0:
+        raise SystemExit(f"jaxdp.bench: goodput: --kill-every must be a positive number of seconds, got {args.kill_every}")
+    with tempfile.TemporaryDirectory(prefix="jaxdp-goodput-") as scratch:
+        _run(args, os.path.join(scratch, "warm"), None, steps=2)  # the compile cache: every later start finds it warm
+        calm = _run(args, os.path.join(scratch, "calm"), None)
+        killed = _run(args, os.path.join(scratch, "killed"), args.kill_every)
+    row = {"steps": args.steps, "save_every": args.save_every, "kill_every_s": args.kill_every,
+           "undisturbed_s": calm["wall_s"], "disturbed_s": killed["wall_s"], "kills": killed["kills"],
+           "goodput": calm["wall_s"] / killed["wall_s"],
+           "lost_per_kill_s": (killed["wall_s"] - calm["wall_s"]) / killed["kills"] if killed["kills"] else None,
+           "same_final_params": calm["checksums"] == killed["checksums"] and bool(calm["checksums"])}
+    print(f"2 processes x 1 device under `python -m jaxdp.launch`, `python -m jaxdp.train --steps {args.steps} "
+          f"--save-every {args.save_every} {args.train_args}`; a random worker killed every {args.kill_every:g} s "
+          f"(the compile cache warmed by a first run)")
+    print_table([row], [("undisturbed_s", "undisturbed s", ".1f"), ("disturbed_s", "with kills s", ".1f"),
+                        ("kills", "kills", "d"), ("goodput", "goodput", ".3f"), ("lost_per_kill_s", "lost per kill s", ".2f"),
+                        ("same_final_params", "final params equal", "")])
+    write_json(args.json, [row])
+    return [row]
