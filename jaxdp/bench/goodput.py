@@ -33,7 +33,7 @@ CHECKSUMS_FILE = "jaxdp_checksums.json"  # = jaxdp.checkpoint.CHECKSUMS_FILE
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("goodput", help="a random worker killed every N s under the launcher's restarts, "
+    p = subparsers.add_parser("goodput", help="a random training process killed every N s under the launcher's restarts, "
                                               "against the same run undisturbed")
     p.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
     p.add_argument("--steps", type=int, default=6000)
