@@ -62,10 +62,13 @@ class OneLineParser(argparse.ArgumentParser):
         raise InputError(message)
 
 
-def run_tool(body: Callable[[], int], *, debug: bool, describe: Callable[[InputError], str] = str) -> int:
+def run_tool(body: Callable[[], int], *, debug: bool, describe: Callable[[InputError], str] = str,
+             before_unexpected: Callable[[], None] | None = None) -> int:
     """A tool's `main` around `body` (which returns its exit code): bad input is one line
     `jaxdp: error: ...` (`describe` puts it in flag terms) and EXIT_BAD_INPUT, Ctrl-C is
-    EXIT_INTERRUPTED, anything else one line and EXIT_ERROR; `debug` (--debug) adds the traceback."""
+    EXIT_INTERRUPTED, anything else one line and EXIT_ERROR, after `before_unexpected()` if given;
+    `debug` (--debug) adds the traceback. `body` handles the errors of its own (train: divergence,
+    failed saves) and returns their codes."""
     try:
         return body()
     except InputError as err:
@@ -77,6 +80,8 @@ def run_tool(body: Callable[[], int], *, debug: bool, describe: Callable[[InputE
         print("jaxdp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as err:  # a bug or an environment problem: one line
+        if before_unexpected is not None:
+            before_unexpected()
         if debug:
             traceback.print_exc()
         else:

@@ -28,8 +28,8 @@ from typing import Any, Sequence
 STARTED = time.perf_counter()  # this module loads first (before JAX): the run's start-up starts here
 
 from jaxdp.config import Config, ConfigError, parse_args  # noqa: E402
-from jaxdp.errors import (EXIT_BAD_INPUT, EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED,  # noqa: E402
-                          EXIT_OK, EXIT_PREEMPTED, CheckpointWriteError, InputError)
+from jaxdp.errors import (EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED,  # noqa: E402
+                          CheckpointWriteError, InputError, run_tool)
 from jaxdp.loop import MAX_PENDING_STEPS, Result  # noqa: E402,F401  (their home is jaxdp.loop; older code imports them here)
 from jaxdp.metrics import Diverged  # noqa: E402
 
@@ -200,40 +200,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s",
                         force=True)  # importing orbax already gave the root logger a handler
-    try:
-        result = train(parse_args(argv))
-        return EXIT_PREEMPTED if result.preempted else EXIT_OK
-    except InputError as err:
-        if debug:
-            traceback.print_exc()
-        print(f"jaxdp: error: {cli_message(err)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Diverged as err:
-        last, unverified = getattr(err, "last_checkpoint", None), getattr(err, "restored_unverified", None)
-        kept = f"; the last checkpoint (step {last}) is intact" if last and last != unverified else ""
-        if unverified:  # a damaged checkpoint that restored is a likelier cause than the learning rate
-            kept += (f"; this run resumed from checkpoint step {unverified}, which has no checksum record, so it could "
-                     f"not be verified: if it is damaged, that is the likely cause")
-        print(f"jaxdp: error: training diverged: {err.name} became {err.value} at step {err.step}; lower --lr or "
-              f"set --clip-norm{kept} (exit code {EXIT_DIVERGED})", file=sys.stderr)
-        return EXIT_DIVERGED
-    except CheckpointWriteError as err:
-        if debug:
-            traceback.print_exc()
-        print(f"jaxdp: error: {err}", file=sys.stderr)
-        return EXIT_CANNOT_SAVE
-    except KeyboardInterrupt:
-        print("jaxdp: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as err:  # anything else is a bug or an environment problem: say so in one line
+
+    def body() -> int:
+        try:
+            result = train(parse_args(argv))
+            return EXIT_PREEMPTED if result.preempted else EXIT_OK
+        except Diverged as err:
+            last, unverified = getattr(err, "last_checkpoint", None), getattr(err, "restored_unverified", None)
+            kept = f"; the last checkpoint (step {last}) is intact" if last and last != unverified else ""
+            if unverified:  # a damaged checkpoint that restored is a likelier cause than the learning rate
+                kept += (f"; this run resumed from checkpoint step {unverified}, which has no checksum record, so it "
+                         f"could not be verified: if it is damaged, that is the likely cause")
+            print(f"jaxdp: error: training diverged: {err.name} became {err.value} at step {err.step}; lower --lr or "
+                  f"set --clip-norm{kept} (exit code {EXIT_DIVERGED})", file=sys.stderr)
+            return EXIT_DIVERGED
+        except CheckpointWriteError as err:
+            if debug:
+                traceback.print_exc()
+            print(f"jaxdp: error: {err}", file=sys.stderr)
+            return EXIT_CANNOT_SAVE
+
+    def lost_peer_first() -> None:  # a lost peer is reported as such (exit 69), not as its echo here
         from jaxdp.peer_watch import wait_for_verdict
 
-        wait_for_verdict()  # a lost peer is reported as such (exit 69), not as its echo here
-        if debug:
-            traceback.print_exc()
-        else:
-            print(f"jaxdp: error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
-        return EXIT_ERROR
+        wait_for_verdict()
+
+    return run_tool(body, debug=debug, describe=cli_message, before_unexpected=lost_peer_first)
 
 
 def cli_message(err: InputError) -> str:
