@@ -242,7 +242,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         return dict(last_checked)
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
-    batches = Prefetcher(batch_at, start_step, steps if sync_seconds is None else start_step, depth=prefetch)
+    batches = Prefetcher(batch_at, start_step, steps, depth=prefetch) if sync_seconds is None else None
     summary: dict[str, Any] = {}
     try:
         if sync_seconds is not None:
@@ -252,56 +252,57 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 rounds, state, steps=steps, writer=writer, history=history, beat=beat, checkpointer=checkpointer,
                 preemption=preemption, evaluate=evaluate if eval_step is not None else None, eval_every=eval_every,
                 is_main=is_main)
-        for step, batch in batches:
-            first = step == start_step and not begun.decided  # --sync-every auto decided compression already
-            if controller and (first or (step > start_step and compression_every
-                                         and step % compression_every == 0)):
-                checked()
-                decision = controller.decide(state, [batch] + [batch_at(step + k) for k in range(1, GUARD_BATCHES)], step)
-                writer.event("compression", step, **decision.record)
-                writer.restart_clock()  # its measurements are neither training nor compilation
-                decided_s += sum(decision.record["cost_s"].values())
-                if is_main:  # one line per decision
-                    cost = decision.record["cost_s"]
-                    print(f"jaxdp: --compression auto at step {step}: {decision.record['why']} (measuring "
-                          f"{cost['measure']:.1f}s, quality guard {cost['quality']:.1f}s)", file=sys.stderr)
-                    if decision.record["propose_local_steps"] and spec.sync_every == 1:
-                        print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
-                spec = spec.replace(compression=decision.compressor)
-                train_step = step_for(spec)
-            dispatch = time.perf_counter()
-            state, metrics = train_step(state, batch)
-            done = step + 1
-            beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
-            pending.append((done, metrics))
-            if len(pending) >= MAX_PENDING_STEPS:  # a large log_every: memory stays bounded, the check exact
-                checked()
-            if step == start_step:  # the first step compiles: time it apart, then start the clock
-                jax.block_until_ready(metrics)  # host sync point (once)
-                writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted
-            else:
-                writer.step()
-            if done % log_every == 0 or done == steps:
-                latest = checked()
-                extra = {"lr": float(schedule(done - 1))} if schedule is not None else {}
-                history.append(writer.log(done, latest, {**extra, **beat.stragglers(),
-                                                         **({} if "comm_bytes" in latest else plain_comm)}))
-            if eval_step is not None and eval_every and done % eval_every == 0 and done < steps:
-                checked()
-                beat.phase(f"the evaluation after step {done}")
-                evaluated = time.perf_counter()
-                writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
-            if checkpointer:
-                checkpointer.poll()  # a background save that failed stops the run here (exit 73)
-            if checkpointer and checkpointer.should_save(done):
-                checked()  # never write a non-finite state over a good checkpoint
-                checkpointer.save(state)
-            # Multi-process: a tiny all-reduce, so every process stops after the same step.
-            if preemption and done < steps and preemption.should_stop(state):
-                checked()
-                checkpointer.save(state)  # no-op if this step was just saved
-                preempted = True
-                break
+        else:
+            for step, batch in batches:
+                first = step == start_step and not begun.decided  # --sync-every auto decided compression already
+                if controller and (first or (step > start_step and compression_every
+                                             and step % compression_every == 0)):
+                    checked()
+                    decision = controller.decide(state, [batch] + [batch_at(step + k) for k in range(1, GUARD_BATCHES)], step)
+                    writer.event("compression", step, **decision.record)
+                    writer.restart_clock()  # its measurements are neither training nor compilation
+                    decided_s += sum(decision.record["cost_s"].values())
+                    if is_main:  # one line per decision
+                        cost = decision.record["cost_s"]
+                        print(f"jaxdp: --compression auto at step {step}: {decision.record['why']} (measuring "
+                              f"{cost['measure']:.1f}s, quality guard {cost['quality']:.1f}s)", file=sys.stderr)
+                        if decision.record["propose_local_steps"] and spec.sync_every == 1:
+                            print(f"jaxdp: --compression auto: {decision.record['propose_local_steps']['why']}", file=sys.stderr)
+                    spec = spec.replace(compression=decision.compressor)
+                    train_step = step_for(spec)
+                dispatch = time.perf_counter()
+                state, metrics = train_step(state, batch)
+                done = step + 1
+                beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
+                pending.append((done, metrics))
+                if len(pending) >= MAX_PENDING_STEPS:  # a large log_every: memory stays bounded, the check exact
+                    checked()
+                if step == start_step:  # the first step compiles: time it apart, then start the clock
+                    jax.block_until_ready(metrics)  # host sync point (once)
+                    writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted
+                else:
+                    writer.step()
+                if done % log_every == 0 or done == steps:
+                    latest = checked()
+                    extra = {"lr": float(schedule(done - 1))} if schedule is not None else {}
+                    history.append(writer.log(done, latest, {**extra, **beat.stragglers(),
+                                                             **({} if "comm_bytes" in latest else plain_comm)}))
+                if eval_step is not None and eval_every and done % eval_every == 0 and done < steps:
+                    checked()
+                    beat.phase(f"the evaluation after step {done}")
+                    evaluated = time.perf_counter()
+                    writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
+                if checkpointer:
+                    checkpointer.poll()  # a background save that failed stops the run here (exit 73)
+                if checkpointer and checkpointer.should_save(done):
+                    checked()  # never write a non-finite state over a good checkpoint
+                    checkpointer.save(state)
+                # Multi-process: a tiny all-reduce, so every process stops after the same step.
+                if preemption and done < steps and preemption.should_stop(state):
+                    checked()
+                    checkpointer.save(state)  # no-op if this step was just saved
+                    preempted = True
+                    break
         if not preempted:
             checked()
             beat.phase("the final save and evaluation")
@@ -318,7 +319,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         err.restored_unverified = checkpointer.restored_unverified if checkpointer else None
         raise
     finally:
-        batches.close()
+        if batches is not None:
+            batches.close()
         cache_hits.close()
         beat.stop()
         writer.close()

@@ -29,7 +29,7 @@ from typing import Any
 
 from jaxdp.bench.report import print_table, write_json
 
-CHECKSUMS_FILE = "jaxdp_checksums.json"  # = jaxdp.checkpoint.CHECKSUMS_FILE
+CHECKSUMS_FILE = "jaxdp_checksums.json"  # = jaxdp.checkpoint.CHECKSUMS_FILE (not imported: the benchmark parser imports no JAX)
 
 
 def register(subparsers: Any) -> None:
