@@ -44,14 +44,16 @@ from __future__ import annotations
 import argparse
 import selectors
 import signal
+import subprocess
 import sys
 from typing import Sequence
 
 from jaxdp import rendezvous
-from jaxdp.cluster import parse_address
+from jaxdp.cluster import ENV_RUN_ID, parse_address
 from jaxdp.config import ConfigError
-from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST
-from jaxdp.workers import FORWARDED, Launcher, Outcome, decide, describe, free_port, has_accelerator, say
+from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_PREEMPTED
+from jaxdp.workers import (FORWARDED, Launcher, Outcome, decide, describe, free_port, has_accelerator, say, shell_code,
+                           stop_code)
 
 class UsageError(Exception):
     """Bad launcher flags: one line, exit 2 (argparse would print the usage as well)."""
@@ -69,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "[--nnodes M --node-rank R --coordinator HOST:PORT] -- COMMAND ...")
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes to start on this machine")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart all processes up to R times when one is lost")
+    parser.add_argument("--elastic", action="store_true", help="restart a lost process alone while the others train "
+                        "on (jaxdp/elastic.py: --strategy host, one node); up to --max-restarts times in all")
     parser.add_argument("--no-bind", dest="bind", action="store_false", help="do not bind each process to its own cores")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the run, each with its own launcher (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1; its processes "
@@ -108,9 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         say(f"error: {err}")
         return EXIT_BAD_INPUT
+    if args.elastic and args.nnodes > 1:
+        say("error: --elastic runs on one node (its launcher is the hub every process sends its gradients to); "
+            "drop --nnodes or --elastic")
+        return EXIT_BAD_INPUT
     launcher = Launcher(command, args.nproc_per_node, args.bind and not has_accelerator())
     for signum in FORWARDED:
         signal.signal(signum, launcher.forward)
+    if args.elastic:
+        return lead_elastic(launcher, args)
     if args.node_rank > 0:
         link = rendezvous.join(args.coordinator, args.node_rank, args.nnodes, args.nproc_per_node, args.join_timeout)
         if isinstance(link, rendezvous.Refused):
@@ -205,6 +215,81 @@ def lead(launcher: Launcher, leader: rendezvous.Leader | None, address: str | No
         if action == "exit":
             return code
         attempt += 1
+
+
+def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
+    """An elastic run (jaxdp/elastic.py): this launcher is the hub; a lost process is started again
+    alone, up to --max-restarts times in all, while the others train on."""
+    from jaxdp import elastic
+
+    size = args.nproc_per_node
+    hub = elastic.Hub(size)
+    selector = selectors.DefaultSelector()
+    hub.watch(selector)
+    run_id = f"launch-{launcher.launch_id}-elastic"
+
+    def start(rank: int) -> bool:
+        env = {elastic.ENV_ADDRESS: hub.address, elastic.ENV_RANK: str(rank), elastic.ENV_SIZE: str(size),
+               ENV_RUN_ID: run_id}
+        try:
+            return launcher.start_one(rank, env)
+        except (OSError, subprocess.SubprocessError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            say(f"error: cannot start {launcher.command[0]!r}: {reason}")
+            return False
+
+    try:
+        for rank in range(size):
+            if not start(rank):
+                launcher.kill_all()
+                return EXIT_BAD_INPUT if launcher.stop is None else stop_code(launcher.stop)
+        where = "" if launcher.cores is None else ", bound to cores " + ", ".join(
+            f"{rank}: {sorted(c)}" for rank, c in enumerate(launcher.cores))
+        say(f"started {size} processes (elastic: a lost one restarts alone), hub {hub.address}{where}")
+        restarts, ended = 0, {}
+        while True:
+            for key, _ in selector.select(timeout=0.05):
+                hub.ready(key.data)
+            for line in _drain(hub.events):
+                say(line)
+            if launcher.stop is not None and not hub.stopping:
+                hub.request_stop()
+            for rank, child in enumerate(launcher.children):
+                code = child.poll()
+                if rank in ended or code is None:
+                    continue
+                if code in (0, EXIT_PREEMPTED) or launcher.stop is not None or ended.get(0) == 0:
+                    ended[rank] = code
+                    continue
+                if not launcher.lost(code):  # bad input, divergence, a failed save: not transient
+                    say(f"process {rank} {describe(code)}; stopping the others, no restart; exit code "
+                        f"{shell_code(code)}")
+                    launcher.stop_the_rest()
+                    return shell_code(code)
+                if restarts >= args.max_restarts:
+                    say(f"process {rank} {describe(code)}; no restarts left (--max-restarts {args.max_restarts}); "
+                        f"stopping the others; exit code {shell_code(code)}")
+                    launcher.kill_all()
+                    return shell_code(code)
+                restarts += 1
+                hub.lost(rank)
+                say(f"process {rank} {describe(code)}; restarting it alone ({restarts} of {args.max_restarts}), "
+                    f"the others train on")
+                if not start(rank):
+                    ended[rank] = code
+            if ended.get(0) == 0 and len(ended) < size:  # rank 0 finished (saved the end): the rest have nothing left
+                launcher.stop_the_rest()
+                for rank, child in enumerate(launcher.children):
+                    ended.setdefault(rank, 0 if child.returncode in (0, None) or child.returncode < 0 else child.returncode)
+            if len(ended) == size:
+                code = next((shell_code(c) for c in ended.values() if c), 0)
+                if launcher.stop is not None and code in (0, EXIT_PREEMPTED):
+                    code = stop_code(launcher.stop) if code else 0
+                say(f"all {size} processes ended ({restarts} restart{'s' if restarts != 1 else ''}); exit code {code}")
+                return code
+    finally:
+        selector.close()
+        hub.close()
 
 
 def follow(launcher: Launcher, link: rendezvous.Link, address: str, args: argparse.Namespace) -> int:

@@ -75,7 +75,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         log_every: int = 10, progress: bool = True, schedule: Callable[[int], Any] | None = None,
         seed: int = 0, prefetch: int = 2, stall_timeout: int = 20,
         config: Any = None, checkpoint_meta: dict | None = None, resume_note: str = "", run_info: dict | None = None,
-        watch: Any = None,
+        watch: Any = None, elastic: Any = None,
         examples_per_step: int | None = None, tokens_per_step: int | None = None,
         flops_per_step: float | None = None, started: float | None = None) -> Result:
     """Train `params` with `loss_fn` on `data` for `steps` steps, data-parallel over `mesh` (default:
@@ -101,12 +101,14 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     from jaxdp.prefetch import Prefetcher
     from jaxdp.preemption import Preemption
     from jaxdp.state import init_state
-    from jaxdp.step import make_eval_step, make_train_step
+    from jaxdp.step import make_elastic_step, make_eval_step, make_train_step
 
     started = time.perf_counter() if started is None else started
     mesh = make_mesh() if mesh is None else mesh
-    is_main = jax.process_index() == 0  # process 0 prints and writes logs; all take part in compute
-    n_processes = jax.process_count()
+    # process 0 (rank 0 of an elastic run) prints and writes logs; all take part in compute
+    is_main = jax.process_index() == 0 if elastic is None else elastic.lead
+    n_processes = jax.process_count() if elastic is None else elastic.size
+    devices = mesh.size * (1 if elastic is None else elastic.size)  # every process's, of the whole run
     model_state = {} if model_state is None else dict(model_state)
     if not isinstance(steps, int) or steps < 0:
         raise InputError(f"fit: steps must be 0 or more, got {steps!r}")
@@ -117,11 +119,15 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     if sync_seconds is not None:  # workers at their own pace (jaxdp/paced.py)
         _check_paced(sync_seconds, data, mesh, strategy, compression, sync_every, sync_fragments, shard_optimizer)
         outer_tx = local_sgd.default_outer(outer_tx)  # local steps, with rounds of time instead of H
+    shard_data = None
+    if elastic is not None:  # one process of an elastic run (jaxdp/elastic.py): data(step, shard)
+        _check_elastic(data, mesh, strategy, compression, sync_every, sync_seconds, sync_fragments, shard_optimizer)
+        shard_data, data = data, lambda step: shard_data(step, elastic.rank)
     batch_at = _batch_function(data, mesh)
     cache_hits = runtime.CacheHits()  # compiled programs loaded from JAX's persistent cache
 
-    checkpointer = None
-    if checkpoint_dir:
+    checkpointer, joined = None, False
+    if checkpoint_dir and is_main or checkpoint_dir and elastic is None:  # an elastic run: rank 0 saves
         checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, config=config)
         checkpointer.extra_meta.update(checkpoint_meta or {})
     try:
@@ -143,6 +149,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         steps_by_spec: dict[Any, Any] = {}
 
         def step_for(spec: Any) -> Any:  # one compiled step per choice (compression "auto" switches)
+            if spec not in steps_by_spec and elastic is not None:
+                steps_by_spec[spec] = make_elastic_step(loss_fn, tx, mesh, elastic, shard_data, stateful=stateful,
+                                                        grad_accum=grad_accum, grad_norm=True)
             if spec not in steps_by_spec:
                 steps_by_spec[spec] = make_train_step(
                     loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
@@ -151,7 +160,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             return steps_by_spec[spec]
 
         sync_auto = sync_every == syncspec.AUTO
-        if sync_seconds is not None:  # nothing "auto" to resolve (_check_paced); local steps at any H
+        if sync_seconds is not None or elastic is not None:  # nothing "auto" to resolve (_check_paced, _check_elastic)
             fixed = requested.replace(compression=None if compression == "none" else exchange.codec(compression))
             begun = controller_lib.Start(fixed, requested, [], None, False, None, False)
         else:
@@ -173,9 +182,11 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 checkpointer.extra_meta["sync_every_auto"] = bool(begun.sync_every_auto)
         # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
         plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), mesh.size), "compression_ratio": 1.0}
-        eval_step = make_eval_step(eval_fn, mesh) if eval_fn is not None else None
+        eval_step = make_eval_step(eval_fn, mesh) if eval_fn is not None and (elastic is None or is_main) else None
 
-        if checkpointer:
+        if elastic is not None:  # the state of the live processes, or (rank 0, none live) the checkpoint's
+            state, joined = _join(elastic, state, checkpointer, train_step, batch_at)
+        elif checkpointer:
             state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
             if sync_seconds is not None:
                 paced.check_state(state)
@@ -187,6 +198,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         beat.stop()
         if checkpointer:
             checkpointer.close()  # nothing was written: bad input leaves the directory as it was
+        if elastic is not None:
+            elastic.close()
         raise
     if checkpointer and is_main and requested_config is not None:  # `--config DIR/config.toml` reruns it
         write_text_atomically(os.path.join(checkpointer.directory, "config.toml"), config_toml(
@@ -215,14 +228,17 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     startup_s = time.perf_counter() - started
     writer.event("start", start_step, resumed_from=start_step or None,
                  config=config.to_dict() if config is not None else None, processes=n_processes,
-                 devices=mesh.size, device_kind=device_kind, jax=jax.__version__,
+                 devices=devices, device_kind=device_kind, jax=jax.__version__,
                  malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
                  **(run_info or {}), param_bytes_per_device=zero.bytes_per_device(state.params),
                  optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
                  **({"sync_every_auto": True} if sync_auto else {}))
     for name, record in early:  # --sync-every auto's decisions, taken before the loop
         writer.event(name, start_step, **record)
-    if start_step and is_main:
+    if start_step and is_main and joined:
+        print(f"jaxdp: rank {elastic.rank} joined the run at step {start_step} with the live processes' state",
+              file=sys.stderr)
+    elif start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory}){resume_note}", file=sys.stderr)
     history, preempted, done = [], False, start_step
     decided_s = sum(sum(r.get("cost_s", {}).values()) for _, r in early)  # the controller's own time
@@ -242,6 +258,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         return dict(last_checked)
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
+    if elastic is not None:  # every rank stops after the same step (the launcher says which)
+        preemption = _ElasticStop(preemption or Preemption(), elastic, checkpointer)
     batches = Prefetcher(batch_at, start_step, steps, depth=prefetch) if sync_seconds is None else None
     summary: dict[str, Any] = {}
     try:
@@ -300,7 +318,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 # Multi-process: a tiny all-reduce, so every process stops after the same step.
                 if preemption and done < steps and preemption.should_stop(state):
                     checked()
-                    checkpointer.save(state)  # no-op if this step was just saved
+                    if checkpointer:  # (an elastic run's other ranks have none)
+                        checkpointer.save(state)  # no-op if this step was just saved
                     preempted = True
                     break
         if not preempted:
@@ -309,7 +328,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             if checkpointer:  # the final state, before evaluating: bad held-out input loses no training
                 checkpointer.save(state)  # (a no-op if the last step was just saved)
             held_out = evaluate(state) if eval_step is not None and eval_data is not None else {}
-            summary = {**held_out, "strategy": syncspec.strategy_name(spec.strategy), "devices": mesh.size,
+            summary = {**held_out, "strategy": syncspec.strategy_name(spec.strategy), "devices": devices,
                        "processes": n_processes, "startup_s": startup_s, "compile_s": writer.compile_s,
                        "compile_cache_hits": cache_hits.hits}
             summary = writer.done(done, summary)
@@ -326,13 +345,15 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         writer.close()
         if checkpointer:
             checkpointer.close()  # waits for the last save to be written
+        if elastic is not None:
+            elastic.close(finished=bool(summary) or preempted)
         if preemption and not preempted:
             preemption.close()
         # A preempted process keeps its flag-only handlers until it exits, so a second SIGTERM (srun
         # --kill-on-bad-exit stopping the other tasks, a scheduler's grace-period kill) cannot cut
         # its shutdown short and turn exit code 75 into 143.
     if preempted:
-        if is_main:  # only now: the checkpoint is on disk
+        if is_main and checkpointer:  # only now: the checkpoint is on disk
             from jaxdp.errors import EXIT_PREEMPTED
 
             print(f"jaxdp: preempted ({preemption.reason}): saved step {done} to {checkpointer.directory}, "
@@ -340,6 +361,77 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
     timings = {"startup_s": startup_s, "compile_s": writer.compile_s or 0.0, "decided_s": decided_s}
     return Result(state=state, history=history, summary=summary, timings=timings)
+
+
+def _check_elastic(data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any, sync_seconds: Any,
+                   sync_fragments: int, shard_optimizer: bool) -> None:
+    """InputError for what an elastic run (jaxdp/elastic.py) does not do."""
+    from jaxdp.errors import InputError
+    from jaxdp.sync import as_collective
+
+    if as_collective(strategy).name != "host":
+        raise InputError(f"an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use "
+                         f"strategy='host', not {as_collective(strategy).name!r}", setting="strategy")
+    clash = ("compression", f"compression={compression!r}") if compression not in ("none", None) else \
+        ("sync_every", f"sync_every={sync_every!r}") if sync_every != 1 else \
+        ("sync_seconds", "sync_seconds") if sync_seconds is not None else \
+        ("sync_fragments", f"sync_fragments={sync_fragments}") if sync_fragments != 1 else \
+        ("shard_optimizer", "shard_optimizer (ZeRO-1)") if shard_optimizer else None
+    if clash:
+        raise InputError(f"an elastic run (jaxdp.launch --elastic) does not combine with {clash[1]}", setting=clash[0])
+    if not callable(data):
+        raise InputError("an elastic run needs data as a function data(step, shard) (a lost process's shards are "
+                         "computed by the others)", argument="data")
+    if len({d.process_index for d in mesh.devices.flat}) != 1:
+        raise InputError("an elastic run's mesh is this process's devices (each process is its own JAX program)",
+                         argument="devices")
+
+
+def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at: Callable[[int], Any]
+          ) -> tuple[Any, bool]:
+    """An elastic run's start in this process: compile, join the launcher's hub, then take the live
+    processes' state (or, as the source, the latest checkpoint's or the new one). Returns (state,
+    whether it came from a live process)."""
+    from jaxdp import elastic as elastic_lib
+    from jaxdp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
+    from jaxdp.step import state_from_arrays
+
+    train_step.warm_up(state, batch_at(0))  # joining stalls the others until this process's first step
+    try:
+        source = member.connect()
+        received = None if source else member.receive_state()
+    except (elastic_lib.Lost, OSError) as err:
+        member.close()
+        if member.stop:
+            print(f"jaxdp: rank {member.rank}: the run stopped before this process joined; exit code "
+                  f"{EXIT_PREEMPTED}", file=sys.stderr)
+            raise SystemExit(EXIT_PREEMPTED) from None
+        print(f"jaxdp: error: rank {member.rank} cannot join the launcher at {member.address} ({err}); exit code "
+              f"{EXIT_PEER_LOST}", file=sys.stderr)
+        raise SystemExit(EXIT_PEER_LOST) from None
+    if received is None:
+        return (checkpointer.restore(state) if checkpointer else state), False
+    return state_from_arrays(state, received[1]), True
+
+
+class _ElasticStop:
+    """An elastic run's preemption: a signal here asks the launcher to stop every rank, and all
+    stop after the step whose total says so (rank 0 saves it)."""
+
+    def __init__(self, preemption: Any, member: Any, checkpointer: Any):
+        self._preemption, self._member = preemption, member
+
+    def should_stop(self, state: Any) -> bool:
+        if self._preemption.signal is not None:
+            self._member.ask_stop()
+        return self._member.stop
+
+    @property
+    def reason(self) -> str:
+        return self._preemption.reason if self._preemption.signal else "a stop signal to the launcher or another rank"
+
+    def close(self) -> None:
+        self._preemption.close()
 
 
 def _check_paced(sync_seconds: Any, data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any,

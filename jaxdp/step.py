@@ -33,6 +33,7 @@ synchronises them; tests compare every strategy with a single-device reference.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import jax
@@ -44,7 +45,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxdp import host, local_sgd, zero
 from jaxdp.compression import NoCompression
 from jaxdp.exchange import codec as codec_of, make_exchange
-from jaxdp.mesh import data_axes, replicate
+from jaxdp.mesh import data_axes, replicate, shard_batch
 from jaxdp.state import SyncState, TrainState
 from jaxdp.sync import Collective, as_collective
 from jaxdp.syncspec import StateLayout, SyncSpec
@@ -231,17 +232,12 @@ def _bounded(step: Callable, mesh: Mesh) -> Callable:
     return bounded
 
 
-def _host(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
-          grad_norm: bool) -> TrainStep:
-    """The on-host path: jitted per-device gradients -> numpy mean on the host -> jitted update.
-
-    Nothing crosses devices inside XLA: every device's gradients (and loss, aux, model state)
-    are copied to host memory, averaged there (across processes through the run's own
-    `host.process_sum_for(mesh)` transport), and copied back to every device.
-    """
+def _host_programs(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh
+                   ) -> tuple[Callable, Callable, Callable]:
+    """The host path's two programs and its copy to the host: (per-device gradients,
+    `update(state, grads, model_state) -> state`, `(state, batch) -> [per-device host tree of
+    (metrics, model_state, grads)]`)."""
     axis = data_axes(mesh)
-    process_sum = host.process_sum_for(mesh)
-    host_mean = as_collective(spec.strategy).host
 
     def apply_update(state: TrainState, grads: Any, model_state: Any) -> TrainState:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -256,20 +252,120 @@ def _host(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
                                      out_specs=P(axis), check_vma=False))
     update_fn = jax.jit(apply_update, donate_argnums=0)
 
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def to_host(state: TrainState, batch: Batch) -> list[Any]:
         stacked = grads_fn(state, batch)
         # Host sync point: every local device's values come to host memory.
         leaves, treedef = jax.tree.flatten(stacked)
         shards = [sorted(leaf.addressable_shards, key=lambda s: s.index[0].start) for leaf in leaves]
         host_values = jax.device_get([[s.data for s in leaf_shards] for leaf_shards in shards])
-        per_device = [jax.tree.unflatten(treedef, [leaf[d][0] for leaf in host_values]) for d in range(len(shards[0]))]
-        metrics, model_state, grads = host_mean(per_device, num_devices=mesh.size, process_sum=process_sum)
-        if grad_norm:
-            metrics["grad_norm"] = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
+        return [jax.tree.unflatten(treedef, [leaf[d][0] for leaf in host_values]) for d in range(len(shards[0]))]
+
+    return grads_fn, update_fn, to_host
+
+
+def _host_metrics(metrics: dict, grads: Any, grad_norm: bool) -> dict:
+    if grad_norm:
+        metrics["grad_norm"] = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads)))
+    return {k: np.float32(v) for k, v in metrics.items()}
+
+
+def _host(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
+          grad_norm: bool) -> TrainStep:
+    """The on-host path: jitted per-device gradients -> numpy mean on the host -> jitted update.
+
+    Nothing crosses devices inside XLA: every device's gradients (and loss, aux, model state)
+    are copied to host memory, averaged there (across processes through the run's own
+    `host.process_sum_for(mesh)` transport), and copied back to every device.
+    """
+    process_sum = host.process_sum_for(mesh)
+    host_mean = as_collective(spec.strategy).host
+    grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        metrics, model_state, grads = host_mean(to_host(state, batch), num_devices=mesh.size, process_sum=process_sum)
+        metrics = _host_metrics(metrics, grads, grad_norm)
         grads, model_state = replicate((grads, model_state), mesh)  # host -> every device
-        return update_fn(state, grads, model_state), {k: np.float32(v) for k, v in metrics.items()}
+        return update_fn(state, grads, model_state), metrics
 
     return TrainStep(step, grads_fn, tx, spec, local_grads)
+
+
+def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+                      shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
+                      grad_norm: bool = False) -> TrainStep:
+    """The host path of an elastic run (jaxdp/elastic.py): `mesh` is this process's devices,
+    `member` its link to the launcher, `shard_data(step, shard)` any shard's host rows of a step.
+
+    Each call sums the gradients over this process's devices for every shard it computes (its
+    own from `batch`, others' from `shard_data` while their processes are lost), sends the sums,
+    gets the total over all `member.size` shards back, and applies the mean. When the launcher
+    asks, it then sends the new state to a process that joins.
+    """
+    from jaxdp import elastic
+
+    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, data_axes(mesh)), grad_accum)
+    spec = SyncSpec(strategy="host").validate()
+    grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
+    devices = member.size * mesh.size
+
+    def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
+        first, *rest = to_host(state, batch)
+        leaves, treedef = jax.tree.flatten(first)
+        sums = [np.array(leaf, copy=True) for leaf in leaves]
+        for tree in rest:  # in device order, as host_mean adds them
+            for acc, leaf in zip(sums, jax.tree.leaves(tree)):
+                acc += leaf
+        return treedef, sums
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        at = int(jax.device_get(state.step))  # host sync point (the host path has one anyway)
+        shard_batch_at = lambda shard: batch if shard == member.rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
+        partials = {shard: shard_sum(state, shard_batch_at(shard)) for shard in member.shards}
+        treedef, like = next(iter(partials.values())) if partials else shard_sum(state, batch)
+        try:
+            payload, donate = member.reduce(at, {shard: sums for shard, (_, sums) in partials.items()},
+                                            lambda shard: shard_sum(state, shard_batch_at(shard))[1])
+        except (elastic.Lost, OSError) as err:
+            from jaxdp.errors import EXIT_PEER_LOST
+
+            print(f"jaxdp: error: rank {member.rank} lost the launcher at {member.address} at step {at} ({err}); "
+                  f"exit code {EXIT_PEER_LOST}", file=sys.stderr)
+            raise SystemExit(EXIT_PEER_LOST) from None
+        totals = elastic.unpack(payload, like)
+        means = [(t / devices).astype(t.dtype, copy=False) for t in totals]
+        metrics, model_state, grads = jax.tree.unflatten(treedef, means)
+        metrics = _host_metrics(dict(metrics), grads, grad_norm)
+        grads, model_state = replicate((grads, model_state), mesh)
+        state = update_fn(state, grads, model_state)
+        if donate:
+            member.send_state(at + 1, state_arrays(state))
+        return state, metrics
+
+    def warm_up(state: TrainState, batch: Batch) -> None:
+        """Compile both programs on a copy of `state` (a process that joins a run does this first)."""
+        treedef, sums = shard_sum(state, batch)
+        copy = jax.tree.map(jnp.copy, state)
+        _, model_state, grads = jax.tree.unflatten(treedef, sums)
+        jax.block_until_ready(update_fn(copy, *replicate((grads, model_state), mesh)))
+
+    made = TrainStep(step, grads_fn, tx, spec, local_grads)
+    made.warm_up = warm_up
+    return made
+
+
+def state_arrays(state: TrainState) -> list[np.ndarray]:
+    """Every array of `state` on the host, in `jax.tree.leaves` order (what a joining process gets)."""
+    return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state))]
+
+
+def state_from_arrays(template: TrainState, payload: Any) -> TrainState:
+    """`template` (a state of the same run) with the arrays of `state_arrays`'s bytes, placed as
+    `template`'s are."""
+    from jaxdp import elastic
+
+    leaves, treedef = jax.tree.flatten(template)
+    arrays = elastic.unpack(payload, leaves)
+    return jax.tree.unflatten(treedef, [jax.device_put(a, x.sharding) for a, x in zip(arrays, leaves)])
 
 
 RULES = {"replicated": _replicated, "local": _local, "sharded": _sharded, "host": _host}

@@ -23,6 +23,7 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from typing import Any, Sequence
 
 STARTED = time.perf_counter()  # this module loads first (before JAX): the run's start-up starts here
@@ -70,7 +71,7 @@ def train(config: Config) -> Any:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import agreement, data, distributed, heartbeat, usermodel
+    from jaxdp import agreement, data, distributed, elastic, heartbeat, usermodel
     from jaxdp.loop import fit
     from jaxdp.mesh import axis_name
     from jaxdp.optim import make_optimizer, make_outer_optimizer, make_schedule
@@ -78,11 +79,16 @@ def train(config: Config) -> Any:
     # ---- distribution and mesh ---------------------------------------------------------------
     distributed.initialize(config)
     cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
-    mesh, strategy = _mesh_and_strategy(config, distributed.mesh_devices(config.devices))
+    member = elastic.from_env()  # started by `jaxdp.launch --elastic`: one shard of an elastic run
+    with warnings.catch_warnings():
+        if member:  # one device here is one of several in the run
+            warnings.filterwarnings("ignore", message="jaxdp.make_mesh: JAX sees one CPU device")
+        mesh, strategy = _mesh_and_strategy(config, distributed.mesh_devices(config.devices))
     n_processes, process = jax.process_count(), jax.process_index()
-    if config.batch_size % mesh.size:
+    devices = mesh.size * (member.size if member else 1)
+    if config.batch_size % devices:
         raise ConfigError(f"--batch-size={config.batch_size} must be divisible by the number of devices "
-                          f"({mesh.size}); try {max(mesh.size, config.batch_size // mesh.size * mesh.size)}")
+                          f"({devices}); try {max(devices, config.batch_size // devices * devices)}")
 
     # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py), watched from here to the end.
     beat = heartbeat.for_run(config.stall_timeout)
@@ -125,14 +131,17 @@ def train(config: Config) -> Any:
     def batch_at(step: int) -> Any:  # this process's rows of global batch `step`, a pure function of it
         return dataset.train_batch(rows_per_step, step, config.seed, process, n_processes)
 
+    def shard_at(step: int, shard: int) -> Any:  # elastic: any shard's rows (a lost process's too)
+        return dataset.train_batch(rows_per_step, step, config.seed, shard, member.size)
+
     def held_out() -> Any:  # at most --eval-batches global batches; padding rows carry mask 0
         rows = config.batch_size if tokens else mesh.size * max(1, 256 // mesh.size)
-        return dataset.eval_batches(rows, process, n_processes, config.eval_batches or None)
+        return dataset.eval_batches(rows, process, n_processes, config.eval_batches or None)  # (elastic: rank 0, all)
 
     tokens_per_step = rows_per_step * config.seq_len if tokens else None
     flops = getattr(model, "flops_per_token", None)
     result = fit(
-        task.loss_fn, params, tx, batch_at, steps=config.steps, mesh=mesh, strategy=strategy, stateful=True,
+        task.loss_fn, params, tx, shard_at if member else batch_at, steps=config.steps, mesh=mesh, strategy=strategy, stateful=True,
         model_state=model_state, eval_fn=task.eval_fn, eval_data=held_out, summarize=task.summarize,
         eval_every=config.eval_every, compression=config.compression, sync_every=config.sync_every,
         outer_tx=None if config.sync_every == 1 and not config.sync_seconds else outer_tx,
@@ -142,14 +151,14 @@ def train(config: Config) -> Any:
         save_every=config.save_every, keep=config.keep, metrics_file=config.metrics_file, log_dir=config.log_dir,
         wandb_project=config.wandb_project, log_every=config.log_every, progress=config.progress, schedule=schedule, seed=config.seed,
         prefetch=config.prefetch, config=config, checkpoint_meta={"num_outputs": num_outputs, "schedule_steps": horizon},
-        resume_note=horizon_note, run_info={"compile_cache": cache_dir}, watch=beat,
+        resume_note=horizon_note, run_info={"compile_cache": cache_dir}, watch=beat, elastic=member,
         examples_per_step=rows_per_step, tokens_per_step=tokens_per_step,
         flops_per_step=flops(params) * tokens_per_step if tokens and flops else None, started=STARTED)
-    if jax.process_index() == 0 and not result.preempted:
+    if (member.lead if member else jax.process_index() == 0) and not result.preempted:
         summary, timings = result.summary, result.timings
         held = " ".join(f"{k}={v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
         decided = timings.get("decided_s")
-        print(f"{held} steps={config.steps} strategy={config.strategy} devices={mesh.size} "
+        print(f"{held} steps={config.steps} strategy={config.strategy} devices={devices} "
               f"time={time.perf_counter() - STARTED:.1f}s (start-up {timings['startup_s']:.1f}s, "
               f"first step with compilation {timings['compile_s']:.1f}s"
               + (f", --compression/--sync-every auto {decided:.1f}s" if decided else "") + ")")

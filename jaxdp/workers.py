@@ -158,18 +158,8 @@ class Launcher:
                 return False
             self.children = []
             for rank in range(self.nproc):
-                env = {**os.environ, ENV_COORDINATOR_ADDRESS: address, ENV_NUM_PROCESSES: str(world),
-                       ENV_PROCESS_ID: str(first + rank), ENV_RUN_ID: run_id}
-                cores = None if self.cores is None else self.cores[rank]
-                # Own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once.
-                # Spawned from the main thread: PR_SET_PDEATHSIG fires when the spawning thread ends.
-                try:
-                    prepare = lambda c=cores, me=os.getpid(): _child(c, self.libc, me)  # noqa: E731
-                    self.children.append(subprocess.Popen(self.command, env=env, preexec_fn=prepare,
-                                                          start_new_session=True))
-                except (OSError, subprocess.SubprocessError):
-                    self.kill_all()
-                    raise
+                self.children.append(self._spawn(rank, {ENV_COORDINATOR_ADDRESS: address, ENV_NUM_PROCESSES: str(world),
+                                                        ENV_PROCESS_ID: str(first + rank), ENV_RUN_ID: run_id}))
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         where = ("not bound to cores (--no-bind)" if self.cores is None else
@@ -180,6 +170,33 @@ class Launcher:
                  else f"processes {first}..{first + self.nproc - 1} of {world}")
         say(f"started {which}{again}, coordinator {address}, {where}")
         return True
+
+    def _spawn(self, rank: int, env: dict[str, str]) -> subprocess.Popen:
+        """Start the command as local process `rank` with `env` added (stop signals blocked by the caller)."""
+        cores = None if self.cores is None else self.cores[rank]
+        # Own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once.
+        # Spawned from the main thread: PR_SET_PDEATHSIG fires when the spawning thread ends.
+        try:
+            prepare = lambda c=cores, me=os.getpid(): _child(c, self.libc, me)  # noqa: E731
+            return subprocess.Popen(self.command, env={**os.environ, **env}, preexec_fn=prepare, start_new_session=True)
+        except (OSError, subprocess.SubprocessError):
+            self.kill_all()
+            raise
+
+    def start_one(self, rank: int, env: dict[str, str]) -> bool:
+        """(Re)start local process `rank` alone (an elastic run); False if a stop signal came first."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        try:
+            if self.stop is not None:
+                return False
+            child = self._spawn(rank, env)
+            if rank < len(self.children):
+                self.children[rank] = child
+            else:
+                self.children.append(child)
+            return True
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
 
     def begin(self, attempt: int, address: str, run_id: str, first: int, world: int) -> Outcome | None:
         """Start the children: None, or the outcome that stands instead (a stop signal came first,

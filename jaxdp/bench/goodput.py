@@ -40,6 +40,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
     p.add_argument("--seed", type=int, default=0, help="of the choice of worker to kill")
+    p.add_argument("--elastic", action="store_true", help="`jaxdp.launch --elastic` (--strategy host): a lost process "
+                   "restarts alone; the plain run's undisturbed time is measured too")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--json")
     p.set_defaults(run=run)
@@ -59,14 +61,16 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _run(args: argparse.Namespace, directory: str, kill_every: float | None, steps: int | None = None) -> dict:
+def _run(args: argparse.Namespace, directory: str, kill_every: float | None, steps: int | None = None,
+         elastic: bool = False) -> dict:
     import shlex
 
     steps = args.steps if steps is None else steps
-    command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2",
+    command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2", *(["--elastic"] if elastic else []),
                *(["--max-restarts", "1000"] if kill_every else []), "--", sys.executable, "-m", "jaxdp.train",
                "--devices", "1", "--no-progress", "--steps", str(steps), "--checkpoint-dir", directory,
-               "--save-every", str(args.save_every), *shlex.split(args.train_args)]
+               "--save-every", str(args.save_every), *(["--strategy", "host"] if elastic else []),
+               *shlex.split(args.train_args)]
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     kills: list[float] = []
@@ -106,18 +110,27 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"jaxdp.bench: goodput: --kill-every must be a positive number of seconds, got {args.kill_every}")
     with tempfile.TemporaryDirectory(prefix="jaxdp-goodput-") as scratch:
         _run(args, os.path.join(scratch, "warm"), None, steps=2)  # the compile cache: every later start finds it warm
-        calm = _run(args, os.path.join(scratch, "calm"), None)
-        killed = _run(args, os.path.join(scratch, "killed"), args.kill_every)
-    row = {"steps": args.steps, "save_every": args.save_every, "kill_every_s": args.kill_every,
+        if args.elastic:
+            _run(args, os.path.join(scratch, "warm-elastic"), None, steps=2, elastic=True)
+            plain = _run(args, os.path.join(scratch, "plain"), None)
+        calm = _run(args, os.path.join(scratch, "calm"), None, elastic=args.elastic)
+        killed = _run(args, os.path.join(scratch, "killed"), args.kill_every, elastic=args.elastic)
+    row = {"mode": "elastic" if args.elastic else "restart all", "steps": args.steps, "save_every": args.save_every,
+           "kill_every_s": args.kill_every,
            "undisturbed_s": calm["wall_s"], "disturbed_s": killed["wall_s"], "kills": killed["kills"],
            "goodput": calm["wall_s"] / killed["wall_s"],
            "lost_per_kill_s": (killed["wall_s"] - calm["wall_s"]) / killed["kills"] if killed["kills"] else None,
            "same_final_params": calm["checksums"] == killed["checksums"] and bool(calm["checksums"])}
-    print(f"2 processes x 1 device under `python -m jaxdp.launch`, `python -m jaxdp.train --steps {args.steps} "
+    if args.elastic:  # what the elastic mode costs when nothing fails, and goodput against the plain run
+        row.update(plain_undisturbed_s=plain["wall_s"], goodput_vs_plain=plain["wall_s"] / killed["wall_s"])
+    print(f"2 processes x 1 device under `python -m jaxdp.launch{' --elastic' if args.elastic else ''}`, "
+          f"`python -m jaxdp.train --steps {args.steps} "
           f"--save-every {args.save_every} {args.train_args}`; a random worker killed every {args.kill_every:g} s "
           f"(the compile cache warmed by a first run)")
     print_table([row], [("undisturbed_s", "undisturbed s", ".1f"), ("disturbed_s", "with kills s", ".1f"),
                         ("kills", "kills", "d"), ("goodput", "goodput", ".3f"), ("lost_per_kill_s", "lost per kill s", ".2f"),
-                        ("same_final_params", "final params equal", "")])
+                        ("same_final_params", "final params equal", "")]
+               + ([("plain_undisturbed_s", "plain undisturbed s", ".1f"), ("goodput_vs_plain", "goodput vs plain", ".3f")]
+                  if args.elastic else []))
     write_json(args.json, [row])
     return [row]
