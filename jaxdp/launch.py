@@ -5,6 +5,11 @@
     python -m jaxdp.launch --nproc-per-node 4 --no-bind -- python my_script.py   # calls jaxdp.initialize()
 
     python -m jaxdp.launch --nnodes 2 --node-rank R --coordinator node0:29400 --nproc-per-node 4 -- CMD   # on each node
+    python -m jaxdp.launch --elastic --nproc-per-node 2 --max-restarts 100 -- python -m jaxdp.train --strategy host ...
+
+With --elastic (one node; jaxdp/elastic.py) this launcher is the run's hub: the processes sum their
+gradients through it instead of jax.distributed, and a lost process is restarted alone (forked from a
+zygote that has JAX imported, jaxdp/zygote.py) while the others train on.
 
 Like torchrun's standalone mode (the processes themselves: jaxdp/workers.py):
 * a free coordinator port on 127.0.0.1 (the next port free too: the run handshake's), and
@@ -245,6 +250,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
                 return EXIT_BAD_INPUT if launcher.stop is None else stop_code(launcher.stop)
         where = "" if launcher.cores is None else ", bound to cores " + ", ".join(
             f"{rank}: {sorted(c)}" for rank, c in enumerate(launcher.cores))
+        launcher.start_zygote()  # restarts fork from it, with JAX and the rest imported
         say(f"started {size} processes (elastic: a lost one restarts alone), hub {hub.address}{where}")
         restarts, ended = 0, {}
         while True:
@@ -290,6 +296,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
     finally:
         selector.close()
         hub.close()
+        launcher.close()
 
 
 def follow(launcher: Launcher, link: rendezvous.Link, address: str, args: argparse.Namespace) -> int:

@@ -145,6 +145,15 @@ class Launcher:
         self.relay: list[int] = []  # signals received here, not yet passed to the other nodes' launchers
         self.launch_id = uuid.uuid4().hex[:12]
         self.libc = _libc()  # loaded here: the children only call it, between fork and exec
+        self.zygote = None  # an elastic run's warm start for restarts (jaxdp/zygote.py)
+
+    def start_zygote(self) -> None:
+        """Start the zygote that later restarts fork from (command `PYTHON -m MODULE ...` only)."""
+        from jaxdp import zygote
+
+        if zygote.module_of(self.command) is not None:
+            prepare = lambda me=os.getpid(): _child(None, self.libc, me)  # noqa: E731
+            self.zygote = zygote.Zygote(self.command, dict(os.environ), prepare)
 
     def start(self, attempt: int, address: str, run_id: str, first: int, world: int) -> bool:
         """Start this node's children, processes first .. first + nproc - 1 of `world`; False (nothing
@@ -174,6 +183,11 @@ class Launcher:
     def _spawn(self, rank: int, env: dict[str, str]) -> subprocess.Popen:
         """Start the command as local process `rank` with `env` added (stop signals blocked by the caller)."""
         cores = None if self.cores is None else self.cores[rank]
+        if self.zygote is not None and self.zygote.usable():
+            try:
+                return self.zygote.fork(self.command[3:], env, cores)
+            except OSError:
+                pass  # the ordinary way
         # Own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once.
         # Spawned from the main thread: PR_SET_PDEATHSIG fires when the spawning thread ends.
         try:
@@ -209,6 +223,10 @@ class Launcher:
             say(f"error: cannot start {self.command[0]!r}: {reason}")
             return Outcome("bad_input", code=EXIT_BAD_INPUT)
         return Outcome("stopped")
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
 
     def kill_all(self) -> None:
         for child in self.children:

@@ -61,6 +61,29 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _workers(launcher: int) -> list[int]:
+    """The training processes under a launcher: its children, and the children of an elastic
+    run's zygote (jaxdp/zygote.py) instead of the zygote itself."""
+    found = []
+    for child in _children(launcher):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                zygote = b"jaxdp.zygote" in f.read()
+        except OSError:
+            continue
+        found.extend(_children(child) if zygote else [child])
+    return found
+
+
+def _trained(directory: str, steps: int) -> bool:
+    """The run's last step is logged (what remains is the final save and evaluation)."""
+    try:
+        with open(os.path.join(directory, "metrics.jsonl")) as f:
+            return any(f'"step": {steps},' in line for line in f)
+    except OSError:
+        return False
+
+
 def _run(args: argparse.Namespace, directory: str, kill_every: float | None, steps: int | None = None,
          elastic: bool = False) -> dict:
     import shlex
@@ -69,7 +92,8 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2", *(["--elastic"] if elastic else []),
                *(["--max-restarts", "1000"] if kill_every else []), "--", sys.executable, "-m", "jaxdp.train",
                "--devices", "1", "--no-progress", "--steps", str(steps), "--checkpoint-dir", directory,
-               "--save-every", str(args.save_every), *(["--strategy", "host"] if elastic else []),
+               "--save-every", str(args.save_every), "--metrics-file", os.path.join(directory, "metrics.jsonl"),
+               *(["--strategy", "host"] if elastic else []),
                *shlex.split(args.train_args)]
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -78,8 +102,8 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
 
     def killer() -> None:
         chooser = random.Random(args.seed)
-        while not stop.wait(kill_every):
-            workers = _children(proc.pid)
+        while not stop.wait(kill_every) and not _trained(directory, steps):  # kills while it trains
+            workers = _workers(proc.pid)
             if workers:
                 victim = chooser.choice(sorted(workers))
                 try:
