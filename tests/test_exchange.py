@@ -194,6 +194,9 @@ def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
         rows, sums = state.sync.per_device[STATE_NAME], None
         for batch in batches:
             out, rows = fn(state.replace(opt_state=None), batch, rows)
+            # One window in flight: queued programs with XLA's in-process CPU collectives can
+            # deadlock until the rendezvous timeout aborts the process (jaxdp/step.py, `_bounded`).
+            jax.block_until_ready(rows)
             sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
         return float(costmodel.relative_error(*sums))
 
