@@ -151,7 +151,6 @@ class Hub:
         self.step: int | None = None                   # the step being summed (None: no holder yet)
         self.partials: dict[int, bytearray] = {}       # shard -> its sum for `step`
         self.layout: list[tuple[str, int]] = []        # (dtype, count) of each array of a partial
-        self.asked: dict[int, set[int]] = {}           # rank -> shards of `step` asked of it by "also"
         self.donor: tuple[int, list[int]] | None = None  # (rank, [joiners]) asked to send the state
         self.stopping = False
         self.finished = False                          # a total with stop was sent, or the run ended
@@ -244,7 +243,6 @@ class Hub:
                 return  # a stale partial (from before a reassignment): the new owner sends it
             self.partials[shard] = payload
             self.layout = [(str(d), int(c)) for d, c in header["layout"]]
-            self.asked.get(rank, set()).discard(shard)
             if len(self.partials) == self.size:
                 self._total()
         elif op == "state" and self.donor is not None and self.donor[0] == rank:
@@ -319,7 +317,6 @@ class Hub:
             return
         if rank in self.waiting:
             self.waiting.remove(rank)
-        self.asked.pop(rank, None)
         was_holder = rank in self.holders
         self.holders.discard(rank)
         if self.donor is not None:
@@ -344,16 +341,16 @@ class Hub:
                 self._make_source()
             return
         orphans = [s for s in range(self.size) if not self._alive(self.owner.get(s))]
+        asked: dict[int, list[int]] = {}  # heir -> shards of the step in flight it must compute too
         for shard in orphans:
             heir = min(self.holders, key=lambda r: (len(self._shards(r)), r))
             self.owner[shard] = heir
             if self.step is not None and shard not in self.partials:
-                self.asked.setdefault(heir, set()).add(shard)
+                asked.setdefault(heir, []).append(shard)
         self.events.append(f"rank {rank} lost at step {self.step}: its shards {orphans} go to "
                            + ", ".join(f"rank {r}" for r in sorted({self.owner[s] for s in orphans})))
-        for heir, shards in list(self.asked.items()):
-            if shards and heir in self.holders:
-                self._send(heir, {"op": "also", "step": self.step, "shards": sorted(shards)})
+        for heir, shards in asked.items():
+            self._send(heir, {"op": "also", "step": self.step, "shards": shards})
 
 
 # ---------------------------------------------------------------------------------------------

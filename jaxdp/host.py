@@ -41,12 +41,7 @@ def host_mean(local_trees: Sequence[Tree], *, num_devices: int | None = None,
     process's devices are summed, which is right for one process only.
     """
     num_devices = len(local_trees) if num_devices is None else num_devices
-    first, *rest = local_trees
-    leaves, treedef = jax.tree.flatten(first)
-    sums = [np.array(leaf, copy=True) for leaf in leaves]
-    for tree in rest:  # accumulate in place: no N-times-larger stack
-        for acc, leaf in zip(sums, jax.tree.leaves(tree)):
-            acc += leaf
+    treedef, sums = device_sum(local_trees)
     if process_sum is not None:
         sums = process_sum(sums)
     elif len(local_trees) != num_devices:
@@ -54,6 +49,18 @@ def host_mean(local_trees: Sequence[Tree], *, num_devices: int | None = None,
                          f"process_sum to add the other processes' (use process_sum_for(mesh))")
     means = [(s / num_devices).astype(s.dtype, copy=False) for s in sums]
     return jax.tree.unflatten(treedef, means)
+
+
+def device_sum(local_trees: Sequence[Tree]) -> tuple[Any, list[np.ndarray]]:
+    """(treedef, the leaves' sums) of one numpy pytree per device, added in device order in place
+    (no N-times-larger stack): the same sum wherever it is computed (an elastic run relies on it)."""
+    first, *rest = local_trees
+    leaves, treedef = jax.tree.flatten(first)
+    sums = [np.array(leaf, copy=True) for leaf in leaves]
+    for tree in rest:
+        for acc, leaf in zip(sums, jax.tree.leaves(tree)):
+            acc += leaf
+    return treedef, sums
 
 
 # The strategy registered as "host" (jaxdp.registry.STRATEGIES).

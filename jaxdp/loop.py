@@ -127,7 +127,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     cache_hits = runtime.CacheHits()  # compiled programs loaded from JAX's persistent cache
 
     checkpointer, joined = None, False
-    if checkpoint_dir and is_main or checkpoint_dir and elastic is None:  # an elastic run: rank 0 saves
+    if checkpoint_dir and (elastic is None or is_main):  # an elastic run: rank 0 saves
         checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, config=config)
         checkpointer.extra_meta.update(checkpoint_meta or {})
     try:
@@ -259,7 +259,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     if elastic is not None:  # every rank stops after the same step (the launcher says which)
-        preemption = _ElasticStop(preemption or Preemption(), elastic, checkpointer)
+        preemption = _ElasticStop(preemption or Preemption(), elastic)
     batches = Prefetcher(batch_at, start_step, steps, depth=prefetch) if sync_seconds is None else None
     summary: dict[str, Any] = {}
     try:
@@ -418,7 +418,7 @@ class _ElasticStop:
     """An elastic run's preemption: a signal here asks the launcher to stop every rank, and all
     stop after the step whose total says so (rank 0 saves it)."""
 
-    def __init__(self, preemption: Any, member: Any, checkpointer: Any):
+    def __init__(self, preemption: Any, member: Any):
         self._preemption, self._member = preemption, member
 
     def should_stop(self, state: Any) -> bool:

@@ -309,13 +309,7 @@ def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh:
     devices = member.size * mesh.size
 
     def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
-        first, *rest = to_host(state, batch)
-        leaves, treedef = jax.tree.flatten(first)
-        sums = [np.array(leaf, copy=True) for leaf in leaves]
-        for tree in rest:  # in device order, as host_mean adds them
-            for acc, leaf in zip(sums, jax.tree.leaves(tree)):
-                acc += leaf
-        return treedef, sums
+        return host.device_sum(to_host(state, batch))  # as host_mean adds them
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         at = int(jax.device_get(state.step))  # host sync point (the host path has one anyway)

@@ -18,6 +18,7 @@ import pytest
 
 from helpers import ROOT, cli_env
 from jaxdp import elastic
+from jaxdp.bench.goodput import training_processes
 
 PY = sys.executable
 
@@ -167,19 +168,6 @@ def _elastic_rank(pid: int) -> int | None:
     return None if rank is None else int(rank)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
 @pytest.mark.slow
 def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_parameters(tmp_path):
     from helpers import commands, readme_blocks
@@ -209,9 +197,7 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
             time.sleep(0.01)
 
     def kill(rank: int) -> None:
-        under = _children(proc.pid)
-        under += [g for c in under for g in _children(c)]  # a restarted process is the zygote's child
-        victim = next(p for p in under if _elastic_rank(p) == rank)
+        victim = next(p for p in training_processes(proc.pid) if _elastic_rank(p) == rank)
         os.kill(victim, signal.SIGKILL)
 
     try:

@@ -61,7 +61,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _workers(launcher: int) -> list[int]:
+def training_processes(launcher: int) -> list[int]:
     """The training processes under a launcher: its children, and the children of an elastic
     run's zygote (jaxdp/zygote.py) instead of the zygote itself."""
     found = []
@@ -103,7 +103,7 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     def killer() -> None:
         chooser = random.Random(args.seed)
         while not stop.wait(kill_every) and not _trained(directory, steps):  # kills while it trains
-            workers = _workers(proc.pid)
+            workers = training_processes(proc.pid)
             if workers:
                 victim = chooser.choice(sorted(workers))
                 try:
