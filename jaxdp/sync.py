@@ -138,6 +138,19 @@ def _ring_sum(flat: jax.Array, axis_name: Any, n: int, mean: bool = False) -> ja
     return ring_all_gather(ring_reduce_scatter(padded, axis_name, mean=mean), axis_name)[:size]
 
 
+def send(x: jax.Array, axis_name: Any, pairs: list[tuple[int, int]]) -> jax.Array:
+    """`jax.lax.ppermute` that keeps 16-bit floats 16 bits on the wire.
+
+    XLA's CPU compiler rewrites a bf16 / fp16 collective-permute into an f32 one (its float
+    normalization: the CPU backend computes in f32), so a bf16 ring would send as many bytes as an
+    f32 one. The bits go as uint16 instead, which no pass widens; a free bitcast on every backend.
+    (An all-reduce cannot do this: it adds on the way, so `psum` of bf16 moves f32 on CPU.)"""
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        bits = jax.lax.ppermute(jax.lax.bitcast_convert_type(x, jnp.uint16), axis_name, pairs)
+        return jax.lax.bitcast_convert_type(bits, x.dtype)
+    return jax.lax.ppermute(x, axis_name, pairs)
+
+
 def ring_reduce_scatter(padded: jax.Array, axis_name: Any, *, mean: bool = False) -> jax.Array:
     """The ring's first half: a 1-D buffer of N equal chunks in, on device i the sum (or mean)
     over devices of chunk i out. N - 1 hops, each moving one chunk to the next device."""
@@ -157,7 +170,7 @@ def ring_reduce_scatter(padded: jax.Array, axis_name: Any, *, mean: bool = False
     # (i - 2 - s) to my own copy of it. After n - 1 steps `acc` is the full sum of chunk i.
     acc = chunk_of(me - 1)
     for s in range(n - 1):
-        acc = chunk_of(me - s - 2) + jax.lax.ppermute(acc, axis_name, to_next)
+        acc = chunk_of(me - s - 2) + send(acc, axis_name, to_next)
     return acc / n if mean else acc  # a mean divides only the one chunk this device owns
 
 
@@ -177,7 +190,7 @@ def ring_all_gather(owned: jax.Array, axis_name: Any) -> jax.Array:
     # (Writing into the input instead makes XLA copy it first whenever the caller still owns it.)
     out = put(jax.lax.empty((chunk * n,), owned.dtype), owned, me)
     for s in range(n - 1):
-        owned = jax.lax.ppermute(owned, axis_name, to_next)  # the full chunk (i - 1 - s)
+        owned = send(owned, axis_name, to_next)  # the full chunk (i - 1 - s)
         out = put(out, owned, me - s - 1)
     return out
 

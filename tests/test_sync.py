@@ -1,5 +1,7 @@
 """ring_allreduce against jax.lax.psum, and every strategy's structure/dtype contract."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,6 +90,17 @@ def test_compiled_ring_copies_no_whole_buffer(devices, padded):
     entry = compiled.as_text().split("ENTRY", 1)[1]
     assert entry.count("collective-permute(") == 2 * 7
     assert " copy(" not in entry, entry
+
+
+def test_a_16_bit_ring_sends_16_bits_on_the_wire(devices):
+    # XLA's CPU compiler widens a bf16 / fp16 collective-permute to f32; the ring must send the bits
+    # as uint16, or --compression bf16 sends as many bytes as no compression (found on the testbed).
+    mesh = make_mesh(devices[:4])
+    tree = shard_batch(awkward_tree(4, np.random.default_rng(0), integer_valued=True), mesh)
+    entry = per_device(lambda t: jaxdp.ring_allreduce({"bf16": t["bf16"], "f16": t["f16"]}, DATA_AXIS), mesh
+                       ).lower({"bf16": tree["bf16"], "f16": tree["f16"]}).compile().as_text().split("ENTRY", 1)[1]
+    permutes = re.findall(r"= (\w+)\[\d*\]\S* collective-permute(?:-start)?\(", entry)
+    assert len(permutes) == 2 * 3 * 2 and set(permutes) == {"u16"}, permutes
 
 
 def test_ring_rejects_integer_leaves(devices):
