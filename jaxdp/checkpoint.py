@@ -11,7 +11,8 @@ A checkpoint is one step directory of an orbax `CheckpointManager`:
 
     DIR/15/state/                     the TrainState: step, params, opt_state, model_state, rng
     DIR/15/meta/                      JSON: the step, the data position, the Config of the run (and
-                                      `extra_meta`: the CLI notes whether --sync-every auto chose H)
+                                      `extra_meta`: the CLI notes whether --sync-every auto chose H;
+                                      `save_cost`: what --save-every auto measured)
     DIR/15/jaxdp_checksums.json       sha256 of every array of the state (see "Integrity" below)
     DIR/.jaxdp-lock                   held by the run that writes DIR (jaxdp/dirlock.py)
     DIR/20.orbax-checkpoint-tmp/      a save that has not finished (or was killed): never restored
@@ -55,13 +56,14 @@ import json
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxdp import portable, quiet, resume
+from jaxdp import coordination, portable, quiet, resume, saveplan
 from jaxdp.config import Config
 from jaxdp.dirlock import DirectoryLock
 from jaxdp.errors import CheckpointWriteError, InputError
@@ -72,20 +74,26 @@ log = logging.getLogger("jaxdp")
 
 UNREADABLE_SUFFIX = ".unreadable"
 CHECKSUMS_FILE = "jaxdp_checksums.json"  # DIR/<step>/: sha256 of every array, written after orbax commits
+SAVE_COST = "save_cost"  # meta: what --save-every auto measured (jaxdp/saveplan.py), for a restarted run
 _BARRIER_IDS = itertools.count()  # every process counts alike, so their barrier names agree
 
 
 class Checkpointer:
     """Save a TrainState every `save_every` steps into `directory`; restore the latest complete one.
 
+    `save_every` is a step count (0: the caller's final save only) or "auto": an interval chosen from
+    the measured cost of the first save (jaxdp/saveplan.py; `due` says when, `decision` what it chose).
+
     `config` (optional) is recorded in every checkpoint; a later `restore` with a different config
     raises InputError naming the first field that differs. Bad input never changes `directory`.
     """
 
-    def __init__(self, directory: str, *, save_every: int = 0, keep: int = 3,
+    def __init__(self, directory: str, *, save_every: int | str = 0, keep: int = 3,
                  config: Config | None = None, async_save: bool = True):
         self.directory = os.path.abspath(directory)
-        self.save_every = save_every
+        restarts, mtbf_s = saveplan.failures_from_env()
+        self.plan = saveplan.SavePlan(saveplan.parse(save_every), restarts=restarts, mtbf_s=mtbf_s)
+        self.decision: dict | None = None  # an auto plan's choice, once, for the caller to print and log
         self.config = config
         self.extra_meta: dict[str, Any] = {}  # more JSON for every checkpoint's meta (the CLI: sync_every_auto)
         self.restored_unverified: int | None = None  # the step `restore` restored without a checksum record
@@ -143,12 +151,28 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
         self._move_aside(unreadable, restored_step=None if restored is None else int(restored.step))
+        if restored is not None:
+            self._recall_save_cost(int(restored.step), meta)
         if restored is not None and not verified:
             self.restored_unverified = int(restored.step)
             _warn(f"checkpoint {os.path.join(self.directory, str(self.restored_unverified))} has no checksum record "
                   f"({CHECKSUMS_FILE}: saved by a jaxdp without checksums, or the run stopped before writing it), "
                   f"so its arrays cannot be verified; restored it unverified")
         return state if restored is None else restored
+
+    def _recall_save_cost(self, step: int, meta: dict) -> None:
+        """--save-every auto, resumed: decide at once from the save costs the checkpoint recorded
+        (measured on as many devices as this run has), with the launcher's failures until now."""
+        recorded = meta.get(SAVE_COST)
+        if not self.plan.auto or not isinstance(recorded, dict) or recorded.get("devices") != jax.device_count():
+            return
+        try:
+            costs = {name: float(recorded[name]) for name in saveplan.COSTS}
+        except (KeyError, TypeError, ValueError):
+            return  # measure again
+        self.plan.decide(step, **costs, recalled=True)
+        self.extra_meta[SAVE_COST] = recorded
+        self.decision = self.plan.decision
 
     def recorded_meta(self) -> dict | None:
         """The meta JSON (step, config, ...) of the latest checkpoint whose description reads, the one
@@ -261,7 +285,12 @@ class Checkpointer:
     # -- save -----------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        return bool(self.save_every) and step % self.save_every == 0
+        """Is a save due after step `step` (training one step at a time)?"""
+        return self.plan.due(step - 1, step)
+
+    def due(self, before: int, done: int) -> bool:
+        """Is a save due after training from step `before` to `done` (a paced round: several)?"""
+        return self.plan.due(before, done)
 
     def save(self, state: TrainState) -> bool:
         """Save `state` at `state.step` (all processes call it). False if that step is already saved.
@@ -270,7 +299,38 @@ class Checkpointer:
         (the state is replicated, so one copy is all of it; a ZeRO-1 optimizer state is gathered
         from every device, in its tree form: see `_portable`). The files are written in a background
         thread; the next `save` or `close` waits for them.
+
+        An auto plan's measuring save (`--save-every auto`) also waits for its files, times both,
+        and sets the interval and `decision` (process 0's, in a multi-process run).
         """
+        step = int(jax.device_get(state.step))
+        if not self.plan.probing(step):
+            return self._save(state)
+        jax.block_until_ready(state)  # the steps before it are training time, not save time
+        ready = time.perf_counter()
+        step_s = self.plan.step_s(step, ready)
+        saved = self._save(state)
+        blocked = time.perf_counter() - ready
+        self.wait()  # once: how long the background write takes
+        written = time.perf_counter() - ready - blocked
+        self.plan.decide(step, step_s=step_s, blocked_s=blocked, written_s=written)
+        costs = self.plan.costs()
+        if jax.process_count() > 1:  # every process saves at the same steps: process 0's measurements
+            chosen = json.loads(coordination.gather_strings(coordination.namespace("saveplan"), json.dumps(costs))[0])
+            if chosen != costs:
+                costs = chosen
+                self.plan.decide(step, **costs)
+        self.extra_meta[SAVE_COST] = {**costs, "devices": jax.device_count()}  # a restart decides from them
+        self.decision = self.plan.decision
+        return saved
+
+    def take_decision(self) -> dict:
+        """The auto plan's decision record (once; then `decision` is None again)."""
+        record, self.decision = self.decision, None
+        return record
+
+    def _save(self, state: TrainState) -> bool:
+        """The save itself (see `save`)."""
         step = int(jax.device_get(state.step))
         if step in self._manager.all_steps():
             return False

@@ -28,6 +28,7 @@ from jaxdp.errors import InputError
 
 TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/tokens.py), for --model gpt
 SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.syncspec.AUTO)
+SAVE_AUTO = "auto"  # --save-every auto (jaxdp.saveplan.AUTO)
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
@@ -74,6 +75,7 @@ class Config:
     outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
     sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
     sync_seconds: float = _field(0.0, "optimisation", "workers at their own pace: local steps in rounds of S seconds of wall clock; every process takes as many steps as it manages in S seconds, then the pseudo-gradients are averaged weighted by the examples each process trained on, through --outer-optimizer (psum, ring; instead of --sync-every; 0: off)", metavar="S")
+    overlap: bool = _field(False, "optimisation", "with --sync-every H > 1: the average of a round's pseudo-gradients runs while the next round trains, and is applied one round late (each replica keeps its own progress of that round on top); the link's time hides behind compute (psum, ring; any fixed --compression)")
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
     outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
     compression: str = _field("none", "optimisation", "gradient compression on the way through the strategy: none, bf16, int8 or int4 (blockwise quantized, requantized at every hop of --strategy ring, error feedback), powersgd:RANK[:start=STEP] (low rank, error feedback), or auto: measure compute and all-reduce time and compress only as much as the link needs")
@@ -96,7 +98,7 @@ class Config:
 
     # -- checkpointing --------------------------------------------------------------------------
     checkpoint_dir: str | None = _field(None, "checkpointing", "orbax checkpoint directory; a run pointed at one that holds a checkpoint resumes from it")
-    save_every: int = _field(0, "checkpointing", "save a checkpoint every N steps (0: only at the end, when --checkpoint-dir is set)")
+    save_every: int | str = _field(0, "checkpointing", "save a checkpoint every N steps (0: only at the end, when --checkpoint-dir is set); auto: time the first save (20 steps in) and choose N from its cost: at most 1 percent of the training time, or, under jaxdp.launch after a restart, Young's interval from the failures seen so far", metavar="{N,auto}")
     keep: int = _field(3, "checkpointing", "number of most recent checkpoints to keep")
 
     # -- logging --------------------------------------------------------------------------------
@@ -161,8 +163,9 @@ class Config:
         for name in ("log_every", "keep"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        if self.save_every < 0:
-            raise ConfigError(f"--save-every must be 0 or more, got {self.save_every}")
+        if self.save_every != SAVE_AUTO and (isinstance(self.save_every, str) or self.save_every < 0):
+            raise ConfigError(f"--save-every must be a number of steps (0: only at the end) or auto, "
+                              f"got {self.save_every!r}")
         token_file = self.dataset.lower().endswith(TOKEN_SUFFIXES)
         if self.model == "gpt" and not token_file:
             raise ConfigError(f"--model=gpt trains on a token stream: give --dataset a .txt, .bin or .npy file, "
@@ -252,6 +255,15 @@ def _check_inputs(config: Config) -> None:
         if clash:
             raise ConfigError(f"--sync-seconds does not combine with {clash[0]}={clash[1]}: the rounds are "
                               f"--sync-seconds long, with one fixed --compression; drop one of them")
+    if config.overlap:
+        clash = ("--sync-seconds", config.sync_seconds) if paced else ("--sync-every", config.sync_every) \
+            if auto_sync or config.sync_every < 2 else ("--compression", "auto") if config.compression == "auto" \
+            else ("--sync-fragments", config.sync_fragments) if config.sync_fragments != 1 \
+            else ("--shard-optimizer", "true") if config.shard_optimizer else None
+        if clash:
+            raise ConfigError(f"--overlap does not combine with {clash[0]}={clash[1]}: it overlaps the average of each "
+                              f"round of --sync-every H >= 2 local steps (a fixed --compression, one fragment) with the "
+                              f"next round; change one of them")
     _check_combinations(config, local=auto_sync or config.sync_every > 1 or paced)  # auto may choose local steps
     if auto_sync or config.sync_every > 1 or paced:
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
@@ -321,7 +333,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _int_or_auto(text: str) -> int | str:
-    """--sync-every: an integer, or any other word as given (validation names what is allowed)."""
+    """--sync-every, --save-every: an integer, or any other word as given (validation names what is allowed)."""
     if text.strip().lower() == SYNC_AUTO:
         return SYNC_AUTO
     try:

@@ -51,6 +51,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 from jaxdp import rendezvous
@@ -278,6 +279,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
                     launcher.kill_all()
                     return shell_code(code)
                 restarts += 1
+                launcher.failures.append(time.time())  # (the restarted process's --save-every auto reads it)
                 hub.lost(rank)
                 say(f"process {rank} {describe(code)}; restarting it alone ({restarts} of {args.max_restarts}), "
                     f"the others train on")

@@ -27,8 +27,10 @@ Arguments, by what they describe:
   with masked rows, so every row counts exactly once), and `summarize(totals) -> metrics`
   (default: every total divided by `totals["count"]`, named `eval_<total>`).
 * the sync: `strategy`, `compression` (including "auto"), `sync_every` (including "auto"),
-  `outer_tx`, `sync_fragments`, `shard_optimizer`, `grad_accum`, as `make_train_step` takes them.
-* bookkeeping: `checkpoint_dir`, `save_every`, `keep`; `metrics_file`, `log_dir`,
+  `outer_tx`, `sync_fragments`, `shard_optimizer`, `grad_accum`, as `make_train_step` takes them;
+  `sync_seconds` (rounds of wall-clock time) and `overlap` (with `sync_every` H: each round's
+  average runs while the next round trains), both in jaxdp/paced.py.
+* bookkeeping: `checkpoint_dir`, `save_every` (steps, or "auto": jaxdp/saveplan.py), `keep`; `metrics_file`, `log_dir`,
   `wandb_project`, `log_every`, `eval_every`, `progress`; `schedule` (the learning-rate schedule,
   logged as "lr").
 
@@ -68,9 +70,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         eval_fn: Callable | None = None, eval_data: Any = None, summarize: Callable | None = None,
         eval_every: int = 0,
         compression: Any = "none", sync_every: int | str = 1, outer_tx: Any = None, sync_fragments: int = 1,
-        sync_seconds: Any = None, shard_optimizer: bool = False, grad_accum: int = 1, comm_target: float = 0.25,
+        sync_seconds: Any = None, overlap: bool = False, shard_optimizer: bool = False, grad_accum: int = 1, comm_target: float = 0.25,
         compression_every: int = 500,
-        checkpoint_dir: str | None = None, save_every: int = 0, keep: int = 3,
+        checkpoint_dir: str | None = None, save_every: int | str = 0, keep: int = 3,
         metrics_file: str | None = None, log_dir: str | None = None, wandb_project: str | None = None,
         log_every: int = 10, progress: bool = True, schedule: Callable[[int], Any] | None = None,
         seed: int = 0, prefetch: int = 2, stall_timeout: int = 20,
@@ -116,9 +118,15 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     # watch before it loads its data and passes it in; it is stopped here either way).
     beat = heartbeat.for_run(stall_timeout) if watch is None else watch
 
-    if sync_seconds is not None:  # workers at their own pace (jaxdp/paced.py)
+    if overlap:  # rounds of H steps whose average is applied one round late (jaxdp/paced.py)
+        _check_overlap(sync_every, sync_seconds)
+        _check_paced(paced.FixedSteps(sync_every), data, mesh, strategy, compression, 1, sync_fragments,
+                     shard_optimizer, what="overlap")
+    elif sync_seconds is not None:  # workers at their own pace (jaxdp/paced.py)
         _check_paced(sync_seconds, data, mesh, strategy, compression, sync_every, sync_fragments, shard_optimizer)
-        outer_tx = local_sgd.default_outer(outer_tx)  # local steps, with rounds of time instead of H
+    rounds_run = overlap or sync_seconds is not None  # host-driven rounds (jaxdp/paced.py), not the step loop
+    if rounds_run:
+        outer_tx = local_sgd.default_outer(outer_tx)  # local steps, in rounds
     shard_data = None
     if elastic is not None:  # one process of an elastic run (jaxdp/elastic.py): data(step, shard)
         _check_elastic(data, mesh, strategy, compression, sync_every, sync_seconds, sync_fragments, shard_optimizer)
@@ -140,9 +148,11 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             made = init_state(params, tx, mesh, model_state=model_state, rng=seed,
                               shard_optimizer=spec.shard_optimizer, compression=spec.compression,
                               sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
-            if sync_seconds is None:
+            if not rounds_run:
                 return made
             rows, shared = paced.init_sync(mesh)
+            if overlap:
+                rows.update(paced.init_overlap(params, mesh))
             return made.replace(sync=made.sync.replace(per_device={**made.sync.per_device, **rows},
                                                        shared={**made.sync.shared, **shared}))
 
@@ -160,7 +170,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             return steps_by_spec[spec]
 
         sync_auto = sync_every == syncspec.AUTO
-        if sync_seconds is not None or elastic is not None:  # nothing "auto" to resolve (_check_paced, _check_elastic)
+        if rounds_run or elastic is not None:  # nothing "auto" to resolve (_check_paced, _check_elastic)
             fixed = requested.replace(compression=None if compression == "none" else exchange.codec(compression))
             begun = controller_lib.Start(fixed, requested, [], None, False, None, False)
         else:
@@ -188,8 +198,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             state, joined = _join(elastic, state, checkpointer, train_step, batch_at)
         elif checkpointer:
             state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
-            if sync_seconds is not None:
-                paced.check_state(state)
+            if rounds_run:
+                paced.check_state(state, overlap)
             if int(state.step) > steps:
                 raise InputError(f"checkpoint directory {checkpointer.directory!r} holds step {int(state.step)}, past "
                                  f"steps={steps}; raise steps to train further or use another checkpoint directory",
@@ -240,6 +250,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
               file=sys.stderr)
     elif start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory}){resume_note}", file=sys.stderr)
+    if checkpointer and checkpointer.decision:  # --save-every auto, resumed: from the recorded save cost
+        writer.decision("save_every", start_step, f"--save-every auto: {checkpointer.decision['why']}",
+                        **checkpointer.take_decision())
     history, preempted, done = [], False, start_step
     decided_s = sum(sum(r.get("cost_s", {}).values()) for _, r in early)  # the controller's own time
     pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked for NaN / Inf
@@ -260,12 +273,14 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     if elastic is not None:  # every rank stops after the same step (the launcher says which)
         preemption = _ElasticStop(preemption or Preemption(), elastic)
-    batches = Prefetcher(batch_at, start_step, steps, depth=prefetch) if sync_seconds is None else None
+    batches = Prefetcher(batch_at, start_step, steps, depth=prefetch) if not rounds_run else None
     summary: dict[str, Any] = {}
     try:
-        if sync_seconds is not None:
-            rounds = paced.Rounds(train_step.local_grads, tx, mesh, spec.strategy, spec.compression, outer_tx,
-                                  sync_seconds, data, examples_per_step)
+        if rounds_run:
+            rounds = paced.Overlapped(train_step.local_grads, tx, mesh, spec.strategy, spec.compression, outer_tx,
+                                      sync_every, data, examples_per_step) if overlap else \
+                paced.Rounds(train_step.local_grads, tx, mesh, spec.strategy, spec.compression, outer_tx,
+                             sync_seconds, data, examples_per_step)
             state, done, preempted = paced.train(
                 rounds, state, steps=steps, writer=writer, history=history, beat=beat, checkpointer=checkpointer,
                 preemption=preemption, evaluate=evaluate if eval_step is not None else None, eval_every=eval_every,
@@ -315,6 +330,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 if checkpointer and checkpointer.should_save(done):
                     checked()  # never write a non-finite state over a good checkpoint
                     checkpointer.save(state)
+                    if checkpointer.decision:  # --save-every auto: the measuring save chose the interval
+                        writer.decision("save_every", done, f"--save-every auto: {checkpointer.decision['why']}",
+                                        **checkpointer.take_decision())
                 # Multi-process: a tiny all-reduce, so every process stops after the same step.
                 if preemption and done < steps and preemption.should_stop(state):
                     checked()
@@ -340,6 +358,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     finally:
         if batches is not None:
             batches.close()
+        if rounds_run and overlap and "rounds" in locals():
+            rounds.close()
         cache_hits.close()
         beat.stop()
         writer.close()
@@ -434,9 +454,22 @@ class _ElasticStop:
         self._preemption.close()
 
 
+def _check_overlap(sync_every: Any, sync_seconds: Any) -> None:
+    """InputError unless `overlap` has rounds of H > 1 steps to overlap (jaxdp/paced.py)."""
+    from jaxdp.errors import InputError
+
+    if sync_seconds is not None:
+        raise InputError("overlap does not combine with sync_seconds yet: its rounds are H steps (sync_every)",
+                         setting="overlap")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 2:
+        raise InputError(f"overlap overlaps the average of local steps with the next round: it needs sync_every = H "
+                         f"of 2 or more, got {sync_every!r} (every-step training does not overlap yet)",
+                         setting="sync_every")
+
+
 def _check_paced(sync_seconds: Any, data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any,
-                 sync_fragments: int, shard_optimizer: bool) -> None:
-    """InputError for what `sync_seconds` (jaxdp/paced.py) does not combine with."""
+                 sync_fragments: int, shard_optimizer: bool, what: str = "sync_seconds") -> None:
+    """InputError for what `sync_seconds` or `overlap` (`what`; jaxdp/paced.py) does not combine with."""
     from jaxdp import paced
     from jaxdp.errors import InputError
     from jaxdp.sync import as_collective
@@ -447,12 +480,12 @@ def _check_paced(sync_seconds: Any, data: Any, mesh: Any, strategy: Any, compres
         if compression == "auto" else ("sync_fragments", f"sync_fragments={sync_fragments}") \
         if sync_fragments != 1 else ("shard_optimizer", "shard_optimizer (ZeRO-1)") if shard_optimizer else None
     if clash:
-        raise InputError(f"sync_seconds does not combine with {clash[1]}", setting=clash[0])
+        raise InputError(f"{what} does not combine with {clash[1]}", setting=clash[0])
     if as_collective(strategy).sum is None:
-        raise InputError(f"sync_seconds needs an in-graph strategy (psum or ring), not {as_collective(strategy).name}",
+        raise InputError(f"{what} needs an in-graph strategy (psum or ring), not {as_collective(strategy).name}",
                          setting="strategy")
     if not callable(data):
-        raise InputError("sync_seconds needs data as a function data(step) (each process reads its own positions)",
+        raise InputError(f"{what} needs data as a function data(step) (each process reads its own positions)",
                          argument="data")
 
 

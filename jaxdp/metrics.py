@@ -152,6 +152,16 @@ class MetricsWriter:
             self._write(record)
         return record
 
+    def decision(self, name: str, step: int, line: str, **fields: Any) -> dict[str, Any]:
+        """A decision the program took for the user: the event `name` with `fields`, and `line` once
+        on the console ("jaxdp: " + line, process 0). The time it took to decide is left out of the
+        rates (`restart_clock`)."""
+        record = self.event(name, step, **fields)
+        self.restart_clock()
+        if self.is_main:
+            print(f"jaxdp: {line}", file=sys.stderr)
+        return record
+
     def first_step_done(self, step: int) -> float:
         """Call once the first step's result is ready: its time is compilation plus one step, and
         is reported apart (`compile_s`); rates and the progress bar's ETA start from here."""

@@ -1,4 +1,5 @@
-"""Workers at their own pace: local steps in rounds of wall-clock time (`--sync-seconds S`).
+"""Host-driven rounds of local steps: workers at their own pace (`--sync-seconds S`), and rounds of
+H steps whose average overlaps the next round (`--overlap`, `Overlapped`, at the end).
 
     result = jaxdp.fit(loss_fn, params, tx, batch_at, steps=2000, sync_seconds=2.0,
                        outer_tx=optax.sgd(0.7, momentum=0.9, nesterov=True))
@@ -49,6 +50,14 @@ heartbeat (jaxdp/heartbeat.py, which counts rounds here, not steps) after `--sta
 Scope: an in-graph strategy (psum, ring) and its compression (not "auto"), one fragment, no ZeRO-1,
 a flat mesh (`--hierarchy flat`), and models without float model state (BatchNorm statistics would
 differ per process between syncs; dropout's keys are fine).
+
+Overlap (`overlap=True` with `sync_every=H`, `Overlapped`): every process takes H inner steps per
+round, and round k's average (`make_reduce`, the only collective) runs on a thread of its own while
+round k + 1 trains; then `make_apply` (no collective) takes the outer step with it and restarts
+every replica from the new global parameters minus its own delta of round k + 1, which is the next
+delta in flight (`per_device["overlap"]`, checkpointed, so a resume with an average in flight is
+exact). The same scope as above, one round of delay, and the end of the run applies the last
+average. Why a thread works, and what it needs of the CPU backend: docs/slow-links.md, "Overlap".
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ from jaxdp.state import TrainState
 from jaxdp.sync import as_collective
 
 PACE_NAME = "paced"  # per_device[PACE_NAME] = {"position": int32 rows}; shared[PACE_NAME] = {"round": int32}
+OVERLAP_NAME = "overlap"  # --overlap: per_device[OVERLAP_NAME] = {"delta": params rows, "steps", "loss_sum": rows}
 
 Pace = float | Callable[[int, int], int]
 
@@ -296,8 +306,6 @@ def train(rounds: Rounds, state: TrainState, *, steps: int, writer: Any, history
     """Rounds until `state.step` reaches `steps` (or a preemption): log every round, save and
     evaluate when a round passes a multiple of `save_every` / `eval_every`. Returns (state, the
     step reached, preempted)."""
-    from jaxdp.metrics import check_finite
-
     done = int(jax.device_get(state.step))
     round_index = int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
     first, last = True, None  # the steps each process took in the last round
@@ -309,13 +317,33 @@ def train(rounds: Rounds, state: TrainState, *, steps: int, writer: Any, history
         host = jax.device_get(metrics)  # host sync point: one per round
         round_index, done = int(host["round"]), int(jax.device_get(state.step))
         beat.dispatched(round_index, state.step, waited_s=time.perf_counter() - dispatch)
-        check_finite(done, {"loss": host["loss"]})
-        by_process = last = rounds.by_process(host["steps_by_device"])
         if first:
             writer.first_step_done(done)
             first = False
         else:
             writer.step(done - before)
+        landed = host.get("landed", True)  # (--overlap: a round's figures arrive with the next round)
+        state, done, stop = _after_round(rounds, state, host if landed else None, before, done, steps, seconds,
+                                         round_index, writer, history, checkpointer, preemption, evaluate, eval_every,
+                                         beat, is_main)
+        last = rounds.by_process(host["steps_by_device"]) if landed else last
+        if stop:
+            return state, done, True
+    if isinstance(rounds, Overlapped):
+        state = rounds.flush(state)  # the last round's average, applied: every replica equals the global
+    return state, done, False
+
+
+def _after_round(rounds: Rounds, state: TrainState, host: dict | None, before: int, done: int, steps: int,
+                 seconds: float, round_index: int, writer: Any, history: list, checkpointer: Any, preemption: Any,
+                 evaluate: Callable | None, eval_every: int, beat: Any, is_main: bool) -> tuple[TrainState, int, bool]:
+    """A round's log line (`host`: its metrics on the host; None: nothing landed yet), then the
+    evaluation, save and stop check due after it. Returns (state, done, stopped)."""
+    from jaxdp.metrics import check_finite
+
+    if host is not None:
+        check_finite(done, {"loss": host["loss"]})
+        by_process = rounds.by_process(host["steps_by_device"])
         extra = {"round": round_index, "round_s": seconds, "round_steps_by_process": by_process}
         if rounds.local_rows:
             extra["examples_per_sec_by_process"] = [k * rounds.local_rows / seconds for k in by_process]
@@ -328,23 +356,225 @@ def train(rounds: Rounds, state: TrainState, *, steps: int, writer: Any, history
                 who = f"process {idle[0]}" if len(idle) == 1 else f"processes {idle}"
                 print(f"jaxdp: --sync-seconds: {who} took no step in round {round_index} (weight 0 in its average); "
                       f"steps by process: {by_process}", file=sys.stderr)
-        if evaluate is not None and eval_every and done // eval_every > before // eval_every and done < steps:
-            beat.phase(f"the evaluation after round {round_index}")
-            evaluated = time.perf_counter()
-            writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
-        if checkpointer:
-            checkpointer.poll()
-            if checkpointer.save_every and done // checkpointer.save_every > before // checkpointer.save_every:
-                checkpointer.save(state)
-            if preemption and done < steps and preemption.should_stop(state):
-                checkpointer.save(state)
-                return state, done, True
+    if evaluate is not None and eval_every and done // eval_every > before // eval_every and done < steps:
+        beat.phase(f"the evaluation after round {round_index}")
+        evaluated = time.perf_counter()
+        writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
+    if checkpointer:
+        checkpointer.poll()
+        if checkpointer.due(before, done):
+            checkpointer.save(state)
+            if checkpointer.decision:  # --save-every auto: the measuring save chose the interval
+                writer.decision("save_every", done, f"--save-every auto: {checkpointer.decision['why']}",
+                                **checkpointer.take_decision())
+        if preemption and done < steps and preemption.should_stop(state):
+            checkpointer.save(state)
+            return state, done, True
     return state, done, False
 
 
-def check_state(state: Any) -> None:
-    """InputError for model state sync_seconds cannot keep (float collections, e.g. BatchNorm)."""
+# ---------------------------------------------------------------------------------------------
+# Overlap (--overlap with --sync-every H): round k's average runs while round k + 1 trains
+# ---------------------------------------------------------------------------------------------
+
+
+class FixedSteps:
+    """The pace of an overlapped `--sync-every H` run: H inner steps per round, every process (the
+    last round: what is left of `steps`)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __call__(self, round_index: int, process: int) -> int:
+        return self.steps
+
+
+def init_overlap(params: Any, mesh: Mesh) -> dict:
+    """per_device[OVERLAP_NAME] of a new state: nothing in flight (no delta, 0 steps, 0 loss)."""
+    rows = NamedSharding(mesh, P(data_axes(mesh)))
+
+    def zeros(shape: tuple, dtype: Any) -> jax.Array:
+        host = np.zeros((mesh.size, *shape), dtype)
+        return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
+
+    return {OVERLAP_NAME: {"delta": jax.tree.map(lambda x: zeros(x.shape, x.dtype), params),
+                           "steps": zeros((), np.int32), "loss_sum": zeros((), np.float32)}}
+
+
+def is_overlapped(state: Any) -> bool:
+    return OVERLAP_NAME in state.sync.per_device
+
+
+def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
+    """`(coded, delta, steps, loss_sum, step) -> (mean, total, coded, metrics)` over the whole mesh:
+    the mean of the round's pseudo-gradients through the strategy (and codec), the loss riding in
+    the same collective, and nothing else: the overlapped run's only collective. Every device took
+    the same H steps, so unlike `make_sync` no weights need summing first. `coded` is the codec's
+    slot of `state.sync` (a SyncState holding only it), returned updated."""
+    axis, n = data_axes(mesh), mesh.size
+    exchange = make_exchange(as_collective(strategy), axis, n, codec_of(compression) or NoCompression())
+
+    def device_reduce(coded: Any, delta: Any, steps: jax.Array, loss_sum: jax.Array, step: jax.Array):
+        total = steps[0].astype(jnp.float32) * n  # every device took the same steps: all weights are 1
+        mean, out, _, coded, extra = exchange.mean(jax.tree.map(lambda d: d[0], delta), {"loss_sum": loss_sum[0]}, {},
+                                                   coded, step)
+        by_device = jnp.full(n, steps[0])
+        metrics = {"loss": out["loss_sum"] * n / jnp.maximum(total, 1.0), "steps_by_device": by_device, **extra}
+        return mean, total, coded, metrics
+
+    def mapped(coded: Any, delta: Any, steps: jax.Array, loss_sum: jax.Array, step: jax.Array):
+        coded_specs = coded.replace(per_device=jax.tree.map(lambda _: P(axis), coded.per_device),
+                                    shared=jax.tree.map(lambda _: P(), coded.shared))
+        return jax.shard_map(device_reduce, mesh=mesh, in_specs=(coded_specs, P(axis), P(axis), P(axis), P()),
+                             out_specs=(P(), P(), coded_specs, P()), check_vma=False)(coded, delta, steps, loss_sum, step)
+
+    return jax.jit(mapped)
+
+
+def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Callable:
+    """`(state, mean, total, coded, anchor, steps, loss_sum) -> state` over the whole mesh, with no
+    collective: the outer step with the mean of the round before (skipped when `total` is 0: nothing
+    was in flight), then every replica (the state's rows, as the round left them) restarts from the
+    new global parameters plus its own progress of the round (replica - `anchor`, not averaged yet),
+    which becomes the delta in flight. The step is the data position (every process takes the same
+    steps)."""
+    from jaxdp.step import state_specs
+
+    axis = data_axes(mesh)
+    outer_tx = default_outer(outer_tx)
+
+    def device_apply(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
+                     steps: jax.Array, loss_sum: jax.Array) -> TrainState:
+        rows = state.sync.per_device[STATE_NAME]  # the replicas as the round left them
+        names = leaf_names(state.params)
+        leaves, treedef = jax.tree.flatten(state.params)
+        before = dict(zip(names, leaves))
+        updates, outer = outer_tx.update(dict(zip(names, jax.tree.leaves(mean))), state.sync.shared[OUTER_NAME][0],
+                                         before)
+        after = optax.apply_updates(before, updates)
+        moved = total > 0
+        params = jax.tree.unflatten(treedef, [jnp.where(moved, after[k], before[k]) for k in names])
+        outer = jax.tree.map(lambda new, old: jnp.where(moved, new, old), outer, state.sync.shared[OUTER_NAME][0])
+        mine, start = jax.tree.map(lambda x: x[0], rows["params"]), jax.tree.map(lambda x: x[0], anchor)
+        delta = jax.tree.map(lambda a, r: a - r, start, mine)  # this round's pseudo-gradient, in flight
+        replica = jax.tree.map(lambda g, d: g - d, params, delta)
+        position = state.sync.per_device[PACE_NAME]["position"]
+        sync = state.sync.replace(
+            per_device={**state.sync.per_device, **coded.per_device,
+                        STATE_NAME: {"params": jax.tree.map(lambda x: x[None], replica), "opt_state": rows["opt_state"]},
+                        OVERLAP_NAME: {"delta": jax.tree.map(lambda x: x[None], delta), "steps": steps,
+                                       "loss_sum": loss_sum}},
+            shared={**state.sync.shared, **coded.shared, OUTER_NAME: (outer,),
+                    PACE_NAME: {"round": state.sync.shared[PACE_NAME]["round"] + 1}})
+        return state.replace(step=position[0], params=params, sync=sync)
+
+    def mapped(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
+               steps: jax.Array, loss_sum: jax.Array) -> TrainState:
+        specs = state_specs(state, axis)
+        coded_specs = coded.replace(per_device=jax.tree.map(lambda _: P(axis), coded.per_device),
+                                    shared=jax.tree.map(lambda _: P(), coded.shared))
+        return jax.shard_map(device_apply, mesh=mesh,
+                             in_specs=(specs, P(), P(), coded_specs, P(axis), P(axis), P(axis)),
+                             out_specs=specs, check_vma=False)(state, mean, total, coded, anchor, steps, loss_sum)
+
+    return jax.jit(mapped, donate_argnums=0)
+
+
+class Overlapped(Rounds):
+    """Rounds of H steps whose average is applied one round late (`--overlap`, see the module
+    docstring): round k + 1 trains while round k's pseudo-gradients are averaged. The average is
+    the one collective program, dispatched from a thread of its own: on JAX's CPU client a program
+    runs on the thread that dispatches it, so from the training thread it would wait for the inner
+    steps (and they for it); from a second thread the two run at the same time (measured in
+    docs/slow-links.md). The inner steps and the apply run no collective, so no two collective
+    programs are ever in flight at once, and every process dispatches them in the same order."""
+
+    def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
+                 compression: Any, outer_tx: Any, every: int, data: Callable[[int], Any], rows_per_step: int | None):
+        super().__init__(local_grads, tx, mesh, strategy, compression, outer_tx, FixedSteps(every), data, rows_per_step)
+        import concurrent.futures
+
+        self.reduce = make_reduce(mesh, strategy, compression)
+        self.apply = make_apply(mesh, outer_tx)
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
+        self.codec_slot = [] if codec_of(compression) is None else ["compression"]
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True)
+
+    def _coded(self, state: TrainState) -> Any:
+        return state.sync.replace(per_device={k: v for k, v in state.sync.per_device.items() if k in self.codec_slot},
+                                  shared={k: v for k, v in state.sync.shared.items() if k in self.codec_slot})
+
+    def _in_flight(self, state: TrainState) -> Any:
+        """Start averaging the delta the state holds (on the thread); None if it holds none."""
+        flight = state.sync.per_device[OVERLAP_NAME]
+        if not int(np.asarray(flight["steps"].addressable_shards[0].data)[0]):
+            return None
+        args = (self._coded(state), flight["delta"], flight["steps"], flight["loss_sum"], state.step)
+
+        def average() -> Any:
+            return jax.block_until_ready(self.reduce(*args))
+
+        return self.thread.submit(average)
+
+    def _landed(self, state: TrainState, pending: Any) -> tuple[Any, Any, Any, dict]:
+        """The average in flight, once it has landed; with none in flight, a zero one (no outer step)."""
+        if pending is not None:
+            mean, total, coded, metrics = pending.result()
+            return mean, total, coded, {**metrics, "landed": True}
+        nothing = state.sync.replace(per_device={}, shared={})  # (the codec's slot stays as it is)
+        zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params)
+        return zeros, np.float32(0.0), nothing, {"landed": False}
+
+    def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
+              ) -> tuple[TrainState, dict, int, float]:
+        """Average the delta in flight while this round's H (or `limit`) inner steps train, then
+        apply it. The metrics are the round before's (its loss is known now; "landed" False: none)."""
+        pending = self._in_flight(state)
+        local = self.local
+        anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # (the inner steps donate the rows)
+        rows = rows_to(state.sync.per_device[STATE_NAME], local)
+        position = rows_to(state.sync.per_device[PACE_NAME]["position"], local)
+        view = replicated_to(state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={})),
+                             local)
+        view = view.replace(rng=jax.random.fold_in(view.rng, self.process))
+        at = int(np.asarray(position.addressable_shards[0].data)[0])
+        loss_sum = jnp.zeros(local.size, jnp.float32, device=NamedSharding(local, P(data_axes(local))))
+        started = time.perf_counter()
+        planned = self.pace.steps if limit is None else min(self.pace.steps, limit)
+        for taken in range(planned):
+            rows, position, loss_sum = self.inner(rows, view, position, loss_sum, self._batch(at + taken))
+        steps = jnp.full(local.size, planned, jnp.int32, device=NamedSharding(local, P(data_axes(local))))
+        jax.block_until_ready(loss_sum)
+        mean, total, coded, metrics = self._landed(state, pending)
+        sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows_to(rows, self.mesh),
+                                              PACE_NAME: {"position": rows_to(position, self.mesh)}})
+        state = self.apply(state.replace(sync=sync), mean, total, coded, anchor, rows_to(steps, self.mesh),
+                           rows_to(loss_sum, self.mesh))
+        return state, {**metrics, "round": state.sync.shared[PACE_NAME]["round"]}, planned, time.perf_counter() - started
+
+    def flush(self, state: TrainState) -> TrainState:
+        """The end of the run: average the last round's delta and apply it with no new progress, so
+        every replica equals the global parameters and nothing is in flight."""
+        pending = self._in_flight(state)
+        if pending is None:
+            return state
+        mean, total, coded, _ = pending.result()
+        anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # progress 0
+        zero = jax.jit(lambda x: x * 0)
+        flight = state.sync.per_device[OVERLAP_NAME]
+        return self.apply(state, mean, total, coded, anchor, zero(flight["steps"]), zero(flight["loss_sum"]))
+
+    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
+        return remaining if remaining < self.pace.steps else None
+
+
+def check_state(state: Any, overlap: bool = False) -> None:
+    """InputError for model state the rounds cannot keep (float collections, e.g. BatchNorm)."""
     floats, _ = float_leaves(state.model_state)
+    what = "overlap" if overlap else "sync_seconds"
     if floats:
-        raise InputError("sync_seconds keeps no model state between syncs (BatchNorm statistics would differ per "
-                         "process); use a model without float model state, or --sync-every", setting="sync_seconds")
+        raise InputError(f"{what} keeps no model state between syncs (BatchNorm statistics would differ per "
+                         f"process); use a model without float model state"
+                         + ("" if overlap else ", or --sync-every"), setting=what)

@@ -8,10 +8,13 @@
   entries, so every other process missed every time and compiled everything itself on every run.
 * XLA flags for data parallelism on GPUs, each kept for a documented effect (README "Performance").
   Flags the user already set in XLA_FLAGS win.
+* Two CPU worker threads for a process bound to one core, when it overlaps a collective with
+  compute (`two_cpu_workers`, for `--overlap`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -143,3 +146,37 @@ class CacheHits:
             jax.monitoring.unregister_event_listener(self._on_event)
         except (AssertionError, ValueError):
             pass
+
+
+@contextlib.contextmanager
+def two_cpu_workers(wanted: bool = True):
+    """Start JAX's CPU backend inside this block with at least two worker threads, then bind every
+    thread back to the process's cores.
+
+    XLA's CPU client sizes its thread pool from the process's CPU affinity when the backend starts.
+    A process bound to one core (jaxdp.launch on a CPU host, the testbed) gets one worker: a
+    collective program waiting on the network holds it, and a compute program dispatched from
+    another thread waits for it, so `--overlap` overlaps nothing (`python -m jaxdp.bench dispatch`:
+    both programs took 1.13-1.36x the longer one). With a second core in the mask while the
+    backend starts, then every thread bound back to the one core, they run together (1.00x): the
+    waiting worker needs no CPU. Nothing happens with two or more cores, on a machine with one, or
+    when `wanted` is False.
+    """
+    mine = os.sched_getaffinity(0) if wanted and hasattr(os, "sched_setaffinity") else set()
+    extra = None
+    if len(mine) == 1:
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # (the kernel keeps it within the cpuset)
+            extra = next(iter(sorted(os.sched_getaffinity(0) - mine)), None)
+            os.sched_setaffinity(0, mine if extra is None else mine | {extra})
+        except OSError:
+            extra = None
+    try:
+        yield
+    finally:
+        if extra is not None:  # every thread started meanwhile (XLA's workers) back on the one core
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    os.sched_setaffinity(int(tid), mine)
+                except OSError:
+                    pass

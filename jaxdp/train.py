@@ -52,7 +52,7 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     processes = len({d.process_index for d in devices})
     local = len(devices) // processes
     abilities = syncspec.abilities(config.strategy)
-    flat = config.hierarchy == "flat" or config.sync_seconds  # --sync-seconds: one axis (jaxdp/paced.py)
+    flat = config.hierarchy == "flat" or config.sync_seconds or config.overlap  # rounds: one axis (jaxdp/paced.py)
     if flat or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:
         return make_mesh(devices), config.strategy
     if jax.process_index() == 0:
@@ -77,13 +77,14 @@ def train(config: Config) -> Any:
     from jaxdp.optim import make_optimizer, make_outer_optimizer, make_schedule
 
     # ---- distribution and mesh ---------------------------------------------------------------
-    distributed.initialize(config)
-    cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
-    member = elastic.from_env()  # started by `jaxdp.launch --elastic`: one shard of an elastic run
-    with warnings.catch_warnings():
-        if member:  # one device here is one of several in the run
-            warnings.filterwarnings("ignore", message="jaxdp.make_mesh: JAX sees one CPU device")
-        mesh, strategy = _mesh_and_strategy(config, distributed.mesh_devices(config.devices))
+    with runtime.two_cpu_workers(config.overlap):  # the backend starts in here (--overlap: see there)
+        distributed.initialize(config)
+        cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
+        member = elastic.from_env()  # started by `jaxdp.launch --elastic`: one shard of an elastic run
+        with warnings.catch_warnings():
+            if member:  # one device here is one of several in the run
+                warnings.filterwarnings("ignore", message="jaxdp.make_mesh: JAX sees one CPU device")
+            mesh, strategy = _mesh_and_strategy(config, distributed.mesh_devices(config.devices))
     n_processes, process = jax.process_count(), jax.process_index()
     devices = mesh.size * (member.size if member else 1)
     if config.batch_size % devices:
@@ -145,7 +146,7 @@ def train(config: Config) -> Any:
         model_state=model_state, eval_fn=task.eval_fn, eval_data=held_out, summarize=task.summarize,
         eval_every=config.eval_every, compression=config.compression, sync_every=config.sync_every,
         outer_tx=None if config.sync_every == 1 and not config.sync_seconds else outer_tx,
-        sync_fragments=config.sync_fragments, sync_seconds=config.sync_seconds or None,
+        sync_fragments=config.sync_fragments, sync_seconds=config.sync_seconds or None, overlap=config.overlap,
         shard_optimizer=config.shard_optimizer, grad_accum=config.grad_accum, comm_target=config.comm_target,
         compression_every=config.compression_every, checkpoint_dir=config.checkpoint_dir,
         save_every=config.save_every, keep=config.keep, metrics_file=config.metrics_file, log_dir=config.log_dir,

@@ -22,6 +22,7 @@ import uuid
 from typing import Sequence
 
 from jaxdp.cluster import ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_RUN_ID, handshake_port
+from jaxdp import saveplan
 from jaxdp.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_PREEMPTED
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -146,6 +147,9 @@ class Launcher:
         self.launch_id = uuid.uuid4().hex[:12]
         self.libc = _libc()  # loaded here: the children only call it, between fork and exec
         self.zygote = None  # an elastic run's warm start for restarts (jaxdp/zygote.py)
+        # The run's failure record, in every child's environment (--save-every auto sets its
+        # interval from it, jaxdp/saveplan.py): when the launcher started, when a process was lost.
+        self.launched_at, self.failures = time.time(), []
 
     def start_zygote(self) -> None:
         """Start the zygote that later restarts fork from (command `PYTHON -m MODULE ...` only)."""
@@ -166,6 +170,7 @@ class Launcher:
             if self.stop is not None:
                 return False
             self.children = []
+            self.failures += [time.time()] * (attempt - len(self.failures))  # attempt k follows k losses
             for rank in range(self.nproc):
                 self.children.append(self._spawn(rank, {ENV_COORDINATOR_ADDRESS: address, ENV_NUM_PROCESSES: str(world),
                                                         ENV_PROCESS_ID: str(first + rank), ENV_RUN_ID: run_id}))
@@ -183,6 +188,9 @@ class Launcher:
     def _spawn(self, rank: int, env: dict[str, str]) -> subprocess.Popen:
         """Start the command as local process `rank` with `env` added (stop signals blocked by the caller)."""
         cores = None if self.cores is None else self.cores[rank]
+        mtbf_s = saveplan.mtbf(self.launched_at, self.failures)
+        env = {**env, saveplan.ENV_RESTARTS: str(len(self.failures)),
+               **({saveplan.ENV_MTBF: f"{mtbf_s:.3f}"} if mtbf_s is not None else {})}
         if self.zygote is not None and self.zygote.usable():
             try:
                 return self.zygote.fork(self.command[3:], env, cores)

@@ -172,7 +172,7 @@ def _elastic_rank(pid: int) -> int | None:
 def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_parameters(tmp_path):
     from helpers import commands, readme_blocks
 
-    steps = 3000
+    steps = 2000  # rank 0 rejoins by step ~600 here; the rest is margin for a loaded machine
     (block,) = readme_blocks("tests/test_elastic.py::test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_parameters")
     (command,) = commands(block)  # docs/multihost.md's, with a length and a metrics file
     log = tmp_path / "launch.log"

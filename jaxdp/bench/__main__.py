@@ -7,11 +7,12 @@ import argparse
 import sys
 
 from jaxdp import bench
-from jaxdp.bench import collectives, compression, ddp, goodput, gpt, hierarchy, localsgd, pace, slowlink, train, zero
+from jaxdp.bench import (collectives, compression, ddp, dispatch, goodput, gpt, hierarchy, localsgd, pace, saves, slowlink,
+                         train, variants, zero)
 from jaxdp.malloc_env import reexec_if_needed
 
 # Each registers its subcommands, with `run` (args -> list of result dicts) as their default.
-BENCHMARKS = (collectives, gpt, train, ddp, zero, slowlink, hierarchy, compression, localsgd, pace, goodput)
+BENCHMARKS = (collectives, gpt, train, ddp, zero, slowlink, hierarchy, variants, dispatch, compression, localsgd, pace, goodput, saves)
 
 
 def build_parser() -> argparse.ArgumentParser:

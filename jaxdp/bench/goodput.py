@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
                                               "against the same run undisturbed")
     p.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
     p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", default="100", help="steps, or auto (jaxdp/saveplan.py: chosen from the measured save "
+                   "cost and, after a restart, the failures seen)")
     p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
     p.add_argument("--seed", type=int, default=0, help="of the choice of worker to kill")
     p.add_argument("--elastic", action="store_true", help="`jaxdp.launch --elastic` (--strategy host): a lost process "
@@ -126,7 +127,10 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
         raise SystemExit(f"jaxdp.bench: goodput: the run failed (exit code {proc.returncode}):\n{output[-4000:]}")
     with open(os.path.join(directory, str(steps), CHECKSUMS_FILE)) as f:
         checksums = {k: v for k, v in json.load(f).items() if k.startswith("params")}
-    return {"wall_s": wall, "kills": len(kills), "checksums": checksums}
+    chosen = []  # --save-every auto's intervals, in the order the (re)started processes chose them
+    with open(os.path.join(directory, "metrics.jsonl")) as f:
+        chosen = [record["save_every"] for record in map(json.loads, f) if record.get("event") == "save_every"]
+    return {"wall_s": wall, "kills": len(kills), "checksums": checksums, "chosen": chosen}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -144,7 +148,8 @@ def run(args: argparse.Namespace) -> list[dict]:
            "undisturbed_s": calm["wall_s"], "disturbed_s": killed["wall_s"], "kills": killed["kills"],
            "goodput": calm["wall_s"] / killed["wall_s"],
            "lost_per_kill_s": (killed["wall_s"] - calm["wall_s"]) / killed["kills"] if killed["kills"] else None,
-           "same_final_params": calm["checksums"] == killed["checksums"] and bool(calm["checksums"])}
+           "same_final_params": calm["checksums"] == killed["checksums"] and bool(calm["checksums"]),
+           **({"auto_undisturbed": calm["chosen"], "auto_with_kills": killed["chosen"]} if args.save_every == "auto" else {})}
     if args.elastic:  # what the elastic mode costs when nothing fails, and goodput against the plain run
         row.update(plain_undisturbed_s=plain["wall_s"], goodput_vs_plain=plain["wall_s"] / killed["wall_s"])
     print(f"2 processes x 1 device under `python -m jaxdp.launch{' --elastic' if args.elastic else ''}`, "
@@ -156,5 +161,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                         ("same_final_params", "final params equal", "")]
                + ([("plain_undisturbed_s", "plain undisturbed s", ".1f"), ("goodput_vs_plain", "goodput vs plain", ".3f")]
                   if args.elastic else []))
+    if args.save_every == "auto":
+        print(f"--save-every auto chose {calm['chosen']} undisturbed and {killed['chosen']} with kills")
     write_json(args.json, [row])
     return [row]

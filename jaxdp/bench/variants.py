@@ -1,0 +1,70 @@
+"""variants: any `jaxdp.train` variants side by side, 2 processes over one shaped link: steps/s,
+the ratio to the first variant, held-out accuracy and bytes sent.
+
+    python -m jaxdp.bench variants --rate 100mbit \\
+        --variants "--strategy ring;--strategy ring --compression int8;--strategy ring --compression int4"
+    python -m jaxdp.bench variants --rate 50mbit --variants "--sync-every 8;--sync-every 8 --overlap" \\
+        --train-args "--strategy ring --outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
+
+Every variant is one `run_training` (jaxdp/bench/slowlink.py) on the same testbed (jaxdp/bench/
+testbed.py, one core per process unless --no-pin), with `--train-args` and then the variant's own flags. The
+figure is the median steps/s over the run's log intervals (compilation left out), as the CLI's
+`steps_per_sec` measures them; the ratio is against the first variant's, measured in the same
+invocation. The held-out accuracy is the run's final evaluation, the bytes the last logged
+`comm_bytes`. One run per variant; run it again to see the spread. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+from typing import Any
+
+from jaxdp.bench import testbed
+from jaxdp.bench.report import print_table, write_json
+from jaxdp.bench.slowlink import UNSHAPED, add_run_flags, run_training, train_flags
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("variants", help="jaxdp.train variants side by side, 2 processes over a shaped link: "
+                                               "steps/s, ratio to the first, held-out accuracy (needs root and iproute2)")
+    p.add_argument("--rate", default="100mbit", help="the link's rate in tc's syntax, or unshaped")
+    p.add_argument("--variants", type=lambda t: [v.strip() for v in t.split(";")], required=True,
+                   help="';'-separated jaxdp.train flags, one run each; ratios are against the first")
+    p.add_argument("--devices", type=int, default=1, help="simulated devices per process")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not give each process its own core")
+    add_run_flags(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    testbed.require("variants")
+    if args.rate != UNSHAPED:
+        testbed.parse_rate(args.rate)
+    flags = train_flags(args)
+    results: list[dict] = []
+    with testbed.Testbed(num_hosts=2, rate=None if args.rate == UNSHAPED else args.rate) as bed:
+        for variant in args.variants:
+            done = run_training(bed, [*flags, *shlex.split(variant)], devices=args.devices, pin=args.pin,
+                                timeout=args.timeout)
+            if not done.ok:
+                raise SystemExit(f"jaxdp.bench: variants: the run {variant!r} failed (exit codes {done.returncodes}):"
+                                 f"\n{done.outputs[0][-3000:]}\n{done.outputs[1][-3000:]}")
+            rates = done.steps_per_sec()
+            final = next((r for r in reversed(done.records) if r.get("event") == "done"), {})
+            results.append({"variant": variant or "(none)", "steps_per_s": statistics.median(rates), "repeats": rates,
+                            "eval_accuracy": final.get("eval_accuracy"), "eval_loss": final.get("eval_loss"),
+                            "comm_bytes": next((r.get("comm_bytes") for r in reversed(done.steps())
+                                                if r.get("comm_bytes") is not None), None),
+                            "wall_s": done.wall_s})
+    for row in results:
+        row["vs_first"] = row["steps_per_s"] / results[0]["steps_per_s"]
+    print(f"2 processes x {args.devices} device{'s' if args.devices > 1 else ''} in 2 network namespaces at {args.rate}, "
+          f"`python -m jaxdp.train {' '.join(flags)} VARIANT`; median steps/s over the "
+          f"{args.steps // args.log_every} log intervals of one run per variant")
+    print_table(results, [("variant", "variant", "s"), ("steps_per_s", "steps/s", ".1f"), ("vs_first", "vs first", ".2f"),
+                          ("eval_accuracy", "held-out accuracy", ".4f"), ("eval_loss", "held-out loss", ".4f"),
+                          ("comm_bytes", "bytes sent per step", ".0f")])
+    write_json(args.json, results, rate=args.rate, devices=args.devices, pinned=args.pin, train_flags=flags)
+    return results
