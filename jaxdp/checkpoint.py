@@ -316,7 +316,8 @@ class Checkpointer:
         self.plan.decide(step, step_s=step_s, blocked_s=blocked, written_s=written)
         costs = self.plan.costs()
         if jax.process_count() > 1:  # every process saves at the same steps: process 0's measurements
-            chosen = json.loads(coordination.gather_strings(coordination.namespace("saveplan"), json.dumps(costs))[0])
+            keys = f"{coordination.namespace('saveplan')}{next(_BARRIER_IDS)}/"  # (unique: every process counts alike)
+            chosen = json.loads(coordination.gather_strings(keys, json.dumps(costs))[0])
             if chosen != costs:
                 costs = chosen
                 self.plan.decide(step, **costs)

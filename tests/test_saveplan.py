@@ -99,3 +99,30 @@ def test_the_launcher_tells_a_restarted_process_its_failure_record():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "record 1 True" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_save_at_the_steps_process_0_chose(tmp_path):
+    # Each process measures its own save; they must still save at the same steps (orbax saves are
+    # collective): process 0's measurements decide for both.
+    from helpers import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", "--coordinator-address", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), "--devices", "2", "--no-progress",
+                               "--steps", "60", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "auto",
+                               "--metrics-file", str(tmp_path / f"m{i}.jsonl")],
+                              cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    (chosen,) = [r for r in records(tmp_path / "m0.jsonl") if r.get("event") == "save_every"]
+    assert [line.startswith("jaxdp: --save-every auto: every ") for line in errs[0].splitlines()].count(True) == 1
+    assert "--save-every auto" not in errs[1]  # one line, from process 0
+    probe, every = chosen["from_step"], chosen["save_every"]
+    assert sorted(map(int, saved(tmp_path / "ckpt")))[-3:] == sorted({*range(probe, 61, every), 60})[-3:]
