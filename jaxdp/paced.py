@@ -485,9 +485,10 @@ class Overlapped(Rounds):
     docstring): round k + 1 trains while round k's pseudo-gradients are averaged. The average is
     the one collective program, dispatched from a thread of its own: on JAX's CPU client a program
     runs on the thread that dispatches it, so from the training thread it would wait for the inner
-    steps (and they for it); from a second thread the two run at the same time (measured in
-    docs/slow-links.md). The inner steps and the apply run no collective, so no two collective
-    programs are ever in flight at once, and every process dispatches them in the same order."""
+    steps (and they for it); from a second thread the two run at the same time, given two CPU
+    workers (a one-core process: jaxdp.runtime.two_cpu_workers; measured in docs/slow-links.md).
+    The inner steps and the apply run no collective, so no two collective programs are ever in
+    flight at once, and every process dispatches them in the same order."""
 
     def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
                  compression: Any, outer_tx: Any, every: int, data: Callable[[int], Any], rows_per_step: int | None):
