@@ -93,7 +93,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         restarts, mtbf_s = saveplan.failures_from_env()
         self.plan = saveplan.SavePlan(saveplan.parse(save_every), restarts=restarts, mtbf_s=mtbf_s)
-        self.decision: dict | None = None  # an auto plan's choice, once, for the caller to print and log
+        self.decision: dict | None = None  # an auto plan's choice, until `report_decision` says it
         self.config = config
         self.extra_meta: dict[str, Any] = {}  # more JSON for every checkpoint's meta (the CLI: sync_every_auto)
         self.restored_unverified: int | None = None  # the step `restore` restored without a checksum record
@@ -305,11 +305,11 @@ class Checkpointer:
         """
         step = int(jax.device_get(state.step))
         if not self.plan.probing(step):
-            return self._save(state)
+            return self._save(state, step)
         jax.block_until_ready(state)  # the steps before it are training time, not save time
         ready = time.perf_counter()
         step_s = self.plan.step_s(step, ready)
-        saved = self._save(state)
+        saved = self._save(state, step)
         blocked = time.perf_counter() - ready
         self.wait()  # once: how long the background write takes
         written = time.perf_counter() - ready - blocked
@@ -325,14 +325,16 @@ class Checkpointer:
         self.decision = self.plan.decision
         return saved
 
-    def take_decision(self) -> dict:
-        """The auto plan's decision record (once; then `decision` is None again)."""
-        record, self.decision = self.decision, None
-        return record
+    def report_decision(self, writer: Any, step: int) -> None:
+        """The auto plan's decision, once it is taken (at the measuring save, or at a restore that
+        recalled the costs): one console line and a `save_every` event through `writer`
+        (a jaxdp.metrics.MetricsWriter); then `decision` is None again."""
+        if self.decision is not None:
+            record, self.decision = self.decision, None
+            writer.decision("save_every", step, f"--save-every auto: {record['why']}", **record)
 
-    def _save(self, state: TrainState) -> bool:
-        """The save itself (see `save`)."""
-        step = int(jax.device_get(state.step))
+    def _save(self, state: TrainState, step: int) -> bool:
+        """The save itself (see `save`), of `state` at `step` (its step, already on the host)."""
         if step in self._manager.all_steps():
             return False
         self._finish_pending()  # orbax waits for the previous save here anyway

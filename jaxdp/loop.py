@@ -250,9 +250,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
               file=sys.stderr)
     elif start_step and is_main:
         print(f"jaxdp: resumed from step {start_step} ({checkpointer.directory}){resume_note}", file=sys.stderr)
-    if checkpointer and checkpointer.decision:  # --save-every auto, resumed: from the recorded save cost
-        writer.decision("save_every", start_step, f"--save-every auto: {checkpointer.decision['why']}",
-                        **checkpointer.take_decision())
+    if checkpointer:  # --save-every auto, resumed: decided from the recorded save cost
+        checkpointer.report_decision(writer, start_step)
     history, preempted, done = [], False, start_step
     decided_s = sum(sum(r.get("cost_s", {}).values()) for _, r in early)  # the controller's own time
     pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked for NaN / Inf
@@ -330,9 +329,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 if checkpointer and checkpointer.should_save(done):
                     checked()  # never write a non-finite state over a good checkpoint
                     checkpointer.save(state)
-                    if checkpointer.decision:  # --save-every auto: the measuring save chose the interval
-                        writer.decision("save_every", done, f"--save-every auto: {checkpointer.decision['why']}",
-                                        **checkpointer.take_decision())
+                    checkpointer.report_decision(writer, done)  # --save-every auto: the measuring save chose
                 # Multi-process: a tiny all-reduce, so every process stops after the same step.
                 if preemption and done < steps and preemption.should_stop(state):
                     checked()

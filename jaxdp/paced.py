@@ -170,6 +170,25 @@ def make_inner(local_grads: Callable, tx: optax.GradientTransformation, local: M
     return jax.jit(mapped, donate_argnums=0)  # (not the position and loss: the host waits on the last ones)
 
 
+def _outer_step(outer_tx: optax.GradientTransformation, state: TrainState, mean: Any, moved: jax.Array
+                ) -> tuple[Any, Any]:
+    """(global params, outer state) after `outer_tx` applies `mean` to `state.params`, or both as
+    they were unless `moved` (nobody stepped: momentum would still move the parameters)."""
+    names = leaf_names(state.params)
+    leaves, treedef = jax.tree.flatten(state.params)
+    before, kept = dict(zip(names, leaves)), state.sync.shared[OUTER_NAME][0]
+    updates, outer = outer_tx.update(dict(zip(names, jax.tree.leaves(mean))), kept, before)
+    after = optax.apply_updates(before, updates)
+    params = jax.tree.unflatten(treedef, [jnp.where(moved, after[k], before[k]) for k in names])
+    return params, jax.tree.map(lambda new, old: jnp.where(moved, new, old), outer, kept)
+
+
+def _slot_specs(slot: Any, axis: Any) -> Any:
+    """shard_map specs of a SyncState: its per-device rows split over `axis`, its shared part replicated."""
+    return slot.replace(per_device=jax.tree.map(lambda _: P(axis), slot.per_device),
+                        shared=jax.tree.map(lambda _: P(), slot.shared))
+
+
 def make_sync(mesh: Mesh, strategy: Any, compression: Any, outer_tx: optax.GradientTransformation | None) -> Callable:
     """`(state, steps, loss_sum) -> (state, metrics)` over the whole mesh: the example-weighted mean
     of the pseudo-gradients through the strategy (and codec), the outer step (skipped when no
@@ -191,15 +210,7 @@ def make_sync(mesh: Mesh, strategy: Any, compression: Any, outer_tx: optax.Gradi
         delta = jax.tree.map(lambda g, r: ((g - r) * share).astype(g.dtype), state.params, replica)
         mean, out, model_state, sync, extra = exchange.mean(delta, {"loss_sum": loss_sum[0]}, state.model_state,
                                                             state.sync, state.step)
-        names = leaf_names(state.params)
-        leaves, treedef = jax.tree.flatten(state.params)
-        before = dict(zip(names, leaves))
-        updates, outer = outer_tx.update(dict(zip(names, jax.tree.leaves(mean))), state.sync.shared[OUTER_NAME][0],
-                                         before)
-        after = optax.apply_updates(before, updates)
-        moved = total > 0  # nobody stepped: no outer step (momentum would still move the parameters)
-        params = jax.tree.unflatten(treedef, [jnp.where(moved, after[k], before[k]) for k in names])
-        outer = jax.tree.map(lambda new, old: jnp.where(moved, new, old), outer, state.sync.shared[OUTER_NAME][0])
+        params, outer = _outer_step(outer_tx, state, mean, total > 0)
         position = sync.per_device[PACE_NAME]["position"]
         rounds = sync.shared[PACE_NAME]["round"] + 1
         sync = sync.replace(
@@ -364,9 +375,7 @@ def _after_round(rounds: Rounds, state: TrainState, host: dict | None, before: i
         checkpointer.poll()
         if checkpointer.due(before, done):
             checkpointer.save(state)
-            if checkpointer.decision:  # --save-every auto: the measuring save chose the interval
-                writer.decision("save_every", done, f"--save-every auto: {checkpointer.decision['why']}",
-                                **checkpointer.take_decision())
+            checkpointer.report_decision(writer, done)  # --save-every auto: the measuring save chose
         if preemption and done < steps and preemption.should_stop(state):
             checkpointer.save(state)
             return state, done, True
@@ -423,8 +432,7 @@ def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
         return mean, total, coded, metrics
 
     def mapped(coded: Any, delta: Any, steps: jax.Array, loss_sum: jax.Array, step: jax.Array):
-        coded_specs = coded.replace(per_device=jax.tree.map(lambda _: P(axis), coded.per_device),
-                                    shared=jax.tree.map(lambda _: P(), coded.shared))
+        coded_specs = _slot_specs(coded, axis)
         return jax.shard_map(device_reduce, mesh=mesh, in_specs=(coded_specs, P(axis), P(axis), P(axis), P()),
                              out_specs=(P(), P(), coded_specs, P()), check_vma=False)(coded, delta, steps, loss_sum, step)
 
@@ -446,15 +454,7 @@ def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Cal
     def device_apply(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
                      steps: jax.Array, loss_sum: jax.Array) -> TrainState:
         rows = state.sync.per_device[STATE_NAME]  # the replicas as the round left them
-        names = leaf_names(state.params)
-        leaves, treedef = jax.tree.flatten(state.params)
-        before = dict(zip(names, leaves))
-        updates, outer = outer_tx.update(dict(zip(names, jax.tree.leaves(mean))), state.sync.shared[OUTER_NAME][0],
-                                         before)
-        after = optax.apply_updates(before, updates)
-        moved = total > 0
-        params = jax.tree.unflatten(treedef, [jnp.where(moved, after[k], before[k]) for k in names])
-        outer = jax.tree.map(lambda new, old: jnp.where(moved, new, old), outer, state.sync.shared[OUTER_NAME][0])
+        params, outer = _outer_step(outer_tx, state, mean, total > 0)
         mine, start = jax.tree.map(lambda x: x[0], rows["params"]), jax.tree.map(lambda x: x[0], anchor)
         delta = jax.tree.map(lambda a, r: a - r, start, mine)  # this round's pseudo-gradient, in flight
         replica = jax.tree.map(lambda g, d: g - d, params, delta)
@@ -471,8 +471,7 @@ def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Cal
     def mapped(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
                steps: jax.Array, loss_sum: jax.Array) -> TrainState:
         specs = state_specs(state, axis)
-        coded_specs = coded.replace(per_device=jax.tree.map(lambda _: P(axis), coded.per_device),
-                                    shared=jax.tree.map(lambda _: P(), coded.shared))
+        coded_specs = _slot_specs(coded, axis)
         return jax.shard_map(device_apply, mesh=mesh,
                              in_specs=(specs, P(), P(), coded_specs, P(axis), P(axis), P(axis)),
                              out_specs=specs, check_vma=False)(state, mean, total, coded, anchor, steps, loss_sum)
