@@ -141,12 +141,13 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
                 continue
-            self._check_compatible(step, meta, shapes, state)  # InputError: stop, change nothing
+            saved, owed = _without_unsaved_feedback(state, shapes)
+            self._check_compatible(step, meta, shapes, saved)  # InputError: stop, change nothing
             try:
                 with quiet.quiet():
-                    restored = self._restore_step(step, state, shapes)
+                    restored = self._restore_step(step, saved, shapes)
                     verified = self._verify(step, restored)
-                    restored = portable.from_portable(restored, state)
+                    restored = _with_feedback(portable.from_portable(restored, saved), state, owed)
                 break
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
@@ -398,6 +399,34 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _without_unsaved_feedback(state: TrainState, shapes: dict) -> tuple[TrainState, list[str]]:
+    """(`state` less the error-feedback leaves of its compression slot that checkpoint `shapes`
+    lacks, their names). A `--compression auto` checkpoint from before int8 and int4 joined the
+    ladder keeps error feedback for PowerSGD's matrices only, and the slot now holds every leaf's:
+    what it lacks starts at zero, as in a new slot (nothing was owed for those leaves). A slot the
+    checkpoint lacks entirely is not this: the compatibility check names it."""
+    from jaxdp.exchange import STATE_NAME
+
+    slot = state.sync.per_device.get(STATE_NAME)
+    if not isinstance(slot, dict):
+        return state, []
+    missing = [k for k in slot if f"sync/per_device/{STATE_NAME}/{k}" not in shapes]
+    if not missing or len(missing) == len(slot):
+        return state, []
+    kept = {k: v for k, v in slot.items() if k not in missing}
+    return state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: kept})), missing
+
+
+def _with_feedback(restored: TrainState, fresh: TrainState, owed: list[str]) -> TrainState:
+    """`_without_unsaved_feedback`'s inverse: the leaves it left out, from `fresh` (zeros)."""
+    if not owed:
+        return restored
+    from jaxdp.exchange import STATE_NAME
+
+    slot = {**restored.sync.per_device[STATE_NAME], **{k: fresh.sync.per_device[STATE_NAME][k] for k in owed}}
+    return restored.replace(sync=restored.sync.replace(per_device={**restored.sync.per_device, STATE_NAME: slot}))
 
 
 def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

@@ -472,6 +472,11 @@ class Quantized(Compressor):
         return CompressionState(error={jax.tree_util.keystr(p): jnp.zeros(x.shape, jnp.float32)
                                        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]})
 
+    def error_bound(self, num_devices: int) -> float:
+        """The bound of one step before feedback, as a fraction of the block's largest sum over
+        devices (the class docstring): (1 + 1 / (2 qmax)) ** N - 1."""
+        return (1 + 1 / (2 * self.qmax)) ** max(int(num_devices), 1) - 1
+
     def chunking(self, size: int, num_devices: int) -> tuple[int, int]:
         """(chunk, block): the ring chunk of a `size`-value buffer over `num_devices`, cut into
         equal blocks of at most QUANT_BLOCK values (an even number, so int4 packs whole bytes)."""

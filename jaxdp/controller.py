@@ -83,7 +83,9 @@ class Controller:
         self.mesh, self.axis, self.n = mesh, data_axes(mesh), mesh.size
         self.total = as_collective(strategy).sum
         self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        self.candidates = costmodel.ladder(self.abstract)
+        # int8 / int4 need a strategy that requantizes at every hop (the ring's coded_sum)
+        coded = as_collective(strategy).coded_sum is not None
+        self.candidates = costmodel.ladder(self.abstract, quantized_devices=self.n if coded else None)
         self.target_fraction, self.guard_threshold = target_fraction, guard_threshold
         self.grad_bytes = compression.uncompressed_bytes(self.abstract)
         axis = self.axis
@@ -170,14 +172,19 @@ class Controller:
         return Decision(None if isinstance(choice, compression.NoCompression) else choice, record)
 
     def decide_sync_every(self, state: Any, batches: list[Any], step: int, compressor: Any = None,
-                          auto_compression: bool = False) -> tuple[Decision | None, dict[str, Any]]:
+                          auto_compression: bool = False, overlap: bool = False) -> tuple[Decision | None, dict[str, Any]]:
         """`--sync-every auto` at the start of a fresh run: (the `--compression auto` decision, when
-        asked for, else None; the "local_steps" record, whose "sync_every" is H).
+        asked for, else None; the "local_steps" record, whose "sync_every" is H and whose
+        "pseudo_gradient" names the codec local steps send their pseudo-gradient through).
 
         With `auto_compression`, compression is decided first, as `decide` does; H = 1 if its choice
-        fits the target, else H is sized for the uncompressed pseudo-gradient, which local steps
-        then send uncompressed (the quality guard measures gradients, not pseudo-gradients). With a
-        fixed `compressor` (None: plain), one measurement and H for that compressor's payload.
+        fits the target. Otherwise local steps, and the pseudo-gradient's codec is chosen with H
+        (`costmodel.choose_local_steps`) among none, bf16 and the quantized codecs of the ladder
+        (int8, int4 on a ring): they send every value, rounded, with error feedback; PowerSGD is
+        not offered, since the quality guard measures gradients, not pseudo-gradients. With a fixed
+        `compressor` (None: plain), one measurement and H for that compressor's payload. With
+        `overlap` (`--overlap`), H is sized for an average hidden behind the next round
+        (costmodel.OVERLAP_ALLOWANCE); without, the record proposes it where it would pay.
         `state` is a synchronous state (H = 1); it is not changed."""
         if auto_compression:
             # A choice that misses the target means local steps, which do not use it: no guard then.
@@ -186,19 +193,24 @@ class Controller:
             if figures["fits"]:
                 chosen = decision.compressor or compression.NoCompression()
                 record = costmodel.local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract),
-                                            chosen.collectives, self.target_fraction)
-                return decision, {**record, "sync_every": 1, "why": f"synchronous: --compression auto chose "
-                                  f"{chosen.name}, which meets the target ({figures['why']})"}
+                                                      chosen.collectives, self.target_fraction)
+                note = "; nothing to overlap" if overlap else ""
+                return decision, {**record, "overlap": False, "propose_overlap": None, "sync_every": 1,
+                                  "why": f"synchronous: --compression auto chose {chosen.name}, which meets the target "
+                                         f"({figures['why']}){note}"}
             # Plain averaging misses the target too (else plan would have chosen it): H > 1.
-            record = costmodel.local_steps_record(figures, "none", self.grad_bytes, 1, self.target_fraction)
+            codecs = [c for c in self.candidates if isinstance(c, (compression.NoCompression, compression.Bf16,
+                                                                   compression.Quantized))]
+            record = costmodel.choose_local_steps(figures, self._options(codecs), self.target_fraction, overlap)
             decision.record["applied"] = False  # the step compresses nothing: local steps instead
-            return decision, {**record, "why": f"{record['why']}; no compression meets the target "
-                              f"({figures['why']}), so local steps, the pseudo-gradient uncompressed: the quality "
-                              f"guard measures gradients, not pseudo-gradients"}
+            return decision, {**record, "why": f"{record['why']}; no compression meets the target at every step "
+                              f"({figures['why']})"}
         figures = self.measure(state, batches[0])
         chosen = compressor or compression.NoCompression()
-        return None, costmodel.local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract), chosen.collectives,
-                                        self.target_fraction)
+        return None, costmodel.choose_local_steps(figures, self._options([chosen]), self.target_fraction, overlap)
+
+    def _options(self, codecs: list[compression.Compressor]) -> list[tuple[str, int, int]]:
+        return [(c.name, c.payload_bytes(self.abstract), c.collectives) for c in codecs]
 
     def truth(self, state: Any, batches: list[Any]) -> tuple[list[Any], Any, Any]:
         """What every candidate's check reads: the true mean gradient of each of GUARD_BATCHES
@@ -307,6 +319,8 @@ class Start:
     decided:    compression was already decided here (by `--sync-every auto`'s measurement).
     state:      the state measured on, when it can be reused (state_spec's), else None.
     sync_every_auto: whether `--sync-every auto` chose H by measuring (checkpoints record it).
+    pseudo_gradient: the codec name local steps chose under `--compression auto` (checkpoints
+                record it), else None.
     """
 
     spec: SyncSpec
@@ -316,35 +330,41 @@ class Start:
     decided: bool = False
     state: Any = None
     sync_every_auto: bool | None = None
+    pseudo_gradient: str | None = None
 
 
 def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[[SyncSpec], Any],
           make_step: Callable[[SyncSpec], Any], batches: Callable[[int], list], recorded: dict | None,
-          target_fraction: float = costmodel.TARGET_COMM_FRACTION) -> Start:
+          target_fraction: float = costmodel.TARGET_COMM_FRACTION, overlap: bool = False) -> Start:
     """Resolve the "auto" choices of `requested` (jaxdp.syncspec.AUTO in compression and/or
-    sync_every) for a run's start; `requested.outer_tx` is the outer optimizer local steps use if H > 1.
+    sync_every) for a run's start; `requested.outer_tx` is the outer optimizer local steps use if
+    H > 1; `overlap`: local steps will overlap each average with the next round (`--overlap`).
 
-    `--sync-every auto`: a resumed run (`recorded`, the checkpoint's meta) keeps the H it recorded
-    and measures nothing; one device is synchronous; otherwise measure once on a synchronous state
-    (`Controller.decide_sync_every`). Under `--compression auto` too, compression is decided first;
-    if local steps are chosen over it, the pseudo-gradient goes plain and compression is not
-    decided again. `--compression auto` alone is decided at the first step, then every
-    `--compression-every` steps, by the returned controller.
+    `--sync-every auto`: a resumed run (`recorded`, the checkpoint's meta) keeps the H and the
+    pseudo-gradient codec it recorded and measures nothing; one device is synchronous; otherwise
+    measure once on a synchronous state (`Controller.decide_sync_every`). Under `--compression
+    auto` too, compression is decided first; if local steps are chosen over it, the
+    pseudo-gradient's codec is chosen with H and compression is not decided again.
+    `--compression auto` alone is decided at the first step, then every `--compression-every`
+    steps, by the returned controller.
     """
     auto = requested.compression == AUTO
     fixed = None if auto else codec_of(requested.compression)
     records: list = []
     state = decided = controller = None
-    plain_pseudo, chose = False, None
+    pseudo, chose = None, None  # pseudo: the codec name local steps chose over --compression auto
     if requested.sync_every == AUTO:
         if recorded is not None:  # resume: the H the checkpoint recorded, never a new measurement
             sync_every, chose = (recorded.get("config") or {}).get("sync_every"), recorded.get("sync_every_auto")
             if isinstance(sync_every, bool) or not isinstance(sync_every, int):
                 raise InputError("sync_every auto: the checkpoint records no sync_every to resume with; pass sync_every N",
                                  setting="sync_every")
-            record = {"sync_every": sync_every, "why": f"resumed from the checkpoint of step {recorded['step']}, "
-                      f"which records sync_every={sync_every}: a resumed run keeps its H (no new measurement)"}
-            plain_pseudo = auto and sync_every > 1 and bool(chose)
+            if auto and sync_every > 1 and chose:  # (checkpoints before int8 / int4 joined: plain)
+                pseudo = recorded.get("pseudo_gradient") or "none"
+            record = {"sync_every": sync_every, "pseudo_gradient": pseudo,
+                      "why": f"resumed from the checkpoint of step {recorded['step']}, which records sync_every="
+                             f"{sync_every}" + (f" and the pseudo-gradient {pseudo}" if pseudo else "") +
+                             ": a resumed run keeps its choice (no new measurement)"}
         elif mesh.size == 1:
             record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
         else:  # a fresh run: measure once, on a synchronous state, and decide (the same on every process)
@@ -352,8 +372,11 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
             state = make_state(synchronous)
             controller = Controller(make_step(synchronous.replace(compression=fixed)).local_grads, mesh,
                                     requested.strategy, params, target_fraction=target_fraction)
-            decided, record = controller.decide_sync_every(state, batches(GUARD_BATCHES if auto else 1), 0, fixed, auto)
-            plain_pseudo, chose = auto and record["sync_every"] > 1, True
+            decided, record = controller.decide_sync_every(state, batches(GUARD_BATCHES if auto else 1), 0, fixed, auto,
+                                                           overlap)
+            chose = True
+            if auto and record["sync_every"] > 1:
+                pseudo = record["pseudo_gradient"]
             if decided:
                 records.append(("compression", decided.record))
         records.append(("local_steps", record))
@@ -361,15 +384,16 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
     else:
         sync_every = requested.sync_every
     resolved = requested.replace(sync_every=sync_every, outer_tx=requested.outer_tx if sync_every > 1 else None)
-    state_spec = resolved.replace(compression=None) if plain_pseudo else resolved
-    # Local steps chosen over compression send the pseudo-gradient plain, whatever the plan was.
-    initial = None if plain_pseudo else decided.compressor if decided else None if auto else fixed
+    # Local steps chosen over compression send the pseudo-gradient through their own choice.
+    pseudo_codec = None if pseudo is None else codec_of(pseudo)
+    state_spec = resolved.replace(compression=pseudo_codec) if pseudo is not None else resolved
+    initial = pseudo_codec if pseudo is not None else decided.compressor if decided else None if auto else fixed
     spec = resolved.replace(compression=initial)
     if state is not None and sync_every > 1:
         state = None  # measured on a synchronous state: local steps need their own
-    if not (auto and not plain_pseudo and mesh.size > 1):
+    if not (auto and pseudo is None and mesh.size > 1):
         controller = None
     elif controller is None:  # the one that measured for --sync-every auto serves on: its programs are compiled
         controller = Controller(make_step(spec).local_grads, mesh, requested.strategy, params,
                                 target_fraction=target_fraction)
-    return Start(spec, state_spec, records, controller, decided is not None, state, chose)
+    return Start(spec, state_spec, records, controller, decided is not None, state, chose, pseudo)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.compression import Bf16, Compressor, NoCompression, PowerSGD, uncompressed_bytes
+from jaxdp.compression import Bf16, Compressor, NoCompression, PowerSGD, Quantized, uncompressed_bytes
 
 Tree = Any
 
@@ -67,6 +67,25 @@ GUARD_WINDOW = 4
 # synchronous run's. A user who wants a larger H passes it explicitly (--sync-every 64).
 MAX_AUTO_SYNC_EVERY = 16
 
+# ladder(): int8 and int4 join the ladder (ring strategies only: they requantize at every hop)
+# while their one-step error before feedback, Quantized.error_bound(devices), is at most this
+# fraction of a block's largest sum: int4 up to 4 devices on the ring (14.8 % at 2, 31.7 % at 4,
+# 74 % at 8), int8 up to 76. Error feedback sends what a step left out at the next step, so the
+# applied sum over a run is exact up to the last step's error (jaxdp.compression.Quantized); but
+# past this bound the error carried from step to step is as large as the gradient itself, and
+# PowerSGD's guarded ranks are the better bet. They are not replayed by the quality guard: the
+# replay's shortcut (a compressed mean equals the mean of compressed parts) holds for PowerSGD's
+# linear projections, not for rounding at every hop. At 2 processes on the 100 Mbit/s testbed,
+# held-out accuracy stayed within 0.003 of the plain ring (docs/perf/quantized-100mbit.json).
+QUANT_BOUND = 0.35
+
+# --overlap with --sync-every auto: the average runs behind the next round, so it may take this
+# many times the target (comm_target x compute per step): half the round's compute at the default
+# 0.25. Not all of the round: the average shares the process's core (quantizing, copies in and out
+# of the collective) and a round's compute varies; at 50 Mbit/s, --sync-every 8, --overlap
+# measured 1.51x against a ceiling of about 1.6x (docs/perf/overlap-50mbit-psum.json).
+OVERLAP_ALLOWANCE = 2.0
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +111,22 @@ def fit_comm_model(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> Comm
     return CommModel(latency_s=max(float(intercept), 0.0), seconds_per_byte=float(slope))
 
 
-def ladder(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0) -> list[Compressor]:
-    """Candidates from least to most compression: none, bf16, then PowerSGD at decreasing ranks.
-    A rank is left out when it is no smaller than the largest matrix's min(n, m) (it would be that
-    matrix's full rank), or when it moves no fewer bytes than the previous PowerSGD candidate."""
+def ladder(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0,
+           quantized_devices: int | None = None) -> list[Compressor]:
+    """Candidates from least to most compression: none, bf16, (with `quantized_devices`, the
+    device count of a ring that can requantize at every hop) int8 and int4 where their error bound
+    allows (QUANT_BOUND), then PowerSGD at decreasing ranks. A rank is left out when it is no
+    smaller than the largest matrix's min(n, m) (it would be that matrix's full rank), or when it
+    moves no fewer bytes than the candidate before it (int4's payload, or a higher rank's)."""
     out: list[Compressor] = [NoCompression(), Bf16()]
     shapes = [x.shape for x in jax.tree.leaves(params) if len(x.shape) >= 2]
     largest = max((min(int(np.prod(s[:-1])), int(s[-1])) for s in shapes), default=0)
     last_bytes = None
+    for bits in (8, 4) if quantized_devices else ():
+        quantized = Quantized(bits)
+        if quantized.error_bound(quantized_devices) <= QUANT_BOUND:
+            out.append(quantized)
+            last_bytes = quantized.payload_bytes(params)
     for r in sorted(set(ranks), reverse=True):
         candidate = PowerSGD(rank=r, start=start)
         if r >= largest or not candidate.layout(params):
@@ -164,10 +191,13 @@ def relative_error(approx_mean: Tree, true_mean: Tree) -> jax.Array:
 
 def weaker(choice: Compressor, candidates: Sequence[Compressor] | None = None) -> Compressor:
     """The next candidate with less compression: the previous one in `candidates` when `choice` is
-    in it; otherwise PowerSGD rank r -> 2r (up to the largest of DEFAULT_RANKS), then bf16, then none."""
+    in it; otherwise PowerSGD rank r -> 2r (up to the largest of DEFAULT_RANKS), then bf16, then
+    none; int4 -> int8 -> bf16."""
     candidates = list(candidates or [])
     if choice in candidates:
         return candidates[max(candidates.index(choice) - 1, 0)]
+    if isinstance(choice, Quantized):
+        return Quantized(8) if choice.bits < 8 else Bf16()
     if isinstance(choice, PowerSGD):
         if choice.rank * 2 <= max(DEFAULT_RANKS):
             return dataclasses.replace(choice, rank=choice.rank * 2)
@@ -255,3 +285,132 @@ def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_by
             "comm_per_sync_s": choice["comm_per_sync_s"], "predicted_comm_s": choice["predicted_comm_s"],
             "target_fraction": target_fraction, "target_s": choice["target_s"], "fits": choice["fits"],
             "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": MAX_AUTO_SYNC_EVERY}
+
+
+def predicted_step_s(compute_seconds: float, comm_per_sync_s: float, sync_every: int, overlap: bool = False) -> float:
+    """Seconds per step of local steps at H = `sync_every`: compute plus the per-step share of
+    one average, or with `overlap` the longer of the two (the average runs behind the next round)."""
+    share = comm_per_sync_s / max(sync_every, 1)
+    return max(compute_seconds, share) if overlap and sync_every > 1 else compute_seconds + share
+
+
+def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int, int]], target_fraction: float,
+                       overlap: bool = False) -> dict[str, Any]:
+    """`--sync-every auto`'s local steps when the pseudo-gradient's codec is free to choose:
+    `options` are (codec name, payload bytes, collectives), least compression first (none, bf16,
+    int8, int4). Each gets its H (`auto_sync_every`; with `overlap`, against OVERLAP_ALLOWANCE x
+    `target_fraction` of the compute) and its predicted step (`predicted_step_s`). The choice:
+
+    1. the smallest H (fewer local steps between averages stay closer to synchronous training),
+    2. among those, the least compression whose predicted step is within MIN_STEP_GAIN of the
+       fastest (compression is bought only for a real gain, as in `plan`).
+
+    Returns `local_steps_record` of the choice, plus "options" ({name: {"sync_every",
+    "predicted_step_s"}}) and, without `overlap`, "propose_overlap" when `--overlap` would make
+    the chosen codec's step at least MIN_STEP_GAIN shorter (with its own H): {"sync_every",
+    "predicted_step_s", "why"}, or None."""
+    if not options:
+        raise ValueError("choose_local_steps needs at least one option")
+    model = comm_model(figures)
+    compute = figures["compute_s"]
+    fraction = OVERLAP_ALLOWANCE * target_fraction if overlap else target_fraction
+
+    def sized(payload: int, collectives: int, hidden: bool) -> tuple[int, float]:
+        choice = auto_sync_every(compute, model, payload, collectives,
+                                 OVERLAP_ALLOWANCE * target_fraction if hidden else target_fraction)
+        # Overlapped, at least 2: local steps are here because no codec meets the target at every
+        # step, and an average overlaps only with a next round.
+        h = max(choice["sync_every"], 2) if hidden else choice["sync_every"]
+        return h, predicted_step_s(compute, choice["comm_per_sync_s"], h, hidden)
+
+    table = {name: sized(payload, collectives, overlap) for name, payload, collectives in options}
+    fewest = min(h for h, _ in table.values())
+    fastest = min(s for h, s in table.values() if h == fewest)
+    name, payload, collectives = next(o for o in options if table[o[0]][0] == fewest
+                                      and table[o[0]][1] * (1 - MIN_STEP_GAIN) <= fastest)
+    record = local_steps_record(figures, name, payload, collectives, fraction)
+    sync_every, step_s = table[name]
+    if sync_every != record["sync_every"]:  # overlapped: at least 2 (sized)
+        record.update(sync_every=sync_every, predicted_comm_s=record["comm_per_sync_s"] / sync_every, fits=True,
+                      why=f"local steps, averaged every 2 steps, the fewest that overlap: "
+                           f"{record['why'].removeprefix('synchronous: ')}")
+    record["options"] = {n: {"sync_every": h, "predicted_step_s": s} for n, (h, s) in table.items()}
+    record["overlap"], record["predicted_step_s"] = bool(overlap and sync_every > 1), step_s
+    if len(options) > 1 and sync_every > 1:
+        record["why"] = (f"{record['why']}; the pseudo-gradient goes {name} (predicted step "
+                         f"{step_s * 1e3:.3g} ms; " + ", ".join(f"{n}: H = {h}, {s * 1e3:.3g} ms" for n, (h, s)
+                                                                in table.items() if n != name) + ")")
+    if overlap and sync_every > 1:
+        record["why"] = f"{record['why']}; --overlap: the average runs behind the next round"
+    proposal = None
+    if not overlap and sync_every > 1:
+        h, s = sized(payload, collectives, True)
+        if h > 1 and s <= (1 - MIN_STEP_GAIN) * step_s:
+            proposal = {"sync_every": h, "predicted_step_s": s,
+                        "why": f"--overlap would hide the average behind the next round: a predicted step of "
+                               f"{s * 1e3:.3g} ms at H = {h} against {step_s * 1e3:.3g} ms (it applies each average "
+                               f"one round late; pass --overlap to take it)"}
+    record["propose_overlap"] = proposal
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# A described cluster: what `python -m jaxdp.bench plan` predicts from.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """`nodes` x `devices` per node; each node's link carries `link_bits_per_s` each way with
+    `latency_s` per message; inside a node `local_bits_per_s` (inf: free beside the link)."""
+
+    nodes: int
+    devices: int
+    link_bits_per_s: float
+    latency_s: float = 0.0
+    local_bits_per_s: float = math.inf
+
+    def allreduce(self, hierarchical: bool = False) -> CommModel:
+        """The all-reduce time line of a bandwidth-optimal ring over this cluster.
+
+        Flat: one ring over every device, ordered by node, so one hop per node crosses its link;
+        every hop of a ring of P moves 2 (P - 1) / P of the buffer over the run, so each node's link
+        carries that much each way, in 2 (P - 1) steps of one message each. Hierarchical
+        (`--hierarchy auto`): the devices of a node sum inside it, then a ring of the nodes alone
+        (P = nodes) crosses the links, then the sum is broadcast inside: the same bytes per link
+        for a large P, but 2 (nodes - 1) messages instead of 2 (nodes x devices - 1), and inside
+        the node 2 (devices - 1) / devices of the buffer more over the local bandwidth."""
+        ring = self.nodes if hierarchical or self.devices == 1 else self.nodes * self.devices
+        if self.nodes == 1:  # one node: the link carries nothing
+            ring = 1
+        per_byte = 2 * (ring - 1) / ring * 8 / self.link_bits_per_s if ring > 1 else 0.0
+        if self.devices > 1 and (hierarchical or self.nodes == 1):
+            per_byte += 2 * (self.devices - 1) / self.devices * 8 / self.local_bits_per_s
+        return CommModel(latency_s=2 * (ring - 1) * self.latency_s, seconds_per_byte=per_byte)
+
+
+def predict(cluster: Cluster, compute_seconds: float, params: Tree, *, strategy: str = "ring",
+            sync_every: Sequence[int] = (1, 4, 16)) -> list[dict[str, Any]]:
+    """Predicted seconds per step on `cluster` for every candidate of the ladder (int8 / int4 with
+    the ring) at every H of `sync_every` (H > 1: local steps, without and with --overlap), flat and,
+    with several devices per node, hierarchical. `compute_seconds`: one step's forward and backward
+    pass on one device at its share of the batch. PowerSGD's own matmuls and quantizing are not in
+    it (measured: a few percent of the step on the testbed's MLP). Rows: {"compression",
+    "sync_every", "overlap", "hierarchy", "payload_bytes", "allreduce_s", "step_s"}."""
+    hierarchies = ("flat", "auto") if cluster.devices > 1 and cluster.nodes > 1 else ("flat",)
+    devices = cluster.nodes * cluster.devices
+    rows = []
+    for hierarchy in hierarchies:
+        model = cluster.allreduce(hierarchy == "auto")
+        ring_size = cluster.nodes if hierarchy == "auto" else devices
+        for codec in ladder(params, quantized_devices=ring_size if strategy == "ring" else None):
+            payload = codec.payload_bytes(params)
+            seconds = model.seconds(payload, codec.collectives)
+            for h in sync_every:
+                if h > 1 and isinstance(codec, PowerSGD):
+                    continue  # local steps send the pseudo-gradient whole (the guard measures gradients)
+                for overlap in ((False, True) if h > 1 else (False,)):
+                    rows.append({"compression": codec.name, "sync_every": h, "overlap": overlap, "hierarchy": hierarchy,
+                                 "payload_bytes": payload, "allreduce_s": seconds,
+                                 "step_s": predicted_step_s(compute_seconds, seconds, h, overlap)})
+    return rows

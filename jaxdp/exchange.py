@@ -209,18 +209,20 @@ def make_exchange(collective: Collective, axis: Any, n: int, codec: Compressor |
 def slot_state(compression: Any, params: Tree) -> CompressionState:
     """One device's slot for `compression` (a codec, its name, or "auto"), keyed by `leaf_key`.
     For "auto", one slot that serves every candidate of the cost model's ladder: the error of every
-    leaf any candidate compresses, and Q at the largest rank (a candidate of rank r reads its first
-    r columns)."""
+    leaf (int8 and int4 quantize them all; PowerSGD reads its matrices'), and Q at the largest rank
+    (a candidate of rank r reads its first r columns). The error is what is still owed to the mean,
+    whichever codec left it, so a switch of codec carries it over."""
     if isinstance(compression, str) and compression.strip().lower() == AUTO:
         from jaxdp.costmodel import ladder
 
         powersgd = [c for c in ladder(params) if isinstance(c, PowerSGD)]
+        error = Quantized(8).init(params).error
         if not powersgd:
-            return CompressionState()
-        keys = set().union(*(c.layout(params) for c in powersgd))
-        widest = PowerSGD(rank=max(c.rank for c in powersgd), min_rate=0.0).init(params)
-        state = CompressionState(error={k: v for k, v in widest.error.items() if k in keys},
-                                 q={k: v for k, v in widest.q.items() if k in keys})
+            state = CompressionState(error=error)
+        else:
+            keys = set().union(*(c.layout(params) for c in powersgd))
+            widest = PowerSGD(rank=max(c.rank for c in powersgd), min_rate=0.0).init(params)
+            state = CompressionState(error=error, q={k: v for k, v in widest.q.items() if k in keys})
     else:
         found = codec(compression)
         if found is None or isinstance(found, Bf16):

@@ -228,6 +228,28 @@ def test_restore_on_fewer_devices_and_from_a_notebook(tmp_path):
                for leaf in jax.tree.leaves(restored))
 
 
+def test_an_auto_checkpoint_without_every_leafs_error_feedback_resumes_with_zeros_there(tmp_path):
+    """A --compression auto checkpoint from before int8 / int4 joined the ladder kept error
+    feedback for PowerSGD's matrices only; the slot now holds every leaf's. The rest start at
+    zero; what was saved comes back as saved."""
+    from jaxdp.exchange import STATE_NAME
+
+    model, tx = MLP(hidden=(16,), num_classes=3), optax.sgd(0.1)
+    params = model.init(jax.random.PRNGKey(1), np.zeros((1, 4), np.float32))["params"]
+    mesh = jaxdp.make_mesh(jax.devices()[:2])
+    state = jaxdp.init_state(params, tx, mesh, compression="auto")
+    slot = state.sync.per_device[STATE_NAME]
+    assert {"Dense_0.bias", "Dense_0.kernel"} <= set(slot)
+    old = {k: v + 1.0 for k, v in slot.items() if k.endswith("kernel")}  # the old layout, something owed
+    with jaxdp.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: old})))
+    with jaxdp.Checkpointer(tmp_path) as ckpt:
+        restored = ckpt.restore(state).sync.per_device[STATE_NAME]
+    assert set(restored) == set(slot)
+    for k, v in restored.items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(old[k]) if k in old else np.zeros(v.shape))
+
+
 # ---- preemption: real processes, real signals ------------------------------------------------
 
 

@@ -123,3 +123,84 @@ def test_relative_error_is_global_and_zero_for_zero():
     assert float(costmodel.relative_error({"x": jnp.zeros(3), "y": jnp.zeros(2)}, {"x": jnp.zeros(3), "y": jnp.zeros(2)})) == 0
     assert float(costmodel.relative_error({"x": jnp.zeros(3), "y": jnp.ones(2)}, a)) == pytest.approx(np.sqrt(5 / 3))
     assert costmodel.relative_error(a, a).dtype == jnp.float32
+
+
+# ---- local steps: the pseudo-gradient's codec and --overlap ---------------------------------------
+
+MIB_PER_S = {"comm_small_s": 1.0, "comm_full_s": 8.0, "comm_sizes": [2 ** 20, 2 ** 23]}  # 1 s per MiB, no latency
+# 1 % under whole MiB, so no H sits on a rounding edge: none 7.92 s per average, bf16 3.96, int8 1.98, int4 0.99
+OPTIONS = [(name, int(0.99 * 2 ** k), 1) for name, k in (("none", 23), ("bf16", 22), ("int8", 21), ("int4", 20))]
+INT8 = [OPTIONS[2]]
+
+
+def test_local_steps_take_the_fewest_steps_first():
+    # target 0.25 s per step: none H = 32 (capped 16), bf16 16, int8 8, int4 4
+    record = costmodel.choose_local_steps({**MIB_PER_S, "compute_s": 1.0}, OPTIONS, 0.25)
+    assert (record["pseudo_gradient"], record["sync_every"]) == ("int4", 4)
+    assert {n: o["sync_every"] for n, o in record["options"].items()} == {"none": 16, "bf16": 16, "int8": 8, "int4": 4}
+    assert record["predicted_step_s"] == pytest.approx(1 + 0.99 / 4) and "the pseudo-gradient goes int4" in record["why"]
+
+
+@pytest.mark.parametrize("compute_s, expected", [
+    (0.2, "int8"),   # all capped at 16: int8 0.324 s per step, int4 0.262: int8 within 20 % of int4
+    (0.1, "int4"),   # int8 0.224, int4 0.162: int8 is 28 % slower, so int4
+])
+def test_at_equal_h_compression_is_bought_only_for_a_20_percent_shorter_step(compute_s, expected):
+    record = costmodel.choose_local_steps({**MIB_PER_S, "compute_s": compute_s}, OPTIONS, 0.25)
+    assert record["sync_every"] == 16 and record["pseudo_gradient"] == expected
+
+
+def test_overlap_allows_twice_the_link_time_and_is_proposed_where_it_pays():
+    figures = {**MIB_PER_S, "compute_s": 1.0}
+    plain, hidden = (costmodel.choose_local_steps(figures, INT8, 0.25, overlap) for overlap in (False, True))
+    assert (plain["sync_every"], hidden["sync_every"]) == (8, 4)  # 1.98 s per average: 0.25 s, then 0.5 s per step
+    assert hidden["overlap"] and not plain["overlap"] and hidden["predicted_step_s"] == 1.0  # max(1.0, 1.98 / 4)
+    assert hidden["propose_overlap"] is None and "--overlap" in hidden["why"]
+    assert plain["propose_overlap"] is None  # 1.25 s against 1.0 s hidden: under 20 % shorter
+    # compute 0.4 s: H = 16 either way; 0.524 s per step against 0.4 s hidden: proposed
+    proposal = costmodel.choose_local_steps({**figures, "compute_s": 0.4}, INT8, 0.25)["propose_overlap"]
+    assert proposal["sync_every"] == 16 and proposal["predicted_step_s"] == 0.4 and "--overlap" in proposal["why"]
+    assert costmodel.choose_local_steps({**figures, "compute_s": 100.0}, INT8, 0.25)["propose_overlap"] is None
+    # Overlapped, H is at least 2 (int4's 0.99 s fits 0.5 x 2 s at every step, but only a round overlaps)
+    low = costmodel.choose_local_steps({**figures, "compute_s": 2.0}, [OPTIONS[3]], 0.25, overlap=True)
+    assert low["sync_every"] == 2 and low["overlap"] and low["predicted_step_s"] == 2.0 and "fewest" in low["why"]
+
+
+def test_quantized_codecs_join_the_ladder_within_their_error_bound():
+    params = big_params()
+    names = lambda devices: [c.name for c in costmodel.ladder(params, quantized_devices=devices)]  # noqa: E731
+    assert names(2)[:4] == names(4)[:4] == ["none", "bf16", "int8", "int4"]
+    assert names(8)[:3] == ["none", "bf16", "int8"] and "int4" not in names(8)  # 74 % > QUANT_BOUND
+    assert "int8" not in names(77) and "int8" in names(76)
+    int4 = C.parse("int4").payload_bytes(params)
+    assert all(c.payload_bytes(params) < int4 for c in costmodel.ladder(params, quantized_devices=2)[4:])
+    assert names(None) == [c.name for c in costmodel.ladder(params)] and "int8" not in names(None)
+    assert costmodel.weaker(C.parse("int4")).name == "int8" and costmodel.weaker(C.parse("int8")).name == "bf16"
+
+
+# ---- a described cluster (python -m jaxdp.bench plan) ---------------------------------------------
+
+
+def test_a_cluster_s_all_reduce_is_a_node_ordered_ring():
+    mbit = 1e6
+    two = costmodel.Cluster(nodes=2, devices=1, link_bits_per_s=100 * mbit, latency_s=1e-3)
+    # a ring of 2: each link carries the whole buffer each way, in 2 messages
+    assert two.allreduce().seconds(12_500_000) == pytest.approx(1.0 + 2e-3)
+    flat = costmodel.Cluster(nodes=2, devices=4, link_bits_per_s=100 * mbit, latency_s=1e-3)
+    # flat over 8: 2 x 7 / 8 of the buffer over each node's link, 14 messages; hierarchical: the ring of 2
+    assert flat.allreduce().seconds(12_500_000) == pytest.approx(1.75 + 14e-3)
+    assert flat.allreduce(hierarchical=True).seconds(12_500_000) == pytest.approx(1.0 + 2e-3)
+    inside = costmodel.Cluster(nodes=1, devices=4, link_bits_per_s=100 * mbit, local_bits_per_s=1000 * mbit)
+    assert inside.allreduce().seconds(12_500_000) == pytest.approx(1.5 * 0.1)  # 2 x 3 / 4 at 10x the link
+
+
+def test_predict_covers_the_ladder_local_steps_overlap_and_hierarchy():
+    cluster = costmodel.Cluster(nodes=2, devices=4, link_bits_per_s=1e8)
+    rows = costmodel.predict(cluster, 0.01, big_params(), strategy="ring", sync_every=(1, 4))
+    kinds = {(r["compression"], r["sync_every"], r["overlap"], r["hierarchy"]) for r in rows}
+    assert ("int4", 4, True, "auto") in kinds and ("none", 1, False, "flat") in kinds
+    assert not any(r["compression"].startswith("powersgd") and r["sync_every"] > 1 for r in rows)
+    assert not any(r["compression"] == "int4" and r["hierarchy"] == "flat" for r in rows)  # 8 on the ring: past the bound
+    for r in rows:
+        share = r["allreduce_s"] / r["sync_every"]
+        assert r["step_s"] == pytest.approx(max(0.01, share) if r["overlap"] else 0.01 + share)
