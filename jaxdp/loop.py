@@ -118,9 +118,12 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     # watch before it loads its data and passes it in; it is stopped here either way).
     beat = heartbeat.for_run(stall_timeout) if watch is None else watch
 
+    sync_auto = sync_every == syncspec.AUTO
     if overlap:  # rounds of H steps whose average is applied one round late (jaxdp/paced.py)
-        _check_overlap(sync_every, sync_seconds)
-        _check_paced(paced.FixedSteps(sync_every), data, mesh, strategy, compression, 1, sync_fragments,
+        _check_overlap(2 if sync_auto else sync_every, sync_seconds)  # auto: H is chosen for overlap, below
+        # (compression auto with sync_every auto: the controller fixes the pseudo-gradient's codec)
+        _check_paced(paced.FixedSteps(2 if sync_auto else sync_every), data, mesh, strategy,
+                     "none" if sync_auto and compression == syncspec.AUTO else compression, 1, sync_fragments,
                      shard_optimizer, what="overlap")
     elif sync_seconds is not None:  # workers at their own pace (jaxdp/paced.py)
         _check_paced(sync_seconds, data, mesh, strategy, compression, sync_every, sync_fragments, shard_optimizer)
@@ -148,7 +151,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             made = init_state(params, tx, mesh, model_state=model_state, rng=seed,
                               shard_optimizer=spec.shard_optimizer, compression=spec.compression,
                               sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
-            if not rounds_run:
+            if not rounds_run or (overlap and spec.sync_every == 1):  # (sync_every auto's measuring state)
                 return made
             rows, shared = paced.init_sync(mesh)
             if overlap:
@@ -169,27 +172,33 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                     outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
             return steps_by_spec[spec]
 
-        sync_auto = sync_every == syncspec.AUTO
-        if rounds_run or elastic is not None:  # nothing "auto" to resolve (_check_paced, _check_elastic)
+        if (rounds_run and not sync_auto) or elastic is not None:  # nothing "auto" to resolve (_check_paced, ...)
             fixed = requested.replace(compression=None if compression == "none" else exchange.codec(compression))
             begun = controller_lib.Start(fixed, requested, [], None, False, None, False)
         else:
             begun = controller_lib.start(
                 requested, mesh, params, make_state=new_state, make_step=step_for,
                 batches=lambda k: [batch_at(i) for i in range(k)], target_fraction=comm_target,
-                recorded=checkpointer.recorded_meta() if checkpointer and sync_auto else None)
+                recorded=checkpointer.recorded_meta() if checkpointer and sync_auto else None, overlap=overlap)
         spec, controller, early = begun.spec, begun.controller, begun.records
+        if overlap and spec.sync_every == 1:  # sync_every auto chose synchronous training: nothing to overlap
+            overlap = rounds_run = False
         state = begun.state if begun.state is not None else new_state(begun.state_spec)
         train_step = step_for(spec)
         requested_config = config  # as given: config.toml says --sync-every auto, so a rerun resumes as this run did
         if sync_auto:
-            if config is not None:
-                config = config.replace(sync_every=spec.sync_every)
+            if config is not None:  # what was chosen: H, the pseudo-gradient's codec, whether rounds overlap
+                config = config.replace(sync_every=spec.sync_every, overlap=overlap, **(
+                    {"compression": begun.pseudo_gradient} if begun.pseudo_gradient else {}))
             if is_main:
-                print(f"jaxdp: --sync-every auto: {spec.sync_every}: {dict(early)['local_steps']['why']}", file=sys.stderr)
+                chosen = dict(early)["local_steps"]
+                print(f"jaxdp: --sync-every auto: {spec.sync_every}: {chosen['why']}", file=sys.stderr)
+                if chosen.get("propose_overlap"):
+                    print(f"jaxdp: --sync-every auto: {chosen['propose_overlap']['why']}", file=sys.stderr)
             if checkpointer:  # checkpoints record the resolved H, and that auto chose it
                 checkpointer.config = config
                 checkpointer.extra_meta["sync_every_auto"] = bool(begun.sync_every_auto)
+                checkpointer.extra_meta["pseudo_gradient"] = begun.pseudo_gradient
         # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
         plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), mesh.size), "compression_ratio": 1.0}
         eval_step = make_eval_step(eval_fn, mesh) if eval_fn is not None and (elastic is None or is_main) else None
@@ -277,7 +286,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     try:
         if rounds_run:
             rounds = paced.Overlapped(train_step.local_grads, tx, mesh, spec.strategy, spec.compression, outer_tx,
-                                      sync_every, data, examples_per_step) if overlap else \
+                                      spec.sync_every, data, examples_per_step) if overlap else \
                 paced.Rounds(train_step.local_grads, tx, mesh, spec.strategy, spec.compression, outer_tx,
                              sync_seconds, data, examples_per_step)
             state, done, preempted = paced.train(

@@ -105,7 +105,6 @@ def test_resumed_with_the_average_in_flight_equals_the_uninterrupted_run(devices
 
 @pytest.mark.parametrize("flags, says", [
     (["--overlap"], "--overlap does not combine with --sync-every=1"),
-    (["--overlap", "--sync-every", "auto"], "--sync-every=auto"),
     (["--overlap", "--sync-every", "8", "--compression", "auto"], "--compression=auto"),
     (["--overlap", "--sync-seconds", "2"], "--sync-seconds=2.0"),
     (["--overlap", "--sync-every", "8", "--sync-fragments", "2"], "--sync-fragments=2"),
