@@ -198,3 +198,21 @@ def test_parser_and_benchmark_modules_import_no_jax():
             "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch')) or 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=cli_env())
     assert proc.returncode == 0, proc.stderr
+
+
+def test_plan_predicts_and_says_what_auto_would_choose(tmp_path):
+    out = tmp_path / "p.json"
+    proc = run_cli("plan", "--nodes", "2", "--link", "10mbit", "--compute-ms", "15", "--json", str(out),
+                   module="jaxdp.bench")
+    assert proc.returncode == 0, proc.stderr
+    assert "--sync-every auto --compression auto:" in proc.stdout and "--overlap:" in proc.stdout
+    written = json.loads(out.read_text())
+    assert written["compute_s"] == 0.015 and written["cluster"]["nodes"] == 2
+    plain, hidden = written["auto"]
+    # 10 Mbit/s against 15 ms of compute: local steps with a quantized pseudo-gradient; overlapped, fewer steps
+    assert plain["sync_every"] > 1 and plain["compression"] in ("int8", "int4")
+    assert hidden["overlap"] and hidden["sync_every"] <= plain["sync_every"]
+    rows = written["results"]
+    assert rows == sorted(rows, key=lambda r: r["step_s"]) and {r["hierarchy"] for r in rows} == {"flat"}
+    bad = run_cli("plan", "--link", "fast", "--compute-ms", "1", module="jaxdp.bench")
+    assert bad.returncode != 0 and "is not a bandwidth" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,235 @@
+"""plan: predicted step time on a described cluster, from the cost model (jaxdp/costmodel.py), and
+that model checked against the slow-network testbed.
+
+    python -m jaxdp.bench plan --nodes 4 --devices-per-node 8 --link 10gbit --latency 50us --compute-ms 120 \\
+        --train-args "--model gpt --layers 12 --d-model 768 --heads 12 --seq-len 1024"
+    python -m jaxdp.bench plan --nodes 2 --link 100mbit                       # the default MLP, compute measured here
+    python -m jaxdp.bench plan --validate --rate 100mbit \\
+        --variants "--strategy ring;--strategy ring --compression int8;--strategy ring --compression int4"
+
+Prediction: every candidate of the controller's ladder (none, bf16, int8 and int4 on a ring,
+PowerSGD ranks), synchronous and with local steps (--sync-every 4, 16, with and without --overlap),
+flat and (several devices per node) hierarchical: the all-reduce time of `costmodel.Cluster`
+(a bandwidth-optimal ring: 2 (P - 1) / P of the payload over each node's link, 2 (P - 1)
+messages of --latency) and the step it makes with the compute time (`costmodel.predicted_step_s`:
+compute plus the per-step share of one average, or the longer of the two with --overlap). The
+compute time is --compute-ms, or measured here: one device training the model of --train-args on
+its share of the batch (the median of the run's log intervals). It also says what `--sync-every
+auto --compression auto` would choose there (with and without --overlap) and why, from the same
+functions the controller calls on measured figures.
+
+Validation (--validate, root and iproute2): each variant trains twice on the testbed, 2 processes,
+unshaped and at --rate, in one invocation. The unshaped run's step time stands for the compute (its
+link is a veth); the prediction at --rate adds the bytes each device sent per step, as the run
+counts them, over the rate (or takes the longer of the two with --overlap), and is set against
+the measured one: the table gives both and the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import os
+import re
+import shlex
+import statistics
+import tempfile
+import warnings
+from typing import Any
+
+from jaxdp.bench.report import print_table, write_json
+
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIMES = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("plan", help="predicted step time on a described cluster (N nodes x G devices, link "
+                                           "speeds) from the cost model; --validate checks it on the testbed")
+    p.add_argument("--nodes", type=int, default=2, help="nodes (processes on CPU hosts)")
+    p.add_argument("--devices-per-node", type=int, default=1)
+    p.add_argument("--link", default="100mbit", help="each node's link, each way: 10mbit, 1gbit, 100gbit ...")
+    p.add_argument("--latency", default="0s", help="per message on the link: 50us, 1ms ...")
+    p.add_argument("--local-link", default=None, help="between devices of a node (default: free beside the link)")
+    p.add_argument("--compute-ms", type=float, help="one device's step (forward, backward) at its share of the batch; "
+                                                    "default: measured here")
+    p.add_argument("--strategy", choices=("psum", "ring"), default="ring")
+    p.add_argument("--comm-target", type=float, default=None, help="the controller's target (default: its own)")
+    p.add_argument("--train-args", default="", help="the model: jaxdp.train flags (--model, --batch-size ...)")
+    p.add_argument("--top", type=int, default=12, help="rows to print, fastest first (the JSON has all)")
+    p.add_argument("--validate", action="store_true", help="check the model on the testbed (root, iproute2)")
+    p.add_argument("--rate", default="100mbit", help="--validate: the shaped link's rate")
+    p.add_argument("--variants", type=lambda t: [v.strip() for v in t.split(";")],
+                   default=["--strategy ring", "--strategy ring --compression bf16", "--strategy ring --compression int8",
+                            "--strategy ring --compression int4"],
+                   help="--validate: ';'-separated jaxdp.train variants")
+    p.add_argument("--steps", type=int, default=400, help="--validate: steps per run")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=600, help="--validate: seconds per run")
+    p.add_argument("--json")
+    p.set_defaults(run=run)
+
+
+def bits_per_s(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)bit\s*", str(text).lower())
+    if not match or float(match.group(1)) <= 0:
+        raise SystemExit(f"jaxdp.bench plan: {text!r} is not a bandwidth like 10mbit, 100mbit or 10gbit")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def seconds(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", str(text).lower())
+    if not match:
+        raise SystemExit(f"jaxdp.bench plan: {text!r} is not a time like 0s, 50us or 1ms")
+    return float(match.group(1)) * _TIMES[match.group(2)]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    if args.validate:
+        return validate(args)
+    if args.nodes < 1 or args.devices_per_node < 1:
+        raise SystemExit("jaxdp.bench plan: --nodes and --devices-per-node must be 1 or more")
+    from jaxdp import costmodel
+
+    cluster = costmodel.Cluster(args.nodes, args.devices_per_node, bits_per_s(args.link), seconds(args.latency),
+                                bits_per_s(args.local_link) if args.local_link else math.inf)
+    compute_s, params, measured = model_and_compute(args, args.nodes * args.devices_per_node)
+    rows = costmodel.predict(cluster, compute_s, params, strategy=args.strategy)
+    base = next(r["step_s"] for r in rows if (r["compression"], r["sync_every"], r["hierarchy"]) == ("none", 1, "flat"))
+    for row in rows:
+        row["steps_per_s"], row["vs_plain"] = 1 / row["step_s"], base / row["step_s"]
+    rows.sort(key=lambda r: r["step_s"])
+    print(f"{args.nodes} node{'s' if args.nodes > 1 else ''} x {args.devices_per_node} device"
+          f"{'s' if args.devices_per_node > 1 else ''}, {args.link} per node, {args.latency} per message, "
+          f"--strategy {args.strategy}; compute {compute_s * 1e3:.3g} ms per step ({measured}); "
+          f"{sum(math.prod(x.shape) for x in _leaves(params)) * 4 / 1e6:.3g} MB of float32 gradients")
+    shown = [{**r, "overlap": "yes" if r["overlap"] else ""} for r in rows[:args.top]]
+    print_table(shown, [("compression", "compression", "s"), ("sync_every", "H", "d"), ("overlap", "overlap", "s"),
+                                  ("hierarchy", "hierarchy", "s"), ("allreduce_s", "all-reduce s", ".3g"),
+                                  ("step_s", "step s", ".3g"), ("steps_per_s", "steps/s", ".3g"),
+                                  ("vs_plain", "vs plain", ".2f")])
+    choices = [auto_choice(cluster, compute_s, params, args.strategy, overlap, args.comm_target) for overlap in (False, True)]
+    for choice in choices:
+        print(f"--sync-every auto --compression auto{' --overlap' if choice['overlap_flag'] else ''}: "
+              f"{choice['summary']} (predicted {choice['step_s'] * 1e3:.3g} ms per step, "
+              f"{base / choice['step_s']:.2f}x plain synchronous)")
+    write_json(args.json, rows, cluster=vars(cluster), compute_s=compute_s, compute_from=measured, auto=choices,
+               strategy=args.strategy)
+    return rows
+
+
+def _leaves(tree: Any) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def model_and_compute(args: argparse.Namespace, devices: int) -> tuple[float, Any, str]:
+    """(seconds per step of one device at its share of the batch, the abstract params, where the
+    time came from). The params come from building the model of --train-args; the time from
+    --compute-ms, or from training it on one device here."""
+    import jax
+
+    from jaxdp.config import parse_args
+    from jaxdp.train import train
+
+    flags = shlex.split(args.train_args)
+    config = parse_args(flags)
+    if config.batch_size % devices:
+        raise SystemExit(f"jaxdp.bench plan: --batch-size={config.batch_size} (of --train-args) must be divisible by "
+                         f"the {devices} devices")
+    share = ["--batch-size", str(config.batch_size // devices)]
+    steps = 0 if args.compute_ms is not None else 60
+    with tempfile.TemporaryDirectory(prefix="jaxdp-plan-") as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # its summary is not this table's
+            warnings.simplefilter("ignore")  # (one device: "nothing to synchronise")
+            result = train(parse_args([*flags, *share, "--devices", "1", "--steps", str(steps), "--log-every", "10",
+                                       "--eval-every", "0", "--no-progress", "--metrics-file", metrics]))
+        rates = [r["steps_per_sec"] for r in _records(metrics) if isinstance(r.get("steps_per_sec"), (int, float))]
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), result.state.params)
+    if args.compute_ms is not None:
+        return args.compute_ms / 1e3, params, "--compute-ms"
+    return 1 / statistics.median(rates), params, f"measured here: one device, batch {config.batch_size // devices}"
+
+
+def _records(path: str) -> list[dict]:
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, overlap: bool,
+                target: float | None) -> dict[str, Any]:
+    """What `--sync-every auto --compression auto` (with `overlap`: and --overlap) chooses on
+    `cluster`: the controller's own rules (costmodel.plan, then costmodel.choose_local_steps) on
+    the figures the cluster's all-reduce model gives, flat."""
+    from jaxdp import costmodel
+    from jaxdp.compression import Bf16, NoCompression, PowerSGD, Quantized
+
+    fraction = costmodel.TARGET_COMM_FRACTION if target is None else target
+    model = cluster.allreduce()
+    devices = cluster.nodes * cluster.devices
+    candidates = costmodel.ladder(params, quantized_devices=devices if strategy == "ring" else None)
+    full = costmodel.uncompressed_bytes(params)
+    sizes = [max(full // 16, 1 << 12), max(full, 1 << 16)]
+    figures = {"compute_s": compute_s, "comm_small_s": model.seconds(sizes[0]), "comm_full_s": model.seconds(sizes[1]),
+               "comm_sizes": sizes}
+    codec, reasons = costmodel.plan(compute_s, costmodel.comm_model(figures), params, candidates, fraction)
+    if reasons["fits"] or devices == 1:
+        step = costmodel.predicted_step_s(compute_s, reasons["predicted_s"][codec.name], 1)
+        guard = " (the quality guard then checks it on the run's gradients and may step back)" \
+            if isinstance(codec, PowerSGD) else ""
+        return {"overlap_flag": overlap, "compression": codec.name, "sync_every": 1, "overlap": False, "step_s": step,
+                "summary": f"synchronous, --compression {codec.name}{guard}: {reasons['why']}"}
+    options = [(c.name, c.payload_bytes(params), c.collectives) for c in candidates
+               if isinstance(c, (NoCompression, Bf16, Quantized))]
+    record = costmodel.choose_local_steps(figures, options, fraction, overlap)
+    return {"overlap_flag": overlap, "compression": record["pseudo_gradient"], "sync_every": record["sync_every"],
+            "overlap": record["overlap"], "step_s": record["predicted_step_s"],
+            "summary": f"--sync-every {record['sync_every']}, pseudo-gradient {record['pseudo_gradient']}"
+                       f"{', overlapped' if record['overlap'] else ''}"}
+
+
+def validate(args: argparse.Namespace) -> list[dict]:
+    """Each variant unshaped and at --rate on the testbed; the shaped step predicted from the
+    unshaped one and the bytes sent, against the measured one."""
+    from jaxdp.bench import testbed
+    from jaxdp.bench.slowlink import run_training
+
+    testbed.require("plan --validate")
+    rate = testbed.parse_rate(args.rate)
+    flags = ["--steps", str(args.steps), "--log-every", str(args.log_every)]
+    measured: dict[tuple[str, str], dict] = {}
+    for link in ("unshaped", args.rate):
+        with testbed.Testbed(num_hosts=2, rate=None if link == "unshaped" else args.rate) as bed:
+            for variant in args.variants:
+                done = run_training(bed, [*flags, *shlex.split(variant)], timeout=args.timeout)
+                if not done.ok:
+                    raise SystemExit(f"jaxdp.bench: plan --validate: the run {variant!r} at {link} failed (exit codes "
+                                     f"{done.returncodes}):\n{done.outputs[0][-3000:]}")
+                sent = next((r.get("comm_bytes") for r in reversed(done.steps()) if r.get("comm_bytes") is not None), 0)
+                measured[link, variant] = {"steps_per_s": statistics.median(done.steps_per_sec()), "comm_bytes": sent}
+    rows = []
+    for variant in args.variants:
+        unshaped, shaped = measured["unshaped", variant], measured[args.rate, variant]
+        compute = 1 / unshaped["steps_per_s"]
+        link_s = shaped["comm_bytes"] * 8 / rate
+        overlap = "--overlap" in shlex.split(variant)
+        predicted = max(compute, link_s) if overlap else compute + link_s
+        rows.append({"variant": variant, "unshaped_steps_per_s": unshaped["steps_per_s"],
+                     "bytes_per_step": shaped["comm_bytes"], "predicted_steps_per_s": 1 / predicted,
+                     "measured_steps_per_s": shaped["steps_per_s"],
+                     "error": (1 / predicted) / shaped["steps_per_s"] - 1})
+    print(f"2 processes in 2 network namespaces, unshaped and at {args.rate}; predicted at {args.rate} = unshaped step "
+          f"+ bytes sent per step / rate (--overlap: the longer of the two); median steps/s of one run each")
+    print_table(rows, [("variant", "variant", "s"), ("unshaped_steps_per_s", "unshaped steps/s", ".1f"),
+                       ("bytes_per_step", "bytes sent per step", ".0f"), ("predicted_steps_per_s", "predicted", ".1f"),
+                       ("measured_steps_per_s", "measured", ".1f"), ("error", "error", "+.0%")])
+    errors = [abs(r["error"]) for r in rows]
+    print(f"median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}")
+    write_json(args.json, rows, rate=args.rate, steps=args.steps)
+    return rows
