@@ -76,6 +76,24 @@ def test_a_choice_the_guard_raised_is_the_one_the_record_explains(devices, monke
     assert record["why"].startswith(f"{record['choice']}: the quality guard stepped back from {record['planned']}")
 
 
+def test_a_guard_that_steps_back_past_the_target_leads_to_local_steps(devices, monkeypatch):
+    """The plan's PowerSGD fits the target, the guard refuses every rank and steps back to a codec
+    that does not fit: the record says it misses (it said "fits", the plan's), so --sync-every
+    auto chooses local steps instead of a synchronous step that the link cannot keep up with."""
+    mesh = jaxdp.make_mesh(devices[:2])
+    params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
+    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.ring_mean, params)
+    grad_bytes = compression.uncompressed_bytes(params)
+    # bandwidth-bound: int4 (1/8 of the bytes) predicts 1/8 s against a target of 0.25 x 0.1 s
+    figures = {"compute_s": 0.1, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0, "comm_sizes": [grad_bytes // 16, grad_bytes]}
+    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
+    monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
+    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.5)  # every rank refused
+    decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
+    assert decision.record["planned"].startswith("powersgd") and decision.record["choice"] == "int4"
+    assert not decision.record["fits"] and record["sync_every"] > 1 and record["pseudo_gradient"] in ("int8", "int4")
+
+
 # ---- the flags -----------------------------------------------------------------------------------
 
 def test_flags_accept_auto_and_refuse_the_rest_in_one_line(tmp_path):
