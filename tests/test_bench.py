@@ -216,3 +216,17 @@ def test_plan_predicts_and_says_what_auto_would_choose(tmp_path):
     assert rows == sorted(rows, key=lambda r: r["step_s"]) and {r["hierarchy"] for r in rows} == {"flat"}
     bad = run_cli("plan", "--link", "fast", "--compute-ms", "1", module="jaxdp.bench")
     assert bad.returncode != 0 and "is not a bandwidth" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_testbed_prediction_with_and_without_its_token_bucket():
+    from jaxdp.bench.plan import testbed_step_s
+
+    rate, burst = 1e8, 125_000  # 100 Mbit/s: 12.5 MB/s, a 10 ms bucket
+    # 100 kB after 4 ms of compute: the bucket refilled 50 kB, the other 50 kB wait 4 ms
+    assert testbed_step_s(0.004, 100_000, 1, rate, burst) == pytest.approx(0.008)
+    assert testbed_step_s(0.004, 100_000, 1, rate, burst, bucket=False) == pytest.approx(0.012)  # the cost model's rule
+    # H = 8: over a round the bucket refills to its burst; what is left waits, shared by 8 steps
+    assert testbed_step_s(0.004, 340_000, 8, rate, burst) == pytest.approx(0.004 + (340_000 - burst) * 8 / rate / 8)
+    # overlapped: the longer of the compute and the link's share
+    assert testbed_step_s(0.004, 340_000, 8, rate, burst, overlap=True) == pytest.approx(0.004)
+    assert testbed_step_s(0.001, 340_000, 8, rate, burst, overlap=True) == pytest.approx(340_000 * 8 / rate / 8)

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     base = next(r["step_s"] for r in rows if (r["compression"], r["sync_every"], r["hierarchy"]) == ("none", 1, "flat"))
     for row in rows:
         row["steps_per_s"], row["vs_plain"] = 1 / row["step_s"], base / row["step_s"]
-    rows.sort(key=lambda r: r["step_s"])
+    # fastest first; among equals the fewest local steps, no overlap, then the ladder's order (least compression)
+    rows.sort(key=lambda r: (round(r["step_s"], 9), r["sync_every"], r["overlap"]))
     print(f"{args.nodes} node{'s' if args.nodes > 1 else ''} x {args.devices_per_node} device"
           f"{'s' if args.devices_per_node > 1 else ''}, {args.link} per node, {args.latency} per message, "
           f"--strategy {args.strategy}; compute {compute_s * 1e3:.3g} ms per step ({measured}); "
@@ -128,31 +129,62 @@ def _leaves(tree: Any) -> list:
 
 def model_and_compute(args: argparse.Namespace, devices: int) -> tuple[float, Any, str]:
     """(seconds per step of one device at its share of the batch, the abstract params, where the
-    time came from). The params come from building the model of --train-args; the time from
-    --compute-ms, or from training it on one device here."""
+    time came from). With --compute-ms the params are the model's shapes alone (a GPT with no
+    --dataset: bytes, or --vocab-size tokens); otherwise the model of --train-args trains on one
+    device here for a few seconds, and the median of its log intervals is the time."""
     import jax
 
     from jaxdp.config import parse_args
     from jaxdp.train import train
 
+    from jaxdp.config import ConfigError
+
     flags = shlex.split(args.train_args)
-    config = parse_args(flags)
+    no_data = False
+    try:
+        config = parse_args(flags)
+    except ConfigError as err:
+        if "--dataset" in flags or "token stream" not in str(err):
+            raise SystemExit(f"jaxdp.bench plan: --train-args: {err}") from None
+        config, no_data = parse_args([*flags, "--dataset", "bytes.txt"]), True  # a token model, sized for bytes
+    if no_data and args.compute_ms is None:
+        raise SystemExit("jaxdp.bench plan: measuring the compute trains the model: give --train-args a --dataset, "
+                         "or give --compute-ms")
     if config.batch_size % devices:
         raise SystemExit(f"jaxdp.bench plan: --batch-size={config.batch_size} (of --train-args) must be divisible by "
                          f"the {devices} devices")
+    if args.compute_ms is not None:
+        return args.compute_ms / 1e3, abstract_params(config, no_data), "--compute-ms"
     share = ["--batch-size", str(config.batch_size // devices)]
-    steps = 0 if args.compute_ms is not None else 60
     with tempfile.TemporaryDirectory(prefix="jaxdp-plan-") as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # its summary is not this table's
             warnings.simplefilter("ignore")  # (one device: "nothing to synchronise")
-            result = train(parse_args([*flags, *share, "--devices", "1", "--steps", str(steps), "--log-every", "10",
+            result = train(parse_args([*flags, *share, "--devices", "1", "--steps", "60", "--log-every", "10",
                                        "--eval-every", "0", "--no-progress", "--metrics-file", metrics]))
         rates = [r["steps_per_sec"] for r in _records(metrics) if isinstance(r.get("steps_per_sec"), (int, float))]
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), result.state.params)
-    if args.compute_ms is not None:
-        return args.compute_ms / 1e3, params, "--compute-ms"
     return 1 / statistics.median(rates), params, f"measured here: one device, batch {config.batch_size // devices}"
+
+
+def abstract_params(config: Any, no_data: bool = False) -> Any:
+    """The shapes of the params --model would train, without compilation; `no_data`: a token model
+    whose --dataset was not given, sized for bytes (256 tokens) or --vocab-size."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp import data, usermodel
+
+    tokens = no_data or config.dataset.endswith((".txt", ".bin", ".npy"))
+    if no_data:
+        outputs, example = config.vocab_size or 256, jnp.zeros((1, config.seq_len), jnp.int32)
+    else:
+        dataset = data.load_dataset(config.dataset, seq_len=config.seq_len, vocab_size=config.vocab_size,
+                                    tokenizer=config.tokenizer)
+        outputs = dataset.vocab_size if dataset.kind == "tokens" else dataset.num_classes
+        example = dataset.example()
+    model = usermodel.build(config, outputs, None, "tokens" if tokens else "classification")
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), example)["params"]
 
 
 def _records(path: str) -> list[dict]:
@@ -194,6 +226,25 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
                        f"{', overlapped' if record['overlap'] else ''}"}
 
 
+def testbed_step_s(compute_s: float, sync_bytes: float, sync_every: int, bits_per_s: float, burst: float,
+                   overlap: bool = False, bucket: bool = True) -> float:
+    """Predicted seconds per step on the testbed's shaped link: `compute_s` per step, `sync_bytes`
+    sent by each device per average, one average every `sync_every` steps.
+
+    `bucket=False` is the cost model's own rule (costmodel.predicted_step_s): the bytes take
+    bytes / rate after the compute, or with `overlap` the longer of the two. A real link with no
+    spare buffer behaves so. The testbed's token bucket (`burst` bytes, testbed.burst_bytes)
+    refills while the processes compute: an average's first min(burst, the refill over its H
+    steps) bytes pass at once, and only the rest waits on the rate (`bucket=True`)."""
+    link = sync_bytes * 8 / bits_per_s
+    if overlap and sync_every > 1:
+        return max(compute_s, link / sync_every)
+    if not bucket:
+        return compute_s + link / sync_every
+    free = min(burst, sync_every * compute_s * bits_per_s / 8)
+    return compute_s + max(0.0, sync_bytes - free) * 8 / bits_per_s / sync_every
+
+
 def validate(args: argparse.Namespace) -> list[dict]:
     """Each variant unshaped and at --rate on the testbed; the shaped step predicted from the
     unshaped one and the bytes sent, against the measured one."""
@@ -216,20 +267,29 @@ def validate(args: argparse.Namespace) -> list[dict]:
     rows = []
     for variant in args.variants:
         unshaped, shaped = measured["unshaped", variant], measured[args.rate, variant]
-        compute = 1 / unshaped["steps_per_s"]
-        link_s = shaped["comm_bytes"] * 8 / rate
-        overlap = "--overlap" in shlex.split(variant)
-        predicted = max(compute, link_s) if overlap else compute + link_s
+        words = shlex.split(variant)
+        sync_every = int(words[words.index("--sync-every") + 1]) if "--sync-every" in words else 1
+        compute, overlap = 1 / unshaped["steps_per_s"], "--overlap" in words
+        # comm_bytes: what each device sends per average (for local steps, once every H steps)
+        plain, bucket = (testbed_step_s(compute, shaped["comm_bytes"], sync_every, rate, testbed.burst_bytes(rate),
+                                        overlap, b) for b in (False, True))
         rows.append({"variant": variant, "unshaped_steps_per_s": unshaped["steps_per_s"],
-                     "bytes_per_step": shaped["comm_bytes"], "predicted_steps_per_s": 1 / predicted,
+                     "bytes_per_sync": shaped["comm_bytes"], "sync_every": sync_every,
+                     "predicted_steps_per_s": 1 / plain, "bucket_steps_per_s": 1 / bucket,
                      "measured_steps_per_s": shaped["steps_per_s"],
-                     "error": (1 / predicted) / shaped["steps_per_s"] - 1})
-    print(f"2 processes in 2 network namespaces, unshaped and at {args.rate}; predicted at {args.rate} = unshaped step "
-          f"+ bytes sent per step / rate (--overlap: the longer of the two); median steps/s of one run each")
+                     "error": (1 / plain) / shaped["steps_per_s"] - 1,
+                     "bucket_error": (1 / bucket) / shaped["steps_per_s"] - 1})
+    print(f"2 processes in 2 network namespaces, unshaped and at {args.rate}; median steps/s of one run each. "
+          f"Predicted at {args.rate} from the unshaped step and the bytes sent: the cost model's rule (compute + bytes / "
+          f"rate per step; --overlap: the longer), and the same with the testbed's token bucket "
+          f"({testbed.burst_bytes(rate)} bytes, refilled while computing)")
     print_table(rows, [("variant", "variant", "s"), ("unshaped_steps_per_s", "unshaped steps/s", ".1f"),
-                       ("bytes_per_step", "bytes sent per step", ".0f"), ("predicted_steps_per_s", "predicted", ".1f"),
-                       ("measured_steps_per_s", "measured", ".1f"), ("error", "error", "+.0%")])
-    errors = [abs(r["error"]) for r in rows]
-    print(f"median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}")
-    write_json(args.json, rows, rate=args.rate, steps=args.steps)
+                       ("bytes_per_sync", "bytes per average", ".0f"), ("sync_every", "H", "d"),
+                       ("measured_steps_per_s", "measured", ".1f"), ("predicted_steps_per_s", "cost model", ".1f"),
+                       ("error", "error", "+.0%"), ("bucket_steps_per_s", "with the bucket", ".1f"),
+                       ("bucket_error", "error", "+.0%")])
+    for key, name in (("error", "cost model"), ("bucket_error", "with the bucket")):
+        errors = [abs(r[key]) for r in rows]
+        print(f"{name}: median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}")
+    write_json(args.json, rows, rate=args.rate, steps=args.steps, burst_bytes=testbed.burst_bytes(rate))
     return rows

@@ -144,11 +144,16 @@ def cpu_limit_kind() -> str:
     return "shared core"
 
 
+def burst_bytes(bits_per_s: int) -> int:
+    """The token bucket's burst at `bits_per_s`: 10 ms of traffic, at least 64 KiB (so one TSO
+    segment always fits). Bytes up to it pass at the veth's speed once the bucket has refilled."""
+    return max(64 * 1024, bits_per_s // 8 // 100)
+
+
 def _tbf_args(bits_per_s: int) -> list[str]:
-    """A token bucket at `bits_per_s`: a burst of 10 ms of traffic (at least 64 KiB, so one TSO
-    segment always fits) and a queue of at most 100 ms (then packets drop, as on a real link)."""
-    burst = max(64 * 1024, bits_per_s // 8 // 100)
-    return ["tbf", "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", "100ms"]
+    """A token bucket at `bits_per_s` (`burst_bytes`) and a queue of at most 100 ms (then packets
+    drop, as on a real link)."""
+    return ["tbf", "rate", f"{bits_per_s}bit", "burst", str(burst_bytes(bits_per_s)), "latency", "100ms"]
 
 
 def remove_leftovers() -> None:
