@@ -69,13 +69,13 @@ def test_ring_allreduce_under_pmap(devices):
 
 
 @pytest.mark.parametrize("n", [2, 5, 8])
-def test_ring_is_a_ring_of_ppermutes_with_one_buffer_per_dtype(devices, n):
-    # 2 (n - 1) neighbour exchanges per fused dtype buffer, and no all-reduce hiding in it.
+def test_ring_is_a_ring_of_ppermutes_with_one_message_per_hop(devices, n):
+    # 2 (n - 1) neighbour exchanges, each carrying every dtype's fused buffer (f32, bf16, f16), and
+    # no all-reduce hiding in it.
     mesh = make_mesh(devices[:n])
     tree = shard_batch(awkward_tree(n, np.random.default_rng(0), integer_valued=True), mesh)
     text = per_device(lambda t: jaxdp.ring_allreduce(t, DATA_AXIS), mesh).lower(tree).as_text()
-    n_dtypes = 3  # f32, bf16, f16
-    assert text.count("collective_permute") == 2 * (n - 1) * n_dtypes
+    assert text.count("collective_permute") == 2 * (n - 1)
     assert "all_reduce" not in text
 
 
@@ -94,13 +94,18 @@ def test_compiled_ring_copies_no_whole_buffer(devices, padded):
 
 def test_a_16_bit_ring_sends_16_bits_on_the_wire(devices):
     # XLA's CPU compiler widens a bf16 / fp16 collective-permute to f32; the ring must send the bits
-    # as uint16, or --compression bf16 sends as many bytes as no compression (found on the testbed).
+    # as bytes, or --compression bf16 sends as many bytes as no compression (found on the testbed).
     mesh = make_mesh(devices[:4])
     tree = shard_batch(awkward_tree(4, np.random.default_rng(0), integer_valued=True), mesh)
-    entry = per_device(lambda t: jaxdp.ring_allreduce({"bf16": t["bf16"], "f16": t["f16"]}, DATA_AXIS), mesh
-                       ).lower({"bf16": tree["bf16"], "f16": tree["f16"]}).compile().as_text().split("ENTRY", 1)[1]
-    permutes = re.findall(r"= (\w+)\[\d*\]\S* collective-permute(?:-start)?\(", entry)
-    assert len(permutes) == 2 * 3 * 2 and set(permutes) == {"u16"}, permutes
+    alone = per_device(lambda t: jaxdp.ring_allreduce(t, DATA_AXIS), mesh).lower(tree["bf16"]).compile().as_text()
+    permutes = re.findall(r"= (\w+)\[\d*\]\S* collective-permute(?:-start)?\(", alone.split("ENTRY", 1)[1])
+    assert len(permutes) == 2 * 3 and set(permutes) == {"u16"}, permutes
+    # Several dtypes share one ring: one message per hop, each dtype's chunk in it at its own width.
+    mixed = {"bf16": tree["bf16"], "f16": tree["f16"], "f32": tree["odd"]}
+    entry = per_device(lambda t: jaxdp.ring_allreduce(t, DATA_AXIS), mesh).lower(mixed).compile().as_text()
+    sent = re.findall(r"= (\w+)\[(\d*)\]\S* collective-permute(?:-start)?\(", entry.split("ENTRY", 1)[1])
+    # per device: 37 + 6 bf16, 101 f16, 7 x 13 f32 values; chunks of ceil(values / 4)
+    assert sent == [("u8", str(11 * 2 + 26 * 2 + 23 * 4))] * (2 * 3), sent
 
 
 def test_ring_rejects_integer_leaves(devices):
