@@ -316,20 +316,20 @@ def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int
     fraction = OVERLAP_ALLOWANCE * target_fraction if overlap else target_fraction
 
     def sized(payload: int, collectives: int, hidden: bool) -> tuple[int, float]:
-        choice = auto_sync_every(compute, model, payload, collectives,
-                                 OVERLAP_ALLOWANCE * target_fraction if hidden else target_fraction)
-        # Overlapped, at least 2: local steps are here because no codec meets the target at every
-        # step, and an average overlaps only with a next round.
-        h = max(choice["sync_every"], 2) if hidden else choice["sync_every"]
-        return h, predicted_step_s(compute, choice["comm_per_sync_s"], h, hidden)
+        plain = auto_sync_every(compute, model, payload, collectives, target_fraction)
+        if not hidden or plain["sync_every"] == 1:  # the link keeps up at every step: synchronous
+            return plain["sync_every"], predicted_step_s(compute, plain["comm_per_sync_s"], plain["sync_every"])
+        choice = auto_sync_every(compute, model, payload, collectives, OVERLAP_ALLOWANCE * target_fraction)
+        h = max(choice["sync_every"], 2)  # it misses at every step, and only a next round overlaps an average
+        return h, predicted_step_s(compute, choice["comm_per_sync_s"], h, True)
 
     table = {name: sized(payload, collectives, overlap) for name, payload, collectives in options}
     fewest = min(h for h, _ in table.values())
     fastest = min(s for h, s in table.values() if h == fewest)
     name, payload, collectives = next(o for o in options if table[o[0]][0] == fewest
                                       and table[o[0]][1] * (1 - MIN_STEP_GAIN) <= fastest)
-    record = local_steps_record(figures, name, payload, collectives, fraction)
     sync_every, step_s = table[name]
+    record = local_steps_record(figures, name, payload, collectives, fraction if sync_every > 1 else target_fraction)
     if sync_every != record["sync_every"]:  # overlapped: at least 2 (sized)
         record.update(sync_every=sync_every, predicted_comm_s=record["comm_per_sync_s"] / sync_every, fits=True,
                       why=f"local steps, averaged every 2 steps, the fewest that overlap: "
