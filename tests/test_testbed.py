@@ -9,6 +9,7 @@ hosts of a testbed with no /etc/hosts entry for them: the host name resolves to 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -250,3 +251,21 @@ def test_cpu_holds_a_process_to_its_fraction_of_a_core():
         else:
             assert kind == "cgroup v2" or len(bed._hogs) == 1
     assert kind != "cgroup v1" or not os.path.exists(group)
+
+
+@needs_testbed
+@pytest.mark.slow  # 2 variants, unshaped and shaped: about 20 s on 2 cores
+def test_plan_validate_predicts_each_variant_from_its_unshaped_run(tmp_path):
+    out = tmp_path / "v.json"
+    variants = "--strategy ring;--sync-every 4 --outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
+    proc = run_cli("plan", "--validate", "--rate", "100mbit", "--steps", "40", "--log-every", "10", "--variants",
+                   variants, "--json", str(out), module="jaxdp.bench")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["sync_every"]) for r in rows] == [(v, h) for v, h in zip(variants.split(";"), (1, 4))]
+    for r in rows:
+        assert r["bytes_per_sync"] > 0 and r["measured_steps_per_s"] > 0
+        # the bucket only ever shortens the cost model's prediction
+        assert r["bucket_steps_per_s"] >= r["predicted_steps_per_s"]
+        assert r["error"] == pytest.approx(r["predicted_steps_per_s"] / r["measured_steps_per_s"] - 1)
+    assert "median |error|" in proc.stdout
