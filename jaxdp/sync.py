@@ -96,8 +96,22 @@ def psum_mean(grads: Tree, axis_name: Any) -> Tree:
     On GPUs XLA combines all-reduces itself.
     """
     if jax.process_count() > 1:
-        return fused(lambda flat: jax.lax.pmean(flat, axis_name), grads)
+        return _across_processes(lambda flat: jax.lax.pmean(flat, axis_name), grads)
     return jax.lax.pmean(grads, axis_name)
+
+
+def _across_processes(reduce: Callable[[jax.Array], jax.Array], tree: Tree) -> Tree:
+    """`reduce` (an all-reduce of a 1-D buffer) of `tree` across processes, fused. On GPUs one
+    buffer per dtype (NCCL reduces bf16 as bf16). On CPUs one buffer of the widest dtype for all
+    the leaves: XLA's CPU all-reduce widens 16-bit floats to float32 anyway, and each collective
+    is a gloo round trip of its own, so bf16 gradients beside float32 metrics ran two (with
+    `--compression bf16`, 130-136 steps/s against 204-210 for float32 on two local processes)."""
+    leaves = jax.tree.leaves(tree)
+    if jax.default_backend() != "cpu" or len({jnp.result_type(x) for x in leaves}) < 2:
+        return fused(reduce, tree)
+    _group_by_dtype(leaves)  # floating point only, as everywhere
+    wide = jnp.result_type(*leaves)
+    return jax.tree.map(lambda out, x: out.astype(x.dtype), fused(reduce, jax.tree.map(lambda x: x.astype(wide), tree)), tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +391,7 @@ class Collective:
 def _psum_sum(tree: Tree, axis_name: Any) -> Tree:
     """`jax.lax.psum`; across processes, of one fused buffer per dtype (as `psum_mean`)."""
     if jax.process_count() > 1:
-        return fused(lambda flat: jax.lax.psum(flat, axis_name), tree)
+        return _across_processes(lambda flat: jax.lax.psum(flat, axis_name), tree)
     return jax.lax.psum(tree, axis_name)
 
 

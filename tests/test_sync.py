@@ -130,3 +130,19 @@ def test_every_strategy_returns_the_mean_with_same_structure_and_dtypes(devices,
     for got, want, orig in zip(jax.tree.leaves(stacked), jax.tree.leaves(expected), jax.tree.leaves(host)):
         assert got.dtype == orig.dtype
         np.testing.assert_allclose(np.asarray(got, np.float32)[0], want, rtol=1e-2, atol=1e-2)
+
+
+def test_across_processes_on_cpu_one_all_reduce_carries_every_dtype(devices):
+    # What psum does across processes (process_count() > 1, not testable in one process as is): on
+    # CPU one buffer of the widest dtype, one all-reduce, each leaf back in its own dtype.
+    from jaxdp.sync import _across_processes
+
+    mesh = make_mesh(devices[:4])
+    tree = shard_batch(awkward_tree(4, np.random.default_rng(0), integer_valued=True), mesh)
+    fn = per_device(lambda t: _across_processes(lambda flat: jax.lax.psum(flat, DATA_AXIS), t), mesh)
+    text = fn.lower(tree).as_text()
+    assert text.count("all_reduce") == 1, text.count("all_reduce")
+    got, want = fn(tree), per_device(lambda t: jax.lax.psum(t, DATA_AXIS), mesh)(tree)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))  # small integers: exact
