@@ -18,13 +18,15 @@ Each decision measures, on the run's own devices and link:
 
 Every process measures, and the slowest process's figures decide (gathered, so every process
 takes the same decision). `costmodel.plan` then picks the least compression whose predicted
-all-reduce time is at most `target` x compute: none on a fast link, bf16, or PowerSGD at the
-largest rank that fits. A PowerSGD choice must pass the quality guard: over `GUARD_BATCHES`
+all-reduce time is at most `target` x compute: none on a fast link, bf16, on a ring int8 or int4
+(within `costmodel.QUANT_BOUND`), or PowerSGD at the largest rank that fits. A PowerSGD choice
+must pass the quality guard: over `GUARD_BATCHES`
 batches at the current parameters, the sum of the compressed, error-corrected gradients against
 the sum of the true mean gradients (one uncompressed all-reduce per batch: what the guard costs;
 the candidates are then replayed on those means with no collective, `Controller.truth`),
 `costmodel.relative_error`; above `costmodel.GUARD_THRESHOLD` the controller steps back to
-the next weaker candidate (higher rank, then bf16, then none) and checks again.
+the next weaker candidate (higher rank, then int4 or bf16 ...) and checks again; a decision's
+"fits" is its final choice's.
 
 Every decision is a record of the metrics file ("event": "compression") with the numbers behind it.
 When no candidate meets the target, the record also proposes local steps (`propose_local_steps`:
@@ -38,10 +40,12 @@ the target, else the next power of two at or above `choose_sync_every`'s H, at m
 `costmodel.MAX_AUTO_SYNC_EVERY`), logged as an "event": "local_steps" record
 (`local_steps_record`, a pure function of the gathered figures, so every process takes the same
 decision). With `--compression auto` the compression decision comes first: if its choice fits,
-H = 1; otherwise H is sized for the uncompressed pseudo-gradient, which goes uncompressed (the
-quality guard measures gradients, not pseudo-gradients), and the periodic re-decisions are
-skipped for the run: they would plan per-step communication that local steps no longer do. A
-resumed run takes H from its checkpoint and measures nothing (jaxdp/train.py).
+H = 1; otherwise the pseudo-gradient's codec is chosen with H (`costmodel.choose_local_steps`:
+none, bf16, and on a ring int8 / int4; not PowerSGD, as the quality guard measures gradients, not
+pseudo-gradients), and the periodic re-decisions are skipped for the run: they would plan
+per-step communication that local steps no longer do. With `--overlap`, H is sized for an average
+hidden behind the next round. A resumed run takes H and the codec from its checkpoint and
+measures nothing (jaxdp/loop.py).
 """
 
 from __future__ import annotations
