@@ -4,6 +4,8 @@
     choice, reasons = plan(compute_seconds, model, params)            # the least compression that fits
     choice = guard(choice, relative_error(applied_sum, true_sum))     # step back if it loses too much
     h = auto_sync_every(compute_seconds, model, payload_bytes)        # --sync-every auto's H
+    record = choose_local_steps(figures, options, target, overlap)   # ... and the pseudo-gradient's codec
+    rows = predict(Cluster(nodes, devices, link_bits_per_s), compute_seconds, params)  # bench plan
 
 jaxdp/controller.py measures on the run's devices and calls these; every process decides from the
 same gathered figures, so every process takes the same decision. The numbers behind each
