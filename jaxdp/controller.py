@@ -206,18 +206,16 @@ class Controller:
                                   "why": f"synchronous: --compression auto chose {chosen.name}, which meets the target "
                                          f"({figures['why']}){note}"}
             # Plain averaging misses the target too (else plan would have chosen it): H > 1.
-            codecs = [c for c in self.candidates if isinstance(c, (compression.NoCompression, compression.Bf16,
-                                                                   compression.Quantized))]
-            record = costmodel.choose_local_steps(figures, self._options(codecs), self.target_fraction, overlap)
+            codecs = [c for c in self.candidates if isinstance(c, costmodel.PSEUDO_GRADIENT_CODECS)]
+            record = costmodel.choose_local_steps(figures, costmodel.options(codecs, self.abstract),
+                                                  self.target_fraction, overlap)
             decision.record["applied"] = False  # the step compresses nothing: local steps instead
             return decision, {**record, "why": f"{record['why']}; no compression meets the target at every step "
                               f"({figures['why']})"}
         figures = self.measure(state, batches[0])
         chosen = compressor or compression.NoCompression()
-        return None, costmodel.choose_local_steps(figures, self._options([chosen]), self.target_fraction, overlap)
-
-    def _options(self, codecs: list[compression.Compressor]) -> list[tuple[str, int, int]]:
-        return [(c.name, c.payload_bytes(self.abstract), c.collectives) for c in codecs]
+        return None, costmodel.choose_local_steps(figures, costmodel.options([chosen], self.abstract),
+                                                  self.target_fraction, overlap)
 
     def truth(self, state: Any, batches: list[Any]) -> tuple[list[Any], Any, Any]:
         """What every candidate's check reads: the true mean gradient of each of GUARD_BATCHES
@@ -327,7 +325,7 @@ class Start:
     state:      the state measured on, when it can be reused (state_spec's), else None.
     sync_every_auto: whether `--sync-every auto` chose H by measuring (checkpoints record it).
     pseudo_gradient: the codec name local steps chose under `--compression auto` (checkpoints
-                record it), else None.
+                record it as their config's compression), else None.
     """
 
     spec: SyncSpec
@@ -366,8 +364,9 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
             if isinstance(sync_every, bool) or not isinstance(sync_every, int):
                 raise InputError("sync_every auto: the checkpoint records no sync_every to resume with; pass sync_every N",
                                  setting="sync_every")
-            if auto and sync_every > 1 and chose:  # (checkpoints before int8 / int4 joined: plain)
-                pseudo = recorded.get("pseudo_gradient") or "none"
+            if auto and sync_every > 1 and chose:  # the config records the codec chosen ("auto": from before it was)
+                pseudo = (recorded.get("config") or {}).get("compression", "auto")
+                pseudo = "none" if pseudo == AUTO else pseudo
             record = {"sync_every": sync_every, "pseudo_gradient": pseudo,
                       "why": f"resumed from the checkpoint of step {recorded['step']}, which records sync_every="
                              f"{sync_every}" + (f" and the pseudo-gradient {pseudo}" if pseudo else "") +

@@ -4,7 +4,7 @@
     choice, reasons = plan(compute_seconds, model, params)            # the least compression that fits
     choice = guard(choice, relative_error(applied_sum, true_sum))     # step back if it loses too much
     h = auto_sync_every(compute_seconds, model, payload_bytes)        # --sync-every auto's H
-    record = choose_local_steps(figures, options, target, overlap)   # ... and the pseudo-gradient's codec
+    record = choose_local_steps(figures, options(codecs, params), target, overlap)  # ... and its codec
     rows = predict(Cluster(nodes, devices, link_bits_per_s), compute_seconds, params)  # bench plan
 
 jaxdp/controller.py measures on the run's devices and calls these; every process decides from the
@@ -289,6 +289,17 @@ def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_by
             "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": MAX_AUTO_SYNC_EVERY}
 
 
+# The codecs local steps may send their pseudo-gradient through: every value, rounded or not, with
+# error feedback where it keeps any. Not PowerSGD: the quality guard measures gradients, not
+# pseudo-gradients.
+PSEUDO_GRADIENT_CODECS = (NoCompression, Bf16, Quantized)
+
+
+def options(codecs: Sequence[Compressor], params: Tree) -> list[tuple[str, int, int]]:
+    """`choose_local_steps`'s options: (name, payload bytes, collectives) of each codec."""
+    return [(c.name, c.payload_bytes(params), c.collectives) for c in codecs]
+
+
 def predicted_step_s(compute_seconds: float, comm_per_sync_s: float, sync_every: int, overlap: bool = False) -> float:
     """Seconds per step of local steps at H = `sync_every`: compute plus the per-step share of
     one average, or with `overlap` the longer of the two (the average runs behind the next round)."""
@@ -409,8 +420,8 @@ def predict(cluster: Cluster, compute_seconds: float, params: Tree, *, strategy:
             payload = codec.payload_bytes(params)
             seconds = model.seconds(payload, codec.collectives)
             for h in sync_every:
-                if h > 1 and isinstance(codec, PowerSGD):
-                    continue  # local steps send the pseudo-gradient whole (the guard measures gradients)
+                if h > 1 and not isinstance(codec, PSEUDO_GRADIENT_CODECS):
+                    continue
                 for overlap in ((False, True) if h > 1 else (False,)):
                     rows.append({"compression": codec.name, "sync_every": h, "overlap": overlap, "hierarchy": hierarchy,
                                  "payload_bytes": payload, "allreduce_s": seconds,

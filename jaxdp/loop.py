@@ -120,9 +120,11 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
     sync_auto = sync_every == syncspec.AUTO
     if overlap:  # rounds of H steps whose average is applied one round late (jaxdp/paced.py)
-        _check_overlap(2 if sync_auto else sync_every, sync_seconds)  # auto: H is chosen for overlap, below
-        # (compression auto with sync_every auto: the controller fixes the pseudo-gradient's codec)
-        _check_paced(paced.FixedSteps(2 if sync_auto else sync_every), data, mesh, strategy,
+        # sync_every auto chooses H >= 2 for overlap (below), and with compression auto fixes the
+        # pseudo-gradient's codec: checked as such
+        rounds_of = 2 if sync_auto else sync_every
+        _check_overlap(rounds_of, sync_seconds)
+        _check_paced(paced.FixedSteps(rounds_of), data, mesh, strategy,
                      "none" if sync_auto and compression == syncspec.AUTO else compression, 1, sync_fragments,
                      shard_optimizer, what="overlap")
     elif sync_seconds is not None:  # workers at their own pace (jaxdp/paced.py)
@@ -195,10 +197,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 print(f"jaxdp: --sync-every auto: {spec.sync_every}: {chosen['why']}", file=sys.stderr)
                 if chosen.get("propose_overlap"):
                     print(f"jaxdp: --sync-every auto: {chosen['propose_overlap']['why']}", file=sys.stderr)
-            if checkpointer:  # checkpoints record the resolved H, and that auto chose it
+            if checkpointer:  # checkpoints record the resolved H and codec (config), and that auto chose them
                 checkpointer.config = config
                 checkpointer.extra_meta["sync_every_auto"] = bool(begun.sync_every_auto)
-                checkpointer.extra_meta["pseudo_gradient"] = begun.pseudo_gradient
         # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
         plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), mesh.size), "compression_ratio": 1.0}
         eval_step = make_eval_step(eval_fn, mesh) if eval_fn is not None and (elastic is None or is_main) else None
