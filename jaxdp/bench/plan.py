@@ -31,17 +31,14 @@ import argparse
 import contextlib
 import io
 import math
-import os
 import re
 import shlex
 import statistics
-import tempfile
 import warnings
 from typing import Any
 
 from jaxdp.bench.report import print_table, write_json
 
-_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIMES = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -72,11 +69,14 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def bits_per_s(text: str) -> float:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)bit\s*", str(text).lower())
-    if not match or float(match.group(1)) <= 0:
-        raise SystemExit(f"jaxdp.bench plan: {text!r} is not a bandwidth like 10mbit, 100mbit or 10gbit")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+def bits_per_s(text: str) -> int:
+    """tc's rate syntax (testbed.parse_rate), its error as one line."""
+    from jaxdp.bench import testbed
+
+    try:
+        return testbed.parse_rate(text)
+    except testbed.TestbedError as err:
+        raise SystemExit(f"jaxdp.bench plan: {err}") from None
 
 
 def seconds(text: str) -> float:
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     print(f"{args.nodes} node{'s' if args.nodes > 1 else ''} x {args.devices_per_node} device"
           f"{'s' if args.devices_per_node > 1 else ''}, {args.link} per node, {args.latency} per message, "
           f"--strategy {args.strategy}; compute {compute_s * 1e3:.3g} ms per step ({measured}); "
-          f"{sum(math.prod(x.shape) for x in _leaves(params)) * 4 / 1e6:.3g} MB of float32 gradients")
+          f"{costmodel.uncompressed_bytes(params) / 1e6:.3g} MB of gradients")
     shown = [{**r, "overlap": "yes" if r["overlap"] else ""} for r in rows[:args.top]]
     print_table(shown, [("compression", "compression", "s"), ("sync_every", "H", "d"), ("overlap", "overlap", "s"),
                                   ("hierarchy", "hierarchy", "s"), ("allreduce_s", "all-reduce s", ".3g"),
@@ -119,12 +119,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     write_json(args.json, rows, cluster=vars(cluster), compute_s=compute_s, compute_from=measured, auto=choices,
                strategy=args.strategy)
     return rows
-
-
-def _leaves(tree: Any) -> list:
-    import jax
-
-    return jax.tree.leaves(tree)
 
 
 def model_and_compute(args: argparse.Namespace, devices: int) -> tuple[float, Any, str]:
@@ -156,13 +150,11 @@ def model_and_compute(args: argparse.Namespace, devices: int) -> tuple[float, An
     if args.compute_ms is not None:
         return args.compute_ms / 1e3, abstract_params(config, no_data), "--compute-ms"
     share = ["--batch-size", str(config.batch_size // devices)]
-    with tempfile.TemporaryDirectory(prefix="jaxdp-plan-") as tmp:
-        metrics = os.path.join(tmp, "m.jsonl")
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # its summary is not this table's
-            warnings.simplefilter("ignore")  # (one device: "nothing to synchronise")
-            result = train(parse_args([*flags, *share, "--devices", "1", "--steps", "60", "--log-every", "10",
-                                       "--eval-every", "0", "--no-progress", "--metrics-file", metrics]))
-        rates = [r["steps_per_sec"] for r in _records(metrics) if isinstance(r.get("steps_per_sec"), (int, float))]
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # its summary is not this table's
+        warnings.simplefilter("ignore")  # (one device: "nothing to synchronise")
+        result = train(parse_args([*flags, *share, "--devices", "1", "--steps", "60", "--log-every", "10",
+                                   "--eval-every", "0", "--no-progress"]))
+    rates = [r["steps_per_sec"] for r in result.history if isinstance(r.get("steps_per_sec"), (int, float))]
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), result.state.params)
     return 1 / statistics.median(rates), params, f"measured here: one device, batch {config.batch_size // devices}"
 
@@ -187,20 +179,13 @@ def abstract_params(config: Any, no_data: bool = False) -> Any:
     return jax.eval_shape(model.init, jax.random.PRNGKey(0), example)["params"]
 
 
-def _records(path: str) -> list[dict]:
-    import json
-
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, overlap: bool,
                 target: float | None) -> dict[str, Any]:
     """What `--sync-every auto --compression auto` (with `overlap`: and --overlap) chooses on
     `cluster`: the controller's own rules (costmodel.plan, then costmodel.choose_local_steps) on
     the figures the cluster's all-reduce model gives, flat."""
     from jaxdp import costmodel
-    from jaxdp.compression import Bf16, NoCompression, PowerSGD, Quantized
+    from jaxdp.compression import PowerSGD
 
     fraction = costmodel.TARGET_COMM_FRACTION if target is None else target
     model = cluster.allreduce()
@@ -217,9 +202,8 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
             if isinstance(codec, PowerSGD) else ""
         return {"overlap_flag": overlap, "compression": codec.name, "sync_every": 1, "overlap": False, "step_s": step,
                 "summary": f"synchronous, --compression {codec.name}{guard}: {reasons['why']}"}
-    options = [(c.name, c.payload_bytes(params), c.collectives) for c in candidates
-               if isinstance(c, (NoCompression, Bf16, Quantized))]
-    record = costmodel.choose_local_steps(figures, options, fraction, overlap)
+    codecs = [c for c in candidates if isinstance(c, costmodel.PSEUDO_GRADIENT_CODECS)]
+    record = costmodel.choose_local_steps(figures, costmodel.options(codecs, params), fraction, overlap)
     return {"overlap_flag": overlap, "compression": record["pseudo_gradient"], "sync_every": record["sync_every"],
             "overlap": record["overlap"], "step_s": record["predicted_step_s"],
             "summary": f"--sync-every {record['sync_every']}, pseudo-gradient {record['pseudo_gradient']}"
@@ -249,7 +233,7 @@ def validate(args: argparse.Namespace) -> list[dict]:
     """Each variant unshaped and at --rate on the testbed; the shaped step predicted from the
     unshaped one and the bytes sent, against the measured one."""
     from jaxdp.bench import testbed
-    from jaxdp.bench.slowlink import run_training
+    from jaxdp.bench.variants import measure
 
     testbed.require("plan --validate")
     rate = testbed.parse_rate(args.rate)
@@ -258,23 +242,19 @@ def validate(args: argparse.Namespace) -> list[dict]:
     for link in ("unshaped", args.rate):
         with testbed.Testbed(num_hosts=2, rate=None if link == "unshaped" else args.rate) as bed:
             for variant in args.variants:
-                done = run_training(bed, [*flags, *shlex.split(variant)], timeout=args.timeout)
-                if not done.ok:
-                    raise SystemExit(f"jaxdp.bench: plan --validate: the run {variant!r} at {link} failed (exit codes "
-                                     f"{done.returncodes}):\n{done.outputs[0][-3000:]}")
-                sent = next((r.get("comm_bytes") for r in reversed(done.steps()) if r.get("comm_bytes") is not None), 0)
-                measured[link, variant] = {"steps_per_s": statistics.median(done.steps_per_sec()), "comm_bytes": sent}
+                measured[link, variant] = measure(bed, flags, variant, timeout=args.timeout,
+                                                  what=f"plan --validate at {link}")
     rows = []
     for variant in args.variants:
         unshaped, shaped = measured["unshaped", variant], measured[args.rate, variant]
         words = shlex.split(variant)
         sync_every = int(words[words.index("--sync-every") + 1]) if "--sync-every" in words else 1
         compute, overlap = 1 / unshaped["steps_per_s"], "--overlap" in words
-        # comm_bytes: what each device sends per average (for local steps, once every H steps)
-        plain, bucket = (testbed_step_s(compute, shaped["comm_bytes"], sync_every, rate, testbed.burst_bytes(rate),
-                                        overlap, b) for b in (False, True))
+        sent = shaped["comm_bytes"] or 0  # what each device sends per average (local steps: once every H steps)
+        plain, bucket = (testbed_step_s(compute, sent, sync_every, rate, testbed.burst_bytes(rate), overlap, b)
+                         for b in (False, True))
         rows.append({"variant": variant, "unshaped_steps_per_s": unshaped["steps_per_s"],
-                     "bytes_per_sync": shaped["comm_bytes"], "sync_every": sync_every,
+                     "bytes_per_sync": sent, "sync_every": sync_every,
                      "predicted_steps_per_s": 1 / plain, "bucket_steps_per_s": 1 / bucket,
                      "measured_steps_per_s": shaped["steps_per_s"],
                      "error": (1 / plain) / shaped["steps_per_s"] - 1,

@@ -38,6 +38,24 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+def measure(bed: testbed.Testbed, flags: list[str], variant: str, *, devices: int = 1, pin: bool = True,
+            timeout: float = 600, what: str = "variants") -> dict:
+    """One `run_training` of `flags` then `variant`'s own on `bed`: the median steps/s over its
+    log intervals (and each), the final held-out figures, the last logged `comm_bytes` (what each
+    device sent per average) and the wall time. A failed run stops the benchmark (`what` names it)."""
+    done = run_training(bed, [*flags, *shlex.split(variant)], devices=devices, pin=pin, timeout=timeout)
+    if not done.ok:
+        raise SystemExit(f"jaxdp.bench: {what}: the run {variant!r} failed (exit codes {done.returncodes}):"
+                         f"\n{done.outputs[0][-3000:]}\n{done.outputs[1][-3000:]}")
+    rates = done.steps_per_sec()
+    final = next((r for r in reversed(done.records) if r.get("event") == "done"), {})
+    return {"variant": variant or "(none)", "steps_per_s": statistics.median(rates), "repeats": rates,
+            "eval_accuracy": final.get("eval_accuracy"), "eval_loss": final.get("eval_loss"),
+            "comm_bytes": next((r.get("comm_bytes") for r in reversed(done.steps()) if r.get("comm_bytes") is not None),
+                               None),
+            "wall_s": done.wall_s}
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     testbed.require("variants")
     if args.rate != UNSHAPED:
@@ -46,18 +64,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     results: list[dict] = []
     with testbed.Testbed(num_hosts=2, rate=None if args.rate == UNSHAPED else args.rate) as bed:
         for variant in args.variants:
-            done = run_training(bed, [*flags, *shlex.split(variant)], devices=args.devices, pin=args.pin,
-                                timeout=args.timeout)
-            if not done.ok:
-                raise SystemExit(f"jaxdp.bench: variants: the run {variant!r} failed (exit codes {done.returncodes}):"
-                                 f"\n{done.outputs[0][-3000:]}\n{done.outputs[1][-3000:]}")
-            rates = done.steps_per_sec()
-            final = next((r for r in reversed(done.records) if r.get("event") == "done"), {})
-            results.append({"variant": variant or "(none)", "steps_per_s": statistics.median(rates), "repeats": rates,
-                            "eval_accuracy": final.get("eval_accuracy"), "eval_loss": final.get("eval_loss"),
-                            "comm_bytes": next((r.get("comm_bytes") for r in reversed(done.steps())
-                                                if r.get("comm_bytes") is not None), None),
-                            "wall_s": done.wall_s})
+            results.append(measure(bed, flags, variant, devices=args.devices, pin=args.pin, timeout=args.timeout,
+                                   what="variants"))
     for row in results:
         row["vs_first"] = row["steps_per_s"] / results[0]["steps_per_s"]
     print(f"2 processes x {args.devices} device{'s' if args.devices > 1 else ''} in 2 network namespaces at {args.rate}, "
