@@ -39,16 +39,23 @@ def test_a_fixed_compressor_sizes_h_for_its_payload(devices, monkeypatch):
     assert controller.decide_sync_every(None, [None], 0)[1]["sync_every"] == 1
 
 
-def far_too_slow_a_link(devices, monkeypatch) -> Controller:
-    """A controller on 4 devices whose measurements say: bandwidth-bound and far too slow, so no
-    candidate fits and PowerSGD predicts the shortest step."""
-    mesh = jaxdp.make_mesh(devices[:4])
+def bandwidth_bound(compute_s: float = 0.001):
+    """A `Controller.measure` whose figures say: bandwidth-bound, an all-reduce of the whole
+    gradient takes 1 s (1/16 of it 1/16 s, no latency), against `compute_s` of compute (by
+    default 1000x less: far too slow, no candidate fits and PowerSGD predicts the shortest step)."""
+    def measure(self, state, batch):
+        return {"compute_s": compute_s, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0,
+                "comm_sizes": [self.grad_bytes // 16, self.grad_bytes]}
+
+    return measure
+
+
+def far_too_slow_a_link(devices, monkeypatch, *, count=4, strategy=jaxdp.sync.psum_mean, compute_s=0.001) -> Controller:
+    """A controller on `count` devices whose measurements are `bandwidth_bound(compute_s)`."""
+    mesh = jaxdp.make_mesh(devices[:count])
     params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
-    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.psum_mean, params)
-    grad_bytes = compression.uncompressed_bytes(params)
-    figures = {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0, "comm_sizes": [grad_bytes // 16, grad_bytes]}
-    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
-    return controller
+    monkeypatch.setattr(Controller, "measure", bandwidth_bound(compute_s))
+    return Controller(lambda state, batch: None, mesh, strategy, params)
 
 
 def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_replace_it(devices, monkeypatch):
@@ -80,13 +87,8 @@ def test_a_guard_that_steps_back_past_the_target_leads_to_local_steps(devices, m
     """The plan's PowerSGD fits the target, the guard refuses every rank and steps back to a codec
     that does not fit: the record says it misses (it said "fits", the plan's), so --sync-every
     auto chooses local steps instead of a synchronous step that the link cannot keep up with."""
-    mesh = jaxdp.make_mesh(devices[:2])
-    params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
-    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.ring_mean, params)
-    grad_bytes = compression.uncompressed_bytes(params)
     # bandwidth-bound: int4 (1/8 of the bytes) predicts 1/8 s against a target of 0.25 x 0.1 s
-    figures = {"compute_s": 0.1, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0, "comm_sizes": [grad_bytes // 16, grad_bytes]}
-    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
+    controller = far_too_slow_a_link(devices, monkeypatch, count=2, strategy=jaxdp.sync.ring_mean, compute_s=0.1)
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
     monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.5)  # every rank refused
     decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
@@ -180,11 +182,7 @@ def test_local_steps_chosen_over_an_unguarded_powersgd_plan_send_their_own_codec
     pseudo-gradient goes through the codec chosen with H (bf16 with psum: half the bytes, a step
     predicted 49 % shorter), and the step must not be built for that unguarded PowerSGD (it was:
     the run stopped with "the state has no compression state for powersgd:1")."""
-    def slow_link(self, state, batch):  # bandwidth-bound, 1000x the compute: PowerSGD predicts the shortest step
-        return {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0,
-                "comm_sizes": [self.grad_bytes // 16, self.grad_bytes]}
-
-    monkeypatch.setattr(Controller, "measure", slow_link)
+    monkeypatch.setattr(Controller, "measure", bandwidth_bound())  # PowerSGD predicts the shortest step
     run("--devices", 4, "--steps", 3, "--sync-every", "auto", "--compression", "auto", *PLAIN,
         "--metrics-file", tmp_path / "m.jsonl")
     [record], [compressed] = decisions(tmp_path / "m.jsonl"), decisions(tmp_path / "m.jsonl", "compression")
@@ -257,20 +255,14 @@ def test_two_processes_take_the_same_decision_and_train_like_one(tmp_path):
     assert [loss for _, loss, _ in two] == pytest.approx([loss for _, loss, _ in ref], rel=1e-5)
 
 
-def slow_link_for_int4(self, state, batch):
-    """Bandwidth-bound at 1000x the compute: on a 4-device ring every codec's H is the cap, and
-    int4 predicts the shortest step (int8 more than 20 % longer)."""
-    return {"compute_s": 0.001, "comm_small_s": 1.0 / 16, "comm_full_s": 1.0,
-            "comm_sizes": [self.grad_bytes // 16, self.grad_bytes]}
-
-
 @pytest.mark.slow
 def test_overlap_with_auto_chooses_h_and_a_quantized_pseudo_gradient_and_resumes_bit_identically(tmp_path, monkeypatch):
     """--sync-every auto --compression auto --overlap on a ring: H and int4 chosen from the
     measurement, trained exactly as the explicit --sync-every 16 --compression int4 --overlap;
     resumed with a measurement that would choose otherwise, the checkpoint's choice wins and the
     run ends bit-identical."""
-    monkeypatch.setattr(Controller, "measure", slow_link_for_int4)
+    # on a 4-device ring every codec's H is the cap, and int4 predicts the shortest step (int8 more than 20 % longer)
+    monkeypatch.setattr(Controller, "measure", bandwidth_bound())
     flags = ["--devices", 4, "--strategy", "ring", "--overlap", *PLAIN, "--steps", 20]
     auto = ["--sync-every", "auto", "--compression", "auto", "--checkpoint-dir", tmp_path / "ckpt", "--save-every", 8]
     whole = run(*flags, *auto, "--metrics-file", tmp_path / "auto.jsonl")
