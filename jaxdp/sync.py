@@ -165,7 +165,7 @@ def _ring_sum_together(flats: list[jax.Array], axis_name: Any, n: int, mean: boo
     (bf16 gradients beside float32 metrics, a mixed-precision model) then cost one ring's round
     trips, not one ring per dtype: across processes on CPU every hop is a gloo exchange whose
     wake-up latency dominates a small model's buffers (with two rings, `--compression bf16`
-    trained 72 steps/s against 116 for float32 on two local processes). Bytes are not widened:
+    trained 120.7 steps/s against 249.4 for float32 on two local processes; with one, 246.1). Bytes are not widened:
     a uint8 message is what the 16-bit floats' `send` also guards against."""
     if len(flats) == 1:
         return [_ring_sum(flats[0], axis_name, n, mean)]
