@@ -75,7 +75,7 @@ class Config:
     outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
     sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
     sync_seconds: float = _field(0.0, "optimisation", "workers at their own pace: local steps in rounds of S seconds of wall clock; every process takes as many steps as it manages in S seconds, then the pseudo-gradients are averaged weighted by the examples each process trained on, through --outer-optimizer (psum, ring; instead of --sync-every; 0: off)", metavar="S")
-    overlap: bool = _field(False, "optimisation", "with --sync-every H > 1: the average of a round's pseudo-gradients runs while the next round trains, and is applied one round late (each replica keeps its own progress of that round on top); the link's time hides behind compute (psum, ring; any fixed --compression). With --sync-every auto, H is sized so the average hides behind a round")
+    overlap: bool = _field(False, "optimisation", "hide the all-reduce behind compute. Every-step training: each step's gradient all-reduce runs while the next step computes its gradients, and is applied one step late (the same on every device). With --sync-every H > 1: the average of a round's pseudo-gradients runs while the next round trains, and is applied one round late (each replica keeps its own progress of that round on top); with --sync-every auto, H is sized so the average hides behind a round. psum or ring, any fixed --compression")
     outer_lr: float = _field(0.7, "optimisation", "learning rate of --outer-optimizer (DiLoCo: 0.7)")
     outer_momentum: float = _field(0.9, "optimisation", "momentum of --outer-optimizer (DiLoCo: 0.9; 0: none, sgd only)")
     compression: str = _field("none", "optimisation", "gradient compression on the way through the strategy: none, bf16, int8 or int4 (blockwise quantized, requantized at every hop of --strategy ring, error feedback), powersgd:RANK[:start=STEP] (low rank, error feedback), or auto: measure compute and all-reduce time and compress only as much as the link needs")
@@ -256,15 +256,17 @@ def _check_inputs(config: Config) -> None:
             raise ConfigError(f"--sync-seconds does not combine with {clash[0]}={clash[1]}: the rounds are "
                               f"--sync-seconds long, with one fixed --compression; drop one of them")
     if config.overlap:
-        clash = ("--sync-seconds", config.sync_seconds) if paced else ("--sync-every", config.sync_every) \
-            if not auto_sync and config.sync_every < 2 else ("--compression", "auto") \
+        abilities = syncspec.abilities(config.strategy)
+        clash = ("--sync-seconds", config.sync_seconds) if paced else ("--compression", "auto") \
             if config.compression == "auto" and not auto_sync \
             else ("--sync-fragments", config.sync_fragments) if config.sync_fragments != 1 \
-            else ("--shard-optimizer", "true") if config.shard_optimizer else None
+            else ("--shard-optimizer", "true") if config.shard_optimizer \
+            else ("--strategy", config.strategy) if "host" in abilities or "sum" not in abilities else None
         if clash:
-            raise ConfigError(f"--overlap does not combine with {clash[0]}={clash[1]}: it overlaps the average of each "
-                              f"round of --sync-every H >= 2 (or auto) local steps (a fixed --compression, or auto with "
-                              f"--sync-every auto; one fragment) with the next round; change one of them")
+            raise ConfigError(f"--overlap does not combine with {clash[0]}={clash[1]}: it overlaps each step's (or each "
+                              f"--sync-every round's) all-reduce through --strategy psum or ring, with a fixed "
+                              f"--compression (auto only with --sync-every auto), with the next step's compute; change "
+                              f"one of them")
     _check_combinations(config, local=auto_sync or config.sync_every > 1 or paced)  # auto may choose local steps
     if auto_sync or config.sync_every > 1 or paced:
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:

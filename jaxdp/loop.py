@@ -28,8 +28,9 @@ Arguments, by what they describe:
   (default: every total divided by `totals["count"]`, named `eval_<total>`).
 * the sync: `strategy`, `compression` (including "auto"), `sync_every` (including "auto"),
   `outer_tx`, `sync_fragments`, `shard_optimizer`, `grad_accum`, as `make_train_step` takes them;
-  `sync_seconds` (rounds of wall-clock time) and `overlap` (with `sync_every` H: each round's
-  average runs while the next round trains), both in jaxdp/paced.py.
+  `sync_seconds` (rounds of wall-clock time, jaxdp/paced.py) and `overlap` (every step's all-reduce
+  runs while the next step computes and lands one step late, jaxdp/delayed.py; with `sync_every` H:
+  each round's average runs while the next round trains, jaxdp/paced.py).
 * bookkeeping: `checkpoint_dir`, `save_every` (steps, or "auto": jaxdp/saveplan.py), `keep`; `metrics_file`, `log_dir`,
   `wandb_project`, `log_every`, `eval_every`, `progress`; `schedule` (the learning-rate schedule,
   logged as "lr").
@@ -119,7 +120,10 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     beat = heartbeat.for_run(stall_timeout) if watch is None else watch
 
     sync_auto = sync_every == syncspec.AUTO
-    if overlap:  # rounds of H steps whose average is applied one round late (jaxdp/paced.py)
+    every_step_overlap = overlap and sync_every == 1  # each step's all-reduce one step late (jaxdp/delayed.py)
+    if every_step_overlap:
+        _check_every_step_overlap(sync_seconds, model_state, elastic)
+    elif overlap:  # rounds of H steps whose average is applied one round late (jaxdp/paced.py)
         # sync_every auto chooses H >= 2 for overlap (below), and with compression auto fixes the
         # pseudo-gradient's codec: checked as such
         rounds_of = 2 if sync_auto else sync_every
@@ -129,7 +133,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                      shard_optimizer, what="overlap")
     elif sync_seconds is not None:  # workers at their own pace (jaxdp/paced.py)
         _check_paced(sync_seconds, data, mesh, strategy, compression, sync_every, sync_fragments, shard_optimizer)
-    rounds_run = overlap or sync_seconds is not None  # host-driven rounds (jaxdp/paced.py), not the step loop
+    rounds_run = (overlap and not every_step_overlap) or sync_seconds is not None  # host-driven rounds (jaxdp/paced.py)
     if rounds_run:
         outer_tx = local_sgd.default_outer(outer_tx)  # local steps, in rounds
     shard_data = None
@@ -146,13 +150,17 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     try:
         # ---- update step: the sync choices as one value; "auto" ones the controller resolves ----
         requested = syncspec.SyncSpec(strategy=strategy, compression=None if compression == "none" else compression,
-                                      sync_every=sync_every,
-                                      sync_fragments=sync_fragments, outer_tx=outer_tx, shard_optimizer=shard_optimizer)
+                                      sync_every=sync_every, sync_fragments=sync_fragments, outer_tx=outer_tx,
+                                      shard_optimizer=shard_optimizer, overlap=every_step_overlap)
+        if every_step_overlap:
+            requested.validate()  # (InputError naming the clash: strategy, shard_optimizer, compression auto)
 
         def new_state(spec: Any) -> Any:
             made = init_state(params, tx, mesh, model_state=model_state, rng=seed,
                               shard_optimizer=spec.shard_optimizer, compression=spec.compression,
                               sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
+            if spec.overlap:  # the slot for the gradient in flight (its shapes come from a batch)
+                return step_for(spec).prepare(made, batch_at(0))
             if not rounds_run or (overlap and spec.sync_every == 1):  # (sync_every auto's measuring state)
                 return made
             rows, shared = paced.init_sync(mesh)
@@ -171,7 +179,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 steps_by_spec[spec] = make_train_step(
                     loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
                     shard_optimizer=spec.shard_optimizer, compression=spec.compression, sync_every=spec.sync_every,
-                    outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
+                    outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments, overlap=spec.overlap)
             return steps_by_spec[spec]
 
         if (rounds_run and not sync_auto) or elastic is not None:  # nothing "auto" to resolve (_check_paced, ...)
@@ -315,6 +323,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 dispatch = time.perf_counter()
                 state, metrics = train_step(state, batch)
                 done = step + 1
+                if spec.overlap and done == steps:  # the last step: apply its own gradient too, nothing in flight
+                    pending.append((done, metrics))
+                    state, metrics = train_step.flush(state)
                 beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
                 pending.append((done, metrics))
                 if len(pending) >= MAX_PENDING_STEPS:  # a large log_every: memory stays bounded, the check exact
@@ -367,6 +378,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             batches.close()
         if rounds_run and overlap and "rounds" in locals():
             rounds.close()
+        for made in (steps_by_spec.values() if "steps_by_spec" in locals() else ()):
+            made.close()  # (overlap's thread; a no-op for the other steps)
         cache_hits.close()
         beat.stop()
         writer.close()
@@ -469,9 +482,24 @@ def _check_overlap(sync_every: Any, sync_seconds: Any) -> None:
         raise InputError("overlap does not combine with sync_seconds yet: its rounds are H steps (sync_every)",
                          setting="overlap")
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 2:
-        raise InputError(f"overlap overlaps the average of local steps with the next round: it needs sync_every = H "
-                         f"of 2 or more, got {sync_every!r} (every-step training does not overlap yet)",
-                         setting="sync_every")
+        raise InputError(f"overlap with local steps overlaps each round's average with the next round: it needs "
+                         f"sync_every = H of 2 or more (1: every step), got {sync_every!r}", setting="sync_every")
+
+
+def _check_every_step_overlap(sync_seconds: Any, model_state: Any, elastic: Any) -> None:
+    """InputError for what every-step `overlap` (jaxdp/delayed.py) does not combine with; the sync
+    choices are SyncSpec.validate's."""
+    from jaxdp.errors import InputError
+    from jaxdp.exchange import float_leaves
+
+    if sync_seconds is not None:
+        raise InputError("overlap does not combine with sync_seconds yet: its rounds are H steps (sync_every)",
+                         setting="overlap")
+    if elastic is not None:
+        raise InputError("an elastic run (jaxdp.launch --elastic) does not combine with overlap", setting="overlap")
+    if float_leaves(model_state)[0]:
+        raise InputError("overlap keeps no float model state (BatchNorm statistics would be one step stale and differ "
+                         "per device); use a model without it", setting="overlap")
 
 
 def _check_paced(sync_seconds: Any, data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any,

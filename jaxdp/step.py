@@ -42,7 +42,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp import host, local_sgd, zero
+from jaxdp import delayed, host, local_sgd, zero
 from jaxdp.compression import NoCompression
 from jaxdp.exchange import codec as codec_of, make_exchange
 from jaxdp.mesh import data_axes, replicate, shard_batch
@@ -71,6 +71,7 @@ class TrainStep:
         self.layout: StateLayout = spec.layout()
         self.local_grads = local_grads
         self.schedule: Callable | None = None  # make_train_step(..., schedule=): metrics gain "lr"
+        self.delayed: delayed.Delayed | None = None  # overlap=True (jaxdp/delayed.py)
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         made_for = state.optimizer.tx
@@ -80,6 +81,9 @@ class TrainStep:
         differs = state.layout.serves(self.layout)
         if differs:
             raise ValueError(differs)
+        if delayed.is_delayed(state) and self.delayed is None:
+            raise ValueError("this state holds a gradient in flight from a step made with overlap=True; step it with "
+                             "overlap=True too, or apply it first with that step's flush(state)")
         if self.schedule is None:
             return self._run(state, batch)
         lr = self.schedule(state.step)  # before the step: `state` is donated to it
@@ -89,12 +93,31 @@ class TrainStep:
     def lower(self, state: TrainState, batch: Batch) -> Any:
         return self._lowerable.lower(state, batch)
 
+    # overlap=True only (jaxdp/delayed.py); the other steps hold nothing between calls.
+
+    def prepare(self, state: TrainState, batch: Batch) -> TrainState:
+        """`state` with overlap's slot for the gradient in flight (its shapes come from `batch`):
+        what a checkpoint of an overlapped run is restored into. A no-op without overlap."""
+        return state if self.delayed is None else self.delayed.prepare(state, batch)
+
+    def flush(self, state: TrainState) -> tuple[TrainState, Metrics]:
+        """Apply the gradient in flight (overlap=True): the end of training. Returns the state and
+        the metrics of the step that computed it. Without overlap: (state, {})."""
+        if self.delayed is None or not delayed.is_delayed(state):
+            return state, {}
+        return self.delayed.flush(state)
+
+    def close(self) -> None:
+        """Stop overlap's thread (it starts again if the step is called again)."""
+        if self.delayed is not None:
+            self.delayed.close()
+
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
                     strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
                     grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None,
                     sync_every: int = 1, outer_tx: optax.GradientTransformation | None = None,
-                    sync_fragments: int = 1, schedule: Callable | None = None) -> TrainStep:
+                    sync_fragments: int = 1, schedule: Callable | None = None, overlap: bool = False) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -124,12 +147,21 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     gains "synced" (1.0 on a sync step), "comm_bytes" and "comm_bytes_per_step". `sync_fragments=F`
     (Streaming DiLoCo) synchronises 1/F of the parameter arrays every H/F steps instead of all of
     them every H steps.
+
+    `overlap=True` (every-step training, jaxdp/delayed.py): each step's all-reduce runs while the next
+    step computes its gradients, and the average is applied one step late, the same on every device.
+    The step's metrics are the step before's; call `flush(state)` at the end to apply the last
+    gradient. psum or ring, any fixed compression; not with local steps (jaxdp.fit overlaps their
+    rounds) or shard_optimizer.
     """
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise ValueError(f"make_train_step: grad_accum must be a positive integer, got {grad_accum!r}")
     codec = codec_of(compression)  # ValueError for "auto": the controller decides it while training
     spec = SyncSpec(strategy=strategy, compression=codec, sync_every=sync_every, sync_fragments=sync_fragments,
-                    outer_tx=outer_tx, shard_optimizer=shard_optimizer).validate()
+                    outer_tx=outer_tx, shard_optimizer=shard_optimizer, overlap=overlap).validate()
+    if spec.rule == "local" and overlap:
+        raise ValueError("make_train_step: overlap=True is every-step training; local steps overlap their rounds "
+                         "through jaxdp.fit(..., sync_every=H, overlap=True)")
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
     step = RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)
@@ -362,7 +394,17 @@ def state_from_arrays(template: TrainState, payload: Any) -> TrainState:
     return jax.tree.unflatten(treedef, [jax.device_put(a, x.sharding) for a, x in zip(arrays, leaves)])
 
 
-RULES = {"replicated": _replicated, "local": _local, "sharded": _sharded, "host": _host}
+def _delayed(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
+             grad_norm: bool) -> TrainStep:
+    """Every-step overlap (jaxdp/delayed.py): the average of the step before's gradients, computed
+    on a thread while this step's gradients are, applied one step late."""
+    run = delayed.Delayed(local_grads, tx, mesh, spec, grad_norm)
+    step = TrainStep(run, run, tx, spec, local_grads)
+    step.delayed = run
+    return step
+
+
+RULES = {"replicated": _replicated, "local": _local, "sharded": _sharded, "host": _host, "delayed": _delayed}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     spec = SyncSpec(strategy="ring", compression="powersgd:4")
     spec.validate()                 # InputError naming the first pair of choices that do not combine
-    spec.rule                       # "replicated" | "local" | "sharded" | "host": the update rule
+    spec.rule                       # "replicated" | "local" | "sharded" | "host" | "delayed": the update rule
     spec.layout()                   # StateLayout: what init_state builds and the step expects
 
 Five axes, each with one owner:
@@ -13,6 +13,7 @@ Five axes, each with one owner:
 | compression | None, "auto", a codec name ("bf16", "int8", "powersgd:4") or a `Compressor` | jaxdp/compression.py, jaxdp/exchange.py |
 | sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/zero.py |
+| overlap | every step's all-reduce overlapped with the next step (with local steps: jaxdp/paced.py's rounds) | jaxdp/delayed.py |
 
 The compatibility table (`incompatible`) is here and only here: `init_state`, `make_train_step`
 and the command line's validation (jaxdp/config.py) all ask it. Nothing here imports JAX: the
@@ -32,7 +33,7 @@ from jaxdp.errors import InputError
 
 AUTO = "auto"  # --compression auto, --sync-every auto: decided by the controller while training
 
-RULES = ("replicated", "local", "sharded", "host")
+RULES = ("replicated", "local", "sharded", "host", "delayed")
 
 
 def check_sync_every(sync_every: Any, sync_fragments: Any = 1) -> int:
@@ -141,6 +142,7 @@ class SyncSpec:
     sync_fragments: int = 1
     outer_tx: Any = None
     shard_optimizer: bool = False
+    overlap: bool = False  # every-step training: the all-reduce overlaps the next step (jaxdp/delayed.py)
 
     def replace(self, **changes: Any) -> "SyncSpec":
         return dataclasses.replace(self, **changes)
@@ -162,6 +164,8 @@ class SyncSpec:
             return "host"
         if self.local:
             return "local"
+        if self.overlap:
+            return "delayed"
         return "sharded" if self.shard_optimizer else "replicated"
 
     def validate(self) -> "SyncSpec":
@@ -182,6 +186,17 @@ class SyncSpec:
                                  argument="strategy")
             raise InputError(f"{name} and shard_optimizer do not combine: {why}; use one of them",
                              argument="shard_optimizer")
+        if self.overlap and not self.local:  # (local steps overlap their rounds: jaxdp/paced.py)
+            if "host" in abilities(self.strategy) or "sum" not in abilities(self.strategy):
+                raise InputError(f"overlap does not apply to strategy {strategy_name(self.strategy)!r}: it overlaps an "
+                                 f"in-graph all-reduce with the next step's compute; use psum or ring",
+                                 argument="strategy")
+            if self.shard_optimizer:
+                raise InputError("overlap and shard_optimizer do not combine: overlap applies each averaged gradient "
+                                 "whole, one step late; use one of them", argument="shard_optimizer")
+            if self.codec_name() == AUTO:
+                raise InputError("overlap does not combine with compression auto: the controller measures "
+                                 "synchronous steps; choose a codec (none, bf16, int8, ...)", argument="compression")
         return self
 
     def codec_name(self) -> str | None:
@@ -192,7 +207,7 @@ class SyncSpec:
 
     def layout(self) -> StateLayout:
         """The StateLayout of a state made for this spec (the host rule keeps a replicated state)."""
-        rule = "replicated" if self.rule == "host" else self.rule
+        rule = "replicated" if self.rule in ("host", "delayed") else self.rule  # (delayed: a slot the step adds)
         codec = self.codec_name()
         if codec is not None and codec != AUTO:  # the codec's slot: None for one that keeps no state
             from jaxdp.compression import parse

@@ -1,7 +1,9 @@
 """train: steps/s and examples/s of jaxdp.make_train_step for every strategy and device count,
 and, in the same run, two hand-written baselines on the same model and batches: a plain
 single-device `jax.jit` step and a `shard_map` + `pmean` step. The time ratios jaxdp/baseline are
-jaxdp's overhead.
+jaxdp's overhead. A strategy named NAME+overlap is NAME with `make_train_step(..., overlap=True)`
+(jaxdp/delayed.py: each step's all-reduce runs while the next step computes); the process then
+starts JAX's CPU backend with two worker threads (jaxdp.runtime.two_cpu_workers), as the CLI does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from jaxdp.bench.report import print_table, write_json
 from jaxdp.bench.timing import interleaved, paired_ratio
 
 MLP_HIDDEN = (512, 512)  # MLP 784-512-512-10: the model of the DDP comparison
+OVERLAP_SUFFIX = "+overlap"  # --strategies psum+overlap: make_train_step(..., overlap=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +60,18 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace | Options) -> list[dict]:
     """The `train` command; `args` is its parsed flags or an Options (same names)."""
-    from jaxdp import distributed
+    from jaxdp import distributed, runtime
     from jaxdp.config import Config
 
     # The CLI's own start-up: the simulated device count and jax.distributed come from a Config.
     config = Config(devices=max(args.devices), coordinator_address=args.coordinator_address,
                     num_processes=args.num_processes, process_id=args.process_id, progress=False)
-    distributed.initialize(config)
+    overlapped = any(s.endswith(OVERLAP_SUFFIX) for s in args.strategies or ())
+    with runtime.two_cpu_workers(overlapped):  # the backend starts in here (--overlap: see there)
+        distributed.initialize(config)
+        import jax
 
-    import jax
+        jax.devices()
     import numpy as np
     import optax
     from jax.sharding import PartitionSpec as P
@@ -103,9 +109,10 @@ def run(args: argparse.Namespace | Options) -> list[dict]:
         return run
 
     def jaxdp_case(strategy: str, mesh) -> Callable[[], None]:
-        step = make_train_step(loss_fn, tx, mesh, strategy)
-        state = init_state(params, tx, mesh)
+        overlap = strategy.endswith(OVERLAP_SUFFIX)
+        step = make_train_step(loss_fn, tx, mesh, strategy.removesuffix(OVERLAP_SUFFIX), overlap=overlap)
         batches = [shard_batch(local(b), mesh) for b in host_batches]
+        state = step.prepare(init_state(params, tx, mesh), batches[0])
         wrapped = lambda state, batch: (lambda out: (out[0], out[1]["loss"]))(step(state, batch))  # noqa: E731
         return loop(wrapped, [state], batches, bounded=False)  # make_train_step bounds itself
 
