@@ -56,7 +56,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.exchange import float_leaves, make_exchange
-from jaxdp.mesh import data_axes
+from jaxdp.errors import InputError
+from jaxdp.mesh import data_axes, state_specs
 from jaxdp.sync import as_collective
 
 DELAYED_NAME = "delayed"  # per_device[DELAYED_NAME] = {"grads": params rows, "metrics": rows, "held": int32 rows}
@@ -64,14 +65,6 @@ DELAYED_NAME = "delayed"  # per_device[DELAYED_NAME] = {"grads": params rows, "m
 
 def is_delayed(state: Any) -> bool:
     return DELAYED_NAME in state.sync.per_device
-
-
-def _specs(state: Any, axis: Any) -> Any:
-    """shard_map specs of a state: P() but for the per-device rows of `state.sync`."""
-    rows = jax.tree.map(lambda _: P(axis), state.sync.per_device)
-    shared = jax.tree.map(lambda _: P(), state.sync.shared)
-    return jax.tree.map(lambda _: P(), state.replace(sync=state.sync.replace(per_device={}, shared={}))).replace(
-        sync=state.sync.replace(per_device=rows, shared=shared))
 
 
 def _without_slot(sync: Any) -> Any:
@@ -87,14 +80,14 @@ class Delayed:
         self.mesh, self.axis = mesh, axis
         exchange = make_exchange(as_collective(spec.strategy), axis, n, spec.compression)
 
-        def device_grads(view: Any, batch: Any) -> tuple[Any, dict, Any]:
+        def device_grads(view: Any, batch: Any) -> tuple[dict, Any]:
             metrics, model_state, grads = local_grads(view, batch)
-            rows = jax.tree.map(lambda x: x[None], (grads, metrics))
-            return rows[0], rows[1], model_state
+            held = {"grads": grads, "metrics": metrics, "held": jnp.int32(1)}  # the slot's entries
+            return jax.tree.map(lambda x: x[None], held), model_state
 
-        def grads(view: Any, batch: Any) -> tuple[Any, dict, Any]:
-            return jax.shard_map(device_grads, mesh=mesh, in_specs=(_specs(view, axis), P(axis)),
-                                 out_specs=(P(axis), P(axis), P()), check_vma=False)(view, batch)
+        def grads(view: Any, batch: Any) -> tuple[dict, Any]:
+            return jax.shard_map(device_grads, mesh=mesh, in_specs=(state_specs(view, axis), P(axis)),
+                                 out_specs=(P(axis), P()), check_vma=False)(view, batch)
 
         def device_apply(state: Any, held: dict) -> tuple[Any, dict]:
             on = held["held"][0] > 0
@@ -110,7 +103,7 @@ class Delayed:
             return state.replace(step=state.step + 1, params=new[0], opt_state=new[1], sync=new[2]), metrics
 
         def reduce_apply(state: Any, held: dict) -> tuple[Any, dict]:
-            specs = _specs(state, axis)
+            specs = state_specs(state, axis)
             return jax.shard_map(device_apply, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
                                  check_vma=False)(state, held)
 
@@ -118,6 +111,7 @@ class Delayed:
         # The gradient program reads the parameters and the step while this runs: only the held
         # gradient is donated.
         self.reduce_apply = jax.jit(reduce_apply, donate_argnums=1)
+        self._nothing_held = jax.jit(lambda held: jax.tree.map(jnp.zeros_like, held))  # (flush)
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     @staticmethod
@@ -135,18 +129,16 @@ class Delayed:
             return state
         floats, _ = float_leaves(state.model_state)
         if floats:
-            raise ValueError("overlap=True keeps no float model state (BatchNorm statistics would be one step stale "
-                             "and differ per device); use a model without it, or overlap=False")
-        grads, metrics, _ = jax.eval_shape(self.grads, self._view(state), batch)
+            raise InputError("overlap keeps no float model state (BatchNorm statistics would be one step stale and "
+                             "differ per device); use a model without it", setting="overlap")
+        shapes, _ = jax.eval_shape(self.grads, self._view(state), batch)
         rows = NamedSharding(self.mesh, P(self.axis))
 
         def zeros(shape: tuple, dtype: Any) -> jax.Array:
             host = np.zeros(shape, dtype)
             return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
 
-        slot = {"grads": jax.tree.map(lambda s: zeros(s.shape, s.dtype), grads),
-                "metrics": jax.tree.map(lambda s: zeros(s.shape, s.dtype), metrics),
-                "held": zeros((self.mesh.size,), np.int32)}
+        slot = jax.tree.map(lambda s: zeros(s.shape, s.dtype), shapes)  # nothing held: "held" 0
         return state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, DELAYED_NAME: slot}))
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, dict]:
@@ -161,11 +153,9 @@ class Delayed:
 
         landing = self._thread.submit(average)
         try:
-            grads, metrics_rows, model_state = self.grads(self._view(state), batch)
+            slot, model_state = self.grads(self._view(state), batch)
         finally:
             state, metrics = landing.result()  # (waited for even if the gradient program failed)
-        ones = jnp.ones(self.mesh.size, jnp.int32, device=NamedSharding(self.mesh, P(self.axis)))
-        slot = {"grads": grads, "metrics": metrics_rows, "held": ones}
         sync = state.sync.replace(per_device={**state.sync.per_device, DELAYED_NAME: slot})
         return state.replace(model_state=model_state, sync=sync), metrics
 
@@ -175,8 +165,7 @@ class Delayed:
         held = state.sync.per_device[DELAYED_NAME]
         rest = state.replace(sync=_without_slot(state.sync))
         step = state.step
-        zeros = jax.jit(lambda x: jax.tree.map(jnp.zeros_like, x))
-        flushed = zeros(held)  # (before the donating call)
+        flushed = self._nothing_held(held)  # (before the donating call)
         state, metrics = self.reduce_apply(rest, held)
         sync = state.sync.replace(per_device={**state.sync.per_device, DELAYED_NAME: flushed})
         return state.replace(step=step, sync=sync), metrics

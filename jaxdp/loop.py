@@ -121,13 +121,12 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
     sync_auto = sync_every == syncspec.AUTO
     every_step_overlap = overlap and sync_every == 1  # each step's all-reduce one step late (jaxdp/delayed.py)
-    if every_step_overlap:
-        _check_every_step_overlap(sync_seconds, model_state, elastic)
-    elif overlap:  # rounds of H steps whose average is applied one round late (jaxdp/paced.py)
+    if overlap:
         # sync_every auto chooses H >= 2 for overlap (below), and with compression auto fixes the
         # pseudo-gradient's codec: checked as such
         rounds_of = 2 if sync_auto else sync_every
         _check_overlap(rounds_of, sync_seconds)
+    if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/paced.py)
         _check_paced(paced.FixedSteps(rounds_of), data, mesh, strategy,
                      "none" if sync_auto and compression == syncspec.AUTO else compression, 1, sync_fragments,
                      shard_optimizer, what="overlap")
@@ -138,7 +137,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         outer_tx = local_sgd.default_outer(outer_tx)  # local steps, in rounds
     shard_data = None
     if elastic is not None:  # one process of an elastic run (jaxdp/elastic.py): data(step, shard)
-        _check_elastic(data, mesh, strategy, compression, sync_every, sync_seconds, sync_fragments, shard_optimizer)
+        _check_elastic(data, mesh, strategy, compression, sync_every, sync_seconds, sync_fragments, shard_optimizer,
+                       overlap)
         shard_data, data = data, lambda step: shard_data(step, elastic.rank)
     batch_at = _batch_function(data, mesh)
     cache_hits = runtime.CacheHits()  # compiled programs loaded from JAX's persistent cache
@@ -404,7 +404,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
 
 def _check_elastic(data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any, sync_seconds: Any,
-                   sync_fragments: int, shard_optimizer: bool) -> None:
+                   sync_fragments: int, shard_optimizer: bool, overlap: bool = False) -> None:
     """InputError for what an elastic run (jaxdp/elastic.py) does not do."""
     from jaxdp.errors import InputError
     from jaxdp.sync import as_collective
@@ -416,7 +416,8 @@ def _check_elastic(data: Any, mesh: Any, strategy: Any, compression: Any, sync_e
         ("sync_every", f"sync_every={sync_every!r}") if sync_every != 1 else \
         ("sync_seconds", "sync_seconds") if sync_seconds is not None else \
         ("sync_fragments", f"sync_fragments={sync_fragments}") if sync_fragments != 1 else \
-        ("shard_optimizer", "shard_optimizer (ZeRO-1)") if shard_optimizer else None
+        ("shard_optimizer", "shard_optimizer (ZeRO-1)") if shard_optimizer else \
+        ("overlap", "overlap") if overlap else None
     if clash:
         raise InputError(f"an elastic run (jaxdp.launch --elastic) does not combine with {clash[1]}", setting=clash[0])
     if not callable(data):
@@ -475,31 +476,16 @@ class _ElasticStop:
 
 
 def _check_overlap(sync_every: Any, sync_seconds: Any) -> None:
-    """InputError unless `overlap` has rounds of H > 1 steps to overlap (jaxdp/paced.py)."""
+    """InputError unless `overlap` has steps (sync_every 1, jaxdp/delayed.py) or rounds of H > 1
+    steps (jaxdp/paced.py) to overlap."""
     from jaxdp.errors import InputError
 
     if sync_seconds is not None:
         raise InputError("overlap does not combine with sync_seconds yet: its rounds are H steps (sync_every)",
                          setting="overlap")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 2:
-        raise InputError(f"overlap with local steps overlaps each round's average with the next round: it needs "
-                         f"sync_every = H of 2 or more (1: every step), got {sync_every!r}", setting="sync_every")
-
-
-def _check_every_step_overlap(sync_seconds: Any, model_state: Any, elastic: Any) -> None:
-    """InputError for what every-step `overlap` (jaxdp/delayed.py) does not combine with; the sync
-    choices are SyncSpec.validate's."""
-    from jaxdp.errors import InputError
-    from jaxdp.exchange import float_leaves
-
-    if sync_seconds is not None:
-        raise InputError("overlap does not combine with sync_seconds yet: its rounds are H steps (sync_every)",
-                         setting="overlap")
-    if elastic is not None:
-        raise InputError("an elastic run (jaxdp.launch --elastic) does not combine with overlap", setting="overlap")
-    if float_leaves(model_state)[0]:
-        raise InputError("overlap keeps no float model state (BatchNorm statistics would be one step stale and differ "
-                         "per device); use a model without it", setting="overlap")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise InputError(f"overlap overlaps each step's all-reduce (sync_every 1) or each round's average (sync_every "
+                         f"= H of 2 or more) with what comes next; got sync_every={sync_every!r}", setting="sync_every")
 
 
 def _check_paced(sync_seconds: Any, data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any,

@@ -74,6 +74,14 @@ def data_axes(mesh: Mesh) -> str | tuple[str, ...]:
 axis_name = data_axes  # the name older code imports
 
 
+def state_specs(state: Any, axis: Any) -> Any:
+    """shard_map specs for a (replicated) TrainState: P() everywhere but for the per-device rows
+    of `state.sync`, which are split over `axis`."""
+    rows = jax.tree.map(lambda _: P(axis), state.sync.per_device)
+    return jax.tree.map(lambda _: P(), state.replace(sync=state.sync.replace(per_device={}))).replace(
+        sync=state.sync.replace(per_device=rows, shared=jax.tree.map(lambda _: P(), state.sync.shared)))
+
+
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
     """A full copy on every device of the mesh."""
     return NamedSharding(mesh, P())

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxdp import delayed, host, local_sgd, zero
 from jaxdp.compression import NoCompression
 from jaxdp.exchange import codec as codec_of, make_exchange
-from jaxdp.mesh import data_axes, replicate, shard_batch
+from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs  # (state_specs: importable from here too)
 from jaxdp.state import SyncState, TrainState
 from jaxdp.sync import Collective, as_collective
 from jaxdp.syncspec import StateLayout, SyncSpec
@@ -232,14 +232,6 @@ def _in_graph(device_step: Callable, mesh: Mesh, tx: optax.GradientTransformatio
 
     step = jax.jit(mapped, donate_argnums=0)
     return TrainStep(_bounded(step, mesh), step, tx, spec, local_grads)
-
-
-def state_specs(state: TrainState, axis: Any) -> Any:
-    """shard_map specs for a (replicated) TrainState: P() everywhere but for the per-device rows
-    of `state.sync`, which are split over `axis`."""
-    rows = jax.tree.map(lambda _: P(axis), state.sync.per_device)
-    return jax.tree.map(lambda _: P(), state.replace(sync=state.sync.replace(per_device={}))).replace(
-        sync=state.sync.replace(per_device=rows, shared=jax.tree.map(lambda _: P(), state.sync.shared)))
 
 
 def _bounded(step: Callable, mesh: Mesh) -> Callable:
