@@ -19,13 +19,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from jaxdp import moved
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "Checkpointer": "jaxdp.checkpoint",
-    "Collective": "jaxdp.sync",
-    "SyncSpec": "jaxdp.syncspec",
+    "Checkpointer": "jaxdp.checkpoint.checkpointer",
+    "Collective": "jaxdp.sync.collectives",
+    "SyncSpec": "jaxdp.sync.spec",
     "DATA_AXIS": "jaxdp.mesh",
     "Diverged": "jaxdp.metrics",
     "MetricsWriter": "jaxdp.metrics",
@@ -35,37 +37,39 @@ _EXPORTS = {
     "InputError": "jaxdp.errors",
     "MODELS": "jaxdp.registry",
     "OPTIMIZERS": "jaxdp.registry",
-    "Preemption": "jaxdp.preemption",
-    "Prefetcher": "jaxdp.prefetch",
-    "Result": "jaxdp.loop",
-    "fit": "jaxdp.loop",
-    "load_model": "jaxdp.artifacts",
-    "load_params": "jaxdp.artifacts",
-    "load_variables": "jaxdp.artifacts",
+    "Preemption": "jaxdp.cluster.preemption",
+    "Prefetcher": "jaxdp.data.prefetch",
+    "Result": "jaxdp.loop.trainer",
+    "fit": "jaxdp.loop.trainer",
+    "load_model": "jaxdp.checkpoint.artifacts",
+    "load_params": "jaxdp.checkpoint.artifacts",
+    "load_variables": "jaxdp.checkpoint.artifacts",
     "pad_batch": "jaxdp.mesh",
     "STRATEGIES": "jaxdp.registry",
-    "TrainState": "jaxdp.state",
-    "TrainStep": "jaxdp.step",
+    "TrainState": "jaxdp.step.state",
+    "TrainStep": "jaxdp.step.train_step",
     "batch_sharding": "jaxdp.mesh",
-    "hierarchical": "jaxdp.sync",
-    "host_mean": "jaxdp.host",
-    "init_state": "jaxdp.state",
-    "initialize": "jaxdp.distributed",
-    "is_on_host": "jaxdp.sync",
-    "make_eval_step": "jaxdp.step",
+    "hierarchical": "jaxdp.sync.collectives",
+    "host_mean": "jaxdp.sync.host",
+    "init_state": "jaxdp.step.state",
+    "initialize": "jaxdp.cluster.distributed",
+    "is_on_host": "jaxdp.sync.collectives",
+    "make_eval_step": "jaxdp.step.train_step",
     "make_mesh": "jaxdp.mesh",
-    "make_optimizer": "jaxdp.optim",
-    "make_train_step": "jaxdp.step",
-    "on_host": "jaxdp.sync",
-    "psum_mean": "jaxdp.sync",
+    "make_optimizer": "jaxdp.step.optim",
+    "make_train_step": "jaxdp.step.train_step",
+    "on_host": "jaxdp.sync.collectives",
+    "psum_mean": "jaxdp.sync.collectives",
     "replicate": "jaxdp.mesh",
     "replicated_sharding": "jaxdp.mesh",
-    "ring_allreduce": "jaxdp.sync",
-    "ring_mean": "jaxdp.sync",
+    "ring_allreduce": "jaxdp.sync.collectives",
+    "ring_mean": "jaxdp.sync.collectives",
     "shard_batch": "jaxdp.mesh",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
+
+moved.install_old_module_paths()  # jaxdp.state and the other flat paths of before the wave-4 layout
 
 
 def __getattr__(name: str) -> Any:

@@ -23,12 +23,13 @@ import sys
 import tomllib
 from typing import Any, Sequence
 
-from jaxdp import registry, syncspec
+from jaxdp import registry
 from jaxdp.errors import InputError
+from jaxdp.sync import spec as syncspec
 
-TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/tokens.py), for --model gpt
-SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.syncspec.AUTO)
-SAVE_AUTO = "auto"  # --save-every auto (jaxdp.saveplan.AUTO)
+TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/data/tokens.py), for --model gpt
+SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.sync.spec.AUTO)
+SAVE_AUTO = "auto"  # --save-every auto (jaxdp.checkpoint.saveplan.AUTO)
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
@@ -137,11 +138,7 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         if self.model not in registry.MODELS:
-            from jaxdp.usermodel import check_spec
-
-            try:
-                check_spec(self.model)
-            except InputError:
+            if not MODEL_SPEC.match(self.model):
                 raise ConfigError(f"--model={self.model!r} is neither a built-in model ({', '.join(registry.MODELS)}) "
                                   f"nor MODULE:ATTR (e.g. my_models:Classifier, with my_models.py in the current "
                                   f"directory)") from None
@@ -211,6 +208,9 @@ class Config:
         return dataclasses.asdict(self)
 
 
+# --model MODULE:ATTR, checked without importing anything (jaxdp/models/usermodel.py imports it)
+MODEL_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
 SEED_RANGE = 2**32  # numpy's and JAX's seeds are unsigned 32-bit on every path that takes --seed
 
 
@@ -219,7 +219,7 @@ def _check_inputs(config: Config) -> None:
     if config.stall_timeout <= 0:
         raise ConfigError(f"--stall-timeout must be a positive number of seconds, got {config.stall_timeout}")
     if config.compression != "none":
-        # The grammar of jaxdp.compression.parse, checked here without importing JAX.
+        # The grammar of jaxdp.sync.compression.parse, checked here without importing JAX.
         if not re.fullmatch(r"bf16|int8|int4|auto|powersgd:[1-9]\d*(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*",
                             config.compression):
             raise ConfigError(f"--compression={config.compression!r} is not none, bf16, int8, int4, auto or "
@@ -287,7 +287,7 @@ def _check_inputs(config: Config) -> None:
             raise ConfigError(f"--{_flag(name)}={path!r} is not valid UTF-8 (checkpoint and log libraries "
                               f"need UTF-8 paths); rename it") from None
         if name == "checkpoint_dir":
-            continue  # jaxdp.checkpoint probes it (a file on the way: "not a writable directory")
+            continue  # jaxdp.checkpoint.checkpointer probes it (a file on the way: "not a writable directory")
         parent = os.path.dirname(os.path.abspath(path))
         while parent and not os.path.exists(parent):
             parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
@@ -297,7 +297,7 @@ def _check_inputs(config: Config) -> None:
 
 
 def _check_combinations(config: Config, local: bool) -> None:
-    """The sync choices against the one compatibility table (jaxdp.syncspec), in flag terms."""
+    """The sync choices against the one compatibility table (jaxdp.sync.spec), in flag terms."""
     clash = syncspec.incompatible(syncspec.abilities(config.strategy), compression=config.compression != "none",
                                   local=local, shard_optimizer=config.shard_optimizer)
     if clash is None:

@@ -5,9 +5,9 @@
 
 `--format hf` writes a Hugging Face GPT-2 directory (config.json + model.safetensors) that
 `transformers.GPT2LMHeadModel.from_pretrained(OUT)` loads, from a `--model gpt` run
-(`jaxdp.hf.write_gpt2`; what GPT-2 cannot express is refused). A run with a tokenizer has it copied
+(`jaxdp.models.hf.write_gpt2`; what GPT-2 cannot express is refused). A run with a tokenizer has it copied
 beside them as tokenizer.json. The model comes from the run's checkpoint
-(`jaxdp.artifacts.load_model`: the latest step, or --step).
+(`jaxdp.checkpoint.artifacts.load_model`: the latest step, or --step).
 
 Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
 --debug for the traceback).
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def export(checkpoint_dir: str, out: str, step: int | None = None) -> None:
     """Write checkpoint `step` (default: the latest) of the run in `checkpoint_dir` to `out` as GPT-2."""
-    from jaxdp import hf
+    from jaxdp.models import hf
 
     if os.path.exists(out) and not os.path.isdir(out):
         raise InputError(f"OUT {out!r} is a file, not a directory; name a directory to write")
@@ -62,7 +62,7 @@ def export(checkpoint_dir: str, out: str, step: int | None = None) -> None:
 
 
 def _load_model(checkpoint_dir: str, step: int | None) -> tuple[Any, Any]:
-    from jaxdp.artifacts import load_model
+    from jaxdp.checkpoint.artifacts import load_model
 
     return load_model(checkpoint_dir, step)
 

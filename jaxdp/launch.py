@@ -7,11 +7,11 @@
     python -m jaxdp.launch --nnodes 2 --node-rank R --coordinator node0:29400 --nproc-per-node 4 -- CMD   # on each node
     python -m jaxdp.launch --elastic --nproc-per-node 2 --max-restarts 100 -- python -m jaxdp.train --strategy host ...
 
-With --elastic (one node; jaxdp/elastic.py) this launcher is the run's hub: the processes sum their
+With --elastic (one node; jaxdp/cluster/elastic.py) this launcher is the run's hub: the processes sum their
 gradients through it instead of jax.distributed, and a lost process is restarted alone (forked from a
-zygote that has JAX imported, jaxdp/zygote.py) while the others train on.
+zygote that has JAX imported, jaxdp/launcher/zygote.py) while the others train on.
 
-Like torchrun's standalone mode (the processes themselves: jaxdp/workers.py):
+Like torchrun's standalone mode (the processes themselves: jaxdp/launcher/workers.py):
 * a free coordinator port on 127.0.0.1 (the next port free too: the run handshake's), and
   `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` and a fresh `JAXDP_RUN_ID` in each
   child's environment (`jaxdp.train` and `jaxdp.initialize()` read them);
@@ -37,7 +37,7 @@ started) is one line and exit 2.
 
 Several nodes (like torchrun's --nnodes / --node-rank): one launcher per node, all given node 0's
 address as --coordinator HOST:PORT. Node 0's launcher listens on PORT and the others connect to it
-(jaxdp/rendezvous.py); the run's coordinator (process 0, on node 0) is HOST:PORT+1, its handshake
+(jaxdp/launcher/rendezvous.py); the run's coordinator (process 0, on node 0) is HOST:PORT+1, its handshake
 PORT+2. Process ids are node-rank * nproc-per-node + local. Node 0's launcher decides for all: a
 lost process on any node stops every node's processes and restarts them all (from the last
 checkpoint); a stop signal to any launcher reaches every process; a launcher that disappears ends
@@ -54,11 +54,11 @@ import sys
 import time
 from typing import Sequence
 
-from jaxdp import rendezvous
-from jaxdp.cluster import ENV_RUN_ID, parse_address
+from jaxdp.cluster.detect import ENV_RUN_ID, parse_address
 from jaxdp.config import ConfigError
 from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_PREEMPTED
-from jaxdp.workers import (FORWARDED, Launcher, Outcome, decide, describe, free_port, has_accelerator, say, shell_code,
+from jaxdp.launcher import rendezvous
+from jaxdp.launcher.workers import (FORWARDED, Launcher, Outcome, decide, describe, free_port, has_accelerator, say, shell_code,
                            stop_code)
 
 class UsageError(Exception):
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes to start on this machine")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart all processes up to R times when one is lost")
     parser.add_argument("--elastic", action="store_true", help="restart a lost process alone while the others train "
-                        "on (jaxdp/elastic.py: --strategy host, one node); up to --max-restarts times in all")
+                        "on (jaxdp/cluster/elastic.py: --strategy host, one node); up to --max-restarts times in all")
     parser.add_argument("--no-bind", dest="bind", action="store_false", help="do not bind each process to its own cores")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the run, each with its own launcher (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1; its processes "
@@ -224,9 +224,9 @@ def lead(launcher: Launcher, leader: rendezvous.Leader | None, address: str | No
 
 
 def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
-    """An elastic run (jaxdp/elastic.py): this launcher is the hub; a lost process is started again
+    """An elastic run (jaxdp/cluster/elastic.py): this launcher is the hub; a lost process is started again
     alone, up to --max-restarts times in all, while the others train on."""
-    from jaxdp import elastic
+    from jaxdp.cluster import elastic
 
     size = args.nproc_per_node
     hub = elastic.Hub(size)

@@ -5,9 +5,9 @@
     python -m jaxdp.train --model gpt --dataset book.bin --vocab-size 4096      # the size it prints
 
 The .bin is nanoGPT's format: uint16 ids for a vocabulary up to 65536, uint32 above, the rule
-`--vocab-size` makes jaxdp/tokens.py read by. The text is read and encoded in blocks (bounded
+`--vocab-size` makes jaxdp/data/tokens.py read by. The text is read and encoded in blocks (bounded
 memory, with a progress bar over the bytes read) and cut only where the tokenizer would split
-anyway (jaxdp/tokenizer.py); the .bin is written through a temporary file and a rename, so an
+anyway (jaxdp/data/tokenizer.py); the .bin is written through a temporary file and a rename, so an
 interrupted run leaves no half file. `--train-tokenizer N` first trains a byte-level BPE tokenizer
 of N tokens (GPT-2's kind) on the text and writes it to the --tokenizer path.
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def prepare(input_path: str, tokenizer_path: str, output: str, train_tokenizer: int | None = None,
             progress: bool = True) -> tuple[int, int]:
     """Encode `input_path` into the .bin `output`; returns (token count, vocabulary size)."""
-    from jaxdp import tokenizer as tokenizer_lib
+    from jaxdp.data import tokenizer as tokenizer_lib
 
     if not os.path.isfile(input_path):
         raise InputError(f"text file {input_path!r} does not exist", argument="dataset")

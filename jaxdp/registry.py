@@ -6,7 +6,7 @@ and each name is written exactly once: adding a strategy is its own function plu
 
     from jaxdp.registry import STRATEGIES
     list(STRATEGIES)            # ["psum", "ring", "host"]: names only, nothing imported
-    STRATEGIES["ring"]          # jaxdp.sync.RING (a Collective), imported now
+    STRATEGIES["ring"]          # jaxdp.sync.collectives.RING (a Collective), imported now
     STRATEGIES.register("mine", my_strategy)   # a user's own, then usable by name everywhere
 """
 
@@ -53,11 +53,12 @@ class Registry(Mapping[str, Any]):
         return obj
 
 
-# Gradient synchronisation: `jaxdp.sync.Collective` values; a user's own is a bare `fn(tree, axis)`
-# (jaxdp/sync.py).
-STRATEGIES = Registry("strategy", {"psum": "jaxdp.sync:PSUM", "ring": "jaxdp.sync:RING", "host": "jaxdp.host:HOST"})
+# Gradient synchronisation: `jaxdp.sync.collectives.Collective` values; a user's own is a bare `fn(tree, axis)`
+# (jaxdp/sync/collectives.py).
+STRATEGIES = Registry("strategy", {"psum": "jaxdp.sync.collectives:PSUM", "ring": "jaxdp.sync.collectives:RING",
+                                   "host": "jaxdp.sync.host:HOST"})
 
-# What each built-in strategy can do, known without importing it (jaxdp.syncspec checks the
+# What each built-in strategy can do, known without importing it (jaxdp.sync.spec checks the
 # command line's combinations before JAX starts): "sum" an in-graph sum (compression, local
 # steps), "halves" a reduce-scatter and an all-gather (ZeRO-1), "coded_sum" a ring whose hops a codec
 # encodes (int8 / int4 compression), "host" an on-host mean.
@@ -65,19 +66,20 @@ STRATEGY_ABILITIES = {"psum": frozenset({"sum", "halves"}), "ring": frozenset({"
                       "host": frozenset({"host"})}
 
 # Built-in models: `build(config, num_outputs, axis_name) -> flax.linen.Module`; num_outputs is the
-# number of classes, or the vocabulary size for gpt (whose builder also knows --init-from: jaxdp/hf.py).
-MODELS = Registry("model", {"mlp": "jaxdp.models:build_mlp", "cnn": "jaxdp.models:build_cnn", "gpt": "jaxdp.hf:build_gpt"})
+# number of classes, or the vocabulary size for gpt (whose builder also knows --init-from: jaxdp/models/hf.py).
+MODELS = Registry("model", {"mlp": "jaxdp.models.builtin:build_mlp", "cnn": "jaxdp.models.builtin:build_cnn",
+                            "gpt": "jaxdp.models.hf:build_gpt"})
 
-# Built-in datasets: `load() -> jaxdp.data.Dataset`. A path to an .npz file is the other choice.
-DATASETS = Registry("dataset", {"digits": "jaxdp.data:digits", "synthetic": "jaxdp.data:synthetic"})
+# Built-in datasets: `load() -> jaxdp.data.datasets.Dataset`. A path to an .npz file is the other choice.
+DATASETS = Registry("dataset", {"digits": "jaxdp.data.datasets:digits", "synthetic": "jaxdp.data.datasets:synthetic"})
 
 # Learning-rate schedules: `build(lr, steps, warmup_steps, final_fraction) -> optax.Schedule`.
-SCHEDULES = Registry("schedule", {"constant": "jaxdp.optim:constant_schedule", "cosine": "jaxdp.optim:cosine_schedule",
-                                  "warmup-cosine": "jaxdp.optim:warmup_cosine_schedule"})
+SCHEDULES = Registry("schedule", {"constant": "jaxdp.step.optim:constant_schedule", "cosine": "jaxdp.step.optim:cosine_schedule",
+                                  "warmup-cosine": "jaxdp.step.optim:warmup_cosine_schedule"})
 
 # optax optimizers: `build(learning_rate, momentum, weight_decay) -> optax.GradientTransformation`.
-OPTIMIZERS = Registry("optimizer", {"adam": "jaxdp.optim:adam", "adamw": "jaxdp.optim:adamw", "sgd": "jaxdp.optim:sgd",
-                                    "momentum": "jaxdp.optim:momentum"})
+OPTIMIZERS = Registry("optimizer", {"adam": "jaxdp.step.optim:adam", "adamw": "jaxdp.step.optim:adamw", "sgd": "jaxdp.step.optim:sgd",
+                                    "momentum": "jaxdp.step.optim:momentum"})
 
-# Outer optimizers of local steps (--sync-every, jaxdp/local_sgd.py): `build(lr, momentum) -> optax.GradientTransformation`.
-OUTER_OPTIMIZERS = Registry("outer optimizer", {"nesterov": "jaxdp.optim:nesterov_outer", "sgd": "jaxdp.optim:sgd_outer"})
+# Outer optimizers of local steps (--sync-every, jaxdp/step/local_sgd.py): `build(lr, momentum) -> optax.GradientTransformation`.
+OUTER_OPTIMIZERS = Registry("outer optimizer", {"nesterov": "jaxdp.step.optim:nesterov_outer", "sgd": "jaxdp.step.optim:sgd_outer"})

@@ -4,12 +4,12 @@
     python -m jaxdp.sample --checkpoint-dir /tmp/run --prompt "ROMEO:" --temperature 0      # greedy
     python -m jaxdp.sample --checkpoint-dir /tmp/ids-run --prompt-ids 17,4,99 --top-k 40     # token ids in
 
-The model and its parameters come from the run's checkpoint (`jaxdp.artifacts.load_model`: the
+The model and its parameters come from the run's checkpoint (`jaxdp.checkpoint.artifacts.load_model`: the
 latest step, or --step); the prompt is encoded as the run's data was (`codec_for`): UTF-8 bytes for
 a `.txt` run, the run's tokenizer for a run with `--tokenizer`, and for a run on token ids (.bin,
 .npy) without one, ids given with --prompt-ids. The continuation alone is printed, decoded the same
 way (bytes that are not UTF-8 as U+FFFD; for an id run, the ids). A prompt longer than the model's
-context keeps its last tokens (a note on stderr says so). Generation is `jaxdp.generate.generate`:
+context keeps its last tokens (a note on stderr says so). Generation is `jaxdp.models.generate.generate`:
 with a key/value cache for the built-in GPT, a full forward pass per token for any other model.
 
 Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
@@ -88,7 +88,7 @@ def codec_for(config: Mapping[str, Any]) -> tuple[Encode, Decode]:
         if not os.path.isfile(tokenizer_path):
             raise InputError(f"the run's tokenizer {tokenizer_path!r} does not exist (any more)", argument="directory")
         tokenizer = Tokenizer.from_file(tokenizer_path)
-        # as the training stream was encoded (jaxdp/tokenizer.py): no special tokens added
+        # as the training stream was encoded (jaxdp/data/tokenizer.py): no special tokens added
         return ((lambda text: tokenizer.encode(text, add_special_tokens=False).ids),
                 (lambda ids: tokenizer.decode([int(i) for i in ids])))
     dataset = str(config.get("dataset", ""))
@@ -129,7 +129,7 @@ def parse_ids(text: str) -> list[int]:
 
 def sample(args: argparse.Namespace) -> str:
     """The continuation the flags ask for, decoded."""
-    from jaxdp.generate import check_options, generate, model_context
+    from jaxdp.models.generate import check_options, generate, model_context
 
     check_options(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model loads
     config = run_config(args.checkpoint_dir)
@@ -151,7 +151,7 @@ def sample(args: argparse.Namespace) -> str:
 
 
 def _load_model(checkpoint_dir: str, step: int | None) -> tuple[Any, Any]:
-    from jaxdp.artifacts import load_model
+    from jaxdp.checkpoint.artifacts import load_model
 
     return load_model(checkpoint_dir, step)
 

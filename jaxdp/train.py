@@ -3,7 +3,7 @@
     python -m jaxdp.train                                  # MLP on digits, 8 simulated CPU devices
     python -m jaxdp.train --strategy=ring --steps 500 --metrics-file run.jsonl
     python -m jaxdp.train --model cnn --dataset my_data.npz --batch-size 256
-    python -m jaxdp.train --model my_models:Classifier --dataset my_data.npz   # jaxdp/usermodel.py
+    python -m jaxdp.train --model my_models:Classifier --dataset my_data.npz   # jaxdp/models/usermodel.py
     python -m jaxdp.train --help                           # every flag, grouped, with defaults
 
 Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
@@ -13,7 +13,7 @@ not be written (disk full), 75 preempted (with
 same command to resume), 130 interrupted.
 
 The file reads top to bottom in data-flow order: distribution, mesh, data, model and optimizer;
-then `jaxdp.fit` (jaxdp/loop.py) runs the update step, checkpoints, the loop and evaluation.
+then `jaxdp.fit` (jaxdp/loop/trainer.py) runs the update step, checkpoints, the loop and evaluation.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ STARTED = time.perf_counter()  # this module loads first (before JAX): the run's
 from jaxdp.config import Config, ConfigError, parse_args  # noqa: E402
 from jaxdp.errors import (EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED,  # noqa: E402
                           CheckpointWriteError, InputError, run_tool)
-from jaxdp.loop import MAX_PENDING_STEPS, Result  # noqa: E402,F401  (their home is jaxdp.loop; older code imports them here)
+from jaxdp.loop.trainer import MAX_PENDING_STEPS, Result  # noqa: E402,F401  (their home is jaxdp.loop.trainer; older code imports them here)
 from jaxdp.metrics import Diverged  # noqa: E402
 
 # Which flag fed each library argument that an InputError may name.
@@ -42,17 +42,17 @@ FLAG_OF_ARGUMENT = {"tokenizer": "--tokenizer", "directory": "--checkpoint-dir",
 def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     """The mesh and the strategy for `--hierarchy`: with several processes of several devices each
     and an in-graph strategy, `auto` makes the mesh ("hosts", "local") and the strategy
-    hierarchical (jaxdp.sync.hierarchical), and says so in one line; otherwise one flat axis."""
+    hierarchical (jaxdp.sync.collectives.hierarchical), and says so in one line; otherwise one flat axis."""
     import jax
 
-    from jaxdp import syncspec
     from jaxdp.mesh import make_mesh
-    from jaxdp.sync import hierarchical
+    from jaxdp.sync import spec as syncspec
+    from jaxdp.sync.collectives import hierarchical
 
     processes = len({d.process_index for d in devices})
     local = len(devices) // processes
     abilities = syncspec.abilities(config.strategy)
-    flat = config.hierarchy == "flat" or config.sync_seconds or config.overlap  # rounds: one axis (jaxdp/paced.py)
+    flat = config.hierarchy == "flat" or config.sync_seconds or config.overlap  # rounds: one axis (jaxdp/step/rounds.py)
     if flat or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:
         return make_mesh(devices), config.strategy
     if jax.process_index() == 0:
@@ -66,15 +66,17 @@ def train(config: Config) -> Any:
     """Run `config`: build its model, data and optimizer, then `jaxdp.fit` them. Returns fit's Result."""
     # JAX is imported here, after the flags are parsed, because distributed.initialize must run
     # before JAX starts its backend.
-    from jaxdp import runtime
+    from jaxdp.cluster import runtime
 
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp import agreement, data, distributed, elastic, heartbeat, usermodel
-    from jaxdp.loop import fit
+    from jaxdp.cluster import agreement, distributed, elastic, heartbeat
+    from jaxdp.data import datasets as data
+    from jaxdp.loop.trainer import fit
     from jaxdp.mesh import axis_name
-    from jaxdp.optim import make_optimizer, make_outer_optimizer, make_schedule
+    from jaxdp.models import usermodel
+    from jaxdp.step.optim import make_optimizer, make_outer_optimizer, make_schedule
 
     # ---- distribution and mesh ---------------------------------------------------------------
     with runtime.two_cpu_workers(config.overlap):  # the backend starts in here (--overlap: see there)
@@ -91,7 +93,7 @@ def train(config: Config) -> Any:
         raise ConfigError(f"--batch-size={config.batch_size} must be divisible by the number of devices "
                           f"({devices}); try {max(devices, config.batch_size // devices * devices)}")
 
-    # Multi-process: stalled peers and stragglers (jaxdp/heartbeat.py), watched from here to the end.
+    # Multi-process: stalled peers and stragglers (jaxdp/cluster/heartbeat.py), watched from here to the end.
     beat = heartbeat.for_run(config.stall_timeout)
     try:
         # ---- input pipeline --------------------------------------------------------------------
@@ -110,7 +112,7 @@ def train(config: Config) -> Any:
         num_outputs = dataset.vocab_size if tokens else dataset.num_classes
         model = usermodel.build(config, num_outputs, axis_name(mesh), dataset.kind)
         if config.init_from:  # a Hugging Face GPT-2's weights (the registry's gpt builder read its architecture)
-            from jaxdp import hf
+            from jaxdp.models import hf
 
             variables = {"params": hf.read_gpt2(config.init_from)[1]}
         else:
@@ -167,8 +169,8 @@ def train(config: Config) -> Any:
 
 
 def _task(kind: str, model: Any, config: Config) -> Any:
-    """The loss and held-out metrics for the dataset's kind (jaxdp/tasks.py)."""
-    from jaxdp import tasks, usermodel
+    """The loss and held-out metrics for the dataset's kind (jaxdp/models/tasks.py)."""
+    from jaxdp.models import tasks, usermodel
 
     if not usermodel.is_user_model(config.model):
         return tasks.for_dataset(kind, model)
@@ -194,7 +196,7 @@ def schedule_horizon(config: Config) -> tuple[int, str]:
 
 def _recorded_horizon(checkpoint_dir: str) -> int | None:
     """The schedule horizon the latest checkpoint in `checkpoint_dir` records (None: no checkpoint)."""
-    from jaxdp import artifacts
+    from jaxdp.checkpoint import artifacts
 
     try:
         meta = artifacts.read_meta(checkpoint_dir)
@@ -231,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_CANNOT_SAVE
 
     def lost_peer_first() -> None:  # a lost peer is reported as such (exit 69), not as its echo here
-        from jaxdp.peer_watch import wait_for_verdict
+        from jaxdp.cluster.peer_watch import wait_for_verdict
 
         wait_for_verdict()
 
@@ -253,9 +255,9 @@ def cli_message(err: InputError) -> str:
 
 def cli() -> None:
     """The `jaxdp-train` script and `python -m jaxdp.train`: tune malloc first, then run."""
-    from jaxdp import malloc_env
+    from jaxdp.cluster import malloc_env
 
-    malloc_env.reexec_if_needed()  # before JAX is imported: see jaxdp/malloc_env.py
+    malloc_env.reexec_if_needed()  # before JAX is imported: see jaxdp/cluster/malloc_env.py
     sys.exit(main())
 
 

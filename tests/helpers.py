@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from jaxdp.workers import free_port  # noqa: F401 - tests take it from here
+from jaxdp.launcher.workers import free_port  # noqa: F401 - tests take it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def mlp_problem():
     import jax.numpy as jnp
     import optax
 
-    from jaxdp.models import MLP
+    from jaxdp.models.builtin import MLP
 
     model = MLP(hidden=(32,))
     params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]

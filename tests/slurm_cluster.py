@@ -58,7 +58,7 @@ class SlurmCluster:
     def write_config(self) -> None:
         for sub in ("state", "spool", "log"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        # A random first job id: the coordinator port follows from the job id (jaxdp.cluster.slurm_port),
+        # A random first job id: the coordinator port follows from the job id (jaxdp.cluster.detect.slurm_port),
         # so two clusters running at once (parallel test sessions) are unlikely to pick the same port.
         first_job_id = random.randrange(1, 4096)
         self.conf.write_text(f"""\

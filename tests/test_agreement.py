@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, free_port
-from jaxdp.agreement import disagreement
+from jaxdp.cluster.agreement import disagreement
 
 RUN = ["--steps", "3", "--batch-size", "32", "--no-progress"]
 

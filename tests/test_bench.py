@@ -152,7 +152,7 @@ CHECKS = {"collectives": check_collectives, "train": check_train, "ddp": check_d
 
 
 def test_cli_reexecs_itself_once_with_the_malloc_env(tmp_path):
-    from jaxdp.malloc_env import MALLOC_ENV
+    from jaxdp.cluster.malloc_env import MALLOC_ENV
 
     base = {k: v for k, v in cli_env().items() if k not in MALLOC_ENV and k != "JAXDP_MALLOC_ENV"}
     for opt_out, expected in (({}, MALLOC_ENV), ({"JAXDP_MALLOC_ENV": "0"}, dict.fromkeys(MALLOC_ENV))):

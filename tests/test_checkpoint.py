@@ -22,8 +22,8 @@ import pytest
 import jaxdp
 from helpers import ROOT, cli_env, records, saved
 from jaxdp.config import parse_args
-from jaxdp.models import MLP
 from jaxdp.errors import EXIT_PREEMPTED
+from jaxdp.models.builtin import MLP
 from jaxdp.train import main, train
 
 FAST = ["--log-every", "1", "--no-progress"]
@@ -232,7 +232,7 @@ def test_an_auto_checkpoint_without_every_leafs_error_feedback_resumes_with_zero
     """A --compression auto checkpoint from before int8 / int4 joined the ladder kept error
     feedback for PowerSGD's matrices only; the slot now holds every leaf's. The rest start at
     zero; what was saved comes back as saved."""
-    from jaxdp.exchange import STATE_NAME
+    from jaxdp.sync.exchange import STATE_NAME
 
     model, tx = MLP(hidden=(16,), num_classes=3), optax.sgd(0.1)
     params = model.init(jax.random.PRNGKey(1), np.zeros((1, 4), np.float32))["params"]

@@ -13,7 +13,7 @@ import pytest
 
 import jaxdp
 from helpers import records, run_cli
-from jaxdp.checkpoint import CHECKSUMS_FILE
+from jaxdp.checkpoint.checkpointer import CHECKSUMS_FILE
 from jaxdp.config import parse_args
 from jaxdp.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED
 from jaxdp.train import main, train

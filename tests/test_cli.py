@@ -50,7 +50,7 @@ BAD_INPUTS = {
     "unknown model": (["--model", "resnet"], "neither a built-in model"),
     "model not MODULE:ATTR": (["--model", "my models:Net"], "nor MODULE:ATTR"),
     "user model missing": (["--model", "no_such_module_xyz:Net"], "no module named 'no_such_module_xyz'"),
-    "user model attribute": (["--model", "jaxdp.models:Nope"], "has no attribute 'Nope'"),
+    "user model attribute": (["--model", "jaxdp.models.builtin:Nope"], "has no attribute 'Nope'"),
     "unknown flag": (["--bogus", "1"], "unrecognized arguments"),
     "batch size 0": (["--batch-size", "0"], "--batch-size must be a positive integer"),
     "batch not divisible": (["--batch-size", "12"], "must be divisible by the number of devices (8)"),

@@ -1,4 +1,4 @@
-"""jaxdp.compression: the codecs (none, bf16, PowerSGD) against exact averaging."""
+"""jaxdp.sync.compression: the codecs (none, bf16, PowerSGD) against exact averaging."""
 
 import re
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxdp import compression as C, costmodel
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import ring_allreduce
+from jaxdp.sync import compression as C, costmodel
+from jaxdp.sync.collectives import ring_allreduce
 
 REDUCE = {"psum": lambda t: jax.lax.psum(t, DATA_AXIS), "ring": lambda t: ring_allreduce(t, DATA_AXIS)}
 
@@ -247,7 +247,7 @@ def test_payload_bytes_are_the_bytes_given_to_allreduce_sum(spec):
 
 def test_giving_every_new_device_the_old_mean_error_keeps_the_next_step(devices):
     """A checkpoint resumed on another device count gives every new device the mean of the old
-    error rows (jaxdp/checkpoint.py). What the next compressed step adds is then unchanged: at full
+    error rows (jaxdp/checkpoint/checkpointer.py). What the next compressed step adds is then unchanged: at full
     rank (exact), 4 devices with their own errors and 2 devices with the mean one, given gradients
     of the same mean, agree."""
     rng = np.random.default_rng(0)

@@ -20,7 +20,7 @@ def test_choices_are_the_registries_names():
     assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
     model_help = next(a.help for a in parser._actions if a.dest == "model")  # --model also takes MODULE:ATTR
     assert all(name in model_help for name in registry.MODELS) and "MODULE:ATTR" in model_help
-    assert jaxdp.STRATEGIES["ring"] is jaxdp.sync.RING and jaxdp.STRATEGIES["ring"].mean is jaxdp.ring_mean  # lazily
+    assert jaxdp.STRATEGIES["ring"] is jaxdp.sync.collectives.RING and jaxdp.STRATEGIES["ring"].mean is jaxdp.ring_mean  # lazily
 
 
 def test_every_field_is_a_flag_in_a_group_and_help_shows_defaults():

@@ -1,4 +1,4 @@
-"""jaxdp/controller.py: `--sync-every auto` and `--compression auto` at a run's start (`start`,
+"""jaxdp/sync/controller.py: `--sync-every auto` and `--compression auto` at a run's start (`start`,
 `decide_sync_every`), the flags, and CLI runs where the decision is forced by --comm-target (a real
 measurement against a target nothing meets, or one everything meets). The H rule itself, a pure
 function of measured figures: tests/test_costmodel.py."""
@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import pytest
 
 import jaxdp
-import jaxdp.sync
+import jaxdp.sync.collectives
 from jaxdp.errors import InputError
 from helpers import records, step_records
-from jaxdp import compression
 from jaxdp.config import ConfigError, config_toml, parse_args, read_config_file
-from jaxdp.controller import Controller
-from jaxdp.models import MLP
+from jaxdp.models.builtin import MLP
+from jaxdp.sync import compression
+from jaxdp.sync.controller import Controller
 from jaxdp.train import train
 
 # ---- the measurement ----------------------------------------------------------------------------
@@ -26,7 +26,7 @@ def test_a_fixed_compressor_sizes_h_for_its_payload(devices, monkeypatch):
     mesh = jaxdp.make_mesh(devices[:4])
     params = MLP(hidden=(64,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 32)))["params"]
     grad_bytes = compression.uncompressed_bytes(params)
-    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.psum_mean, params)
+    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.collectives.psum_mean, params)
     # An all-reduce of the whole gradient takes 10x the compute: plain needs H = 40 (capped), bf16 H = 20
     figures = {"compute_s": 1.0, "comm_small_s": 0.0, "comm_full_s": 10.0, "comm_sizes": [0, grad_bytes]}
     monkeypatch.setattr(Controller, "measure", lambda self, state, batch: figures)
@@ -50,7 +50,7 @@ def bandwidth_bound(compute_s: float = 0.001):
     return measure
 
 
-def far_too_slow_a_link(devices, monkeypatch, *, count=4, strategy=jaxdp.sync.psum_mean, compute_s=0.001) -> Controller:
+def far_too_slow_a_link(devices, monkeypatch, *, count=4, strategy=jaxdp.sync.collectives.psum_mean, compute_s=0.001) -> Controller:
     """A controller on `count` devices whose measurements are `bandwidth_bound(compute_s)`."""
     mesh = jaxdp.make_mesh(devices[:count])
     params = MLP(hidden=(256,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 256)))["params"]
@@ -88,7 +88,7 @@ def test_a_guard_that_steps_back_past_the_target_leads_to_local_steps(devices, m
     that does not fit: the record says it misses (it said "fits", the plan's), so --sync-every
     auto chooses local steps instead of a synchronous step that the link cannot keep up with."""
     # bandwidth-bound: int4 (1/8 of the bytes) predicts 1/8 s against a target of 0.25 x 0.1 s
-    controller = far_too_slow_a_link(devices, monkeypatch, count=2, strategy=jaxdp.sync.ring_mean, compute_s=0.1)
+    controller = far_too_slow_a_link(devices, monkeypatch, count=2, strategy=jaxdp.sync.collectives.ring_mean, compute_s=0.1)
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
     monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.5)  # every rank refused
     decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)

@@ -1,4 +1,4 @@
-"""jaxdp/costmodel.py: predictions and decisions from measured figures, as pure functions (the
+"""jaxdp/sync/costmodel.py: predictions and decisions from measured figures, as pure functions (the
 all-reduce time line, the compression ladder and plan, the quality guard, the local-steps H rule)."""
 
 import jax
@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp import compression as C, costmodel
-from jaxdp.costmodel import CommModel
+from jaxdp.sync import compression as C, costmodel
+from jaxdp.sync.costmodel import CommModel
 
 
 # ---- the rule ------------------------------------------------------------------------------------

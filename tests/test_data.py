@@ -1,9 +1,9 @@
-"""Batch order (jaxdp/order.py) is a pure function of (seed, step), and process slices tile the global batch; datasets load."""
+"""Batch order (jaxdp/data/order.py) is a pure function of (seed, step), and process slices tile the global batch; datasets load."""
 
 import numpy as np
 import pytest
 
-from jaxdp import data, order
+from jaxdp.data import datasets as data, order
 
 
 def test_every_example_once_per_epoch_and_order_depends_on_seed():

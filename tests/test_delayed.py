@@ -1,4 +1,4 @@
-"""Every-step --overlap (jaxdp/delayed.py): each step's all-reduce runs on a thread while the next
+"""Every-step --overlap (jaxdp/step/delayed.py): each step's all-reduce runs on a thread while the next
 step computes its gradients, and lands one step late. Against a reference delayed-update loop on
 one device written out here; exact resume with a gradient in flight; across real processes like
 one process; the errors."""
@@ -16,9 +16,9 @@ import jaxdp
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.errors import InputError
 from jaxdp.mesh import make_mesh, shard_batch
-from jaxdp.models import MLP
-from jaxdp.state import init_state
-from jaxdp.step import make_train_step
+from jaxdp.models.builtin import MLP
+from jaxdp.step.state import init_state
+from jaxdp.step.train_step import make_train_step
 
 STEPS, ROWS = 9, 16
 MODEL = MLP(hidden=(8,), num_classes=3)

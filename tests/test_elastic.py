@@ -1,4 +1,4 @@
-"""Elastic runs (`jaxdp.launch --elastic`, jaxdp/elastic.py): the hub sums every shard in shard order
+"""Elastic runs (`jaxdp.launch --elastic`, jaxdp/cluster/elastic.py): the hub sums every shard in shard order
 whoever computed it, hands a lost member's shards to the others (the step in flight included), and
 hands the state to a member that joins. A real run that loses both of its processes to kill -9 ends
 with exactly the parameters of a one-process run of the same global batch."""
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env
-from jaxdp import elastic
 from jaxdp.bench.goodput import training_processes
+from jaxdp.cluster import elastic
 
 PY = sys.executable
 

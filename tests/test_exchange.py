@@ -1,4 +1,4 @@
-"""jaxdp/exchange.py through the step: training through a codec against plain averaging and across
+"""jaxdp/sync/exchange.py through the step: training through a codec against plain averaging and across
 resume, the bytes it reports, the guard's replay, a mesh of two data axes, and the CLI's
 --compression with the adaptive controller's choice on a fast link."""
 
@@ -10,9 +10,9 @@ import pytest
 
 import jaxdp
 from helpers import records, run_cli
-from jaxdp import compression, costmodel
 from jaxdp.errors import InputError
-from jaxdp.models import MLP
+from jaxdp.models.builtin import MLP
+from jaxdp.sync import compression, costmodel
 
 MODEL = MLP(hidden=(24, 16))
 PARAMS = MODEL.init(jax.random.PRNGKey(0), jnp.zeros((1, 13)))["params"]
@@ -92,7 +92,7 @@ def test_error_feedback_survives_checkpoint_and_resume_bit_identically(devices, 
     resumed, _ = train(mesh, tx, "ring", "powersgd:2", batches[6:], state=restored)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    # On 4 devices: every new device owes the mean of the 8 old errors (jaxdp/checkpoint.py).
+    # On 4 devices: every new device owes the mean of the 8 old errors (jaxdp/checkpoint/checkpointer.py).
     mesh4 = jaxdp.make_mesh(devices[:4])
     with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
         four = ckpt.restore(jaxdp.init_state(PARAMS, tx, mesh4, compression="powersgd:2"))
@@ -161,9 +161,9 @@ def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
     error rows differ between devices (a few compressed steps in)."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp.controller import GUARD_BATCHES, Controller
-    from jaxdp.step import state_specs
-    from jaxdp.exchange import STATE_NAME, read_slot, write_slot
+    from jaxdp.step.train_step import state_specs
+    from jaxdp.sync.controller import GUARD_BATCHES, Controller
+    from jaxdp.sync.exchange import STATE_NAME, read_slot, write_slot
 
     mesh, tx = jaxdp.make_mesh(devices), optax.sgd(0.1, momentum=0.9)
     state, _ = train(mesh, tx, strategy, "powersgd:2", data(3), state_spec="auto")
@@ -195,7 +195,7 @@ def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
         for batch in batches:
             out, rows = fn(state.replace(opt_state=None), batch, rows)
             # One window in flight: queued programs with XLA's in-process CPU collectives can
-            # deadlock until the rendezvous timeout aborts the process (jaxdp/step.py, `_bounded`).
+            # deadlock until the rendezvous timeout aborts the process (jaxdp/step/train_step.py, `_bounded`).
             jax.block_until_ready(rows)
             sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
         return float(costmodel.relative_error(*sums))

@@ -1,6 +1,6 @@
 """Generation: the GPT's key/value cache gives the full forward pass's logits, cached and uncached
 generation agree, sampling options are checked; and `python -m jaxdp.sample` end to end (with a
-stand-in for `jaxdp.artifacts.load_model`, so no training run is needed).
+stand-in for `jaxdp.checkpoint.artifacts.load_model`, so no training run is needed).
 
 Tiny models (2 layers, width 32): every test takes a few seconds on 2 cores, mostly compilation.
 """
@@ -19,8 +19,8 @@ from helpers import commands, readme_blocks, run_shell, sandbox
 import jaxdp
 from jaxdp import sample
 from jaxdp.errors import InputError
-from jaxdp.generate import generate
-from jaxdp.models import GPT
+from jaxdp.models.builtin import GPT
+from jaxdp.models.generate import generate
 
 TINY = dict(vocab_size=50, seq_len=16, layers=2, d_model=32, heads=4)
 
@@ -125,7 +125,7 @@ def test_bad_arguments_are_one_sentence(gpt, kwargs, needle):
 
 @pytest.fixture
 def run_dir(tmp_path, monkeypatch):
-    """A run directory with a config.toml, and a stand-in for jaxdp.artifacts.load_model that returns
+    """A run directory with a config.toml, and a stand-in for jaxdp.checkpoint.artifacts.load_model that returns
     a tiny byte-level GPT (`write(dataset=..., tokenizer=...)` sets the config)."""
     module = GPT(**{**TINY, "vocab_size": 256})
     params = jax.device_get(module.init(jax.random.PRNGKey(0), np.zeros((1, 16), np.int32))["params"])
@@ -200,7 +200,7 @@ def test_sample_needs_a_run_directory(tmp_path, capsys):
 def test_docs_sampling_commands(tmp_path):
     """docs/models.md "Sampling": train a tiny GPT on text, sample from it (CLI and Python)."""
     if "load_model" not in jaxdp.__all__:
-        pytest.skip("jaxdp.load_model (jaxdp/artifacts.py) is not in this tree yet")
+        pytest.skip("jaxdp.load_model (jaxdp/checkpoint/artifacts.py) is not in this tree yet")
     env = sandbox(tmp_path)
     for block in readme_blocks("tests/test_generate.py::test_docs_sampling_commands"):
         if block.lang == "python":

@@ -16,8 +16,8 @@ from packaging.requirements import Requirement
 
 from helpers import ROOT, records, run_cli, write_corpus
 from jaxdp.config import parse_args
-from jaxdp.models import GPT, attention_implementation
-from jaxdp.prefetch import Prefetcher
+from jaxdp.data.prefetch import Prefetcher
+from jaxdp.models.builtin import GPT, attention_implementation
 from jaxdp.train import train
 
 
@@ -122,7 +122,7 @@ def test_a_second_run_loads_its_compiled_programs_from_the_cache(tmp_path):
 
 
 def test_compile_cache_settings(monkeypatch, tmp_path):
-    from jaxdp import runtime
+    from jaxdp.cluster import runtime
 
     assert runtime.cache_directory("off") is None and runtime.enable_compile_cache("off") is None
     monkeypatch.setenv(runtime.CACHE_ENV, str(tmp_path / "env"))

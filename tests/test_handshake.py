@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, cli_env, free_port
-from jaxdp import cluster, handshake
-from jaxdp.cluster import detect, handshake_port, slurm_port
+from jaxdp.cluster import detect as cluster, handshake, detect, handshake_port, slurm_port
 from jaxdp.config import Config, ConfigError
 
 SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS": "8",
@@ -121,7 +120,7 @@ def test_a_taken_handshake_port_and_a_stranger_on_it_are_one_sentence_each():
 
 
 def test_process_0_listens_where_the_coordinator_is_announced():
-    from jaxdp.handshake import bind_host
+    from jaxdp.cluster.handshake import bind_host
 
     assert bind_host("127.0.0.1:1234", environ={}) == "127.0.0.1"
     assert ipaddress.ip_address(bind_host("localhost:1234", environ={})).is_loopback
@@ -135,7 +134,7 @@ def test_process_0_listens_where_the_coordinator_is_announced():
 
 
 def _my_addresses() -> list[str]:
-    from jaxdp import gloo
+    from jaxdp.cluster import gloo
 
     found = (gloo.ipv4_of(name) for name in gloo.interfaces())
     return [a for a in found if a and not ipaddress.ip_address(a).is_loopback]

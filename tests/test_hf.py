@@ -17,10 +17,11 @@ import pytest
 
 from helpers import commands, readme_blocks, run_shell, sandbox
 import jaxdp
-from jaxdp import export, hf
+from jaxdp import export
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.errors import InputError
-from jaxdp.models import GPT
+from jaxdp.models import hf
+from jaxdp.models.builtin import GPT
 
 SIZES = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=64, bos_token_id=0, eos_token_id=0)
 IDS = np.random.RandomState(0).randint(0, 300, (2, 20))
@@ -238,7 +239,7 @@ def test_docs_init_from_and_export_commands(tmp_path):
     export it, load it in transformers."""
     pytest.importorskip("transformers")
     if "load_model" not in jaxdp.__all__:
-        pytest.skip("jaxdp.load_model (jaxdp/artifacts.py) is not in this tree yet")
+        pytest.skip("jaxdp.load_model (jaxdp/checkpoint/artifacts.py) is not in this tree yet")
     env = sandbox(tmp_path)
     (block,) = readme_blocks("tests/test_hf.py::test_docs_init_from_and_export_commands")
     for command in commands(block):

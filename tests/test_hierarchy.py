@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from helpers import mlp_batches, mlp_problem
-from jaxdp import compression as C
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import as_collective, hierarchical
+from jaxdp.sync import compression as C
+from jaxdp.sync.collectives import as_collective, hierarchical
 
 TWO = ("hosts", "local")
 

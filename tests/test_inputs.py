@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from helpers import records, saved, step_records
-from jaxdp import agreement, train as train_module
-from jaxdp.resume import resume_fields
+from jaxdp import train as train_module
+from jaxdp.checkpoint.resume import resume_fields
+from jaxdp.cluster import agreement
 from jaxdp.config import parse_args
-from jaxdp.data import Dataset, load_dataset
+from jaxdp.data.datasets import Dataset, load_dataset
+from jaxdp.data.tokens import TokenDataset, load_tokens
 from jaxdp.errors import InputError
-from jaxdp.tokens import TokenDataset, load_tokens
 from jaxdp.train import main, train
 
 TINY_GPT = ["--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
@@ -53,9 +54,9 @@ def test_int64_ids_past_2_to_the_32_are_out_of_range_not_wrapped(tmp_path):
 
 
 def test_the_whole_file_is_checked_in_chunks(tmp_path, monkeypatch):
-    import jaxdp.tokens
+    import jaxdp.data.tokens
 
-    monkeypatch.setattr(jaxdp.tokens, "SCAN_CHUNK", 1000, raising=False)  # many chunks: the bad id is in the last one
+    monkeypatch.setattr(jaxdp.data.tokens, "SCAN_CHUNK", 1000, raising=False)  # many chunks: the bad id is in the last one
     ids = np.arange(10_000, dtype=np.uint16) % 300
     ids[9_999] = 300
     ids.tofile(tmp_path / "t.bin")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, records, run_cli
-from jaxdp.workers import bindings
+from jaxdp.launcher.workers import bindings
 
 PY = sys.executable
 

@@ -1,4 +1,4 @@
-"""Local steps (DiLoCo, jaxdp/local_sgd.py): H = 1 is synchronous training, replicas diverge between
+"""Local steps (DiLoCo, jaxdp/step/local_sgd.py): H = 1 is synchronous training, replicas diverge between
 syncs and meet at each sync, checkpoints resume exactly (mid-period too) and on another device count."""
 
 import subprocess
@@ -13,8 +13,8 @@ import pytest
 
 import jaxdp
 from helpers import ROOT, cli_env, mlp_batches, mlp_problem, records, step_records
-from jaxdp import local_sgd
 from jaxdp.config import parse_args
+from jaxdp.step import local_sgd
 from jaxdp.train import train
 
 STEPS = 12
@@ -226,7 +226,7 @@ def test_bad_input_exits_2_with_one_line_before_jax_starts(case):
 
 
 def test_make_outer_optimizer():
-    from jaxdp.optim import make_outer_optimizer
+    from jaxdp.step.optim import make_outer_optimizer
 
     grads = {"w": jnp.ones(3)}
     for name, momentum in (("nesterov", 0.9), ("sgd", 0.0), ("sgd", 0.5)):

@@ -1,6 +1,6 @@
 """Multi-process runs: 2 real processes x 4 devices on 127.0.0.1 train exactly like 1 process x 8.
 
-Also: the pure pieces of `jaxdp.distributed` (SLURM node lists, GPU layouts, which source wins),
+Also: the pure pieces of `jaxdp.cluster.distributed` (SLURM node lists, GPU layouts, which source wins),
 bad input (exit 2), and failure: a process that dies or never arrives makes every survivor exit
 with `EXIT_PEER_LOST`, naming the missing process, within seconds.
 """
@@ -19,9 +19,9 @@ import pytest
 
 import jaxdp
 from helpers import ROOT, cli_env, free_port, records, run_cli, step_records
-from jaxdp import cluster
+from jaxdp.cluster import detect as cluster
+from jaxdp.cluster.detect import Cluster, detect
 from jaxdp.config import Config, ConfigError
-from jaxdp.cluster import Cluster, detect
 from jaxdp.errors import EXIT_PEER_LOST
 from jaxdp.train import main
 
@@ -275,7 +275,7 @@ def test_readme_two_processes(tmp_path):
 def test_every_process_loads_the_programs_process_0_cached(tmp_path):
     """JAX writes persistent-cache entries from process 0 only, and keyed CPU programs by a topology
     fingerprint that differs between processes: process 1 missed on every run and compiled
-    everything again (jaxdp.runtime.share_cpu_cache_keys). The second run must hit in both."""
+    everything again (jaxdp.cluster.runtime.share_cpu_cache_keys). The second run must hit in both."""
     first, second = (_two_processes_print("cache_hits.py", str(tmp_path / "cache"), timeout=120) for _ in range(2))
     assert all(float(o["value"]) == 1 * 1 + 2 * 2 for o in first + second)  # process i holds i + 1, times i + 1
     assert int(first[0]["hits"]) == 0  # an empty cache (process 1 may find what process 0 just wrote)
@@ -286,7 +286,7 @@ def test_every_process_loads_the_programs_process_0_cached(tmp_path):
 def test_the_controllers_probes_run_as_often_on_every_process(tmp_path):
     """The controller times all-reduces as the fastest of as many runs as fit in a budget; each
     process once counted by its own clock, and a process that started later ran one all-reduce
-    more than the other, which waited in it forever (jaxdp.controller._fastest_time). The guard's
+    more than the other, which waited in it forever (jaxdp.sync.controller._fastest_time). The guard's
     errors go through the same agreement (the largest), so no last-bit difference splits a decision."""
     printed = _two_processes_print("probe_counts.py", timeout=60)
     counts = [int(p["calls"]) for p in printed]

@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from helpers import ROOT, cli_env, free_port
-from jaxdp import compression as C
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import ring_allreduce
+from jaxdp.sync import compression as C
+from jaxdp.sync.collectives import ring_allreduce
 
 pytestmark = pytest.mark.slow  # torch's two gloo ranks in subprocesses: 30 s in all on 2 cores
 
@@ -256,7 +256,7 @@ def test_local_steps_equal_diloco_from_the_paper_in_float64(devices, inner, oute
             assert float(metrics["synced"]) == float((t + 1) % H == 0)
             global_, workers = want[t]
             got = jax.device_get(state.params)
-            replicas = jax.device_get(state.sync.per_device[jaxdp.local_sgd.STATE_NAME]["params"])
+            replicas = jax.device_get(state.sync.per_device[jaxdp.step.local_sgd.STATE_NAME]["params"])
             for k in params:
                 assert got[k].dtype == np.float64
                 assert relative(got[k], global_[k]) <= 1e-12, (k, t)

@@ -1,5 +1,5 @@
 """--overlap: the average of round k's pseudo-gradients runs while round k + 1 trains and is applied
-one round late (jaxdp/paced.py, `Overlapped`), against a reference delayed-update loop written out
+one round late (jaxdp/step/rounds.py, `Overlapped`), against a reference delayed-update loop written out
 here; exact resume with the average in flight; the flag's errors."""
 
 import json
@@ -17,7 +17,7 @@ import jaxdp
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.errors import InputError
 from jaxdp.mesh import make_mesh
-from jaxdp.models import MLP
+from jaxdp.models.builtin import MLP
 
 H, STEPS, ROWS = 4, 22, 16  # 22 = 5 rounds of 4, then a last round of 2
 MODEL = MLP(hidden=(8,), num_classes=3)
@@ -137,7 +137,7 @@ def test_two_processes_overlapped_train_like_one_process(tmp_path):
 
 CHILD = """
 import os, sys, json
-from jaxdp import runtime
+from jaxdp.cluster import runtime
 core = os.sched_getaffinity(0)
 with runtime.two_cpu_workers():
     widened = sorted(os.sched_getaffinity(0))

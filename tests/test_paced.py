@@ -1,4 +1,4 @@
-"""Workers at their own pace (jaxdp/paced.py, `--sync-seconds`): rounds of fixed steps equal
+"""Workers at their own pace (jaxdp/step/rounds.py, `--sync-seconds`): rounds of fixed steps equal
 lockstep local steps; the example-weighted average equals a reference; resume is exact given the
 recorded positions; a process with no step in a round is named; two processes with different
 step counts equal a plain reference loop."""
@@ -13,9 +13,9 @@ import pytest
 from helpers import ROOT, cli_env, free_port, mlp_batches, mlp_problem, run_cli
 
 import jaxdp
-from jaxdp import paced
 from jaxdp.errors import InputError
 from jaxdp.mesh import make_mesh
+from jaxdp.step import rounds as paced
 
 
 def _max_diff(a, b) -> float:

@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from helpers import ROOT, cli_env, mlp_batches, mlp_problem, records
-from jaxdp import compression as C, syncspec
 from jaxdp.config import parse_args
 from jaxdp.errors import InputError
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import ring_coded_allreduce
+from jaxdp.sync import compression as C, spec as syncspec
+from jaxdp.sync.collectives import ring_coded_allreduce
 from jaxdp.train import train
 
 CODECS = ["int8", "int4"]

@@ -1,4 +1,4 @@
-"""gloo's "[Gloo] Rank N is connected to M peer ranks" lines kept off stdout (jaxdp.quiet.filter_gloo_lines).
+"""gloo's "[Gloo] Rank N is connected to M peer ranks" lines kept off stdout (jaxdp.cluster.quiet.filter_gloo_lines).
 
 gloo prints them from C++ straight to fd 1, from one thread per device at the same moment, so
 their pieces interleave. A tiny subprocess writes such lines to fd 1 the same way, between
@@ -12,13 +12,13 @@ import textwrap
 
 from helpers import ROOT
 
-from jaxdp.quiet import is_gloo_line
+from jaxdp.cluster.quiet import is_gloo_line
 
 LINE = "[Gloo] Rank {r} is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n"
 
 SCRIPT = textwrap.dedent('''
     import os, sys
-    from jaxdp import quiet
+    from jaxdp.cluster import quiet
     quiet.filter_gloo_lines(enabled=sys.argv[1] == "on")
     print("before", flush=True)
     os.write(1, {line0!r}.encode())

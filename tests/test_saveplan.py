@@ -1,4 +1,4 @@
-"""--save-every auto: the interval chosen from the measured save cost (jaxdp/saveplan.py), the
+"""--save-every auto: the interval chosen from the measured save cost (jaxdp/checkpoint/saveplan.py), the
 checkpointer's measuring save, the recall after a restart, and the launcher's failure record."""
 
 import json
@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from helpers import ROOT, cli_env, commands, readme_blocks, records, saved
-from jaxdp import saveplan
+from jaxdp.checkpoint import saveplan
+from jaxdp.checkpoint.saveplan import SavePlan
 from jaxdp.config import ConfigError, parse_args
-from jaxdp.saveplan import SavePlan
 from jaxdp.train import train
 
 

@@ -124,7 +124,7 @@ class _Store:
 def test_a_process_stopped_before_its_first_beat_is_named_once_the_others_pass_step_2():
     """With programs in the compilation cache the first steps take milliseconds: a peer stopped
     before it ever published was never judged, and the survivor waited forever."""
-    from jaxdp import heartbeat
+    from jaxdp.cluster import heartbeat
 
     beat = heartbeat.start(_Store(), 0, 2, stall_timeout=60)
     beat.stop()  # its threads end: the checks below read only what is set here
@@ -139,7 +139,7 @@ def test_a_process_stopped_before_its_first_beat_is_named_once_the_others_pass_s
 
 
 def test_a_silent_process_is_named_with_the_phase_it_published():
-    from jaxdp import heartbeat
+    from jaxdp.cluster import heartbeat
 
     beat = heartbeat.start(_Store(), 0, 2, stall_timeout=60)
     beat.stop()
@@ -158,7 +158,7 @@ def test_a_phase_is_published_at_once_with_the_steps_before_it_done():
     before it, and a step not yet seen completed as missing."""
     import jax.numpy as jnp
 
-    from jaxdp import heartbeat
+    from jaxdp.cluster import heartbeat
 
     store = _Store()
     beat = heartbeat.start(store, 1, 2, stall_timeout=60)

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jaxdp
-from jaxdp.models import CNN, MLP
+from jaxdp.models.builtin import CNN, MLP
 
 STEPS = 20
 OPTIMIZERS = {"momentum": lambda: optax.sgd(0.05, momentum=0.9), "adam": lambda: optax.adam(3e-3)}

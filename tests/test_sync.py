@@ -135,7 +135,7 @@ def test_every_strategy_returns_the_mean_with_same_structure_and_dtypes(devices,
 def test_across_processes_on_cpu_one_all_reduce_carries_every_dtype(devices):
     # What psum does across processes (process_count() > 1, not testable in one process as is): on
     # CPU one buffer of the widest dtype, one all-reduce, each leaf back in its own dtype.
-    from jaxdp.sync import _across_processes
+    from jaxdp.sync.collectives import _across_processes
 
     mesh = make_mesh(devices[:4])
     tree = shard_batch(awkward_tree(4, np.random.default_rng(0), integer_valued=True), mesh)

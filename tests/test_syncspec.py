@@ -1,4 +1,4 @@
-"""jaxdp/syncspec.py: the sync choices as one value and the one compatibility table, which
+"""jaxdp/sync/spec.py: the sync choices as one value and the one compatibility table, which
 init_state, make_train_step and the command line all ask; the state's layout tag."""
 
 import subprocess
@@ -11,10 +11,10 @@ import optax
 import pytest
 
 import jaxdp
-import jaxdp.sync
+import jaxdp.sync.collectives
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.errors import InputError
-from jaxdp.syncspec import AUTO, StateLayout, SyncSpec, abilities, incompatible
+from jaxdp.sync.spec import AUTO, StateLayout, SyncSpec, abilities, incompatible
 
 
 def test_the_table_names_the_first_clash():
@@ -33,8 +33,8 @@ def test_the_table_names_the_first_clash():
 
 def test_abilities_of_builtin_registered_and_bare_strategies():
     assert abilities("psum") == {"sum", "halves"} and abilities("host") == {"host"}
-    assert abilities("ring") == abilities(jaxdp.sync.RING) == {"sum", "halves", "coded_sum"}
-    assert abilities(jaxdp.sync.PSUM) == abilities("psum")
+    assert abilities("ring") == abilities(jaxdp.sync.collectives.RING) == {"sum", "halves", "coded_sum"}
+    assert abilities(jaxdp.sync.collectives.PSUM) == abilities("psum")
     # int8 / int4 requantize at every hop: the ring has hops, XLA's all-reduce has none.
     assert incompatible(abilities("psum"), compression=True, local=False, shard_optimizer=False,
                         needs="coded_sum")[:2] == ("compression", "strategy")
@@ -51,7 +51,7 @@ def test_rule_and_layout():
     assert SyncSpec(compression="powersgd:4:start=3").layout().compression == "powersgd:4"
     assert SyncSpec(compression="auto").layout().compression == AUTO
     assert SyncSpec(sync_every=4, sync_fragments=2).layout() == StateLayout("local", 2, None)
-    hash(SyncSpec(compression=jaxdp.compression.parse("powersgd:2"), outer_tx=optax.sgd(1.0)))  # a dict key
+    hash(SyncSpec(compression=jaxdp.sync.compression.parse("powersgd:2"), outer_tx=optax.sgd(1.0)))  # a dict key
 
 
 def test_a_layout_serves_what_it_was_made_for():
@@ -83,7 +83,7 @@ def test_library_and_command_line_refuse_the_same_combinations(devices, kwargs, 
 
 
 def test_validation_needs_no_jax():
-    code = ("import sys; from jaxdp.syncspec import SyncSpec; SyncSpec(strategy='ring', compression='powersgd:4', "
+    code = ("import sys; from jaxdp.sync.spec import SyncSpec; SyncSpec(strategy='ring', compression='powersgd:4', "
             "sync_every=4).validate(); from jaxdp.config import parse_args; parse_args(['--strategy', 'ring']); "
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -102,11 +102,11 @@ def test_a_state_for_another_layout_is_refused_in_one_line(devices):
     state, _ = jaxdp.make_train_step(loss, tx, mesh, compression="bf16")(state, batch)  # needs no state
 
 
-@pytest.mark.parametrize("module, name, home", [("jaxdp.compression", "plan", "jaxdp.costmodel"),
-                                                ("jaxdp.compression", "TARGET_COMM_FRACTION", "jaxdp.costmodel"),
-                                                ("jaxdp.local_sgd", "auto_sync_every", "jaxdp.costmodel"),
-                                                ("jaxdp.local_sgd", "check_sync_every", "jaxdp.syncspec"),
-                                                ("jaxdp.state", "make_schedule", "jaxdp.optim")])
+@pytest.mark.parametrize("module, name, home", [("jaxdp.sync.compression", "plan", "jaxdp.sync.costmodel"),
+                                                ("jaxdp.sync.compression", "TARGET_COMM_FRACTION", "jaxdp.sync.costmodel"),
+                                                ("jaxdp.step.local_sgd", "auto_sync_every", "jaxdp.sync.costmodel"),
+                                                ("jaxdp.step.local_sgd", "check_sync_every", "jaxdp.sync.spec"),
+                                                ("jaxdp.step.state", "make_schedule", "jaxdp.step.optim")])
 def test_names_that_moved_still_resolve_with_a_warning(module, name, home):
     import importlib
 

@@ -1,4 +1,4 @@
-"""The slow-network testbed (jaxdp/bench/testbed.py) and gloo's network interface (jaxdp/gloo.py).
+"""The slow-network testbed (jaxdp/bench/testbed.py) and gloo's network interface (jaxdp/cluster/gloo.py).
 
 Real network namespaces, veth links and `tc`, as root; without root or iproute2 these tests skip
 with the testbed's own one-line reason. The multi-process tests run `python -m jaxdp.train` on two
@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, cli_env, records, run_cli, step_records
-from jaxdp import gloo
 from jaxdp.bench import testbed
 from jaxdp.bench.slowlink import run_training
 from jaxdp.bench.testbed import Testbed, TestbedError
+from jaxdp.cluster import gloo
 from jaxdp.config import ConfigError
 from jaxdp.errors import EXIT_BAD_INPUT
 

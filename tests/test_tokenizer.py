@@ -11,9 +11,9 @@ import shlex
 import numpy as np
 import pytest
 
-from jaxdp import tokenizer as tokenizer_lib
 from jaxdp.config import Config, ConfigError, config_toml
-from jaxdp.data import load_dataset
+from jaxdp.data import tokenizer as tokenizer_lib
+from jaxdp.data.datasets import load_dataset
 from jaxdp.errors import InputError
 
 pytest.importorskip("tokenizers")

@@ -16,9 +16,9 @@ import pytest
 import jaxdp
 from helpers import ROOT, cli_env, free_port, records, saved, step_records, write_corpus
 from jaxdp.config import parse_args
+from jaxdp.data.tokens import load_tokens, unigram_entropy
 from jaxdp.errors import EXIT_DIVERGED
-from jaxdp.models import MLP
-from jaxdp.tokens import load_tokens, unigram_entropy
+from jaxdp.models.builtin import MLP
 from jaxdp.train import main, train
 
 TINY_GPT = ["--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4", "--seq-len", "32",

@@ -25,7 +25,7 @@ import flax.linen as nn
 from flax import nnx
 import jax.numpy as jnp
 
-from jaxdp.models import MLP
+from jaxdp.models.builtin import MLP
 
 
 class Bigram{tag}(nn.Module):
@@ -208,7 +208,8 @@ def test_load_params_refuses_a_damaged_array(tmp_path):
 def test_fit_with_a_notebook_loss_equals_the_cli(tmp_path, devices):
     """A notebook user's plain loss_fn, data function and eval through jaxdp.fit: the CLI's per-step
     losses and held-out metrics."""
-    from jaxdp import data, models
+    from jaxdp.data import datasets as data
+    from jaxdp.models import builtin as models
 
     cli = train(parse_args([*FAST, "--strategy", "ring", "--steps", "12", "--compression", "bf16",
                             "--metrics-file", str(tmp_path / "cli.jsonl")]))

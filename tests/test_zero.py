@@ -9,9 +9,9 @@ import pytest
 
 import jaxdp
 from helpers import records, run_cli, step_records
-from jaxdp import zero
 from jaxdp.errors import InputError
-from jaxdp.models import CNN, MLP
+from jaxdp.models.builtin import CNN, MLP
+from jaxdp.step import zero
 
 STEPS = 20
 OPTIMIZERS = {
@@ -180,7 +180,7 @@ def test_ring_halves_compose_to_the_all_reduce(devices):
     """reduce-scatter leaves chunk i's sum on device i; all-gather puts every chunk everywhere."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp.sync import ring_all_gather, ring_reduce_scatter
+    from jaxdp.sync.collectives import ring_all_gather, ring_reduce_scatter
 
     for n in (2, 3, 8):
         mesh = jaxdp.make_mesh(devices[:n])

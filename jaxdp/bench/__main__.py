@@ -9,7 +9,7 @@ import sys
 from jaxdp import bench
 from jaxdp.bench import (collectives, compression, ddp, dispatch, goodput, gpt, hierarchy, localsgd, pace, plan, saves,
                          slowlink, train, variants, zero)
-from jaxdp.malloc_env import reexec_if_needed
+from jaxdp.cluster.malloc_env import reexec_if_needed
 
 # Each registers its subcommands, with `run` (args -> list of result dicts) as their default.
 BENCHMARKS = (collectives, gpt, train, ddp, zero, slowlink, hierarchy, variants, dispatch, compression, localsgd, pace, goodput, saves,
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this process's command line (argv None) or `argv`; only the former may re-exec the
-    process with the malloc environment (jaxdp/malloc_env.py), as its first act, before JAX loads."""
+    process with the malloc environment (jaxdp/cluster/malloc_env.py), as its first act, before JAX loads."""
     if argv is None:
         reexec_if_needed()
     args = build_parser().parse_args(argv)

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     from jaxdp.mesh import DATA_AXIS, make_mesh, replicate, shard_batch
     from jaxdp.registry import STRATEGIES
-    from jaxdp.sync import is_on_host
+    from jaxdp.sync.collectives import is_on_host
 
     if len(jax.devices()) < args.devices:
         raise SystemExit(f"jaxdp.bench: asked for {args.devices} devices, JAX has {len(jax.devices())}")

@@ -180,7 +180,7 @@ def write_corpus(path: Path, sentences: int = 20000, seed: int = 0) -> Path:
 
 
 def fast_link(args: argparse.Namespace) -> list[dict]:
-    from jaxdp import distributed
+    from jaxdp.cluster import distributed
     from jaxdp.config import Config
 
     distributed.initialize(Config(devices=8, progress=False))
@@ -189,11 +189,11 @@ def fast_link(args: argparse.Namespace) -> list[dict]:
     import numpy as np
     import optax
 
-    from jaxdp import models
-    from jaxdp.controller import Controller
     from jaxdp.mesh import make_mesh, shard_batch
-    from jaxdp.state import init_state
-    from jaxdp.step import make_train_step
+    from jaxdp.models import builtin as models
+    from jaxdp.step.state import init_state
+    from jaxdp.step.train_step import make_train_step
+    from jaxdp.sync.controller import Controller
 
     mesh = make_mesh(distributed.mesh_devices(8))
     model = models.MLP(hidden=(512, 512), num_classes=10)

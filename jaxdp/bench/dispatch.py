@@ -1,5 +1,5 @@
 """dispatch: does a collective program run at the same time as a compute program? From one Python
-thread, and from two. The mechanism `--overlap` rests on (jaxdp/paced.py, `Overlapped`).
+thread, and from two. The mechanism `--overlap` rests on (jaxdp/step/rounds.py, `Overlapped`).
 
     python -m jaxdp.bench dispatch                          # 50mbit, a 4 MB ring all-reduce, 400 matmuls
     python -m jaxdp.bench dispatch --workers one            # the CPU backend as a one-core process starts it
@@ -12,7 +12,7 @@ psum); C, `--matmuls` chained 256 x 256 matrix products on its own device (no co
 both dispatched from one thread and awaited together; then R dispatched from a second thread
 while the first dispatches C. If the two overlap, "both" is near max(R, C); if they run one after
 the other, near R + C. `--workers two` (the default) starts the CPU backend as `--overlap` runs
-do (jaxdp.runtime.two_cpu_workers); `one` as a process bound to one core otherwise would. Needs
+do (jaxdp.cluster.runtime.two_cpu_workers); `one` as a process bound to one core otherwise would. Needs
 root and iproute2.
 """
 
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--strategy", default="ring", choices=("ring", "psum"), help="the collective: jaxdp's ring "
                    "(collective-permutes) or XLA's all-reduce")
     p.add_argument("--workers", default="two", choices=("two", "one"), help="two: start the CPU backend with two "
-                   "worker threads as --overlap does (jaxdp.runtime.two_cpu_workers); one: as sized by a one-core process")
+                   "worker threads as --overlap does (jaxdp.cluster.runtime.two_cpu_workers); one: as sized by a one-core process")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not give each process its own core")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--json")
@@ -88,14 +88,14 @@ def worker(process: int, coordinator: str, megabytes: float, matmuls: int, strat
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxdp import gloo, runtime
+    from jaxdp.cluster import gloo, runtime
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     gloo.install(gloo.choose(coordinator))
     with runtime.two_cpu_workers(workers == "two"):
         jax.distributed.initialize(coordinator, 2, process)
         mesh = jax.make_mesh((2,), ("d",))
-    from jaxdp.sync import ring_allreduce
+    from jaxdp.sync.collectives import ring_allreduce
 
     total = (lambda x: ring_allreduce(x, "d")) if strategy == "ring" else (lambda x: jax.lax.psum(x, "d"))
     collective = jax.jit(jax.shard_map(total, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))

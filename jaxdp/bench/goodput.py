@@ -9,7 +9,7 @@ jaxdp.train --devices 1 --steps N --checkpoint-dir D --save-every K` (the defaul
 per process, the persistent compilation cache shared, so every restart finds its programs
 compiled). Goodput = undisturbed wall time / disturbed wall time for the same steps; the time lost
 per kill is the difference divided by the kills. The final parameters of the two runs are compared
-through the checksums every checkpoint records (jaxdp/checkpoint.py): a restarted run resumes
+through the checksums every checkpoint records (jaxdp/checkpoint/checkpointer.py): a restarted run resumes
 exactly, so they must be equal.
 """
 
@@ -29,7 +29,8 @@ from typing import Any
 
 from jaxdp.bench.report import print_table, write_json
 
-CHECKSUMS_FILE = "jaxdp_checksums.json"  # = jaxdp.checkpoint.CHECKSUMS_FILE (not imported: the benchmark parser imports no JAX)
+# = jaxdp.checkpoint.checkpointer.CHECKSUMS_FILE (not imported: the benchmark parser imports no JAX)
+CHECKSUMS_FILE = "jaxdp_checksums.json"
 
 
 def register(subparsers: Any) -> None:
@@ -37,7 +38,7 @@ def register(subparsers: Any) -> None:
                                               "against the same run undisturbed")
     p.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
     p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--save-every", default="100", help="steps, or auto (jaxdp/saveplan.py: chosen from the measured save "
+    p.add_argument("--save-every", default="100", help="steps, or auto (jaxdp/checkpoint/saveplan.py: chosen from the measured save "
                    "cost and, after a restart, the failures seen)")
     p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
     p.add_argument("--seed", type=int, default=0, help="of the choice of worker to kill")
@@ -64,12 +65,12 @@ def _children(pid: int) -> list[int]:
 
 def training_processes(launcher: int) -> list[int]:
     """The training processes under a launcher: its children, and the children of an elastic
-    run's zygote (jaxdp/zygote.py) instead of the zygote itself."""
+    run's zygote (jaxdp/launcher/zygote.py) instead of the zygote itself."""
     found = []
     for child in _children(launcher):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                zygote = b"jaxdp.zygote" in f.read()
+                zygote = b"jaxdp.launcher.zygote" in f.read()
         except OSError:
             continue
         found.extend(_children(child) if zygote else [child])

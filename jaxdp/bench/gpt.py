@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         # backend starts (distributed.initialize, below); a value the user set is kept.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-    from jaxdp import distributed
+    from jaxdp.cluster import distributed
     from jaxdp.config import Config
 
     config = Config(devices=args.devices, progress=False)
@@ -100,9 +100,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     import optax
 
     from jaxdp.mesh import make_mesh, shard_batch
-    from jaxdp.models import GPT
-    from jaxdp.state import init_state
-    from jaxdp.step import make_train_step
+    from jaxdp.models.builtin import GPT
+    from jaxdp.step.state import init_state
+    from jaxdp.step.train_step import make_train_step
 
     mesh = make_mesh(distributed.mesh_devices(config.devices))
     for batch_size in args.batch_sizes:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from jaxdp.workers import free_port
+from jaxdp.launcher.workers import free_port
 
 
 def launch_pair(argv: list[str], timeout: float) -> dict:

@@ -1,5 +1,5 @@
 """localsgd: time to a held-out loss over a slow link, synchronous training against local steps
-(`--sync-every H`, jaxdp/local_sgd.py), 2 processes on 2 hosts of the slow-network testbed
+(`--sync-every H`, jaxdp/step/local_sgd.py), 2 processes on 2 hosts of the slow-network testbed
 (jaxdp/bench/testbed.py). Needs root and iproute2.
 
     python -m jaxdp.bench localsgd --json docs/perf/localsgd.json --plot docs/perf/localsgd.png

@@ -1,4 +1,4 @@
-"""plan: predicted step time on a described cluster, from the cost model (jaxdp/costmodel.py), and
+"""plan: predicted step time on a described cluster, from the cost model (jaxdp/sync/costmodel.py), and
 that model checked against the slow-network testbed.
 
     python -m jaxdp.bench plan --nodes 4 --devices-per-node 8 --link 10gbit --latency 50us --compute-ms 120 \\
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         return validate(args)
     if args.nodes < 1 or args.devices_per_node < 1:
         raise SystemExit("jaxdp.bench plan: --nodes and --devices-per-node must be 1 or more")
-    from jaxdp import costmodel
+    from jaxdp.sync import costmodel
 
     cluster = costmodel.Cluster(args.nodes, args.devices_per_node, bits_per_s(args.link), seconds(args.latency),
                                 bits_per_s(args.local_link) if args.local_link else math.inf)
@@ -165,7 +165,8 @@ def abstract_params(config: Any, no_data: bool = False) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from jaxdp import data, usermodel
+    from jaxdp.data import datasets as data
+    from jaxdp.models import usermodel
 
     tokens = no_data or config.dataset.endswith((".txt", ".bin", ".npy"))
     if no_data:
@@ -184,8 +185,8 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
     """What `--sync-every auto --compression auto` (with `overlap`: and --overlap) chooses on
     `cluster`: the controller's own rules (costmodel.plan, then costmodel.choose_local_steps) on
     the figures the cluster's all-reduce model gives, flat."""
-    from jaxdp import costmodel
-    from jaxdp.compression import PowerSGD
+    from jaxdp.sync import costmodel
+    from jaxdp.sync.compression import PowerSGD
 
     fraction = costmodel.TARGET_COMM_FRACTION if target is None else target
     model = cluster.allreduce()

@@ -1,4 +1,4 @@
-"""The PyTorch side of `python -m jaxdp.bench gpt --vs-torch`: `jaxdp.models.GPT` written the
+"""The PyTorch side of `python -m jaxdp.bench gpt --vs-torch`: `jaxdp.models.builtin.GPT` written the
 nanoGPT way, and its train step (AdamW, bf16 autocast, torch.compile). Imported only when
 --vs-torch is given: torch is a benchmark-only extra (`pip install -e '.[bench]'`).
 
@@ -77,7 +77,7 @@ class TorchGPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self) -> float:
-        """jaxdp.models.GPT.flops_per_token's formula: 6 per non-embedding weight, plus attention."""
+        """jaxdp.models.builtin.GPT.flops_per_token's formula: 6 per non-embedding weight, plus attention."""
         n = self.num_params() - self.embed.weight.numel() - self.pos.weight.numel()
         return 6 * n + 12 * self.layers * self.d_model * self.seq_len
 

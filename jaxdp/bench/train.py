@@ -2,8 +2,8 @@
 and, in the same run, two hand-written baselines on the same model and batches: a plain
 single-device `jax.jit` step and a `shard_map` + `pmean` step. The time ratios jaxdp/baseline are
 jaxdp's overhead. A strategy named NAME+overlap is NAME with `make_train_step(..., overlap=True)`
-(jaxdp/delayed.py: each step's all-reduce runs while the next step computes); the process then
-starts JAX's CPU backend with two worker threads (jaxdp.runtime.two_cpu_workers), as the CLI does.
+(jaxdp/step/delayed.py: each step's all-reduce runs while the next step computes); the process then
+starts JAX's CPU backend with two worker threads (jaxdp.cluster.runtime.two_cpu_workers), as the CLI does.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace | Options) -> list[dict]:
     """The `train` command; `args` is its parsed flags or an Options (same names)."""
-    from jaxdp import distributed, runtime
+    from jaxdp.cluster import distributed, runtime
     from jaxdp.config import Config
 
     # The CLI's own start-up: the simulated device count and jax.distributed come from a Config.
@@ -76,11 +76,11 @@ def run(args: argparse.Namespace | Options) -> list[dict]:
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp import models
     from jaxdp.mesh import DATA_AXIS, make_mesh, replicate, shard_batch
+    from jaxdp.models import builtin as models
     from jaxdp.registry import STRATEGIES
-    from jaxdp.state import init_state
-    from jaxdp.step import make_train_step
+    from jaxdp.step.state import init_state
+    from jaxdp.step.train_step import make_train_step
 
     n_proc, proc = jax.process_count(), jax.process_index()
     model = models.MLP(hidden=MLP_HIDDEN, num_classes=10)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace | Options) -> list[dict]:
         opt_state = jax.jit(tx.init, out_shardings=jax.sharding.NamedSharding(mesh, P()))(p)
         batches = [shard_batch(local(b), mesh) for b in host_batches]
         # The same protection as jaxdp's step: with several steps queued, XLA's CPU collectives
-        # can deadlock (see jaxdp/step.py), so a multi-device CPU baseline keeps one step in flight.
+        # can deadlock (see jaxdp/step/train_step.py), so a multi-device CPU baseline keeps one step in flight.
         return loop(step, [p, opt_state], batches, bounded=mesh.size > 1 and mesh.devices.flat[0].platform == "cpu")
 
     cases: dict[tuple, Callable[[], None]] = {}

@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from jaxdp import distributed
+    from jaxdp.cluster import distributed
     from jaxdp.config import Config
 
     distributed.initialize(Config(devices=args.devices, progress=False))
@@ -40,10 +40,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     import numpy as np
     import optax
 
-    from jaxdp import models, zero
     from jaxdp.mesh import make_mesh, shard_batch
-    from jaxdp.state import init_state
-    from jaxdp.step import make_train_step
+    from jaxdp.models import builtin as models
+    from jaxdp.step import zero
+    from jaxdp.step.state import init_state
+    from jaxdp.step.train_step import make_train_step
 
     mesh = make_mesh(distributed.mesh_devices(args.devices))
     rng = np.random.default_rng(0)

@@ -3,7 +3,7 @@ compilation cache at argv[3], then prints how many programs it loaded from that 
 
 import sys
 
-from jaxdp import distributed, runtime
+from jaxdp.cluster import distributed, runtime
 from jaxdp.config import Config
 
 process_id, address, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -1,4 +1,4 @@
-"""The figures behind jaxdp.costmodel.GUARD_THRESHOLD: PowerSGD's running-sum error per window of
+"""The figures behind jaxdp.sync.costmodel.GUARD_THRESHOLD: PowerSGD's running-sum error per window of
 100 steps, its error_ratio, and the held-out accuracy, on the CLI's MLP / digits, 8 simulated CPU
 devices, SGD momentum. Not a test (about 100 s on 2 cores):
 
@@ -12,9 +12,9 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
-from jaxdp import compression as C, costmodel
 from jaxdp.mesh import make_mesh, shard_batch, replicate
-from jaxdp.models import MLP
+from jaxdp.models.builtin import MLP
+from jaxdp.sync import compression as C, costmodel
 
 N, STEPS, W, B = 8, 600, 100, 256
 x, y = load_digits(return_X_y=True)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 import jaxdp
-from jaxdp import gloo
+from jaxdp.cluster import gloo
 
 jaxdp.initialize()
 from jax.experimental import multihost_utils  # noqa: E402

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxdp  # noqa: E402
-from jaxdp.models import MLP  # noqa: E402
+from jaxdp.models.builtin import MLP  # noqa: E402
 
 STEPS, BATCH = 4, 32
 rng = np.random.default_rng(0)

@@ -4,7 +4,7 @@ Prints the final parameters (as a .npy path), the step and each process's record
 
 import sys
 
-from jaxdp import distributed
+from jaxdp.cluster import distributed
 from jaxdp.config import Config
 
 process_id, address, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -18,7 +18,7 @@ import optax  # noqa: E402
 from helpers import mlp_batches, mlp_problem  # noqa: E402
 
 import jaxdp  # noqa: E402
-from jaxdp.paced import PACE_NAME  # noqa: E402
+from jaxdp.step.rounds import PACE_NAME  # noqa: E402
 
 SCHEDULE = [[3, 1], [2, 0], [1, 4]]  # steps by [round][process]
 params, loss_fn = mlp_problem()

@@ -7,7 +7,7 @@ joins."""
 import sys
 import time
 
-from jaxdp import distributed
+from jaxdp.cluster import distributed
 from jaxdp.config import Config
 
 process_id, address = int(sys.argv[1]), sys.argv[2]
@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxdp.controller import _fastest_time, _over_processes  # noqa: E402
+from jaxdp.sync.controller import _fastest_time, _over_processes  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()), ("d",))
 total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))

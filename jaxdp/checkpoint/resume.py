@@ -1,0 +1,74 @@
+"""What a resumed run must share with the run that wrote its checkpoint, and what it may change.
+
+    fields = resume_fields(config)              # {name: value} a checkpoint's recorded config must match
+    same_dataset(meta, config)                  # the same --dataset file, however it is spelt
+    dataset_path(config)                        # --dataset as an absolute path (None: built in)
+
+jaxdp/checkpoint/checkpointer.py refuses a resume (exit 2, one line naming the first field) when one differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jaxdp.config import Config
+
+# Config groups whose fields decide what a checkpoint contains or which batches come next: a resumed
+# run must use the same values. Every other field may change on resume: --steps (the total to train
+# to), --strategy (psum, ring and host compute the same mean; only bit-identity is lost), the
+# learning rate and its schedule and clipping (to recover from a divergence; the optimizer state's
+# shapes are checked separately), the device and process count (the state is replicated),
+# checkpointing and logging, and --shard-optimizer (checkpoints hold the optimizer state whole);
+# --sync-every between values above 1 (the state is the same; the next sync comes at the next
+# multiple of the new value; between 1 and more, the states differ: `_check_compatible` says so) and
+# --outer-lr. `--sync-every auto` resumes with the H its checkpoint recorded (`recorded_meta`).
+# Neither do --prefetch (when batches are made, never which) and --attention (the same attention by
+# another kernel, like --strategy). Options of a choice the run did not take cannot matter either
+# (`_unused`): --momentum unless --optimizer momentum, --weight-decay unless adamw, the GPT's sizes
+# and token options for the other models, the outer optimizer's with synchronous training.
+# --dataset compares the file, not the spelling: the same file by another relative path (a rerun
+# from another directory with `--config DIR/config.toml`, which stores absolute paths) may resume.
+_RESUME_GROUPS = ("data", "model", "optimisation")
+_MAY_CHANGE_ON_RESUME = ("steps", "schedule_steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
+                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
+                         "attention")
+
+
+def resume_fields(config: Config) -> dict[str, Any]:
+    """The Config fields a resumed run must share with the run that wrote the checkpoint."""
+    unused = _unused(config)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME and f.name not in unused}
+
+
+def _unused(config: Config) -> set[str]:
+    """Fields that `config`'s other choices leave unread (jaxdp/step/state.py, jaxdp/models/builtin.py)."""
+    unused = set()
+    if config.optimizer != "momentum":
+        unused.add("momentum")
+    if config.optimizer != "adamw":
+        unused.add("weight_decay")
+    if config.model in ("mlp", "cnn"):  # their sizes are fixed (a --model MODULE:ATTR factory may read them)
+        unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size"}
+    if config.sync_every == 1:
+        unused |= {"outer_optimizer", "outer_momentum", "sync_fragments"}
+    return unused
+
+
+def dataset_path(config: Config) -> str | None:
+    """The absolute path of `config.dataset`, None for a built-in dataset."""
+    from jaxdp.registry import DATASETS
+
+    return None if config.dataset in DATASETS else os.path.abspath(config.dataset)
+
+
+def same_dataset(meta: dict, config: Config) -> bool:
+    """Whether checkpoint `meta` was made from the file `config.dataset` names, however spelt: by the
+    absolute path it records, or (checkpoints without one) the recorded path read from here."""
+    path = dataset_path(config)
+    if path is None:
+        return False
+    recorded = meta.get("dataset_path") or (meta.get("config") or {}).get("dataset")
+    return isinstance(recorded, str) and os.path.abspath(recorded) == path

@@ -1,0 +1,249 @@
+"""Who this process is in a run: pure detection from flags, JAX_* variables or SLURM.
+
+    python -m jaxdp.train --coordinator-address 10.0.0.1:12345 --num-processes 2 --process-id 0
+    JAX_COORDINATOR_ADDRESS=10.0.0.1:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python -m jaxdp.train
+    srun -n 2 python -m jaxdp.train           # SLURM: everything comes from the task's environment
+
+`detect(config, environ)` picks the first of four sources that applies and returns a frozen
+`Cluster`; nothing here starts anything or imports JAX, so every branch is tested without a cluster:
+
+1. explicit: `--coordinator-address HOST:PORT --num-processes P --process-id I` (all three);
+2. environment: the same three as `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`
+   (what `python -m jaxdp.launch` sets, and what `jaxdp.initialize()` reads in a user's script);
+3. slurm: a task started by `srun` (coordinator = first node of the step, port from the job and
+   step ids: `slurm_port`);
+4. single: one process, no coordinator.
+
+Every multi-process run also has a run id, which the processes present to process 0 before they
+reach JAX's coordinator (jaxdp/cluster/handshake.py): `$JAXDP_RUN_ID` (the launcher sets one per start), else
+under SLURM `slurm-JOB.STEP`, else none (process 0 then admits the first process of each number).
+
+Why not JAX's own cluster detection (`jax._src.clusters`): it is private, it cannot be called
+without starting JAX, and it gives one GPU per task whenever SLURM_LOCALID is set; the rules
+below also cover one task owning all of its node's GPUs, and every bad value gets a sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Mapping
+
+from jaxdp.config import Config, ConfigError
+
+# The environment branch: the three flags, spelled as environment variables.
+ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_COORDINATOR_PORT = "JAX_COORDINATOR_PORT"  # overrides the port SLURM detection picks
+ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # read by JAX itself: overrides the SLURM GPU layout
+ENV_RUN_ID = "JAXDP_RUN_ID"  # the same on every process of one run, different between runs
+
+# What `srun` puts in each task's environment (absent in the bare batch script).
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_STEP_ID = "SLURM_STEP_ID"  # optional: 0 where absent
+SLURM_STEP_NODELIST = "SLURM_STEP_NODELIST"
+SLURM_NTASKS = "SLURM_NTASKS"
+SLURM_PROCID = "SLURM_PROCID"
+SLURM_LOCALID = "SLURM_LOCALID"
+SLURM_NODEID = "SLURM_NODEID"
+SLURM_STEP_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+SLURM_GPUS_ON_NODE = "SLURM_GPUS_ON_NODE"  # set by SLURM when it allocated GPUs
+SLURM_REQUIRED = (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID)
+# The SLURM coordinator port. JAX's own rule, 61440 + job id % 4096, gives every step of a job the
+# same port, and jobs 4096 ids apart too. Ours: an even port in 20480..32766 (below Linux's
+# ephemeral range 32768-60999, so no outgoing connection holds it), the handshake on the odd one after.
+SLURM_PORT_BASE, SLURM_PORT_PAIRS = 20480, 6144
+SLURM_STEP_STRIDE = 3071  # coprime to 6144: the steps of one job never share a port
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Who this process is in the run, and where the coordinator (process 0) listens."""
+
+    source: str                               # "explicit", "environment", "slurm" or "single"
+    coordinator_address: str | None = None   # HOST:PORT of process 0
+    num_processes: int = 1
+    process_id: int = 0
+    local_device_ids: tuple[int, ...] | None = None  # GPUs this process owns (None: all visible)
+    run_id: str = ""                          # the same on every process of this run ("": none given)
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1
+
+    def describe(self) -> str:
+        if not self.multi_process:
+            return f"{self.source}: one process"
+        devices = "" if self.local_device_ids is None else f", GPUs {list(self.local_device_ids)} of its node"
+        run = f", run {self.run_id}" if self.run_id else ""
+        return (f"{self.source}: process {self.process_id} of {self.num_processes}, "
+                f"coordinator {self.coordinator_address}{devices}{run}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection: pure functions of the flags and the environment.
+# ---------------------------------------------------------------------------------------------
+
+
+def detect(config: Config, environ: Mapping[str, str] = os.environ) -> Cluster:
+    """The first source that applies: explicit flags, JAX_* variables, SLURM, else one process."""
+    cluster = _from_flags(config) or _from_jax_environment(environ) or _from_slurm(environ)
+    if cluster is None:
+        return Cluster("single")
+    return dataclasses.replace(cluster, run_id=run_id(environ))
+
+
+def run_id(environ: Mapping[str, str] = os.environ) -> str:
+    """$JAXDP_RUN_ID, else SLURM's `slurm-JOB.STEP` (in a task srun started), else "" (none)."""
+    if environ.get(ENV_RUN_ID, "").strip():
+        return environ[ENV_RUN_ID].strip()
+    if SLURM_JOB_ID in environ and SLURM_STEP_NODELIST in environ:
+        return f"slurm-{environ[SLURM_JOB_ID]}.{environ.get(SLURM_STEP_ID, '0')}"
+    return ""
+
+
+def handshake_port(coordinator_port: int) -> int:
+    """The port of process 0's run handshake: the one after the coordinator's (before it at 65535)."""
+    return coordinator_port + 1 if coordinator_port < 65535 else coordinator_port - 1
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """The coordinator port of a SLURM job step (the handshake uses the next one).
+
+    Job ids less than 6144 apart never share a port at the same step, nor do two steps of one job;
+    a rarer collision makes the second run's process 0 exit 2 saying the port is taken, and keeps
+    its other processes out of the first run (the handshake). $JAX_COORDINATOR_PORT overrides it."""
+    return SLURM_PORT_BASE + 2 * ((job_id + SLURM_STEP_STRIDE * step_id) % SLURM_PORT_PAIRS)
+
+
+def _from_flags(config: Config) -> Cluster | None:
+    given = {"--coordinator-address": config.coordinator_address, "--num-processes": config.num_processes,
+             "--process-id": config.process_id}
+    if all(value is None for value in given.values()):
+        return None
+    missing = [flag for flag, value in given.items() if value is None]
+    if missing:
+        raise ConfigError(f"a multi-process run needs {', '.join(missing)} as well")
+    return _checked("explicit", config.coordinator_address, config.num_processes, config.process_id,
+                    "--coordinator-address", "--num-processes", "--process-id")
+
+
+def _from_jax_environment(environ: Mapping[str, str]) -> Cluster | None:
+    names = (ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+    if not all(name in environ for name in names):
+        return None  # JAX_COORDINATOR_ADDRESS alone is left to JAX (it may complete a SLURM setup)
+    address, count, index = (environ[name] for name in names)
+    return _checked("environment", address, _int(count, ENV_NUM_PROCESSES), _int(index, ENV_PROCESS_ID), *names)
+
+
+def _from_slurm(environ: Mapping[str, str]) -> Cluster | None:
+    if not all(name in environ for name in SLURM_REQUIRED):
+        return None  # not a task started by srun (a bare batch script has no SLURM_STEP_NODELIST)
+    count, index = _int(environ[SLURM_NTASKS], SLURM_NTASKS), _int(environ[SLURM_PROCID], SLURM_PROCID)
+    if count == 1:
+        return None
+    if ENV_COORDINATOR_ADDRESS in environ:
+        address = environ[ENV_COORDINATOR_ADDRESS]
+    else:
+        step = environ.get(SLURM_STEP_ID, "0")
+        port = environ.get(ENV_COORDINATOR_PORT) or str(slurm_port(
+            _int(environ[SLURM_JOB_ID], SLURM_JOB_ID), _int(step, SLURM_STEP_ID) if step.isdigit() else 0))
+        address = f"{expand_nodelist(environ[SLURM_STEP_NODELIST])[0]}:{port}"
+    cluster = _checked("slurm", address, count, index, ENV_COORDINATOR_ADDRESS, SLURM_NTASKS, SLURM_PROCID)
+    return dataclasses.replace(cluster, local_device_ids=slurm_local_device_ids(environ))
+
+
+def slurm_local_device_ids(environ: Mapping[str, str]) -> tuple[int, ...] | None:
+    """Which of the node's GPUs this SLURM task owns.
+
+    * one task per node (`--ntasks-per-node=1`): the task owns all GPUs of its node;
+    * several tasks per node, SLURM already bound GPUs to each task (`--gpus-per-task`, so
+      CUDA_VISIBLE_DEVICES lists fewer GPUs than there are tasks on the node): all it sees;
+    * several tasks per node sharing the node's GPUs: one GPU each, number SLURM_LOCALID.
+    "All" is said explicitly, `(0, .., n - 1)` for the n GPUs of CUDA_VISIBLE_DEVICES (else
+    SLURM_GPUS_ON_NODE): given None, `jax.distributed.initialize` runs its own SLURM detection and
+    keeps GPU number SLURM_LOCALID alone, so a task that owns its node's 8 GPUs would train on one.
+    None where the count is unknown (no GPUs allocated: a CPU job) or `JAX_LOCAL_DEVICE_IDS=0,1`
+    decides (JAX reads it itself).
+    """
+    if ENV_LOCAL_DEVICE_IDS in environ:
+        return None
+    per_node = expand_tasks_per_node(environ.get(SLURM_STEP_TASKS_PER_NODE, "1"))
+    node = _int(environ.get(SLURM_NODEID, "0"), SLURM_NODEID)
+    tasks_here = per_node[node] if node < len(per_node) else max(per_node)
+    visible = [d for d in environ.get(CUDA_VISIBLE_DEVICES, "").split(",") if d.strip()]
+    if tasks_here <= 1 or (visible and len(visible) < tasks_here):
+        count = len(visible) or _int(environ.get(SLURM_GPUS_ON_NODE, "0"), SLURM_GPUS_ON_NODE)
+        return tuple(range(count)) if count else None
+    return (_int(environ[SLURM_LOCALID], SLURM_LOCALID),)
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list to host names: `node[01-03,7],gpu5` -> node01 node02 node03 node7 gpu5."""
+    hosts: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
+        hosts.extend(_expand_host(item))
+    if not hosts:
+        raise ConfigError(f"{SLURM_STEP_NODELIST}={nodelist!r} names no host")
+    return hosts
+
+
+def _expand_host(pattern: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", pattern)
+    if not match:
+        return [pattern]
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    names = []
+    for part in match.group(1).split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ConfigError(f"cannot parse the SLURM host range [{match.group(1)}] in {pattern!r}")
+        for number in range(int(low), int(high or low) + 1):
+            names.extend(_expand_host(f"{head}{number:0{len(low)}d}{tail}"))
+    return names
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """SLURM_STEP_TASKS_PER_NODE to one count per node: `2(x3),1` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise ConfigError(f"cannot parse {SLURM_STEP_TASKS_PER_NODE}={spec!r}")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def parse_address(address: str, what: str = "--coordinator-address") -> tuple[str, int]:
+    """`HOST:PORT` (or `[v6]:PORT`) -> (host, port); ConfigError naming `what` otherwise."""
+    match = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\s\[\]]+):(\d+)", address.strip())
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"{what}={address!r} is not HOST:PORT (for example 10.0.0.1:12345, "
+                          f"with a port between 1 and 65535)")
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def _checked(source: str, address: str, count: int, index: int,
+             address_name: str, count_name: str, index_name: str) -> Cluster:
+    parse_address(address, address_name)
+    if count <= 0:
+        raise ConfigError(f"{count_name} must be a positive integer, got {count}")
+    if not 0 <= index < count:
+        raise ConfigError(f"{index_name}={index} must be between 0 and {count_name} - 1 = {count - 1}")
+    return Cluster(source, address.strip(), count, index)
+
+
+def _int(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not an integer") from None
+
+
+def in_batch_script_of_several_tasks(environ: Mapping[str, str]) -> bool:
+    """A SLURM job of several tasks, but this is not a task srun started (no step node list)."""
+    tasks = environ.get(SLURM_NTASKS, "1")
+    return SLURM_JOB_ID in environ and SLURM_STEP_NODELIST not in environ and tasks.isdigit() and int(tasks) > 1

@@ -1,0 +1,215 @@
+"""Built-in Flax models. Modules only: nothing here knows about meshes or devices.
+
+The CNN's BatchNorm takes an optional `axis_name`: inside a jaxdp step it is the mesh's axis, so batch
+statistics are computed over the whole global batch (synchronised BatchNorm) and the model trains
+exactly as it would on one device; outside a mapped context (evaluation, a single-device
+reference) it is None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class MLP(nn.Module):
+    """Flatten, then Dense + ReLU (+ dropout) per hidden layer, then a linear classifier."""
+
+    hidden: Sequence[int] = (256, 256)
+    num_classes: int = 10
+    dropout_rate: float = 0.0
+    dtype: Any = jnp.float32  # compute dtype; parameters stay float32
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+        x = x.reshape((x.shape[0], -1))
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
+            if self.dropout_rate:
+                x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+
+
+class CNN(nn.Module):
+    """Two conv blocks with BatchNorm, global average pooling, a linear classifier."""
+
+    features: Sequence[int] = (32, 64)
+    num_classes: int = 10
+    axis_name: str | None = None  # the mesh's axis name for synchronised BatchNorm
+    dtype: Any = jnp.float32  # compute dtype; parameters and batch statistics stay float32
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+        for width in self.features:
+            x = nn.Conv(width, (3, 3), dtype=self.dtype)(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name, dtype=self.dtype)(x)
+            x = nn.relu(x)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes, dtype=self.dtype)(x).astype(jnp.float32)
+
+
+class KVCache(NamedTuple):
+    """The keys and values of every token a GPT has seen so far, for generation one token at a time.
+
+    `keys[i]` and `values[i]` are layer i's, of shape (batch, context, heads, head_dim) in the
+    module's compute dtype; positions `length` and beyond are not written yet (zeros, masked out).
+    Make one with `GPT.init_cache(batch)`; `GPT.__call__(tokens, cache)` returns the next one.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    length: jax.Array  # int32 scalar: how many positions are filled
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (GPT-2 layout: pre-LayerNorm blocks, causal attention, GELU MLP).
+
+    Parameters are float32; `dtype` is the compute dtype (bfloat16 for mixed precision: matmuls
+    and attention in bf16, LayerNorm statistics and the loss in float32). Used by
+    `python -m jaxdp.bench gpt` for throughput and MFU; `flops_per_token` is the model-FLOPs count
+    that MFU divides by.
+
+    The defaults are jaxdp's own GPT (its checkpoints depend on them). Hugging Face GPT-2 is
+    `ln_epsilon=1e-5, tie_embeddings=True, head_bias=False, max_positions=n_positions` with the
+    tanh GELU (`jaxdp.models.hf.read_gpt2` gives these). The parameters map one to one: GPT-2's `c_attn`
+    [d, 3d] is `qkv_i` [d, 3, heads, head_dim], its `c_proj` [d, d] is `proj_i` [heads, head_dim, d].
+
+    `module.apply({"params": p}, tokens)` gives the logits of every position; with a `KVCache`,
+    `module.apply({"params": p}, tokens, cache)` gives `(logits, cache)` for `tokens` placed after
+    the cache's `length` positions, attending to them and to each other causally (jaxdp/models/generate.py).
+    """
+
+    vocab_size: int = 50304
+    seq_len: int = 1024  # training sequence length (the attention FLOPs of flops_per_token)
+    layers: int = 12
+    d_model: int = 768
+    heads: int = 12
+    dtype: Any = jnp.float32
+    attention: str = "auto"  # "auto", "xla" or "cudnn": see attention_implementation
+    ln_epsilon: float = 1e-6  # flax's LayerNorm default; GPT-2: 1e-5
+    tie_embeddings: bool = False  # True: logits = x @ embed.T, no head (GPT-2)
+    head_bias: bool = True  # the untied head's bias (GPT-2 has none); a tied head has no bias
+    max_positions: int | None = None  # rows of the position table (GPT-2: n_positions); None: seq_len
+    gelu_approximate: bool = True  # the tanh GELU (GPT-2's "gelu_new"); False: the exact erf one
+
+    @property
+    def context(self) -> int:
+        """The most positions the model can see: the size of its position table."""
+        return self.seq_len if self.max_positions is None else self.max_positions
+
+    @nn.compact
+    def __call__(self, tokens: jnp.ndarray, cache: KVCache | None = None) -> Any:
+        if self.tie_embeddings and self.head_bias:
+            raise ValueError("GPT(tie_embeddings=True) has no head and so no head bias: pass head_bias=False")
+        if self.max_positions is not None and self.max_positions < self.seq_len:
+            raise ValueError(f"GPT(max_positions={self.max_positions}) must be at least seq_len={self.seq_len}")
+        length = tokens.shape[1]
+        start = 0 if cache is None else cache.length
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed")
+        positions = jnp.arange(length) + start
+        x = embed(tokens) + nn.Embed(self.context, self.d_model, dtype=self.dtype, name="pos")(positions)
+        head_dim = self.d_model // self.heads
+        # The cached path attends over the whole cache with a mask, which only XLA's attention takes.
+        implementation = attention_implementation(self.attention, self.dtype, head_dim) if cache is None else "xla"
+        keys, values = [], []
+        for i in range(self.layers):
+            h = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name=f"ln_attn_{i}")(x)
+            qkv = nn.DenseGeneral((3, self.heads, head_dim), dtype=self.dtype, name=f"qkv_{i}")(h)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            if cache is None:
+                attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+            else:
+                k = jax.lax.dynamic_update_slice(cache.keys[i], k.astype(cache.keys[i].dtype), (0, start, 0, 0))
+                v = jax.lax.dynamic_update_slice(cache.values[i], v.astype(cache.values[i].dtype), (0, start, 0, 0))
+                keys.append(k)
+                values.append(v)
+                visible = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (query, key): causal
+                attn = jax.nn.dot_product_attention(q, k, v, mask=visible[None, None], implementation=implementation)
+            x = x + nn.DenseGeneral(self.d_model, axis=(-2, -1), dtype=self.dtype, name=f"proj_{i}")(attn)
+            h = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name=f"ln_mlp_{i}")(x)
+            h = nn.gelu(nn.Dense(4 * self.d_model, dtype=self.dtype, name=f"fc_{i}")(h), approximate=self.gelu_approximate)
+            x = x + nn.Dense(self.d_model, dtype=self.dtype, name=f"fc_out_{i}")(h)
+        x = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name="ln_final")(x)
+        if self.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(self.vocab_size, use_bias=self.head_bias, dtype=self.dtype, name="head")(x)
+        logits = logits.astype(jnp.float32)
+        if cache is None:
+            return logits
+        return logits, KVCache(tuple(keys), tuple(values), cache.length + length)
+
+    def init_cache(self, batch: int) -> KVCache:
+        """An empty cache for `batch` sequences of up to `context` tokens."""
+        shape = (batch, self.context, self.heads, self.d_model // self.heads)
+        empty = tuple(jnp.zeros(shape, self.dtype) for _ in range(self.layers))
+        return KVCache(empty, empty, jnp.zeros((), jnp.int32))
+
+    def flops_per_token(self, params: Any) -> float:
+        """Training FLOPs per token, the count MFU is defined with (PaLM paper, appendix B): 6 per
+        weight (2 forward, 4 backward) for every parameter but the embedding tables (lookups, not
+        matmuls), plus 12 * layers * d_model * seq_len for attention scores and weighted values
+        (the full matrix, not halved for the causal mask). A tied head's matmul (the token table
+        used as the output layer) counts: it is a matmul, like an untied head's."""
+        n = sum(x.size for x in jax.tree.leaves(params))
+        n -= params["pos"]["embedding"].size + (0 if self.tie_embeddings else params["embed"]["embedding"].size)
+        return 6 * n + 12 * self.layers * self.d_model * self.seq_len
+
+
+def attention_implementation(requested: str, dtype: Any, head_dim: int, device: Any = None) -> str:
+    """Which `jax.nn.dot_product_attention` implementation the GPT uses: "xla" or "cudnn".
+
+    "auto" picks cuDNN's fused flash attention where it runs: an NVIDIA GPU of compute capability
+    8.0 or newer (Ampere, Hopper, Blackwell), a 16-bit compute dtype (bf16 or fp16) and a head
+    size that is a multiple of 8 up to 128. Everywhere else (CPUs, float32, other GPUs) it picks
+    XLA's own attention. `jax.nn.dot_product_attention` with no implementation chose the XLA
+    path even on an H100, at half cuDNN's speed for GPT-2-small (README "Performance").
+    """
+    if requested not in ("auto", "xla", "cudnn"):
+        raise ValueError(f"attention must be auto, xla or cudnn, got {requested!r}")
+    if requested != "auto":
+        return requested
+    device = jax.devices()[0] if device is None else device
+    capability = getattr(device, "compute_capability", "0")
+    on_nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    fits = head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if on_nvidia and float(capability) >= 8.0 and sixteen_bit and fits else "xla"
+
+
+# GPT fields beyond the command line's, which express Hugging Face GPT-2 (jaxdp/models/hf.py).
+GPT_OPTIONS = ("ln_epsilon", "tie_embeddings", "head_bias", "max_positions", "gelu_approximate")
+
+
+def build_mlp(config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
+    del axis_name  # no cross-device statistics
+    return MLP(num_classes=num_outputs, dtype=compute_dtype(config.precision))
+
+
+def build_cnn(config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
+    return CNN(num_classes=num_outputs, axis_name=axis_name, dtype=compute_dtype(config.precision))
+
+
+def build_gpt(config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
+    del axis_name
+    # The GPT-2 options are read where `config` has them (a config built for jaxdp.models.hf); a
+    # command-line Config has none of them and gets jaxdp's own GPT.
+    options = {name: getattr(config, name) for name in GPT_OPTIONS if hasattr(config, name)}
+    return GPT(vocab_size=num_outputs, seq_len=config.seq_len, layers=config.layers, d_model=config.d_model,
+               heads=config.heads, dtype=compute_dtype(config.precision), attention=config.attention, **options)
+
+
+
+def compute_dtype(precision: str) -> Any:
+    """--precision to a dtype: "fp32" or "bf16" (parameters stay float32 either way)."""
+    return {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+
+
+def build_model(name: str, config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
+    """The built-in model called `name` in `jaxdp.registry.MODELS`, sized by `config`'s fields."""
+    from jaxdp.registry import MODELS
+
+    return MODELS[name](config, num_outputs, axis_name)

@@ -1,0 +1,429 @@
+"""The cost model: predictions and decisions from measured figures, pure (nothing is measured here).
+
+    model = fit_comm_model([1 << 20, 16 << 20], [t_small, t_large])   # latency + bytes / bandwidth
+    choice, reasons = plan(compute_seconds, model, params)            # the least compression that fits
+    choice = guard(choice, relative_error(applied_sum, true_sum))     # step back if it loses too much
+    h = auto_sync_every(compute_seconds, model, payload_bytes)        # --sync-every auto's H
+    record = choose_local_steps(figures, options(codecs, params), target, overlap)  # ... and its codec
+    rows = predict(Cluster(nodes, devices, link_bits_per_s), compute_seconds, params)  # bench plan
+
+jaxdp/sync/controller.py measures on the run's devices and calls these; every process decides from the
+same gathered figures, so every process takes the same decision. The numbers behind each
+threshold are written beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdp.sync.compression import Bf16, Compressor, NoCompression, PowerSGD, Quantized, uncompressed_bytes
+
+Tree = Any
+
+# The ranks `ladder` offers, from least to most compression (Vogels et al. use 1 to 4 for
+# ResNet/LSTM; 32 is already close to uncompressed for most layers of small models).
+DEFAULT_RANKS = (32, 16, 8, 4, 2, 1)
+
+# plan(): the largest predicted all-reduce time, as a fraction of the compute time, we accept
+# without compressing more. jaxdp's step does not overlap the all-reduce with the backward pass,
+# so a step takes compute + comm: 0.25 keeps scaling efficiency at or above 1 / 1.25 = 80 %, the
+# usual bar for "scales well", while never compressing a run whose link already keeps up (every
+# extra step of compression costs matmuls and some gradient quality).
+TARGET_COMM_FRACTION = 0.25
+
+# When plain averaging misses the target, compress only if the chosen candidate's predicted step
+# (compute + all-reduce) is at least this much shorter than plain averaging's: the prediction
+# leaves out compression's own work (casts, PowerSGD's matmuls) and its cost in gradient quality,
+# and times measured on a shared machine vary by 10-20 %; a smaller predicted gain pays for none
+# of that. A latency-bound link (simulated devices in one process, where an
+# all-reduce costs about the same at any size) is exactly such a case: there, none.
+MIN_STEP_GAIN = 0.20
+
+# guard(): the threshold on the relative error of a window's summed compressed means against its
+# summed true means, as jaxdp/sync/controller.py measures it: GUARD_WINDOW batches at the current
+# parameters, error feedback threaded through them (so the error is exactly the change of the
+# devices' mean error over the window: the progress still owed). Measured on the GPT of
+# `python -m jaxdp.bench compression` (4 layers x 256, SGD momentum 0.9, lr 0.3, 2 devices) after
+# 100 steps: rank 32 0.019, 16 0.24, 8 0.38, 4 0.53, 2 0.74, 1 0.82; after 200 steps the held-out
+# loss was 0.411 at rank 32 against 0.409 uncompressed, but 0.552 at rank 16 and 1.48 at rank 4.
+# At the first step (random parameters) the same probe gave rank 4 0.24, 8 0.14, 16 0.090: a
+# threshold of 0.1 took rank 16 there, and it ended 250 steps 18 % above uncompressed (bench
+# compression, docs/perf). 0.05 stops rank 16 at both points and passes rank 32. (On the digits MLP,
+# 100-step windows, every rank from 1 to 8 matched uncompressed accuracy:
+# tests/scripts/compression_guard_window.py; a 4-step window errs on the side of more rank.) Never give guard the
+# per-step error ||approx - mean|| / ||mean|| of
+# one batch without error feedback: it is 0.5 or more at low rank by design.
+GUARD_THRESHOLD = 0.05
+GUARD_WINDOW = 4
+
+# The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
+# project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
+# 0.20x its time (docs/perf/localsgd.json). Once the all-reduce per step is below the compute, a
+# doubling of H buys at most a few percent of wall time while the loss keeps drifting from the
+# synchronous run's. A user who wants a larger H passes it explicitly (--sync-every 64).
+MAX_AUTO_SYNC_EVERY = 16
+
+# ladder(): int8 and int4 join the ladder (ring strategies only: they requantize at every hop)
+# while their one-step error before feedback, Quantized.error_bound(devices), is at most this
+# fraction of a block's largest sum: int4 up to 4 devices on the ring (14.8 % at 2, 31.7 % at 4,
+# 74 % at 8), int8 up to 76. Error feedback sends what a step left out at the next step, so the
+# applied sum over a run is exact up to the last step's error (jaxdp.sync.compression.Quantized); but
+# past this bound the error carried from step to step is as large as the gradient itself, and
+# PowerSGD's guarded ranks are the better bet. They are not replayed by the quality guard: the
+# replay's shortcut (a compressed mean equals the mean of compressed parts) holds for PowerSGD's
+# linear projections, not for rounding at every hop. At 2 processes on the 100 Mbit/s testbed,
+# held-out accuracy stayed within 0.003 of the plain ring (docs/perf/quantized-100mbit.json).
+QUANT_BOUND = 0.35
+
+# --overlap with --sync-every auto: the average runs behind the next round, so it may take this
+# many times the target (comm_target x compute per step): half the round's compute at the default
+# 0.25. Not all of the round: the average shares the process's core (quantizing, copies in and out
+# of the collective) and a round's compute varies; at 50 Mbit/s, --sync-every 8, --overlap
+# measured 1.51x against a ceiling of about 1.6x (docs/perf/overlap-50mbit-psum.json).
+OVERLAP_ALLOWANCE = 2.0
+
+
+
+@dataclasses.dataclass(frozen=True)
+class CommModel:
+    """All-reduce time = calls * latency_s + bytes * seconds_per_byte."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def seconds(self, nbytes: int, calls: int = 1) -> float:
+        return calls * self.latency_s + nbytes * self.seconds_per_byte
+
+
+def fit_comm_model(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> CommModel:
+    """Least-squares line through measured (bytes, seconds) all-reduce times, two points or more.
+    A negative intercept (noise) becomes 0 latency; times that do not grow with size raise."""
+    x, y = np.asarray(sizes_bytes, np.float64), np.asarray(seconds, np.float64)
+    if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
+        raise ValueError("fit_comm_model needs all-reduce times for at least two different sizes")
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:
+        raise ValueError("fit_comm_model: the measured times do not grow with size; measure larger buffers")
+    return CommModel(latency_s=max(float(intercept), 0.0), seconds_per_byte=float(slope))
+
+
+def ladder(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0,
+           quantized_devices: int | None = None) -> list[Compressor]:
+    """Candidates from least to most compression: none, bf16, (with `quantized_devices`, the
+    device count of a ring that can requantize at every hop) int8 and int4 where their error bound
+    allows (QUANT_BOUND), then PowerSGD at decreasing ranks. A rank is left out when it is no
+    smaller than the largest matrix's min(n, m) (it would be that matrix's full rank), or when it
+    moves no fewer bytes than the candidate before it (int4's payload, or a higher rank's)."""
+    out: list[Compressor] = [NoCompression(), Bf16()]
+    shapes = [x.shape for x in jax.tree.leaves(params) if len(x.shape) >= 2]
+    largest = max((min(int(np.prod(s[:-1])), int(s[-1])) for s in shapes), default=0)
+    last_bytes = None
+    for bits in (8, 4) if quantized_devices else ():
+        quantized = Quantized(bits)
+        if quantized.error_bound(quantized_devices) <= QUANT_BOUND:
+            out.append(quantized)
+            last_bytes = quantized.payload_bytes(params)
+    for r in sorted(set(ranks), reverse=True):
+        candidate = PowerSGD(rank=r, start=start)
+        if r >= largest or not candidate.layout(params):
+            continue
+        payload = candidate.payload_bytes(params)
+        if last_bytes is not None and payload >= last_bytes:
+            continue
+        out.append(candidate)
+        last_bytes = payload
+    return out
+
+
+def plan(compute_seconds: float, comm_model: CommModel, params: Tree, candidates: Sequence[Compressor] | None = None,
+         target_fraction: float = TARGET_COMM_FRACTION) -> tuple[Compressor, dict]:
+    """The first candidate (least compression first) whose predicted all-reduce time is at most
+    `target_fraction * compute_seconds`, or if none is, the one with the shortest predicted step
+    (compute + all-reduce); but the first candidate (plain averaging) unless the choice's step is
+    at least MIN_STEP_GAIN shorter than its. Reasons say which and why.
+
+    reasons: {"compute_s", "target_s", "predicted_s": {name: seconds}, "payload_bytes": {name: bytes},
+    "uncompressed_bytes", "chosen", "fits": bool, "why": a sentence}.
+    """
+    candidates = list(ladder(params) if candidates is None else candidates)
+    if not candidates:
+        raise ValueError("plan needs at least one candidate")
+    target = target_fraction * compute_seconds
+    payload = {c.name: c.payload_bytes(params) for c in candidates}
+    predicted = {c.name: comm_model.seconds(payload[c.name], c.collectives) for c in candidates}
+    reasons = {"compute_s": compute_seconds, "target_s": target, "predicted_s": predicted, "payload_bytes": payload,
+               "uncompressed_bytes": uncompressed_bytes(params)}
+    step = {name: compute_seconds + t for name, t in predicted.items()}
+    plain = candidates[0]
+    fitting = [c for c in candidates if predicted[c.name] <= target]
+    if plain in fitting:
+        why = (f"{plain.name}: predicted all-reduce {predicted[plain.name] * 1e3:.3g} ms <= {target_fraction:g} x compute "
+               f"{compute_seconds * 1e3:.3g} ms")
+        return plain, {**reasons, "chosen": plain.name, "fits": True, "why": why}
+    fastest = min(candidates, key=lambda c: step[c.name])  # the first of equals: the least compression
+    choice = fitting[0] if fitting else fastest
+    gain = 1 - step[choice.name] / step[plain.name]
+    if gain < MIN_STEP_GAIN:
+        why = (f"{plain.name}: the best candidate ({choice.name}) predicts a step only {gain:.0%} shorter (< "
+               f"{MIN_STEP_GAIN:.0%}); the all-reduce costs latency more than bandwidth here")
+        return plain, {**reasons, "chosen": plain.name, "fits": False, "why": why}
+    if fitting:
+        why = (f"{choice.name}: predicted all-reduce {predicted[choice.name] * 1e3:.3g} ms <= {target_fraction:g} x "
+               f"compute {compute_seconds * 1e3:.3g} ms, the least compression that fits; a step {gain:.0%} shorter")
+    else:
+        why = (f"{choice.name}: no candidate fits {target_fraction:g} x compute {compute_seconds * 1e3:.3g} ms; it predicts "
+               f"the shortest step, {gain:.0%} shorter than {plain.name} (communication still dominates: fewer "
+               f"synchronisations, e.g. local steps, would be next)")
+    return choice, {**reasons, "chosen": choice.name, "fits": bool(fitting), "why": why}
+
+
+def relative_error(approx_mean: Tree, true_mean: Tree) -> jax.Array:
+    """float32 ||approx - true|| / ||true|| over the whole tree (global norms); 0 when both are 0."""
+    diff = sum(jnp.sum(jnp.square(jnp.asarray(a, jnp.float32) - jnp.asarray(t, jnp.float32)))
+               for a, t in zip(jax.tree.leaves(approx_mean), jax.tree.leaves(true_mean)))
+    true = sum(jnp.sum(jnp.square(jnp.asarray(t, jnp.float32))) for t in jax.tree.leaves(true_mean))
+    return jnp.sqrt(jnp.asarray(diff, jnp.float32) / jnp.maximum(jnp.asarray(true, jnp.float32), jnp.finfo(jnp.float32).tiny))
+
+
+def weaker(choice: Compressor, candidates: Sequence[Compressor] | None = None) -> Compressor:
+    """The next candidate with less compression: the previous one in `candidates` when `choice` is
+    in it; otherwise PowerSGD rank r -> 2r (up to the largest of DEFAULT_RANKS), then bf16, then
+    none; int4 -> int8 -> bf16."""
+    candidates = list(candidates or [])
+    if choice in candidates:
+        return candidates[max(candidates.index(choice) - 1, 0)]
+    if isinstance(choice, Quantized):
+        return Quantized(8) if choice.bits < 8 else Bf16()
+    if isinstance(choice, PowerSGD):
+        if choice.rank * 2 <= max(DEFAULT_RANKS):
+            return dataclasses.replace(choice, rank=choice.rank * 2)
+        return Bf16()
+    return NoCompression()
+
+
+def guard(choice: Compressor, rel_error: float, threshold: float = GUARD_THRESHOLD,
+          candidates: Sequence[Compressor] | None = None) -> Compressor:
+    """`choice` while `rel_error <= threshold`; above it, the next weaker candidate (`weaker`).
+    Give it `running_sum_error` for PowerSGD (see GUARD_THRESHOLD); a NaN error steps back too."""
+    if float(rel_error) <= threshold:
+        return choice
+    return weaker(choice, candidates)
+
+
+def choose_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: int, collectives: int = 1,
+                      target_fraction: float | None = None, max_sync_every: int = 1024) -> int:
+    """The smallest H whose predicted per-step communication is at most `target_fraction` (default:
+    TARGET_COMM_FRACTION) of the compute time, capped at `max_sync_every`."""
+    target = (TARGET_COMM_FRACTION if target_fraction is None else target_fraction) * compute_seconds
+    per_sync = comm_model.seconds(payload_bytes, collectives)
+    if target <= 0:
+        return max_sync_every
+    return int(min(max(1, math.ceil(per_sync / target)), max_sync_every))
+
+
+def auto_sync_every(compute_seconds: float, comm_model: Any, payload_bytes: int, collectives: int = 1,
+                    target_fraction: float | None = None, max_sync_every: int = MAX_AUTO_SYNC_EVERY) -> dict[str, Any]:
+    """The H of `--sync-every auto`, a pure function of measured figures (so every process that has
+    the same gathered figures takes the same decision), and the numbers behind it.
+
+    1 when one all-reduce of `payload_bytes` (in `collectives` calls) per step is at most
+    `target_fraction` (default TARGET_COMM_FRACTION) of `compute_seconds`: the
+    normal synchronous step. Otherwise the smallest power of two >= `choose_sync_every(...)`,
+    capped at `max_sync_every`. Powers of two: a handful of values across runs and machines whose
+    figures differ by a little, and every divisor a later `--sync-fragments` might want.
+
+    Returns {"sync_every", "uncapped_sync_every" (choose_sync_every's H, no power of two, no cap),
+    "fits" (the chosen H meets the target), "comm_per_sync_s", "predicted_comm_s" (per step at the
+    chosen H), "target_s", "why"}.
+    """
+    fraction = TARGET_COMM_FRACTION if target_fraction is None else target_fraction
+    target = fraction * compute_seconds
+    per_sync = comm_model.seconds(payload_bytes, collectives)
+    needed = choose_sync_every(compute_seconds, comm_model, payload_bytes, collectives, fraction, max_sync_every=1 << 30)
+    sync_every = 1 if needed == 1 else min(1 << (needed - 1).bit_length(), max_sync_every)
+    predicted = per_sync / sync_every
+    numbers = (f"one all-reduce of {payload_bytes} bytes predicts {per_sync * 1e3:.3g} ms against a target of "
+               f"{fraction:g} x compute {compute_seconds * 1e3:.3g} ms = {target * 1e3:.3g} ms per step")
+    if sync_every == 1:
+        why = f"synchronous: {numbers}"
+    elif sync_every < needed:
+        why = (f"local steps, averaged every {sync_every} steps (the cap, MAX_AUTO_SYNC_EVERY): {numbers}; meeting it "
+               f"would take H = {needed} ({predicted * 1e3:.3g} ms per step at H = {sync_every}); pass --sync-every "
+               f"{needed} for that")
+    else:
+        why = (f"local steps, averaged every {sync_every} steps: {numbers}; H = {needed} would meet it, rounded up to a "
+               f"power of two: {predicted * 1e3:.3g} ms per step")
+    return {"sync_every": sync_every, "uncapped_sync_every": needed, "fits": predicted <= target,
+            "comm_per_sync_s": per_sync, "predicted_comm_s": predicted, "target_s": target, "why": why}
+
+
+def comm_model(figures: dict[str, Any]) -> CommModel:
+    """The all-reduce time line through `measure`'s two sizes (latency alone if the times do not
+    grow with size: a fast link)."""
+    try:
+        return fit_comm_model(figures["comm_sizes"], [figures["comm_small_s"], figures["comm_full_s"]])
+    except ValueError:
+        return CommModel(latency_s=figures["comm_full_s"], seconds_per_byte=0.0)
+
+
+def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_bytes: int, collectives: int,
+                       target_fraction: float) -> dict[str, Any]:
+    """The "local_steps" record of `--sync-every auto`: H (`auto_sync_every`, a pure function
+    of `measure`'s gathered figures, so every process takes the same decision) and the numbers
+    behind it. `pseudo_gradient` names the compression the pseudo-gradient (or, at H = 1, the
+    gradient) goes through, `payload_bytes` and `collectives` what it sends per average."""
+    model = comm_model(figures)
+    choice = auto_sync_every(figures["compute_s"], model, payload_bytes, collectives, target_fraction)
+    return {"sync_every": choice["sync_every"], "why": choice["why"], "compute_s": figures["compute_s"],
+            "comm_full_s": figures["comm_full_s"], "latency_s": model.latency_s,
+            "bandwidth_bytes_per_s": 1 / model.seconds_per_byte if model.seconds_per_byte else None,
+            "pseudo_gradient": pseudo_gradient, "payload_bytes": payload_bytes, "collectives": collectives,
+            "comm_per_sync_s": choice["comm_per_sync_s"], "predicted_comm_s": choice["predicted_comm_s"],
+            "target_fraction": target_fraction, "target_s": choice["target_s"], "fits": choice["fits"],
+            "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": MAX_AUTO_SYNC_EVERY}
+
+
+# The codecs local steps may send their pseudo-gradient through: every value, rounded or not, with
+# error feedback where it keeps any. Not PowerSGD: the quality guard measures gradients, not
+# pseudo-gradients.
+PSEUDO_GRADIENT_CODECS = (NoCompression, Bf16, Quantized)
+
+
+def options(codecs: Sequence[Compressor], params: Tree) -> list[tuple[str, int, int]]:
+    """`choose_local_steps`'s options: (name, payload bytes, collectives) of each codec."""
+    return [(c.name, c.payload_bytes(params), c.collectives) for c in codecs]
+
+
+def predicted_step_s(compute_seconds: float, comm_per_sync_s: float, sync_every: int, overlap: bool = False) -> float:
+    """Seconds per step of local steps at H = `sync_every`: compute plus the per-step share of
+    one average, or with `overlap` the longer of the two (the average runs behind the next round)."""
+    share = comm_per_sync_s / max(sync_every, 1)
+    return max(compute_seconds, share) if overlap and sync_every > 1 else compute_seconds + share
+
+
+def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int, int]], target_fraction: float,
+                       overlap: bool = False) -> dict[str, Any]:
+    """`--sync-every auto`'s local steps when the pseudo-gradient's codec is free to choose:
+    `options` are (codec name, payload bytes, collectives), least compression first (none, bf16,
+    int8, int4). Each gets its H (`auto_sync_every`; with `overlap`, against OVERLAP_ALLOWANCE x
+    `target_fraction` of the compute) and its predicted step (`predicted_step_s`). The choice:
+
+    1. the smallest H (fewer local steps between averages stay closer to synchronous training),
+    2. among those, the least compression whose predicted step is within MIN_STEP_GAIN of the
+       fastest (compression is bought only for a real gain, as in `plan`).
+
+    Returns `local_steps_record` of the choice, plus "options" ({name: {"sync_every",
+    "predicted_step_s"}}) and, without `overlap`, "propose_overlap" when `--overlap` would make
+    the chosen codec's step at least MIN_STEP_GAIN shorter (with its own H): {"sync_every",
+    "predicted_step_s", "why"}, or None."""
+    if not options:
+        raise ValueError("choose_local_steps needs at least one option")
+    model = comm_model(figures)
+    compute = figures["compute_s"]
+    fraction = OVERLAP_ALLOWANCE * target_fraction if overlap else target_fraction
+
+    def sized(payload: int, collectives: int, hidden: bool) -> tuple[int, float]:
+        plain = auto_sync_every(compute, model, payload, collectives, target_fraction)
+        if not hidden or plain["sync_every"] == 1:  # the link keeps up at every step: synchronous
+            return plain["sync_every"], predicted_step_s(compute, plain["comm_per_sync_s"], plain["sync_every"])
+        choice = auto_sync_every(compute, model, payload, collectives, OVERLAP_ALLOWANCE * target_fraction)
+        h = max(choice["sync_every"], 2)  # it misses at every step, and only a next round overlaps an average
+        return h, predicted_step_s(compute, choice["comm_per_sync_s"], h, True)
+
+    table = {name: sized(payload, collectives, overlap) for name, payload, collectives in options}
+    fewest = min(h for h, _ in table.values())
+    fastest = min(s for h, s in table.values() if h == fewest)
+    name, payload, collectives = next(o for o in options if table[o[0]][0] == fewest
+                                      and table[o[0]][1] * (1 - MIN_STEP_GAIN) <= fastest)
+    sync_every, step_s = table[name]
+    record = local_steps_record(figures, name, payload, collectives, fraction if sync_every > 1 else target_fraction)
+    if sync_every != record["sync_every"]:  # overlapped: at least 2 (sized)
+        record.update(sync_every=sync_every, predicted_comm_s=record["comm_per_sync_s"] / sync_every, fits=True,
+                      why=f"local steps, averaged every 2 steps, the fewest that overlap: "
+                           f"{record['why'].removeprefix('synchronous: ')}")
+    record["options"] = {n: {"sync_every": h, "predicted_step_s": s} for n, (h, s) in table.items()}
+    record["overlap"], record["predicted_step_s"] = bool(overlap and sync_every > 1), step_s
+    if len(options) > 1 and sync_every > 1:
+        record["why"] = (f"{record['why']}; the pseudo-gradient goes {name} (predicted step "
+                         f"{step_s * 1e3:.3g} ms; " + ", ".join(f"{n}: H = {h}, {s * 1e3:.3g} ms" for n, (h, s)
+                                                                in table.items() if n != name) + ")")
+    if overlap and sync_every > 1:
+        record["why"] = f"{record['why']}; --overlap: the average runs behind the next round"
+    proposal = None
+    if not overlap and sync_every > 1:
+        h, s = sized(payload, collectives, True)
+        if h > 1 and s <= (1 - MIN_STEP_GAIN) * step_s:
+            proposal = {"sync_every": h, "predicted_step_s": s,
+                        "why": f"--overlap would hide the average behind the next round: a predicted step of "
+                               f"{s * 1e3:.3g} ms at H = {h} against {step_s * 1e3:.3g} ms (it applies each average "
+                               f"one round late; pass --overlap to take it)"}
+    record["propose_overlap"] = proposal
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# A described cluster: what `python -m jaxdp.bench plan` predicts from.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """`nodes` x `devices` per node; each node's link carries `link_bits_per_s` each way with
+    `latency_s` per message; inside a node `local_bits_per_s` (inf: free beside the link)."""
+
+    nodes: int
+    devices: int
+    link_bits_per_s: float
+    latency_s: float = 0.0
+    local_bits_per_s: float = math.inf
+
+    def allreduce(self, hierarchical: bool = False) -> CommModel:
+        """The all-reduce time line of a bandwidth-optimal ring over this cluster.
+
+        Flat: one ring over every device, ordered by node, so one hop per node crosses its link;
+        every hop of a ring of P moves 2 (P - 1) / P of the buffer over the run, so each node's link
+        carries that much each way, in 2 (P - 1) steps of one message each. Hierarchical
+        (`--hierarchy auto`): the devices of a node sum inside it, then a ring of the nodes alone
+        (P = nodes) crosses the links, then the sum is broadcast inside: the same bytes per link
+        for a large P, but 2 (nodes - 1) messages instead of 2 (nodes x devices - 1), and inside
+        the node 2 (devices - 1) / devices of the buffer more over the local bandwidth."""
+        ring = self.nodes if hierarchical or self.devices == 1 else self.nodes * self.devices
+        if self.nodes == 1:  # one node: the link carries nothing
+            ring = 1
+        per_byte = 2 * (ring - 1) / ring * 8 / self.link_bits_per_s if ring > 1 else 0.0
+        if self.devices > 1 and (hierarchical or self.nodes == 1):
+            per_byte += 2 * (self.devices - 1) / self.devices * 8 / self.local_bits_per_s
+        return CommModel(latency_s=2 * (ring - 1) * self.latency_s, seconds_per_byte=per_byte)
+
+
+def predict(cluster: Cluster, compute_seconds: float, params: Tree, *, strategy: str = "ring",
+            sync_every: Sequence[int] = (1, 4, 16)) -> list[dict[str, Any]]:
+    """Predicted seconds per step on `cluster` for every candidate of the ladder (int8 / int4 with
+    the ring) at every H of `sync_every` (H > 1: local steps, without and with --overlap), flat and,
+    with several devices per node, hierarchical. `compute_seconds`: one step's forward and backward
+    pass on one device at its share of the batch. PowerSGD's own matmuls and quantizing are not in
+    it (measured: a few percent of the step on the testbed's MLP). Rows: {"compression",
+    "sync_every", "overlap", "hierarchy", "payload_bytes", "allreduce_s", "step_s"}."""
+    hierarchies = ("flat", "auto") if cluster.devices > 1 and cluster.nodes > 1 else ("flat",)
+    devices = cluster.nodes * cluster.devices
+    rows = []
+    for hierarchy in hierarchies:
+        model = cluster.allreduce(hierarchy == "auto")
+        ring_size = cluster.nodes if hierarchy == "auto" else devices
+        for codec in ladder(params, quantized_devices=ring_size if strategy == "ring" else None):
+            payload = codec.payload_bytes(params)
+            seconds = model.seconds(payload, codec.collectives)
+            for h in sync_every:
+                if h > 1 and not isinstance(codec, PSEUDO_GRADIENT_CODECS):
+                    continue
+                for overlap in ((False, True) if h > 1 else (False,)):
+                    rows.append({"compression": codec.name, "sync_every": h, "overlap": overlap, "hierarchy": hierarchy,
+                                 "payload_bytes": payload, "allreduce_s": seconds,
+                                 "step_s": predicted_step_s(compute_seconds, seconds, h, overlap)})
+    return rows
