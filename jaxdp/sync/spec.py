@@ -10,7 +10,7 @@ Five axes, each with one owner:
 | axis | values | owner |
 |---|---|---|
 | strategy | a name in STRATEGIES, a `Collective`, or a bare `fn(tree, axis)` | sync/collectives.py, sync/host.py |
-| compression | None, "auto", a codec name ("bf16", "int8", "powersgd:4") or a `Compressor` | jaxdp/sync/compression.py, jaxdp/sync/exchange.py |
+| compression | None, "auto", a codec name ("bf16", "int8", "powersgd:4") or a `Compressor` | sync/compression.py, sync/exchange.py |
 | sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/step/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/step/zero.py |
 | overlap | every step's all-reduce overlapped with the next step (with local steps: step/rounds.py's rounds) | step/delayed.py |
