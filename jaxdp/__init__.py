@@ -62,8 +62,8 @@ _EXPORTS = {
     "psum_mean": "jaxdp.sync.collectives",
     "replicate": "jaxdp.mesh",
     "replicated_sharding": "jaxdp.mesh",
-    "ring_allreduce": "jaxdp.sync.collectives",
-    "ring_mean": "jaxdp.sync.collectives",
+    "ring_allreduce": "jaxdp.sync.ring",
+    "ring_mean": "jaxdp.sync.ring",
     "shard_batch": "jaxdp.mesh",
 }
 
