@@ -92,7 +92,8 @@ class Config:
     coordinator_address: str | None = _field(None, "distribution", "HOST:PORT of process 0 for a multi-process run (default: from the environment or SLURM, else single-process)")
     num_processes: int | None = _field(None, "distribution", "number of processes in a multi-process run")
     process_id: int | None = _field(None, "distribution", "this process's index, 0 .. num-processes - 1")
-    peer_timeout: int = _field(60, "distribution", "seconds a multi-process run waits for every process to join, and for a silent process before giving up (a process that dies is noticed at once)")
+    peer_timeout: int = _field(60, "distribution", "seconds a running multi-process run waits for a silent process before giving up (a process that dies is noticed at once)")
+    startup_timeout: int = _field(300, "distribution", "seconds a multi-process run waits at start for every process to arrive (a cold start on a cluster: scheduling, image pulls, imports) before giving up; compilation never counts as a stall")
     gloo_interface: str | None = _field(None, "distribution", "network interface for CPU collectives between processes (gloo), e.g. eth0; hostname: JAX's own choice, the address the host name resolves to (default: $JAXDP_GLOO_INTERFACE, else $GLOO_SOCKET_IFNAME, else the interface that reaches the coordinator)", metavar="NAME")
     hierarchy: str = _field("auto", "distribution", "with several processes of several devices each: auto sums exactly inside each process first (XLA's collective), then runs --strategy (and --compression) across processes on 1/G of the buffer per device, then gathers inside the process; flat: one all-reduce over every device (the same sum, in another order)", choices_fixed=("auto", "flat"))
     stall_timeout: int = _field(20, "distribution", "seconds a multi-process run waits for a process that is alive but makes no progress (stopped, stuck) once another process finished the same step; checked from step 2 on, so compilation never counts")
@@ -197,8 +198,9 @@ class Config:
             raise ConfigError(f"--process-id must be 0 or more, got {self.process_id}")
         if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
             raise ConfigError(f"--process-id={self.process_id} must be smaller than --num-processes={self.num_processes}")
-        if self.peer_timeout <= 0:
-            raise ConfigError(f"--peer-timeout must be a positive number of seconds, got {self.peer_timeout}")
+        for name in ("peer_timeout", "startup_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be a positive number of seconds, got {getattr(self, name)}")
         _check_inputs(self)
 
     def replace(self, **changes: Any) -> "Config":

@@ -142,10 +142,10 @@ def test_killing_one_process_stops_the_other_naming_it(tmp_path, victim):
 
 @pytest.mark.multiprocess
 def test_a_process_that_never_arrives_is_named(tmp_path):
-    proc = start(0, free_port(), tmp_path, *RUN, "--devices", "4", "--peer-timeout", "3")
+    proc = start(0, free_port(), tmp_path, *RUN, "--devices", "4", "--startup-timeout", "3")
     assert wait_all([proc], timeout=60) == [EXIT_PEER_LOST]
     err = (tmp_path / "p0.err").read_text().strip().splitlines()
-    assert err[-1].startswith("jaxdp: error: process 1 did not join within --peer-timeout=3 s"), err
+    assert err[-1].startswith("jaxdp: error: process 1 did not join within --startup-timeout=3 s"), err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +162,7 @@ BAD_FLAGS = {
     "missing process count": (["--coordinator-address", "127.0.0.1:1234", "--process-id", "0"],
                               "needs --num-processes as well"),
     "zero peer timeout": (["--peer-timeout", "0"], "--peer-timeout must be a positive number"),
+    "zero startup timeout": (["--startup-timeout", "0"], "--startup-timeout must be a positive number"),
 }
 
 

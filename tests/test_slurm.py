@@ -49,14 +49,14 @@ def test_srun_two_tasks_detect_coordinator_count_and_id(slurm, tmp_path):
     done = json.loads(metrics.read_text().splitlines()[-1])
     assert done["event"] == "done" and done["processes"] == 2 and done["devices"] == 8
     # Each task logs what it detected: source, its index, the count and the coordinator (first node).
-    detected = dict(re.findall(r"^(\d): jaxdp\.distributed: (slurm: process \d of 2, coordinator \S+?),",
+    detected = dict(re.findall(r"^(\d): jaxdp\.cluster\.distributed: (slurm: process \d of 2, coordinator \S+?),",
                                proc.stderr, re.MULTILINE))
     assert set(detected) == {"0", "1"}, proc.stderr[-3000:]
     for task, line in detected.items():
         port = int(re.search(r"coordinator localhost:(\d+)", line).group(1))
         assert line.startswith(f"slurm: process {task} of 2") and 20480 <= port < 32768 and port % 2 == 0, line
     assert detected["0"].split("coordinator ")[1] == detected["1"].split("coordinator ")[1]
-    runs = dict(re.findall(r"^(\d): jaxdp\.distributed: slurm: .*, run (slurm-\d+\.\d+);", proc.stderr, re.MULTILINE))
+    runs = dict(re.findall(r"^(\d): jaxdp\.cluster\.distributed: slurm: .*, run (slurm-\d+\.\d+);", proc.stderr, re.MULTILINE))
     assert set(runs) == {"0", "1"} and runs["0"] == runs["1"], proc.stderr[-3000:]  # the run id both presented
     assert "0: eval_accuracy=" in proc.stdout and "1: eval_accuracy=" not in proc.stdout
 

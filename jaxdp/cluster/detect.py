@@ -1,18 +1,28 @@
-"""Who this process is in a run: pure detection from flags, JAX_* variables or SLURM.
+"""Who this process is in a run: pure detection from flags, JAX_* variables, SLURM, Kubernetes, SkyPilot or dstack.
 
     python -m jaxdp.train --coordinator-address 10.0.0.1:12345 --num-processes 2 --process-id 0
     JAX_COORDINATOR_ADDRESS=10.0.0.1:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python -m jaxdp.train
     srun -n 2 python -m jaxdp.train           # SLURM: everything comes from the task's environment
 
-`detect(config, environ)` picks the first of four sources that applies and returns a frozen
-`Cluster`; nothing here starts anything or imports JAX, so every branch is tested without a cluster:
+`detect(config, environ)` picks the first source that applies and returns a frozen `Cluster`;
+nothing here starts anything or imports JAX, so every branch is tested without a cluster:
 
 1. explicit: `--coordinator-address HOST:PORT --num-processes P --process-id I` (all three);
 2. environment: the same three as `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`
    (what `python -m jaxdp.launch` sets, and what `jaxdp.initialize()` reads in a user's script);
 3. slurm: a task started by `srun` (coordinator = first node of the step, port from the job and
    step ids: `slurm_port`);
-4. single: one process, no coordinator.
+4. kubernetes: a pod of an Indexed Job or a JobSet (`JOB_COMPLETION_INDEX`; the count from
+   `JAX_NUM_PROCESSES`; the coordinator `JAX_COORDINATOR_ADDRESS`, else the first pod's DNS name,
+   `<job>-0.<subdomain>`, from this pod's own: examples/kubernetes/);
+5. skypilot: a node of a SkyPilot task (`SKYPILOT_NODE_IPS`, `SKYPILOT_NODE_RANK`: examples/skypilot.yaml);
+6. dstack: a node of a dstack task (`DSTACK_MASTER_NODE_IP`, `DSTACK_NODE_RANK`, `DSTACK_NODES_NUM`:
+   examples/dstack.yml);
+7. single: one process, no coordinator.
+
+Kubernetes, SkyPilot and dstack start one process per node (pod), which owns all of its node's
+devices; the coordinator port is `$JAX_COORDINATOR_PORT`, else `CLOUD_PORT` (the handshake uses the
+next one: open both between the nodes).
 
 Every multi-process run also has a run id, which the processes present to process 0 before they
 reach JAX's coordinator (jaxdp/cluster/handshake.py): `$JAXDP_RUN_ID` (the launcher sets one per start), else
@@ -58,12 +68,28 @@ SLURM_REQUIRED = (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
 SLURM_PORT_BASE, SLURM_PORT_PAIRS = 20480, 6144
 SLURM_STEP_STRIDE = 3071  # coprime to 6144: the steps of one job never share a port
 
+# Kubernetes: an Indexed Job sets JOB_COMPLETION_INDEX and names its pods <job>-<index> (a JobSet's:
+# <jobset>-<replicated job>-<job index>-<index>); with a headless Service as the pod's subdomain the
+# first pod is reachable as <job>-0.<subdomain>.
+K8S_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
+K8S_POD_HOSTNAME = "HOSTNAME"  # the pod's name, which Kubernetes sets as its host name
+# SkyPilot: the nodes' IPs, one per line (the head node first), and this node's rank.
+SKYPILOT_NODE_IPS = "SKYPILOT_NODE_IPS"
+SKYPILOT_NODE_RANK = "SKYPILOT_NODE_RANK"
+SKYPILOT_TASK_ID = "SKYPILOT_TASK_ID"  # the same on every node of one task: the run id
+# dstack: the master node's IP, this node's rank, the node count.
+DSTACK_MASTER_NODE_IP = "DSTACK_MASTER_NODE_IP"
+DSTACK_NODE_RANK = "DSTACK_NODE_RANK"
+DSTACK_NODES_NUM = "DSTACK_NODES_NUM"
+DSTACK_RUN_NAME = "DSTACK_RUN_NAME"  # the run id
+CLOUD_PORT = 23456  # the coordinator port where a platform names only hosts ($JAX_COORDINATOR_PORT overrides)
+
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """Who this process is in the run, and where the coordinator (process 0) listens."""
 
-    source: str                               # "explicit", "environment", "slurm" or "single"
+    source: str                               # "explicit", "environment", "slurm", "kubernetes", "skypilot", "dstack" or "single"
     coordinator_address: str | None = None   # HOST:PORT of process 0
     num_processes: int = 1
     process_id: int = 0
@@ -88,20 +114,27 @@ class Cluster:
 # ---------------------------------------------------------------------------------------------
 
 
-def detect(config: Config, environ: Mapping[str, str] = os.environ) -> Cluster:
-    """The first source that applies: explicit flags, JAX_* variables, SLURM, else one process."""
-    cluster = _from_flags(config) or _from_jax_environment(environ) or _from_slurm(environ)
+def detect(config: Config, environ: Mapping[str, str] = os.environ, fqdn: str | None = None) -> Cluster:
+    """The first source that applies: explicit flags, JAX_* variables, SLURM, Kubernetes, SkyPilot,
+    dstack, else one process. `fqdn`: this host's fully qualified name (Kubernetes only; default
+    `socket.getfqdn()`, asked only there)."""
+    cluster = (_from_flags(config) or _from_jax_environment(environ) or _from_slurm(environ)
+               or _from_kubernetes(environ, fqdn) or _from_skypilot(environ) or _from_dstack(environ))
     if cluster is None:
         return Cluster("single")
     return dataclasses.replace(cluster, run_id=run_id(environ))
 
 
 def run_id(environ: Mapping[str, str] = os.environ) -> str:
-    """$JAXDP_RUN_ID, else SLURM's `slurm-JOB.STEP` (in a task srun started), else "" (none)."""
+    """$JAXDP_RUN_ID, else SLURM's `slurm-JOB.STEP` (in a task srun started), SkyPilot's task id or
+    dstack's run name, else "" (none; on Kubernetes the examples set $JAXDP_RUN_ID to the Job's uid)."""
     if environ.get(ENV_RUN_ID, "").strip():
         return environ[ENV_RUN_ID].strip()
     if SLURM_JOB_ID in environ and SLURM_STEP_NODELIST in environ:
         return f"slurm-{environ[SLURM_JOB_ID]}.{environ.get(SLURM_STEP_ID, '0')}"
+    for name, prefix in ((SKYPILOT_TASK_ID, "skypilot"), (DSTACK_RUN_NAME, "dstack")):
+        if environ.get(name, "").strip():
+            return f"{prefix}-{environ[name].strip()}"
     return ""
 
 
@@ -154,6 +187,72 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster | None:
         address = f"{expand_nodelist(environ[SLURM_STEP_NODELIST])[0]}:{port}"
     cluster = _checked("slurm", address, count, index, ENV_COORDINATOR_ADDRESS, SLURM_NTASKS, SLURM_PROCID)
     return dataclasses.replace(cluster, local_device_ids=slurm_local_device_ids(environ))
+
+
+def _from_kubernetes(environ: Mapping[str, str], fqdn: str | None) -> Cluster | None:
+    if K8S_COMPLETION_INDEX not in environ:
+        return None
+    index = _int(environ.get(ENV_PROCESS_ID, environ[K8S_COMPLETION_INDEX]), K8S_COMPLETION_INDEX)
+    if ENV_NUM_PROCESSES not in environ:
+        raise ConfigError(f"a Kubernetes Indexed Job pod ({K8S_COMPLETION_INDEX}={index}) needs {ENV_NUM_PROCESSES} "
+                          f"set to the Job's completions (examples/kubernetes/)")
+    count = _int(environ[ENV_NUM_PROCESSES], ENV_NUM_PROCESSES)
+    if count == 1:
+        return None
+    address = environ.get(ENV_COORDINATOR_ADDRESS)
+    if address is None:
+        if fqdn is None:
+            import socket
+
+            fqdn = socket.getfqdn()
+        address = f"{kubernetes_first_pod(fqdn, environ.get(K8S_POD_HOSTNAME, ''), index)}:{_cloud_port(environ)}"
+    return _checked("kubernetes", address, count, index, ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES,
+                    K8S_COMPLETION_INDEX)
+
+
+def kubernetes_first_pod(fqdn: str, hostname: str, index: int) -> str:
+    """The DNS name of pod 0 of this pod's Indexed Job: `trainer-3.workers.ns.svc.cluster.local` ->
+    `trainer-0.workers.ns.svc.cluster.local` (a JobSet's `js-w-0-3.js` -> `js-w-0-0.js`). Without a
+    subdomain (no headless Service) a pod's name does not resolve: set JAX_COORDINATOR_ADDRESS."""
+    name, _, domain = fqdn.partition(".")
+    name = name or hostname
+    if not name.endswith(f"-{index}") or not domain:
+        raise ConfigError(f"cannot tell the first pod's DNS name from this pod's ({fqdn or hostname!r}, index {index}): "
+                          f"give the Job's pods a headless Service as their subdomain, or set {ENV_COORDINATOR_ADDRESS} "
+                          f"(examples/kubernetes/)")
+    return f"{name[:-len(str(index))]}0.{domain}"
+
+
+def _from_skypilot(environ: Mapping[str, str]) -> Cluster | None:
+    if SKYPILOT_NODE_IPS not in environ or SKYPILOT_NODE_RANK not in environ:
+        return None
+    ips = [line.strip() for line in environ[SKYPILOT_NODE_IPS].splitlines() if line.strip()]
+    if len(ips) <= 1:
+        return None
+    return _checked("skypilot", environ.get(ENV_COORDINATOR_ADDRESS) or _host_port(ips[0], _cloud_port(environ)),
+                    len(ips), _int(environ[SKYPILOT_NODE_RANK], SKYPILOT_NODE_RANK), ENV_COORDINATOR_ADDRESS,
+                    SKYPILOT_NODE_IPS, SKYPILOT_NODE_RANK)
+
+
+def _from_dstack(environ: Mapping[str, str]) -> Cluster | None:
+    names = (DSTACK_MASTER_NODE_IP, DSTACK_NODE_RANK, DSTACK_NODES_NUM)
+    if not all(name in environ for name in names):
+        return None
+    count = _int(environ[DSTACK_NODES_NUM], DSTACK_NODES_NUM)
+    if count == 1:
+        return None
+    address = environ.get(ENV_COORDINATOR_ADDRESS) or _host_port(environ[DSTACK_MASTER_NODE_IP].strip(),
+                                                                  _cloud_port(environ))
+    return _checked("dstack", address, count, _int(environ[DSTACK_NODE_RANK], DSTACK_NODE_RANK),
+                    ENV_COORDINATOR_ADDRESS, DSTACK_NODES_NUM, DSTACK_NODE_RANK)
+
+
+def _cloud_port(environ: Mapping[str, str]) -> int:
+    return _int(environ.get(ENV_COORDINATOR_PORT, str(CLOUD_PORT)), ENV_COORDINATOR_PORT)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def slurm_local_device_ids(environ: Mapping[str, str]) -> tuple[int, ...] | None:

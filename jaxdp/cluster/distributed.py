@@ -13,7 +13,7 @@ process) and logs which it was. A multi-process run then also gets
   interface that reaches the coordinator, or the one --gloo-interface / $JAXDP_GLOO_INTERFACE /
   $GLOO_SOCKET_IFNAME names (jaxdp/cluster/gloo.py: JAX would use the host name's address, often 127.0.0.1);
 * a peer watch (jaxdp/cluster/peer_watch.py): a process that dies is reported by every survivor, by number,
-  within a second; one that never arrives or stops answering is bounded by --peer-timeout.
+  within a second; one that never arrives is bounded by --startup-timeout, one that stops answering by --peer-timeout.
 
 In a script of your own, `jaxdp.initialize()` does the same from the environment (JAX_* variables,
 as `python -m jaxdp.launch` sets them, or SLURM), where `jax.distributed.initialize()` with no
@@ -62,7 +62,7 @@ def initialize(config: Config | None = None) -> Cluster:
         log.warning("jaxdp: running as one process in a SLURM batch script of %s tasks; start it with "
                     "`srun python -m jaxdp.train ...` to use all of them", os.environ[SLURM_NTASKS])
     if cluster.multi_process:
-        timeout = config.peer_timeout
+        timeout = config.startup_timeout  # arriving: a cold start on a cluster may take minutes
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # GPUs use NCCL regardless
         endpoint = gloo.choose(cluster.coordinator_address, config.gloo_interface)
         if gloo.install(endpoint):
@@ -83,8 +83,8 @@ def initialize(config: Config | None = None) -> Cluster:
             jax.distributed.initialize(
                 coordinator_address=address, num_processes=cluster.num_processes,
                 process_id=cluster.process_id, local_device_ids=cluster.local_device_ids,
-                initialization_timeout=timeout + 30, heartbeat_timeout_seconds=timeout,
-                shutdown_timeout_seconds=timeout, coordinator_bind_address=_bind_address(address, host))
+                initialization_timeout=timeout + 30, heartbeat_timeout_seconds=config.peer_timeout,
+                shutdown_timeout_seconds=config.peer_timeout, coordinator_bind_address=_bind_address(address, host))
             from jaxdp.cluster.coordination import client as coordination_client
 
             peer_watch.start(coordination_client(), cluster, timeout, bind=host)
@@ -101,7 +101,7 @@ def initialize(config: Config | None = None) -> Cluster:
         from jaxdp.cluster.coordination import client as coordination_client
 
         agreement.check(coordination_client(), config, cluster.process_id, cluster.num_processes,
-                        config.peer_timeout, lambda: len(process_devices(config.devices)))
+                        config.startup_timeout, lambda: len(process_devices(config.devices)))
     return cluster
 
 
@@ -139,11 +139,11 @@ def _never_arrived(cluster: Cluster, timeout: int) -> None:
     count = cluster.num_processes
     if cluster.process_id == 0:
         others = "process 1" if count == 2 else f"at least one of processes 1..{count - 1}"
-        peer_watch.fail(f"{others} did not join within --peer-timeout={timeout} s (coordinator "
+        peer_watch.fail(f"{others} did not join within --startup-timeout={timeout} s (coordinator "
                         f"{cluster.coordinator_address}); start every process with the same coordinator and process count")
     others = "" if count == 2 else " (or another process has not joined yet)"
     peer_watch.fail(f"could not join process 0 (the coordinator) at {cluster.coordinator_address} within "
-                    f"--peer-timeout={timeout} s{others}; is process 0 running, and is that address reachable from here?")
+                    f"--startup-timeout={timeout} s{others}; is process 0 running, and is that address reachable from here?")
 
 
 def _simulate_cpu_devices(n: int) -> None:

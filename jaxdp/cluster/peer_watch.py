@@ -4,7 +4,8 @@ A connection only closes when its process ends. A connection that closes while t
 means that process died: every survivor prints one line naming it and exits with
 `EXIT_PEER_LOST` within a second, instead of waiting forever inside a collective. Processes that
 never arrive, or stop answering without closing the connection (a dead node), are caught by JAX's
-own start-up wait and heartbeat, which `jaxdp.cluster.distributed.initialize` bounds with --peer-timeout.
+own start-up wait and heartbeat, which `jaxdp.cluster.distributed.initialize` bounds with
+--startup-timeout (arriving) and --peer-timeout (running).
 
 Why a watch of our own: a gloo all-reduce whose peer was killed does not fail; the survivor waits
 until JAX's heartbeat timeout, and then JAX's client aborts the process (SIGABRT, a C++ stack
