@@ -307,8 +307,10 @@ def _plain(value: Any) -> bool:
 
 def _keep_records_up_to(path: str, step: int) -> None:
     """Drop what a resumed run will write again: records after `step` (a crashed run got past its
-    last checkpoint), "done" records (the run goes on) and a torn last line. Replaces the file
-    atomically, so a crash here leaves the old file."""
+    last checkpoint) and a torn last line. A finished run's "done" record at or before `step` (the
+    run is being extended) keeps its held-out metrics as an "eval" record marked `"finished": true`,
+    so the file still ends with one "done" record. Replaces the file atomically, so a crash here
+    leaves the old file."""
     if not os.path.exists(path):
         return
     kept = []
@@ -318,8 +320,11 @@ def _keep_records_up_to(path: str, step: int) -> None:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and record.get("event") != "done" and (record.get("step") or 0) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
+            if not isinstance(record, dict) or (record.get("step") or 0) > step:
+                continue
+            if record.get("event") == "done":
+                line = json.dumps({**record, "event": "eval", "finished": True}) + "\n"
+            kept.append(line if line.endswith("\n") else line + "\n")
     write_text_atomically(path, "".join(kept))
 
 

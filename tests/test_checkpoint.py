@@ -81,6 +81,10 @@ def test_stop_at_15_then_resume_to_30_is_bit_identical(tmp_path, uninterrupted, 
     expected_records, expected_state = uninterrupted(strategy, model)
     assert step_records(tmp_path / "m.jsonl") == expected_records  # losses of steps 1..30, once each
     assert [r.get("event") for r in records(tmp_path / "m.jsonl")].count("done") == 1
+    # The first run's held-out metrics stay, as an eval record at its last step.
+    first_done = [r for r in records(tmp_path / "m.jsonl") if r.get("finished")]
+    assert len(first_done) == 1 and first_done[0]["event"] == "eval" and first_done[0]["step"] == 15
+    assert first_done[0]["eval_loss"] == first.summary["eval_loss"]
     assert int(first.state.step) == 15 and int(resumed.state.step) == 30
     assert_same_state(resumed.state, expected_state)  # params, optimizer and model state, rng, step
     assert bool(jax.tree.leaves(resumed.state.model_state)) == (model == "cnn")
