@@ -137,9 +137,12 @@ def train(config: Config) -> Any:
     def shard_at(step: int, shard: int) -> Any:  # elastic: any shard's rows (a lost process's too)
         return dataset.train_batch(rows_per_step, step, config.seed, shard, member.size)
 
+    eval_rows = config.batch_size if tokens else mesh.size * max(1, 256 // mesh.size)
+    held_out_size = dataset.held_out_windows if tokens else len(dataset.x_test)
+    evaluated = min(held_out_size, config.eval_batches * eval_rows) if config.eval_batches else held_out_size
+
     def held_out() -> Any:  # at most --eval-batches global batches; padding rows carry mask 0
-        rows = config.batch_size if tokens else mesh.size * max(1, 256 // mesh.size)
-        return dataset.eval_batches(rows, process, n_processes, config.eval_batches or None)  # (elastic: rank 0, all)
+        return dataset.eval_batches(eval_rows, process, n_processes, config.eval_batches or None)  # (elastic: rank 0, all)
 
     tokens_per_step = rows_per_step * config.seq_len if tokens else None
     flops = getattr(model, "flops_per_token", None)
@@ -161,7 +164,10 @@ def train(config: Config) -> Any:
         summary, timings = result.summary, result.timings
         held = " ".join(f"{k}={v:.4f}" for k, v in summary.items() if k.startswith("eval_"))
         decided = timings.get("decided_s")
-        print(f"{held} steps={config.steps} strategy={config.strategy} devices={devices} "
+        what = "windows" if tokens else "examples"
+        part = (f"all {held_out_size} {what}" if evaluated == held_out_size else f"{evaluated} of {held_out_size} "
+                f"{what}, {100 * evaluated / held_out_size:.1f} %; --eval-batches 0: all")
+        print(f"{held} (held-out: {part}) steps={config.steps} strategy={config.strategy} devices={devices} "
               f"time={time.perf_counter() - STARTED:.1f}s (start-up {timings['startup_s']:.1f}s, "
               f"first step with compilation {timings['compile_s']:.1f}s"
               + (f", --compression/--sync-every auto {decided:.1f}s" if decided else "") + ")")

@@ -1,5 +1,6 @@
 """`python -m jaxdp.train` end to end, and every bad input: exit 2, one line, no traceback."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,18 @@ def test_cnn_on_user_npz_with_host_strategy(tmp_path):
     np.savez(path, x=rng.standard_normal((200, 6, 6)), y=rng.integers(0, 4, 200))
     assert main(["--model", "cnn", "--dataset", str(path), "--strategy", "host", "--steps", "5",
                  "--batch-size", "16", "--no-progress"]) == 0
+
+
+def test_final_line_says_how_much_of_the_held_out_split_it_evaluated(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)) * 200)  # 19,000 bytes: 10 % held out, 118 windows of 16
+    gpt = ["--model", "gpt", "--dataset", str(text), "--layers", "1", "--d-model", "16", "--heads", "2",
+           "--seq-len", "16", "--batch-size", "16", "--steps", "2", "--no-progress"]
+    assert main([*gpt, "--eval-batches", "2"]) == 0
+    assert re.search(r"eval_perplexity=\S+ \(held-out: 32 of 118 windows, 27.1 %; --eval-batches 0: all\) steps=2",
+                     capsys.readouterr().out)
+    assert main([*gpt, "--eval-batches", "0"]) == 0
+    assert re.search(r"\(held-out: all \d+ windows\) steps=2", capsys.readouterr().out)
 
 
 def bad_npz(tmp_path, kind):
