@@ -45,7 +45,11 @@ _CHUNK = 1 << 20
 
 class ProtocolError(ConnectionError):
     """The peer closed, sent something that is not one of our messages, or did not finish one in
-    time: drop that connection."""
+    time: drop that connection. `quiet`: it sent nothing wrong (it closed, or said nothing in time)."""
+
+    def __init__(self, why: str, quiet: bool = False):
+        super().__init__(why)
+        self.quiet = quiet
 
 
 def encode(header: dict, payload: Sequence[Any] = ()) -> tuple[bytes, list[memoryview]]:
@@ -53,7 +57,7 @@ def encode(header: dict, payload: Sequence[Any] = ()) -> tuple[bytes, list[memor
     if not isinstance(header, dict):
         raise TypeError(f"a header is a dict, not {type(header).__name__}")
     views = [memoryview(p).cast("B") for p in payload]
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = json.dumps(header).encode()
     if len(head) > MAX_HEADER:
         raise ValueError(f"a header of {len(head)} bytes is over {MAX_HEADER}")
     return PREFIX.pack(len(head), sum(v.nbytes for v in views)) + head, views
@@ -68,7 +72,7 @@ def send(sock: socket.socket, header: dict, payload: Sequence[Any] = ()) -> None
         for view in views:
             sock.sendall(view)
     except OSError as err:
-        raise ProtocolError(f"cannot send: {err}") from None
+        raise ProtocolError(f"cannot send: {err}", quiet=True) from None
 
 
 def _parse_prefix(data: bytes | bytearray | memoryview, max_payload: int) -> tuple[int, int]:
@@ -110,16 +114,18 @@ def _exactly(sock: socket.socket, n: int, deadline: float | None) -> bytearray:
     while got < n:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise ProtocolError("no complete message within the read timeout")
+            raise ProtocolError("no complete message within the read timeout", quiet=True)
         try:
             sock.settimeout(left)
             k = sock.recv_into(view[got:], min(n - got, _CHUNK))
         except socket.timeout:
-            raise ProtocolError("no complete message within the read timeout") from None
+            raise ProtocolError("no complete message within the read timeout", quiet=True) from None
         except OSError as err:
-            raise ProtocolError(f"connection failed: {err}") from None
+            raise ProtocolError(f"connection failed: {err}", quiet=True) from None
         if k == 0:
-            raise ProtocolError("closed" if got == 0 and n == PREFIX.size else "closed in the middle of a message")
+            if got == 0 and n == PREFIX.size:
+                raise ProtocolError("closed", quiet=True)
+            raise ProtocolError("closed in the middle of a message")
         got += k
     return out
 
@@ -140,9 +146,11 @@ class Reader:
         except (BlockingIOError, InterruptedError, socket.timeout):
             return []
         except OSError as err:
-            raise ProtocolError(f"connection failed: {err}") from None
+            raise ProtocolError(f"connection failed: {err}", quiet=True) from None
         if not data:
-            raise ProtocolError("closed" if not self._buffer else "closed in the middle of a message")
+            if self._buffer:
+                raise ProtocolError("closed in the middle of a message")
+            raise ProtocolError("closed", quiet=True)
         return self.feed(data)
 
     def feed(self, data: bytes) -> list[tuple[dict, bytearray]]:
