@@ -9,7 +9,10 @@
 
 With --elastic (one node; jaxdp/elastic.py) this launcher is the run's hub: the processes sum their
 gradients through it instead of jax.distributed, and a lost process is restarted alone (forked from a
-zygote that has JAX imported, jaxdp/zygote.py) while the others train on.
+zygote that has JAX imported, jaxdp/zygote.py) while the others train on. A process that stalls
+(sends nothing for a step --stall-timeout seconds after another did, or stays SIGSTOPped while the
+run stops) is left out and killed, then restarted as a lost one; a connection to the hub that sends
+something else than jaxdp/wire.py's messages, or nothing, is dropped with one line.
 
 Like torchrun's standalone mode (the processes themselves: jaxdp/workers.py):
 * a free coordinator port on 127.0.0.1 (the next port free too: the run handshake's), and
