@@ -351,7 +351,10 @@ def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh:
         grads, model_state = replicate((grads, model_state), mesh)
         state = update_fn(state, grads, model_state)
         if donate:
-            member.send_state(at + 1, state_arrays(state))
+            try:
+                member.send_state(at + 1, state_arrays(state))
+            except (elastic.Lost, OSError):
+                pass  # the launcher is gone: the next step finds out, and the loop stops with this state
         return state, metrics
 
     def warm_up(state: TrainState, batch: Batch) -> None:

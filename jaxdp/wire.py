@@ -17,7 +17,7 @@ that connection (a process never dies of what a peer sent). Two ways to read:
 * `Reader`: bytes fed as they arrive on a non-blocking socket, complete messages out, for a side
   that serves many peers from one `selectors` loop (the elastic hub, node 0's launcher). It never
   waits, so a peer that sends half a message, or nothing, stalls no one; `Reader.waiting_s` says
-  how long an incomplete message has been pending, for the caller's timeout.
+  how long an incomplete message has gone without a byte, for the caller's timeout.
 
 Why not `multiprocessing.connection` (with the run id as the auth key): its `Listener.accept` runs
 the HMAC challenge as a blocking exchange (a connection that sends nothing holds the accepting loop
@@ -137,7 +137,7 @@ class Reader:
         self.max_payload = max_payload
         self._buffer = bytearray()
         self._need: tuple[int, int] | None = None  # (header, payload) lengths of the message under way
-        self._since: float | None = None           # when its first byte arrived
+        self._since: float | None = None           # when its last byte arrived (None: no message under way)
 
     def read(self, sock: socket.socket) -> list[tuple[dict, bytearray]]:
         """One recv (call it when the selector says readable): the messages it completed."""
@@ -154,8 +154,6 @@ class Reader:
         return self.feed(data)
 
     def feed(self, data: bytes) -> list[tuple[dict, bytearray]]:
-        if self._since is None:
-            self._since = time.monotonic()
         self._buffer += data
         out = []
         while True:
@@ -175,7 +173,7 @@ class Reader:
         return out
 
     def waiting_s(self, now: float | None = None) -> float:
-        """How long the incomplete message has been under way (0: none is)."""
+        """How long an incomplete message has gone without a byte (0: none is under way)."""
         return 0.0 if self._since is None else (time.monotonic() if now is None else now) - self._since
 
 

@@ -339,6 +339,7 @@ def test_the_hub_drops_a_malformed_or_silent_connection_and_the_run_goes_on(tmp_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_killed_launcher_leaves_rank_0_saving_the_state_and_every_member_exiting_75(tmp_path):
     run = Run(tmp_path)
     try:
