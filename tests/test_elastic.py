@@ -43,7 +43,7 @@ class HubThread:
                 with self.lock:
                     self.hub.ready(key.data)
             with self.lock:
-                self.hub.tick()
+                self.hub.tick()  # the timeouts
 
     def close(self) -> None:
         self.done.set()
@@ -145,6 +145,29 @@ def test_with_no_live_holder_rank_0_becomes_the_source_again(hub):
         np.testing.assert_array_equal(got, want)
     again.close(finished=True)
     b.close(finished=True)
+
+
+def test_a_member_that_owes_its_part_past_the_stall_timeout_is_left_out_and_its_shard_computed_by_another(hub):
+    h = hub(2)
+    a, b = elastic.Member(h.hub.address, 0, 2), elastic.Member(h.hub.address, 1, 2)
+    a.stall_timeout = b.stall_timeout = 0.5  # (the members' --stall-timeout, told in their hellos)
+    assert a.connect() is True and b.connect() is False
+    out = {}
+    first = threading.Thread(target=member_loop, args=(a, range(0, 1), out))
+    first.start()
+    b.receive_state()
+    first.join()
+    # Step 1: rank 1 sends nothing (stopped, say); rank 0 is asked for shard 1 and gets the whole total.
+    second = threading.Thread(target=member_loop, args=(a, range(1, 2), out), daemon=True)
+    second.start()
+    second.join(timeout=60)
+    assert 1 in out, f"rank 0 still waits for rank 1's part of step 1: {h.hub.events}"
+    for got, want in zip(out[1][0], expected(1, 2)):
+        np.testing.assert_array_equal(got, want)
+    assert out[1][1] == [0, 1] and h.hub.stalled == [1], h.hub.events
+    assert any(line.startswith("rank 1 stalled: sent nothing for step 1 within 0.5 s") for line in h.hub.events)
+    a.close(finished=True)
+    b.close()
 
 
 def test_elastic_flags_are_checked(tmp_path):
