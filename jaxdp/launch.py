@@ -9,7 +9,10 @@
 
 With --elastic (one node; jaxdp/cluster/elastic.py) this launcher is the run's hub: the processes sum their
 gradients through it instead of jax.distributed, and a lost process is restarted alone (forked from a
-zygote that has JAX imported, jaxdp/launcher/zygote.py) while the others train on.
+zygote that has JAX imported, jaxdp/launcher/zygote.py) while the others train on. A process that stalls
+(sends nothing for a step --stall-timeout seconds after another did, or stays SIGSTOPped while the
+run stops) is left out and killed, then restarted as a lost one; a connection to the hub that sends
+something else than jaxdp/cluster/wire.py's messages, or nothing, is dropped with one line.
 
 Like torchrun's standalone mode (the processes themselves: jaxdp/launcher/workers.py):
 * a free coordinator port on 127.0.0.1 (the next port free too: the run handshake's), and
@@ -58,8 +61,9 @@ from jaxdp.cluster.detect import ENV_RUN_ID, parse_address
 from jaxdp.config import ConfigError
 from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_PREEMPTED
 from jaxdp.launcher import rendezvous
-from jaxdp.launcher.workers import (FORWARDED, Launcher, Outcome, decide, describe, free_port, has_accelerator, say, shell_code,
-                           stop_code)
+from jaxdp.launcher.workers import (FORWARDED, Launcher, Outcome, decide, describe, free_port, has_accelerator, say,
+                                    shell_code, stop_code)
+
 
 class UsageError(Exception):
     """Bad launcher flags: one line, exit 2 (argparse would print the usage as well)."""
@@ -253,35 +257,58 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
             f"{rank}: {sorted(c)}" for rank, c in enumerate(launcher.cores))
         launcher.start_zygote()  # restarts fork from it, with JAX and the rest imported
         say(f"started {size} processes (elastic: a lost one restarts alone), hub {hub.address}{where}")
-        restarts, ended = 0, {}
+        restarts, ended, stalled, frozen = 0, {}, set(), {}
         while True:
             for key, _ in selector.select(timeout=0.05):
                 hub.ready(key.data)
+            hub.tick()
             for line in _drain(hub.events):
                 say(line)
+            for rank in _drain(hub.stalled):  # left out by the hub: it is lost, as a dead one is
+                child = launcher.children[rank]
+                if child.poll() is None:
+                    stalled.add(rank)
+                    child.kill()  # (SIGKILL reaches a stopped process too)
             if launcher.stop is not None and not hub.stopping:
                 hub.request_stop()
+            if launcher.stop is not None:  # stopping: a member stopped by SIGSTOP that owes the hub nothing
+                for rank, child in enumerate(launcher.children):  # (else the hub's stall timeout applies) holds the end
+                    if rank in ended or rank in stalled or child.poll() is not None or not _stopped(child.pid) \
+                            or (rank in hub.holders and not hub.finished):
+                        frozen.pop(rank, None)
+                    elif time.monotonic() - frozen.setdefault(rank, time.monotonic()) > hub.stall_timeout:
+                        say(f"process {rank} has been stopped (SIGSTOP) for {hub.stall_timeout:g} s (--stall-timeout) "
+                            f"while the run stops; killed it")
+                        stalled.add(rank)
+                        child.kill()
             for rank, child in enumerate(launcher.children):
                 code = child.poll()
                 if rank in ended or code is None:
                     continue
-                if code in (0, EXIT_PREEMPTED) or launcher.stop is not None or ended.get(0) == 0:
+                how, left_out = describe(code), rank in stalled
+                if left_out:  # the hub left it out and the launcher killed it: lost, whatever it exited with
+                    stalled.discard(rank)
+                    how = "was left out by the hub (killed by the launcher)"
+                    if launcher.stop is not None or ended.get(0) == 0:  # stopping anyway: its exit is not the run's
+                        ended[rank] = 0
+                        continue
+                elif code in (0, EXIT_PREEMPTED) or launcher.stop is not None or ended.get(0) == 0:
                     ended[rank] = code
                     continue
-                if not launcher.lost(code):  # bad input, divergence, a failed save: not transient
+                elif not launcher.lost(code):  # bad input, divergence, a failed save: not transient
                     say(f"process {rank} {describe(code)}; stopping the others, no restart; exit code "
                         f"{shell_code(code)}")
                     launcher.stop_the_rest()
                     return shell_code(code)
                 if restarts >= args.max_restarts:
-                    say(f"process {rank} {describe(code)}; no restarts left (--max-restarts {args.max_restarts}); "
+                    say(f"process {rank} {how}; no restarts left (--max-restarts {args.max_restarts}); "
                         f"stopping the others; exit code {shell_code(code)}")
                     launcher.kill_all()
                     return shell_code(code)
                 restarts += 1
                 launcher.failures.append(time.time())  # (the restarted process's --save-every auto reads it)
                 hub.lost(rank)
-                say(f"process {rank} {describe(code)}; restarting it alone ({restarts} of {args.max_restarts}), "
+                say(f"process {rank} {how}; restarting it alone ({restarts} of {args.max_restarts}), "
                     f"the others train on")
                 if not start(rank):
                     ended[rank] = code
@@ -340,6 +367,15 @@ def follow(launcher: Launcher, link: rendezvous.Link, address: str, args: argpar
             say(f"error: node 0's launcher is gone; stopped this node's processes; exit code {EXIT_PEER_LOST}")
             return EXIT_PEER_LOST
         selector.select(timeout=0.05)
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, SIGTSTP: state T in /proc/PID/stat; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _selector(links: dict) -> selectors.BaseSelector:

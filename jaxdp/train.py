@@ -83,6 +83,8 @@ def train(config: Config) -> Any:
         distributed.initialize(config)
         cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
         member = elastic.from_env()  # started by `jaxdp.launch --elastic`: one shard of an elastic run
+        if member:  # the hub leaves out a member that sends nothing this long after another's part
+            member.stall_timeout = config.stall_timeout
         with warnings.catch_warnings():
             if member:  # one device here is one of several in the run
                 warnings.filterwarnings("ignore", message="jaxdp.make_mesh: JAX sees one CPU device")

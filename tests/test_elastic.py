@@ -8,6 +8,8 @@ import os
 import selectors
 import shlex
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -40,6 +42,8 @@ class HubThread:
             for key, _ in self.selector.select(timeout=0.02):
                 with self.lock:
                     self.hub.ready(key.data)
+            with self.lock:
+                self.hub.tick()  # the timeouts
 
     def close(self) -> None:
         self.done.set()
@@ -143,6 +147,29 @@ def test_with_no_live_holder_rank_0_becomes_the_source_again(hub):
     b.close(finished=True)
 
 
+def test_a_member_that_owes_its_part_past_the_stall_timeout_is_left_out_and_its_shard_computed_by_another(hub):
+    h = hub(2)
+    a, b = elastic.Member(h.hub.address, 0, 2), elastic.Member(h.hub.address, 1, 2)
+    a.stall_timeout = b.stall_timeout = 0.5  # (the members' --stall-timeout, told in their hellos)
+    assert a.connect() is True and b.connect() is False
+    out = {}
+    first = threading.Thread(target=member_loop, args=(a, range(0, 1), out))
+    first.start()
+    b.receive_state()
+    first.join()
+    # Step 1: rank 1 sends nothing (stopped, say); rank 0 is asked for shard 1 and gets the whole total.
+    second = threading.Thread(target=member_loop, args=(a, range(1, 2), out), daemon=True)
+    second.start()
+    second.join(timeout=60)
+    assert 1 in out, f"rank 0 still waits for rank 1's part of step 1: {h.hub.events}"
+    for got, want in zip(out[1][0], expected(1, 2)):
+        np.testing.assert_array_equal(got, want)
+    assert out[1][1] == [0, 1] and h.hub.stalled == [1], h.hub.events
+    assert any(line.startswith("rank 1 stalled: sent nothing for step 1 within 0.5 s") for line in h.hub.events)
+    a.close(finished=True)
+    b.close()
+
+
 def test_elastic_flags_are_checked(tmp_path):
     def launch(*args):
         return subprocess.run([PY, "-m", "jaxdp.launch", *args], cwd=ROOT, env=cli_env(), capture_output=True,
@@ -222,3 +249,177 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
     assert reference.returncode == 0, reference.stderr
     final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
     assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# A real run's hub under bad connections, a killed launcher, a stopped member
+# ---------------------------------------------------------------------------------------------
+
+
+class Run:
+    """`python -m jaxdp.launch --elastic --nproc-per-node 2` of a long jaxdp.train run, its stderr in a
+    file; `reached()` is the last step in its metrics file."""
+
+    def __init__(self, tmp_path, *train_flags: str, max_restarts: int = 0):
+        self.log, self.metrics, self.ckpt = tmp_path / "launch.log", tmp_path / "m.jsonl", tmp_path / "ckpt"
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen(
+                [PY, "-m", "jaxdp.launch", "--elastic", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+                 "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", "100000",
+                 "--no-progress", "--log-every", "1", "--metrics-file", str(self.metrics),
+                 "--checkpoint-dir", str(self.ckpt), "--save-every", "100000", *train_flags],
+                cwd=tmp_path, env=cli_env(), stderr=err, stdout=subprocess.DEVNULL)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def reached(self) -> int:
+        try:
+            lines = self.metrics.read_text().splitlines()
+        except OSError:
+            return 0
+        return max((json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")), default=0)
+
+    def wait_for(self, condition, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.text()}"
+            time.sleep(0.01)
+
+    def hub(self) -> tuple[str, int]:
+        address = self.text().split(", hub ", 1)[1].split()[0].rstrip(",")
+        host, port = address.rsplit(":", 1)
+        return host, int(port)
+
+    def members(self) -> dict[int, int]:
+        return {_elastic_rank(p): p for p in training_processes(self.proc.pid)}
+
+    def saved(self) -> int:
+        """The step rank 0 says it saved when it stopped, which must be the checkpoint directory's latest."""
+        line = next(line for line in self.text().splitlines() if "jaxdp: preempted (" in line)
+        step = int(line.split("saved step ", 1)[1].split()[0])
+        steps = sorted(int(d.name) for d in self.ckpt.iterdir() if d.name.isdigit())
+        assert steps[-1] == step and (self.ckpt / str(step) / "jaxdp_checksums.json").exists(), (steps, line)
+        return step
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_hub_drops_a_malformed_or_silent_connection_and_the_run_goes_on(tmp_path):
+    run = Run(tmp_path, "--stall-timeout", "60")
+    try:
+        run.wait_for(lambda: run.reached() >= 10, "step 10")
+        members = run.members()
+        # A connection that sends nothing: the members step on while it is open (the hub waits for no one).
+        silent = socket.create_connection(run.hub(), timeout=10)
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps with a silent connection open")
+        silent.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            silent.recv(1)  # still open: the steps did not wait for the hub to give up on it
+        # Malformed messages from local processes: each connection is dropped, with one line naming it.
+        old = lambda head: struct.pack(">I", len(head)) + head  # noqa: E731 - f0dd332's framing
+        new = lambda head, nbytes=0: struct.pack(">IQ", len(head), nbytes) + head  # noqa: E731 - jaxdp/cluster/wire.py's
+        bad = [old(b"[1]"),                                   # a 7-byte message whose header is not an object
+               old(b'{"op": "hello", "nbytes": "abc"}'),      # a payload length that is not a number
+               new(b"[1]"),                                   # a header that is not an object
+               new(b'{"op": "hello", "rank": "0"}'),          # a hello whose rank is a string
+               new(b"{}", 1 << 62)]                           # an oversize payload
+        for message in bad:
+            with socket.create_connection(run.hub(), timeout=10) as conn:
+                conn.sendall(message)
+        run.wait_for(lambda: run.text().count("dropped the connection from 127.0.0.1:") >= len(bad),
+                     "a line for each malformed connection")
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps after the malformed connections")
+        assert run.members() == members  # no member was lost or restarted
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(timeout=120) == 75, run.text()
+        silent.close()
+    finally:
+        run.close()
+    text = run.text()
+    assert "Traceback" not in text and "restarting" not in text, text
+    assert "all 2 processes ended (0 restarts); exit code 75" in text, text
+    for why in ("closed in the middle of a message", "a payload of", "the header is a JSON list, not an object",
+                "field 'rank' of a 'hello' message is str, not int"):
+        assert why in text, (why, text)
+    run.saved()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_rank_0_saving_the_state_and_every_member_exiting_75(tmp_path):
+    run = Run(tmp_path)
+    try:
+        run.wait_for(lambda: run.reached() >= 20 and len(run.members()) == 2, "step 20")
+        members = run.members()
+        run.proc.kill()  # the hub goes with it; the members get SIGTERM too (PR_SET_PDEATHSIG)
+        run.proc.wait()
+        deadline = time.monotonic() + 120
+        while not all(_gone(pid) for pid in members.values()):
+            assert time.monotonic() < deadline, run.text()
+            time.sleep(0.05)
+    finally:
+        run.close()
+        for pid in run.members().values():
+            os.kill(pid, signal.SIGKILL)
+    text = run.text()
+    step = run.saved()  # rank 0 saved the step it held (no checkpoint before: --save-every 100000)
+    assert step >= 20 and "jaxdp: preempted (the launcher is gone)" in text, text
+    assert f"saved step {step} to {run.ckpt}, exit code 75" in text, text
+    assert "rank 1 lost the launcher" in text and "exit code 75" in text.split("rank 1 lost the launcher", 1)[1], text
+    assert "exit code 69" not in text and "Traceback" not in text, text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stopped_member_is_left_out_after_the_stall_timeout_and_sigterm_stops_the_run(tmp_path):
+    run = Run(tmp_path, "--stall-timeout", "3", max_restarts=1)
+    stopped = []
+    try:
+        run.wait_for(lambda: run.reached() >= 20 and len(run.members()) == 2, "step 20")
+        joins = run.text().count("rank 1 joined")
+        first = run.members()
+        stopped.append(first[1])
+        os.kill(stopped[-1], signal.SIGSTOP)  # alive, silent: the hub leaves it out, the launcher restarts it
+        run.wait_for(lambda: "rank 1 stalled: " in run.text(), "rank 1 left out")
+        run.wait_for(lambda: run.text().count("rank 1 joined") > joins, "rank 1's restart and rejoin")
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 10, "10 more steps")
+        (again,) = set(training_processes(run.proc.pid)) - {first[0]}  # (forked by the zygote: no rank in its environ)
+        stopped.append(again)
+        os.kill(again, signal.SIGSTOP)
+        run.proc.send_signal(signal.SIGTERM)  # a stop signal with a stopped member: rank 0 saves, all exit 75
+        try:
+            code = run.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not stop within 90 s of SIGTERM with rank 1 stopped:\n{run.text()}")
+    finally:
+        for pid in stopped:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        run.close()
+    text = run.text()
+    assert code == 75, text
+    assert "process 1 was left out by the hub (killed by the launcher); restarting it alone (1 of 1)" in text, text
+    # Each stop came while rank 1's part of a step was owed (or half sent), and the hub left it out,
+    # or (the second) after it was in and the last step summed: the launcher kills the stopped process.
+    assert text.count("rank 1 stalled: ") == 2 or "process 1 has been stopped (SIGSTOP) for 3 s" in text, text
+    assert " 3 s (--stall-timeout)" in text.split("rank 1 stalled: ", 1)[1].splitlines()[0], text
+    assert run.saved() >= at + 10
+    assert "all 2 processes ended (1 restart); exit code 75" in text, text

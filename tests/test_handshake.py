@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, cli_env, free_port
-from jaxdp.cluster import detect as cluster, handshake, detect, handshake_port, slurm_port
+from jaxdp.cluster import detect as cluster, handshake
+from jaxdp.cluster.detect import detect, handshake_port, slurm_port
 from jaxdp.config import Config, ConfigError
 
 SRUN_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NTASKS": "8",

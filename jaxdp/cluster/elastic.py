@@ -37,16 +37,24 @@ rank 0 saving it (exit 75). Scope: the `host` strategy (the sum is on the host a
 compression, local steps, ZeRO-1 or `--sync-seconds`; one node (the launcher is the hub). Every
 process sends its shard's gradients to the launcher and gets the total back (a star over
 localhost): twice a ring's bytes, which is what a local star costs. A stopped process (SIGSTOP) is
-not detected: the others wait for it, like a plain run waits for a stalled peer, until it
-resumes or is killed.
+left out after the stall timeout (below).
 
-Wire: every message is a 4-byte big-endian length, a JSON header of that length, then the header's
-"nbytes" bytes of payload (arrays as raw bytes, in an order both sides know). The ops:
+Wire: jaxdp/cluster/wire.py's messages (a JSON header, the arrays as raw bytes in an order both sides know
+in the payload). The ops:
 
-    process -> launcher: hello {rank}; partial {step, shard} + arrays; state {step} + the train
-                         state; stop {} (a preemption signal arrived here)
+    process -> launcher: hello {rank, stall_timeout}; partial {step, shard, layout} + arrays; state
+                         {step} + the train state; stop {} (a preemption signal arrived here); bye {}
     launcher -> process: welcome {source}; also {step, shards}; total {step, shards, donate,
                          stop} + arrays; state {step, shards} + the train state; stop {}
+
+The hub reads every connection without blocking (`wire.Reader`), so a connection that sends half a
+message or nothing stalls no one. A connection that sends something that is not one of these
+messages is dropped with one line naming it (a member's counts as lost); one that sends no hello
+within the stall timeout is dropped too. A member that owes its part of a step `stall_timeout`
+seconds (the members' --stall-timeout) after another member sent its own is left out and named as
+stalled (its shards go to the others, as a lost member's do); the launcher kills it, and restarts it
+as a lost one. A member whose hub goes away (the launcher was killed) stops after the step it has:
+rank 0 saves it (`HubGone`, then exit 75 in every member).
 
 This module holds no JAX: the launcher imports it. The step that uses `Member` is
 `jaxdp.step.train_step.make_elastic_step`.
@@ -54,59 +62,31 @@ This module holds no JAX: the launcher imports it. The step that uses `Member` i
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import socket
-import struct
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxdp.cluster import wire
+
 ENV_ADDRESS = "JAXDP_ELASTIC"        # HOST:PORT of the launcher's hub; set: this process is a member
 ENV_RANK = "JAXDP_ELASTIC_RANK"
 ENV_SIZE = "JAXDP_ELASTIC_SIZE"
-READ_TIMEOUT_S = 30.0  # the rest of a message whose header has arrived (a member killed mid-send closes at once)
+READ_TIMEOUT_S = 30.0     # a member: the rest of a message whose first bytes have arrived (the hub closing is seen at once)
+STALL_TIMEOUT_S = 20.0    # the hub's, until a member's hello says its --stall-timeout
+
+Lost = wire.ProtocolError  # the other end closed, or sent something that is not one of our messages
 
 
-class Lost(ConnectionError):
-    """The other end closed (or never finished a message)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The wire
-# ---------------------------------------------------------------------------------------------
+class HubGone(Exception):
+    """This member's hub (the launcher) went away: stop after the step this process holds."""
 
 
 def send(sock: socket.socket, header: dict, payload: Sequence[Any] = ()) -> None:
-    """One message: `header` (JSON) and the raw bytes of `payload` (buffers, concatenated)."""
-    views = [memoryview(np.ascontiguousarray(p)).cast("B") if isinstance(p, np.ndarray) else memoryview(p)
-             for p in payload]
-    head = json.dumps({**header, "nbytes": sum(v.nbytes for v in views)}).encode()
-    sock.sendall(struct.pack(">I", len(head)) + head)
-    for view in views:
-        sock.sendall(view)
-
-
-def _exactly(sock: socket.socket, n: int) -> bytearray:
-    out = bytearray(n)
-    view, got = memoryview(out), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise Lost("closed")
-        got += k
-    return out
-
-
-def receive(sock: socket.socket) -> tuple[dict, bytearray]:
-    """(header, payload bytes) of the next message; Lost if the other end is gone."""
-    try:
-        (size,) = struct.unpack(">I", _exactly(sock, 4))
-        header = json.loads(bytes(_exactly(sock, size)))
-        return header, _exactly(sock, header.get("nbytes", 0))
-    except (OSError, ValueError) as err:
-        raise Lost(str(err)) from None
+    wire.send(sock, header, [np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p for p in payload])
 
 
 def pack(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -127,6 +107,18 @@ def unpack(payload: bytes | bytearray, like: Sequence[Any]) -> list[np.ndarray]:
     return out
 
 
+def _layout(value: Any, payload: bytearray) -> list[tuple[str, int]]:
+    """A partial's layout [(dtype, count), ...], checked against its payload; ProtocolError if bad."""
+    try:
+        layout = [(str(np.dtype(d)), int(c)) for d, c in value]
+        ok = all(c >= 0 for _, c in layout) and sum(np.dtype(d).itemsize * c for d, c in layout) == len(payload)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise Lost("a partial's layout does not describe its payload")
+    return layout
+
+
 # ---------------------------------------------------------------------------------------------
 # The hub (in the launcher)
 # ---------------------------------------------------------------------------------------------
@@ -135,8 +127,10 @@ def unpack(payload: bytes | bytearray, like: Sequence[Any]) -> list[np.ndarray]:
 class Hub:
     """The launcher's end: members, who computes which shard, the per-step sums, state hand-overs.
 
-    Single-threaded: the launcher's loop calls `watch(selector)` once and `ready(key)` for every
-    ready socket it registered. `events` collects lines for the launcher to print.
+    Single-threaded: the launcher's loop calls `watch(selector)` once, `ready(key.data)` for every
+    ready socket it registered and `tick()` every few tens of milliseconds (the timeouts). `events`
+    collects lines for the launcher to print; `stalled` the ranks it left out while their processes
+    may live on (stalled, or a bad message): the launcher kills those processes.
     """
 
     def __init__(self, size: int, host: str = "127.0.0.1"):
@@ -145,16 +139,20 @@ class Hub:
         self.listener.setblocking(False)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
         self.conns: dict[int, socket.socket] = {}      # rank -> its live member's connection
+        self.peers: dict[socket.socket, _Peer] = {}    # every open connection, members and not yet
         self.holders: set[int] = set()                 # ranks whose member holds the train state
         self.waiting: list[int] = []                   # joined, waiting for the state (in arrival order)
         self.owner: dict[int, int] = {}                # shard -> the rank that computes it (holders only)
         self.step: int | None = None                   # the step being summed (None: no holder yet)
         self.partials: dict[int, bytearray] = {}       # shard -> its sum for `step`
         self.layout: list[tuple[str, int]] = []        # (dtype, count) of each array of a partial
+        self.since: float | None = None                # when the first partial of `step` arrived
         self.donor: tuple[int, list[int]] | None = None  # (rank, [joiners]) asked to send the state
+        self.stall_timeout = STALL_TIMEOUT_S
         self.stopping = False
         self.finished = False                          # a total with stop was sent, or the run ended
         self.events: list[str] = []
+        self.stalled: list[int] = []
         self._selector: selectors.BaseSelector | None = None
 
     def watch(self, selector: selectors.BaseSelector) -> None:
@@ -162,7 +160,7 @@ class Hub:
         selector.register(self.listener, selectors.EVENT_READ, ("hub", None))
 
     def close(self) -> None:
-        for conn in list(self.conns.values()):
+        for conn in list(self.peers):
             conn.close()
         self.listener.close()
 
@@ -175,43 +173,81 @@ class Hub:
 
     # -- events from the sockets ----------------------------------------------------------------
 
-    def ready(self, data: tuple[str, int | None]) -> None:
-        kind, rank = data
+    def ready(self, data: tuple[str, Any]) -> None:
+        kind, conn = data
         if kind == "hub":
             try:
-                conn, _ = self.listener.accept()
-            except BlockingIOError:
+                conn, where = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            self._register(conn, None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.stall_timeout)  # sends to a member that reads nothing fail after this
+            self.peers[conn] = _Peer(f"{where[0]}:{where[1]}", wire.Reader(wire.MAX_PAYLOAD), time.monotonic())
+            if self._selector is not None:
+                self._selector.register(conn, selectors.EVENT_READ, ("conn", conn))
             return
-        conn = self.conns.get(rank) if rank is not None else None
-        if conn is None:
+        peer = self.peers.get(conn)
+        if peer is None:
             return
         try:
-            conn.settimeout(READ_TIMEOUT_S)
-            header, payload = receive(conn)
-        except Lost:
-            self.lost(rank)
-            return
-        self._handle(rank, header, payload)
+            for header, payload in peer.reader.read(conn):
+                if self.peers.get(conn) is not peer:
+                    return  # dropped while handling an earlier message
+                if peer.rank is None:
+                    self._hello(conn, peer, header)
+                else:
+                    self._handle(peer.rank, header, payload)
+        except wire.ProtocolError as err:
+            self._bad(conn, str(err), err.quiet)
 
-    def _register(self, conn: socket.socket, rank: int | None) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(READ_TIMEOUT_S)
-        try:
-            header, _ = receive(conn)  # hello, sent at once after connecting
-        except Lost:
-            conn.close()
+    def tick(self, now: float | None = None) -> None:
+        """The timeouts: a connection with no hello, a member that owes its part of the step."""
+        now = time.monotonic() if now is None else now
+        for conn, peer in list(self.peers.items()):
+            if peer.rank is None and now - peer.opened > self.stall_timeout:
+                self._bad(conn, f"no hello within {self.stall_timeout:g} s")
+            elif peer.reader.waiting_s(now) > self.stall_timeout:  # stopped in the middle of a message
+                self._bad(conn, f"no complete message within {self.stall_timeout:g} s (--stall-timeout)")
+        if self.since is None or now - self.since <= self.stall_timeout:
             return
-        rank = header.get("rank")
-        if header.get("op") != "hello" or not isinstance(rank, int) or not 0 <= rank < self.size:
-            conn.close()
+        late = sorted({self.owner[s] for s in range(self.size) if s not in self.partials and s in self.owner})
+        for rank in late:
+            self.events.append(f"rank {rank} stalled: sent nothing for step {self.step} within {self.stall_timeout:g} s "
+                               f"(--stall-timeout) of another rank's part; left out")
+            self.stalled.append(rank)
+            self.lost(rank)
+
+    def _bad(self, conn: socket.socket, why: str, quiet: bool = False) -> None:
+        """Drop `conn`: one line unless it simply closed (a member's end is the launcher's to report)."""
+        peer = self.peers.get(conn)
+        if peer is None:
             return
+        member = peer.rank is not None and self.conns.get(peer.rank) is conn
+        if member and not quiet:  # its process may live on: the launcher kills it (and restarts it)
+            self.events.append(f"rank {peer.rank} stalled: {why}; left out" if "within" in why else
+                               f"rank {peer.rank} sent a bad message ({why}); left out")
+            self.stalled.append(peer.rank)
+        elif not quiet:
+            self.events.append(f"dropped the connection from {peer.where}: {why}")
+        if member:
+            self.lost(peer.rank)
+        else:
+            self._close(conn)
+
+    def _hello(self, conn: socket.socket, peer: _Peer, header: dict) -> None:
+        if header.get("op") != "hello":
+            raise wire.ProtocolError(f"a {header.get('op')!r} message before its hello")
+        rank = wire.check(header, rank=int)["rank"]
+        if not 0 <= rank < self.size:
+            raise wire.ProtocolError(f"rank {rank} is not one of 0..{self.size - 1}")
+        stall = header.get("stall_timeout")
+        if isinstance(stall, (int, float)) and not isinstance(stall, bool) and stall > 0:
+            self.stall_timeout = float(stall)  # (every member runs the same command)
+            conn.settimeout(self.stall_timeout)
         if rank in self.conns:  # a restarted member of a rank whose old connection has not closed yet
             self.lost(rank)
+        peer.rank = rank
         self.conns[rank] = conn
-        if self._selector is not None:
-            self._selector.register(conn, selectors.EVENT_READ, ("member", rank))
         if self.stopping:
             self._send(rank, {"op": "stop"})
             return
@@ -224,7 +260,7 @@ class Hub:
     def _make_source(self) -> None:
         self.holders.add(0)
         self.owner = {s: 0 for s in range(self.size)}
-        self.step, self.donor = None, None
+        self.step, self.donor, self.since = None, None, None
         self.partials.clear()
         self._send(0, {"op": "welcome", "source": True, "shards": list(range(self.size))})
 
@@ -236,16 +272,25 @@ class Hub:
             self._drop(rank)
             self.holders.discard(rank)
         elif op == "partial":
+            wire.check(header, step=int, shard=int, layout=list)
             step, shard = header["step"], header["shard"]
+            layout = _layout(header["layout"], payload)
             if self.step is None:
                 self.step = step  # the source's first step: its restored position
             if step != self.step or self.owner.get(shard) != rank:
                 return  # a stale partial (from before a reassignment): the new owner sends it
+            if self.partials and layout != self.layout:
+                raise wire.ProtocolError("a partial whose arrays differ from the other ranks'")
+            if not self.partials:
+                self.since = time.monotonic()
             self.partials[shard] = payload
-            self.layout = [(str(d), int(c)) for d, c in header["layout"]]
+            self.layout = layout
             if len(self.partials) == self.size:
                 self._total()
-        elif op == "state" and self.donor is not None and self.donor[0] == rank:
+        elif op == "state":
+            wire.check(header, step=int)
+            if self.donor is None or self.donor[0] != rank:
+                return
             _, joiners = self.donor
             self.donor = None
             for joiner in joiners:
@@ -253,6 +298,8 @@ class Hub:
                     self.holders.add(joiner)
                     self._send(joiner, {"op": "state", "step": header["step"], "shards": self._shards(joiner)},
                                [payload])
+        else:
+            raise wire.ProtocolError(f"unknown op {op!r}")
 
     def _total(self) -> None:
         layout = self.layout
@@ -261,6 +308,7 @@ class Hub:
             for acc, part in zip(total, unpack(self.partials[shard], [((count,), dtype) for dtype, count in layout])):
                 acc += part
         self.partials.clear()
+        self.since = None
         step = self.step
         self.step = step + 1
         stop = self.stopping
@@ -290,21 +338,25 @@ class Hub:
             return
         try:
             send(conn, header, payload)
-        except OSError:
+        except wire.ProtocolError:
             self.lost(rank)
 
     # -- a member gone ---------------------------------------------------------------------------
 
-    def _drop(self, rank: int) -> bool:
-        conn = self.conns.pop(rank, None)
-        if conn is None:
-            return False
+    def _close(self, conn: socket.socket) -> None:
+        self.peers.pop(conn, None)
         if self._selector is not None:
             try:
                 self._selector.unregister(conn)
             except (KeyError, ValueError):
                 pass
         conn.close()
+
+    def _drop(self, rank: int) -> bool:
+        conn = self.conns.pop(rank, None)
+        if conn is None:
+            return False
+        self._close(conn)
         return True
 
     def _alive(self, rank: int | None) -> bool:
@@ -331,7 +383,7 @@ class Hub:
         if not was_holder and rank not in self.owner.values():
             return
         if not self.holders:  # nobody holds the state: rank 0 (when it is back) restores it
-            self.step, self.owner, self.donor = None, {}, None
+            self.step, self.owner, self.donor, self.since = None, {}, None, None
             self.partials.clear()
             self.waiting = [r for r in self.waiting if r in self.conns]
             self.events.append(f"rank {rank} lost and no process holds the state: rank 0 restores the last "
@@ -347,10 +399,20 @@ class Hub:
             self.owner[shard] = heir
             if self.step is not None and shard not in self.partials:
                 asked.setdefault(heir, []).append(shard)
+        if self.since is not None:  # the heirs get the whole timeout for their extra shards
+            self.since = time.monotonic()
         self.events.append(f"rank {rank} lost at step {self.step}: its shards {orphans} go to "
                            + ", ".join(f"rank {r}" for r in sorted({self.owner[s] for s in orphans})))
         for heir, shards in asked.items():
             self._send(heir, {"op": "also", "step": self.step, "shards": shards})
+
+
+class _Peer:
+    """One connection to the hub: where from, its reader, its rank once its hello came."""
+
+    def __init__(self, where: str, reader: wire.Reader, opened: float):
+        self.where, self.reader, self.opened = where, reader, opened
+        self.rank: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,6 +431,7 @@ class Member:
         self.shards: list[int] = [rank]
         self.stop = False        # the hub said stop after the last step
         self.stop_asked = False  # this process asked for a stop (a signal here)
+        self.stall_timeout: float | None = None  # this run's --stall-timeout, for the hub (None: its default)
 
     @property
     def lead(self) -> bool:
@@ -381,8 +444,17 @@ class Member:
         self.sock = socket.create_connection((self.host, self.port), timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(None)
-        send(self.sock, {"op": "hello", "rank": self.rank, "pid": os.getpid()})
-        return self._welcome(*receive(self.sock)) is None
+        send(self.sock, {"op": "hello", "rank": self.rank, "pid": os.getpid(), "stall_timeout": self.stall_timeout})
+        return self._welcome(*self._receive()) is None
+
+    def _receive(self) -> tuple[dict, bytearray]:
+        header, payload = wire.receive(self.sock, timeout=READ_TIMEOUT_S, max_payload=wire.MAX_PAYLOAD, wait=True)
+        wire.check(header, op=str)
+        if "shards" in header:
+            wire.check(header, shards=wire.INTS)
+        if "step" in header:
+            wire.check(header, step=int)
+        return header, payload
 
     def _welcome(self, header: dict, payload: bytearray) -> tuple[int, bytearray] | None:
         if header["op"] == "stop":
@@ -390,13 +462,15 @@ class Member:
             raise Lost("the run is stopping")
         self.shards = header.get("shards", [])
         if header["op"] == "state":
-            return header["step"], payload
+            return wire.check(header, step=int)["step"], payload
+        if header["op"] != "welcome":
+            raise Lost(f"a {header['op']!r} message where a welcome or the state was due")
         return None if header.get("source") else (-1, payload)
 
     def receive_state(self) -> tuple[int, bytearray] | None:
         """(step, the train state's bytes) from a live member when the hub hands it over; None: no
         live member holds the state, so this process (rank 0) is its source after all."""
-        return self._welcome(*receive(self.sock))
+        return self._welcome(*self._receive())
 
     def reduce(self, step: int, partials: dict[int, list[np.ndarray]],
                compute: Callable[[int], list[np.ndarray]]) -> tuple[bytearray, bool]:
@@ -405,8 +479,10 @@ class Member:
         for shard, arrays in partials.items():
             self._partial(step, shard, arrays)
         while True:
-            header, payload = receive(self.sock)
+            header, payload = self._receive()
             op = header["op"]
+            if op in ("also", "total"):
+                wire.check(header, step=int, shards=wire.INTS)
             if op == "also" and header["step"] == step:
                 for shard in header["shards"]:
                     self._partial(step, shard, compute(shard))
@@ -428,14 +504,17 @@ class Member:
     def ask_stop(self) -> None:
         if not self.stop_asked and self.sock is not None:
             self.stop_asked = True
-            send(self.sock, {"op": "stop"})
+            try:
+                send(self.sock, {"op": "stop"})
+            except Lost:
+                pass  # the hub is gone: the next step finds out
 
     def close(self, finished: bool = False) -> None:
         if self.sock is not None:
             if finished:
                 try:
                     send(self.sock, {"op": "bye"})
-                except OSError:
+                except Lost:
                     pass
             self.sock.close()
             self.sock = None

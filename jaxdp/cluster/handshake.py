@@ -4,9 +4,9 @@ JAX's coordinator admits any process that names a free task number, so a process
 started on a running run's coordinator address (a copied command, a SLURM port collision) used to
 register with the running run, and JAX aborted both of that run's processes. So before any process
 reaches JAX's coordinator it asks process 0, on the port after the coordinator's
-(`jaxdp.cluster.detect.handshake_port`), with one line of JSON:
+(`jaxdp.cluster.detect.handshake_port`), with one jaxdp/cluster/wire.py message (a JSON object, no payload):
 
-    {"jaxdp": 1, "run": RUN_ID, "process": I, "processes": N}
+    {"jaxdp": 2, "run": RUN_ID, "process": I, "processes": N}
 
 and process 0 answers `{"ok": true}` or `{"ok": false, "why": SENTENCE}`. Process 0 admits each
 process number 1..N-1 once, of its own run id and count; once all N-1 are in, the run is formed and
@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import json
 import os
 import socket
 import threading
 import time
 
+from jaxdp.cluster import wire
 from jaxdp.cluster.detect import parse_address
 from jaxdp.config import ConfigError
 
-PROTOCOL = 1
-MAX_LINE = 4096        # a hello is far shorter; anything longer is not one
+PROTOCOL = 2           # 2: jaxdp/cluster/wire.py's framing (1: a line of JSON)
 READ_TIMEOUT_S = 5.0   # how long process 0 waits for a connection's hello
 RETRY_S = 0.1          # how often a process retries while process 0 is not listening yet
 ENV_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"  # JAX's own variable: where the coordinator listens
@@ -73,13 +72,16 @@ class Admission:
     def close(self) -> None:
         self.server.close()
 
-    def decide(self, hello: dict) -> str | None:
-        """None to admit the process `hello` describes, else the sentence that refuses it."""
+    def decide(self, hello: dict | None) -> str | None:
+        """None to admit the process `hello` describes (None: not a handshake), else the sentence
+        that refuses it."""
         mine = _named(self.run_id)
         if not isinstance(hello, dict) or hello.get("jaxdp") != PROTOCOL:
             return "it speaks another handshake version (a different jaxdp?)"
         run, process, count = hello.get("run"), hello.get("process"), hello.get("processes")
-        if not isinstance(run, str) or not isinstance(process, int) or not isinstance(count, int):
+        try:
+            wire.check(hello, run=str, process=int, processes=int)
+        except wire.ProtocolError:
             return "the handshake was malformed"
         if run != self.run_id:
             return (f"it belongs to another run ({mine}; this process is of {_named(run)}); two runs cannot "
@@ -107,13 +109,18 @@ class Admission:
                 return  # closed
             with conn:
                 try:
-                    conn.settimeout(READ_TIMEOUT_S)
-                    why = self.decide(_hello(_read_line(conn)))
-                    if why is not None:
-                        self.refused += 1
-                    conn.sendall((json.dumps({"ok": True} if why is None else {"ok": False, "why": why}) + "\n").encode())
-                except OSError:
-                    pass  # a visitor that left, or never spoke: nothing to answer
+                    hello, _ = wire.receive(conn, timeout=READ_TIMEOUT_S)
+                except wire.ProtocolError as err:
+                    if err.quiet:
+                        continue  # a visitor that left, or never spoke: nothing to answer
+                    hello = None  # something else (a port scanner, a browser): refused
+                why = self.decide(hello)
+                if why is not None:
+                    self.refused += 1
+                try:
+                    wire.send(conn, {"ok": True} if why is None else {"ok": False, "why": why})
+                except wire.ProtocolError:
+                    pass  # it left
 
 
 def join(coordinator: str, port: int, run_id: str, process_id: int, num_processes: int, timeout_s: float) -> None:
@@ -123,7 +130,7 @@ def join(coordinator: str, port: int, run_id: str, process_id: int, num_processe
     ConfigError with process 0's sentence if it refuses (or something else answers on that port);
     TimeoutError if process 0 does not answer within `timeout_s`."""
     host = coordinator.rsplit(":", 1)[0].strip("[]")
-    hello = json.dumps({"jaxdp": PROTOCOL, "run": run_id, "process": process_id, "processes": num_processes})
+    hello = {"jaxdp": PROTOCOL, "run": run_id, "process": process_id, "processes": num_processes}
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
@@ -131,17 +138,18 @@ def join(coordinator: str, port: int, run_id: str, process_id: int, num_processe
             raise TimeoutError(f"process 0 did not answer on {host}:{port} within {timeout_s} s")
         try:
             with socket.create_connection((host, port), timeout=min(left, READ_TIMEOUT_S * 2)) as link:
-                link.sendall(hello.encode() + b"\n")
-                line = _read_line(link)
-        except OSError:
-            time.sleep(RETRY_S)  # process 0 is not listening yet (or went away): nothing to wait on but time
-            continue
-        try:
-            answer = json.loads(line)
-            ok, why = answer["ok"], answer.get("why", "")
-        except (ValueError, KeyError, TypeError):
+                wire.send(link, hello)
+                answer, _ = wire.receive(link, timeout=min(left, READ_TIMEOUT_S * 2))
+                ok, why = wire.check(answer, ok=bool)["ok"], answer.get("why", "")
+        except wire.ProtocolError as err:
+            if err.quiet:  # process 0 went away, or did not answer in time: try again until the deadline
+                time.sleep(RETRY_S)
+                continue
             raise ConfigError(f"port {port} on {host} answered, but not as jaxdp's run handshake (which uses the "
                               f"port after the coordinator's); another program has it: pick another port") from None
+        except OSError:
+            time.sleep(RETRY_S)  # process 0 is not listening yet: nothing to wait on but time
+            continue
         if not ok:
             raise ConfigError(f"process 0 at {coordinator} refused this process: {why}")
         return
@@ -149,23 +157,6 @@ def join(coordinator: str, port: int, run_id: str, process_id: int, num_processe
 
 def _named(run_id: str) -> str:
     return f"run id {run_id!r}" if run_id else "no run id"
-
-
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n") and len(data) < MAX_LINE:
-        more = conn.recv(MAX_LINE - len(data))
-        if not more:
-            break
-        data += more
-    return data
-
-
-def _hello(line: bytes) -> dict | None:
-    try:
-        return json.loads(line.decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
 
 
 def bind_host(address: str, environ=os.environ) -> str | None:

@@ -4,9 +4,9 @@
     python -m jaxdp.launch --nnodes 2 --node-rank 1 --coordinator node0:29400 --nproc-per-node 4 -- CMD
 
 Node 0's launcher (the leader) listens on the --coordinator address; every other launcher connects
-to it and stays connected. They talk in lines of JSON:
+to it and stays connected. They talk in jaxdp/cluster/wire.py's messages (a JSON object each, no payload):
 
-    node -> leader   {"hello": 1, "node": R, "nnodes": N, "nproc": P}    answered {"welcome": true} or {"refused": why}
+    node -> leader   {"hello": 2, "node": R, "nnodes": N, "nproc": P}    answered {"welcome": true} or {"refused": why}
     leader -> nodes  {"start": K, "run": RUN_ID}                         start your processes of attempt K
     any -> any       {"signal": S}                                       a launcher got SIGTERM (...): forward it
     node -> leader   {"ended": K, "kind": ..., "process": I, "code": C}  my processes of attempt K ended (or one failed)
@@ -14,29 +14,36 @@ to it and stays connected. They talk in lines of JSON:
     leader -> nodes  {"decision": "restart" | "exit", "code": C, "line": ...}
 
 The leader decides alone, from every node's outcome, exactly as a single-node launcher decides from
-its own. A launcher whose peer launcher disappears (its connection closes) stops its processes.
-No JAX here.
+its own. A launcher whose peer launcher disappears (its connection closes, or sends something that
+is not one of these messages) stops its processes. No JAX here.
 """
 
 from __future__ import annotations
 
-import json
 import selectors
 import socket
 import time
 
+from jaxdp.cluster import wire
 from jaxdp.cluster.detect import parse_address
 from jaxdp.cluster.handshake import bind_host
 
-PROTOCOL = 1
+PROTOCOL = 2          # 2: jaxdp/cluster/wire.py's framing (1: lines of JSON)
 RETRY_S = 0.2
+READ_TIMEOUT_S = 5.0  # a hello, or its answer
+
+
+FIELDS = {"hello": int, "node": int, "nnodes": int, "nproc": int, "start": int, "run": str, "signal": int,
+          "ended": int, "kind": str, "process": (int, type(None)), "code": int, "stop": int, "decision": str,
+          "line": (str, type(None))}  # every field's type (a message with another is not one of ours)
 
 
 class Link:
-    """One launcher-to-launcher connection: JSON lines out, and complete lines in without blocking."""
+    """One launcher-to-launcher connection: messages out, and complete messages in without blocking."""
 
-    def __init__(self, conn: socket.socket, node: int | None = None, buffer: bytes = b""):
-        self.conn, self.node, self.buffer, self.closed = conn, node, buffer, False
+    def __init__(self, conn: socket.socket, node: int | None = None):
+        self.conn, self.node, self.closed = conn, node, False
+        self.reader = wire.Reader()
         conn.setblocking(False)
 
     def send(self, message: dict) -> None:
@@ -44,32 +51,29 @@ class Link:
             return
         self.conn.setblocking(True)
         try:
-            self.conn.sendall((json.dumps(message) + "\n").encode())
-        except OSError:
+            wire.send(self.conn, message)
+        except wire.ProtocolError:
             self.closed = True
         finally:
             self.conn.setblocking(False)
 
     def messages(self) -> list[dict]:
-        """Whatever complete messages have arrived (the connection may have closed: `closed`)."""
+        """Whatever complete messages have arrived (the connection may have closed, or sent
+        something that is not one of ours: `closed`)."""
+        out = []
         while not self.closed:
             try:
-                data = self.conn.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                data = b""
-            if not data:
+                got = self.reader.read(self.conn)
+            except wire.ProtocolError:
                 self.closed = True
                 break
-            self.buffer += data
-        out = []
-        while b"\n" in self.buffer:
-            line, self.buffer = self.buffer.split(b"\n", 1)
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                self.closed = True  # not one of ours
+            if not got:
+                break
+            for header, _ in got:
+                if not all(isinstance(header[k], FIELDS[k]) for k in header if k in FIELDS):
+                    self.closed = True  # not one of ours
+                    break
+                out.append(header)
         return out
 
     def close(self) -> None:
@@ -111,16 +115,15 @@ class Leader:
                 conn, _ = self.server.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            conn.settimeout(5.0)
             try:
-                hello = json.loads(_read_line(conn)[0])
-            except (OSError, ValueError):
+                hello, _ = wire.receive(conn, timeout=READ_TIMEOUT_S)
+            except wire.ProtocolError:
                 conn.close()
                 continue
             why = self.refusal(hello)
             try:
-                conn.sendall((json.dumps({"refused": why} if why else {"welcome": True}) + "\n").encode())
-            except OSError:
+                wire.send(conn, {"refused": why} if why else {"welcome": True})
+            except wire.ProtocolError:
                 why = "gone"
             if why:
                 conn.close()
@@ -128,8 +131,8 @@ class Leader:
                 self.links[hello["node"]] = Link(conn, hello["node"])
 
     def refusal(self, hello: dict) -> str | None:
-        node = hello.get("node") if isinstance(hello, dict) else None
-        if not isinstance(hello, dict) or hello.get("hello") != PROTOCOL or not isinstance(node, int):
+        node = hello.get("node")
+        if hello.get("hello") != PROTOCOL or not isinstance(node, int) or isinstance(node, bool):
             return "not a jaxdp launcher of this version"
         if (hello.get("nnodes"), hello.get("nproc")) != (self.nnodes, self.nproc):
             return (f"node 0 runs --nnodes {self.nnodes} --nproc-per-node {self.nproc}, this launcher "
@@ -167,29 +170,15 @@ def join(coordinator: str, node: int, nnodes: int, nproc: int, timeout_s: float)
             time.sleep(RETRY_S)  # node 0's launcher is not listening yet
             continue
         try:
-            conn.sendall((json.dumps(hello) + "\n").encode())
-            line, rest = _read_line(conn)  # node 0 may have sent its first order right after the welcome
-            answer = json.loads(line)
-        except (OSError, ValueError):
+            wire.send(conn, hello)
+            answer, _ = wire.receive(conn, timeout=READ_TIMEOUT_S)  # (exactly the answer: node 0's orders follow it)
+        except wire.ProtocolError:
             conn.close()
             time.sleep(RETRY_S)
             continue
-        if isinstance(answer, dict) and answer.get("welcome"):
-            return Link(conn, 0, rest)
-        if not isinstance(answer, dict):
-            answer = {"refused": "it is not a jaxdp launcher"}
+        if answer.get("welcome") is True:
+            return Link(conn, 0)
         conn.close()
         return Refused(f"node 0's launcher at {coordinator} refused this one: {answer.get('refused')}")
     return None
 
-
-def _read_line(conn: socket.socket) -> tuple[bytes, bytes]:
-    """The first line on `conn`, and whatever arrived after it."""
-    data = b""
-    while b"\n" not in data and len(data) < 65536:
-        more = conn.recv(4096)
-        if not more:
-            break
-        data += more
-    line, _, rest = data.partition(b"\n")
-    return line, rest

@@ -290,8 +290,10 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         return dict(last_checked)
 
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
+    HubGone = _NeverRaised
     if elastic is not None:  # every rank stops after the same step (the launcher says which)
         preemption = _ElasticStop(preemption or Preemption(), elastic)
+        from jaxdp.cluster.elastic import HubGone
     batches = Prefetcher(batch_at, start_step, steps, depth=prefetch) if not rounds_run else None
     summary: dict[str, Any] = {}
     try:
@@ -323,7 +325,17 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                     spec = spec.replace(compression=decision.compressor)
                     train_step = step_for(spec)
                 dispatch = time.perf_counter()
-                state, metrics = train_step(state, batch)
+                try:
+                    state, metrics = train_step(state, batch)
+                except HubGone as gone:  # an elastic run whose launcher went away: stop with the state held
+                    checked()
+                    if checkpointer:
+                        checkpointer.save(state)  # no-op if this step was just saved
+                    if not (is_main and checkpointer):  # (rank 0 says what it saved below)
+                        print(f"jaxdp: {gone}: stopping after step {done}, exit code 75", file=sys.stderr)
+                    preemption.gone = True
+                    preempted = True
+                    break
                 done = step + 1
                 if spec.overlap and done == steps:  # the last step: apply its own gradient too, nothing in flight
                     pending.append((done, metrics))
@@ -444,9 +456,11 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
         source = member.connect()
         received = None if source else member.receive_state()
     except (elastic_lib.Lost, OSError) as err:
+        connected = member.sock is not None
         member.close()
-        if member.stop:
-            print(f"jaxdp: rank {member.rank}: the run stopped before this process joined; exit code "
+        if member.stop or connected:  # told to stop, or the launcher went away while this process waited
+            why = "the run stopped" if member.stop else f"the launcher went away ({err})"
+            print(f"jaxdp: rank {member.rank}: {why} before this process joined; exit code "
                   f"{EXIT_PREEMPTED}", file=sys.stderr)
             raise SystemExit(EXIT_PREEMPTED) from None
         print(f"jaxdp: error: rank {member.rank} cannot join the launcher at {member.address} ({err}); exit code "
@@ -463,6 +477,7 @@ class _ElasticStop:
 
     def __init__(self, preemption: Any, member: Any):
         self._preemption, self._member = preemption, member
+        self.gone = False  # the launcher (the hub) went away
 
     def should_stop(self, state: Any) -> bool:
         if self._preemption.signal is not None:
@@ -471,10 +486,16 @@ class _ElasticStop:
 
     @property
     def reason(self) -> str:
+        if self.gone:
+            return "the launcher is gone"
         return self._preemption.reason if self._preemption.signal else "a stop signal to the launcher or another rank"
 
     def close(self) -> None:
         self._preemption.close()
+
+
+class _NeverRaised(Exception):
+    """(What the loop catches for an elastic run's HubGone in a run that is not elastic.)"""
 
 
 def _check_overlap(sync_every: Any, sync_seconds: Any) -> None:

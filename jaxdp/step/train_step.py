@@ -33,7 +33,6 @@ synchronises them; tests compare every strategy with a single-device reference.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 import jax
@@ -344,12 +343,8 @@ def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh:
         try:
             payload, donate = member.reduce(at, {shard: sums for shard, (_, sums) in partials.items()},
                                             lambda shard: shard_sum(state, shard_batch_at(shard))[1])
-        except (elastic.Lost, OSError) as err:
-            from jaxdp.errors import EXIT_PEER_LOST
-
-            print(f"jaxdp: error: rank {member.rank} lost the launcher at {member.address} at step {at} ({err}); "
-                  f"exit code {EXIT_PEER_LOST}", file=sys.stderr)
-            raise SystemExit(EXIT_PEER_LOST) from None
+        except (elastic.Lost, OSError) as err:  # the launcher is gone: the loop stops with `state` (rank 0 saves it)
+            raise elastic.HubGone(f"rank {member.rank} lost the launcher at {member.address} at step {at} ({err})") from None
         totals = elastic.unpack(payload, like)
         means = [(t / devices).astype(t.dtype, copy=False) for t in totals]
         metrics, model_state, grads = jax.tree.unflatten(treedef, means)
@@ -357,7 +352,10 @@ def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh:
         grads, model_state = replicate((grads, model_state), mesh)
         state = update_fn(state, grads, model_state)
         if donate:
-            member.send_state(at + 1, state_arrays(state))
+            try:
+                member.send_state(at + 1, state_arrays(state))
+            except (elastic.Lost, OSError):
+                pass  # the launcher is gone: the next step finds out, and the loop stops with this state
         return state, metrics
 
     def warm_up(state: TrainState, batch: Batch) -> None:
