@@ -69,7 +69,7 @@ _EXPORTS = {
 
 __all__ = sorted([*_EXPORTS, "__version__"])
 
-moved.install_old_module_paths()  # jaxdp.step.state and the other flat paths of before the wave-4 layout
+moved.install_old_module_paths()  # the flat module paths of before the wave-4 layout (jaxdp/moved.py)
 
 
 def __getattr__(name: str) -> Any:
