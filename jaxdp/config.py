@@ -156,8 +156,11 @@ class Config:
             raise ConfigError(f"--clip-norm must be a finite number >= 0 (0: no clipping), got {self.clip_norm}")
         if not math.isfinite(self.final_lr_fraction) or not 0 <= self.final_lr_fraction <= 1:
             raise ConfigError(f"--final-lr-fraction must be between 0 and 1, got {self.final_lr_fraction}")
-        if self.schedule == "warmup-cosine" and self.warmup_steps >= max(self.steps, 1):
-            raise ConfigError(f"--warmup-steps={self.warmup_steps} must be smaller than --steps={self.steps}")
+        if self.schedule == "warmup-cosine":  # the warm-up is part of the schedule: of its horizon, not of this run
+            horizon, flag = (self.schedule_steps, "--schedule-steps") if self.schedule_steps else (self.steps, "--steps")
+            if self.warmup_steps >= max(horizon, 1):
+                raise ConfigError(f"--warmup-steps={self.warmup_steps} must be smaller than the schedule's horizon, "
+                                  f"{flag}={horizon}")
         if self.devices is not None and self.devices <= 0:
             raise ConfigError(f"--devices must be a positive integer, got {self.devices}")
         for name in ("log_every", "keep"):

@@ -122,6 +122,9 @@ def train(config: Config) -> Any:
         model_state = variables  # e.g. {"batch_stats": ...}; {} for the MLP and GPT
         task = _task(dataset.kind, model, config)
         horizon, horizon_note = schedule_horizon(config)
+        if config.schedule == "warmup-cosine" and config.warmup_steps >= horizon:  # a resumed run's recorded horizon
+            raise ConfigError(f"--warmup-steps={config.warmup_steps} must be smaller than the schedule's horizon, "
+                              f"{horizon} steps (recorded by the checkpoint); give --schedule-steps")
         schedule = make_schedule(config.schedule, config.lr, horizon, config.warmup_steps, config.final_lr_fraction)
         tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)

@@ -54,3 +54,15 @@ def test_bad_values_raise_one_sentence(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")) as info:
         parse_args(argv)
     assert "\n" not in str(info.value)
+
+
+def test_warmup_is_checked_against_the_schedule_s_horizon():
+    """A long schedule trained in short chunks: --warmup-steps belongs to --schedule-steps, not --steps."""
+    flags = ["--schedule", "warmup-cosine", "--warmup-steps", "100"]
+    chunk = parse_args([*flags, "--steps", "20", "--schedule-steps", "1000"])
+    assert (chunk.steps, chunk.schedule_steps, chunk.warmup_steps) == (20, 1000, 100)
+    with pytest.raises(ConfigError, match=r"--warmup-steps=100 must be smaller than the schedule's horizon, "
+                                          r"--schedule-steps=50$"):
+        parse_args([*flags, "--steps", "1000", "--schedule-steps", "50"])
+    with pytest.raises(ConfigError, match=r"--warmup-steps=100 must be smaller than the schedule's horizon, --steps=20$"):
+        parse_args([*flags, "--steps", "20"])
