@@ -36,7 +36,8 @@ from jaxdp.metrics import Diverged  # noqa: E402
 
 # Which flag fed each library argument that an InputError may name.
 FLAG_OF_ARGUMENT = {"tokenizer": "--tokenizer", "directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
-                    "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer"}
+                    "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer",
+                    "init_from": "--init-from"}
 
 
 def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
@@ -112,7 +113,7 @@ def train(config: Config) -> Any:
         if config.init_from:  # a Hugging Face GPT-2's weights (the registry's gpt builder read its architecture)
             from jaxdp import hf
 
-            variables = {"params": hf.read_gpt2(config.init_from)[1]}
+            variables = {"params": hf.init_params(config.init_from)}
         else:
             variables = jax.jit(model.init)(jax.random.PRNGKey(config.seed), dataset.example())
         if usermodel.is_user_model(config.model):  # the wrong output shape is one line, not a traceback

@@ -199,6 +199,44 @@ def test_init_from_flag_is_checked(argv, needle):
         parse_args(argv)
 
 
+def nan_weights(tmp_path):
+    """fake_gpt2 with one NaN in a weight (as a diverged model's save would hold)."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = fake_gpt2(tmp_path)
+    tensors = load_file(f"{directory}/model.safetensors")
+    tensors["transformer.h.1.mlp.c_fc.weight"][3, 5] = np.nan
+    save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(n_layer="2"), "config.json: n_layer is \"2\", not a positive integer"),
+    (dict(n_positions=-1), "config.json: n_positions is -1, not a positive integer"),
+    (dict(n_head=0), "config.json: n_head is 0, not a positive integer"),
+    (dict(layer_norm_epsilon="tiny"), "config.json: layer_norm_epsilon is \"tiny\", not a positive number"),
+    (dict(tie_word_embeddings="false"), "config.json: tie_word_embeddings is \"false\", not true or false"),
+    (dict(activation_function=["gelu"]), "config.json: activation_function is [\"gelu\"], not a string"),
+    (dict(model_type="llama"), "jaxdp's GPT cannot express this model: model_type is 'llama'"),
+    ("nan", "tensor 'h.1.mlp.c_fc.weight' holds 1 NaN or infinite value: the weights are damaged"),
+    ("no weights", "has no model.safetensors"),
+])
+def test_init_from_errors_name_the_flag_and_what_is_wrong_with_the_file(tmp_path, monkeypatch, capsys, change, words):
+    """Each was a traceback (exit 1), "training diverged ... lower --lr", a --seq-len hint of -1, or named
+    --checkpoint-dir: through the CLI, one line naming --init-from, exit 2."""
+    from jaxdp import train
+
+    directory = nan_weights(tmp_path) if change == "nan" else fake_gpt2(tmp_path, weights=change != "no weights") \
+        if isinstance(change, str) else fake_gpt2(tmp_path, **change)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_bytes(b"some text to train on " * 40)
+    code = train.main(["--model", "gpt", "--dataset", "corpus.txt", "--init-from", directory, "--seq-len", "16",
+                       "--batch-size", "8", "--steps", "2", "--no-progress", "--checkpoint-dir", "ckpt"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("jaxdp: error: --init-from: "), err
+    assert words in err and "--checkpoint-dir" not in err, err
+
+
 # ---- python -m jaxdp.export ----------------------------------------------------------------------
 
 
