@@ -115,7 +115,7 @@ def train(config: Config) -> Any:
 
             variables = {"params": hf.init_params(config.init_from)}
         else:
-            variables = jax.jit(model.init)(jax.random.PRNGKey(config.seed), dataset.example())
+            variables = jax.jit(model.init)(usermodel.init_rngs(config.seed), dataset.example())
         if usermodel.is_user_model(config.model):  # the wrong output shape is one line, not a traceback
             usermodel.check_output(model, variables, dataset.example(), dataset.kind, num_outputs, config.model)
         variables = dict(variables)

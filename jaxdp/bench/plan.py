@@ -202,7 +202,7 @@ def abstract_params(config: Any, no_data: bool = False) -> Any:
         outputs = dataset.vocab_size if dataset.kind == "tokens" else dataset.num_classes
         example = dataset.example()
     model = usermodel.build(config, outputs, None, "tokens" if tokens else "classification")
-    return jax.eval_shape(model.init, jax.random.PRNGKey(0), example)["params"]
+    return jax.eval_shape(model.init, usermodel.init_rngs(0), example)["params"]
 
 
 def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, overlap: bool,
