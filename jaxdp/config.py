@@ -30,6 +30,10 @@ TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/tokens.py), fo
 SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.syncspec.AUTO)
 SAVE_AUTO = "auto"  # --save-every auto (jaxdp.saveplan.AUTO)
 
+# Fields added after checkpoints recorded their run's Config: the value a recorded Config without the
+# field had (jaxdp.resume.with_recorded_defaults on resume, jaxdp.artifacts.load_variables to load).
+RECORDED_BEFORE = {"head_bias": True}  # jaxdp's GPT had an output bias until --head-bias came (False now)
+
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
 
@@ -58,6 +62,7 @@ class Config:
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
     precision: str = _field("fp32", "model", "compute dtype; parameters and optimizer state stay fp32", choices_fixed=("fp32", "bf16"))
     attention: str = _field("auto", "model", "gpt attention: cuDNN flash attention on NVIDIA GPUs with bf16 (auto), or force xla / cudnn", choices_fixed=("auto", "xla", "cudnn"))
+    head_bias: bool = _field(False, "model", "give the gpt's output layer a bias, as jaxdp's GPT had before this flag existed (its checkpoints resume with it by themselves); GPT-2 has none, so python -m jaxdp.export refuses a trained one")
     init_from: str | None = _field(None, "model", "a Hugging Face GPT-2 directory (config.json + model.safetensors) whose architecture and weights --model gpt starts from (its sizes replace --layers, --d-model and --heads)", metavar="DIR")
 
     # -- optimisation ---------------------------------------------------------------------------
@@ -176,6 +181,9 @@ class Config:
         if self.model in ("mlp", "cnn") and token_file:
             raise ConfigError(f"--dataset={self.dataset!r} is a token stream, for --model=gpt; "
                               f"--model={self.model} needs a built-in dataset or an .npz file")
+        if self.head_bias and (self.model != "gpt" or self.init_from is not None):
+            raise ConfigError("--head-bias adds a bias to the output layer of --model gpt trained from scratch; "
+                              + ("GPT-2 (--init-from) has none" if self.model == "gpt" else f"not --model={self.model}"))
         if self.init_from is not None:
             if self.model != "gpt":
                 raise ConfigError(f"--init-from starts a --model gpt from Hugging Face GPT-2 weights; it does not "

@@ -107,6 +107,7 @@ def train(config: Config) -> Any:
         rows_per_step = config.batch_size * config.grad_accum  # --grad-accum K: K micro-batches per step
 
         # ---- model, loss and optimizer ---------------------------------------------------------
+        config = _with_recorded_defaults(config, process)  # a checkpoint of an older jaxdp resumes as it was made
         tokens = dataset.kind == "tokens"
         num_outputs = dataset.vocab_size if tokens else dataset.num_classes
         model = usermodel.build(config, num_outputs, axis_name(mesh), dataset.kind)
@@ -194,6 +195,24 @@ def schedule_horizon(config: Config) -> tuple[int, str]:
         return recorded, ""
     return recorded, (f"; the lr schedule keeps the {recorded} steps it started with (--steps is now {config.steps}; "
                       f"--schedule-steps N changes it)")
+
+
+def _with_recorded_defaults(config: Config, process: int) -> Config:
+    """`config`, with the values an older jaxdp had for the fields the checkpoint to resume does not
+    record (jaxdp.resume.with_recorded_defaults), said in one line on process 0."""
+    from jaxdp import artifacts, resume
+
+    if not config.checkpoint_dir:
+        return config
+    try:
+        recorded = artifacts.read_meta(config.checkpoint_dir).get("config")
+    except InputError:
+        return config  # no checkpoint (or none readable: the Checkpointer says so, and starts afresh)
+    config, said = resume.with_recorded_defaults(config, recorded)
+    if said and process == 0:
+        print(f"jaxdp: {config.checkpoint_dir} holds a checkpoint of an older jaxdp, made with what is now "
+              f"{', '.join(said)}: resuming it so", file=sys.stderr, flush=True)
+    return config
 
 
 def _recorded_horizon(checkpoint_dir: str) -> int | None:

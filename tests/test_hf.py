@@ -240,6 +240,59 @@ def test_init_from_errors_name_the_flag_and_what_is_wrong_with_the_file(tmp_path
 # ---- python -m jaxdp.export ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a tiny GPT trained, exported and loaded in torch: about 20 s on 2 cores
+def test_docs_a_gpt_trained_from_scratch_exports_and_transformers_agrees(tmp_path, monkeypatch, capsys):
+    """docs/models.md's from-scratch block, run in this process: `--model gpt` trains, the export
+    loads in transformers, and its logits are jaxdp's to 1e-4. The export refused every such GPT
+    ("output layer has a bias"): the built-in GPT trains without one now, and records so."""
+    import contextlib
+    import io
+    import os
+    import shlex
+
+    pytest.importorskip("transformers")
+    from jaxdp import train
+
+    (block,) = readme_blocks("tests/test_hf.py::test_docs_a_gpt_trained_from_scratch_exports_and_transformers_agrees")
+    env = sandbox(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    tools = {"jaxdp.train": train.main, "jaxdp.export": export.main}
+    for command in commands(block):
+        words = shlex.split(command)
+        if words[:2] == ["python", "-m"]:
+            assert tools[words[2]](words[3:]) == 0, capsys.readouterr().err
+        elif words[:2] == ["python", "-c"]:
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                exec(words[2], {})
+        else:
+            run_shell(command, tmp_path, env)
+    assert "head-bias = false" in (tmp_path / "scratch" / "config.toml").read_text()
+    module, params = jaxdp.load_model("scratch")
+    assert module.head_bias is False and "bias" not in params["head"] and not module.tie_embeddings
+    ids = np.frombuffer(b"The trainer averages gradients over devices", np.uint8)[None, :40].astype(np.int32)
+    torch_model = load_torch(tmp_path / "scratch-hf")
+    assert int(printed.getvalue()) == torch_model.num_parameters() == sum(x.size for x in jax.tree.leaves(params))
+    np.testing.assert_allclose(torch_logits(torch_model, ids), np.asarray(module.apply({"params": params}, ids)),
+                               atol=1e-4, rtol=0)
+    assert sorted(os.listdir("scratch-hf")) == ["config.json", "model.safetensors"]
+
+
+def test_a_gpt_checkpoint_of_an_older_jaxdp_loads_with_its_head_bias():
+    """The 7a73a05 fixture's GPT (config.toml without head-bias; its head has a bias) loads as it was
+    made: the bias is part of its logits (the resume is tests/test_checkpoint_compat.py's gpt mode)."""
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "checkpoints_7a73a05" / "gpt" / "ckpt"
+    module, params = jaxdp.load_model(fixture)
+    assert module.head_bias is True and params["head"]["bias"].shape == (module.vocab_size,)
+    ids = np.arange(8, dtype=np.int32)[None]
+    without = {**params, "head": {"kernel": params["head"]["kernel"]}}
+    no_bias = GPT(**{**{f: getattr(module, f) for f in ("vocab_size", "seq_len", "layers", "d_model", "heads")},
+                     "head_bias": False})
+    np.testing.assert_allclose(np.asarray(module.apply({"params": params}, ids)),
+                               np.asarray(no_bias.apply({"params": without}, ids)) + params["head"]["bias"], atol=1e-5)
+
+
 def test_export_writes_a_directory_transformers_loads(torch_gpt2, tmp_path, monkeypatch, capsys):
     directory, model = torch_gpt2
     kwargs, params = hf.read_gpt2(str(directory))
