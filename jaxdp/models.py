@@ -72,7 +72,9 @@ class GPT(nn.Module):
     `python -m jaxdp.bench gpt` for throughput and MFU; `flops_per_token` is the model-FLOPs count
     that MFU divides by.
 
-    The defaults are jaxdp's own GPT (its checkpoints depend on them). Hugging Face GPT-2 is
+    The defaults are jaxdp's own GPT (its checkpoints depend on them), but for `head_bias`: the
+    command line's `--model gpt` has none unless --head-bias, as GPT-2 (its older checkpoints,
+    which record no head-bias, had one: jaxdp.config.RECORDED_BEFORE). Hugging Face GPT-2 is
     `ln_epsilon=1e-5, tie_embeddings=True, head_bias=False, max_positions=n_positions` with the
     tanh GELU (`jaxdp.hf.read_gpt2` gives these). The parameters map one to one: GPT-2's `c_attn`
     [d, 3d] is `qkv_i` [d, 3, heads, head_dim], its `c_proj` [d, d] is `proj_i` [heads, head_dim, d].

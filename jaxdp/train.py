@@ -206,7 +206,7 @@ def _with_recorded_defaults(config: Config, process: int) -> Config:
         return config
     try:
         recorded = artifacts.read_meta(config.checkpoint_dir).get("config")
-    except InputError:
+    except (InputError, OSError, ValueError):
         return config  # no checkpoint (or none readable: the Checkpointer says so, and starts afresh)
     config, said = resume.with_recorded_defaults(config, recorded)
     if said and process == 0:
