@@ -31,6 +31,10 @@ TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/data/tokens.py
 SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.sync.spec.AUTO)
 SAVE_AUTO = "auto"  # --save-every auto (jaxdp.checkpoint.saveplan.AUTO)
 
+# Fields added after checkpoints recorded their run's Config: the value a recorded Config without the
+# field had (jaxdp.checkpoint.resume.with_recorded_defaults on resume, jaxdp.checkpoint.artifacts.load_variables to load).
+RECORDED_BEFORE = {"head_bias": True}  # jaxdp's GPT had an output bias until --head-bias came (False now)
+
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
 
@@ -59,6 +63,7 @@ class Config:
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
     precision: str = _field("fp32", "model", "compute dtype; parameters and optimizer state stay fp32", choices_fixed=("fp32", "bf16"))
     attention: str = _field("auto", "model", "gpt attention: cuDNN flash attention on NVIDIA GPUs with bf16 (auto), or force xla / cudnn", choices_fixed=("auto", "xla", "cudnn"))
+    head_bias: bool = _field(False, "model", "give the gpt's output layer a bias, as jaxdp's GPT had before this flag existed (its checkpoints resume with it by themselves); GPT-2 has none, so python -m jaxdp.export refuses a trained one")
     init_from: str | None = _field(None, "model", "a Hugging Face GPT-2 directory (config.json + model.safetensors) whose architecture and weights --model gpt starts from (its sizes replace --layers, --d-model and --heads)", metavar="DIR")
 
     # -- optimisation ---------------------------------------------------------------------------
@@ -154,8 +159,11 @@ class Config:
             raise ConfigError(f"--clip-norm must be a finite number >= 0 (0: no clipping), got {self.clip_norm}")
         if not math.isfinite(self.final_lr_fraction) or not 0 <= self.final_lr_fraction <= 1:
             raise ConfigError(f"--final-lr-fraction must be between 0 and 1, got {self.final_lr_fraction}")
-        if self.schedule == "warmup-cosine" and self.warmup_steps >= max(self.steps, 1):
-            raise ConfigError(f"--warmup-steps={self.warmup_steps} must be smaller than --steps={self.steps}")
+        if self.schedule == "warmup-cosine":  # the warm-up is part of the schedule: of its horizon, not of this run
+            horizon, flag = (self.schedule_steps, "--schedule-steps") if self.schedule_steps else (self.steps, "--steps")
+            if self.warmup_steps >= max(horizon, 1):
+                raise ConfigError(f"--warmup-steps={self.warmup_steps} must be smaller than the schedule's horizon, "
+                                  f"{flag}={horizon}")
         if self.devices is not None and self.devices <= 0:
             raise ConfigError(f"--devices must be a positive integer, got {self.devices}")
         for name in ("log_every", "keep"):
@@ -171,6 +179,9 @@ class Config:
         if self.model in ("mlp", "cnn") and token_file:
             raise ConfigError(f"--dataset={self.dataset!r} is a token stream, for --model=gpt; "
                               f"--model={self.model} needs a built-in dataset or an .npz file")
+        if self.head_bias and (self.model != "gpt" or self.init_from is not None):
+            raise ConfigError("--head-bias adds a bias to the output layer of --model gpt trained from scratch; "
+                              + ("GPT-2 (--init-from) has none" if self.model == "gpt" else f"not --model={self.model}"))
         if self.init_from is not None:
             if self.model != "gpt":
                 raise ConfigError(f"--init-from starts a --model gpt from Hugging Face GPT-2 weights; it does not "

@@ -9,7 +9,9 @@ The .bin is nanoGPT's format: uint16 ids for a vocabulary up to 65536, uint32 ab
 memory, with a progress bar over the bytes read) and cut only where the tokenizer would split
 anyway (jaxdp/data/tokenizer.py); the .bin is written through a temporary file and a rename, so an
 interrupted run leaves no half file. `--train-tokenizer N` first trains a byte-level BPE tokenizer
-of N tokens (GPT-2's kind) on the text and writes it to the --tokenizer path.
+of N tokens (GPT-2's kind) on the text and writes it to the --tokenizer path. Nothing is written
+over a file it does not own: --output and --tokenizer must not be the --input text (however the
+paths are spelt) nor each other, and --train-tokenizer replaces only a tokenizer JSON file.
 
 `--tokenizer` on `python -m jaxdp.train` does the same for a .txt dataset by itself, into a cache;
 this command is for a .bin to copy elsewhere, or to keep beside the text.
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, metavar="OUT_BIN", help="the .bin of token ids to write")
     parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
                         help="first train a byte-level BPE tokenizer of this many tokens on --input and write it "
-                             "to --tokenizer (replacing a file there)")
+                             "to --tokenizer (replacing a tokenizer there, never another file)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return parser
 
@@ -56,6 +58,7 @@ def prepare(input_path: str, tokenizer_path: str, output: str, train_tokenizer: 
         raise InputError(f"--output={output!r} must end in .bin (python -m jaxdp.train reads a .bin as token ids)")
     if os.path.isdir(output):
         raise InputError(f"--output={output!r} is a directory; give a file name ending in .bin")
+    _check_clashes(input_path, tokenizer_path, output, train_tokenizer is not None)
     if train_tokenizer is not None:
         print(f"jaxdp.prepare: training a byte-level BPE tokenizer of {train_tokenizer} tokens on {input_path}",
               file=sys.stderr, flush=True)
@@ -77,6 +80,47 @@ def prepare(input_path: str, tokenizer_path: str, output: str, train_tokenizer: 
         if bar is not None:
             bar.close()
     return count, vocab_size
+
+
+def _same(a: str, b: str) -> bool:
+    """Whether the paths name one file (however spelt: relative, through a link, a hard link)."""
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_clashes(input_path: str, tokenizer_path: str, output: str, training: bool) -> None:
+    """InputError unless every file this command writes is neither its input nor another's: the .bin
+    replaces only a .bin, --train-tokenizer replaces only a tokenizer (or writes a new file)."""
+    if _same(output, input_path):
+        raise InputError(f"--output={output!r} is the --input text file; writing the ids there would destroy the "
+                         f"text: give another .bin path")
+    if _same(output, tokenizer_path):
+        raise InputError(f"--output={output!r} is the --tokenizer file; writing the ids there would destroy the "
+                         f"tokenizer: give another .bin path")
+    if not training:
+        return
+    if _same(tokenizer_path, input_path):
+        raise InputError(f"--tokenizer={tokenizer_path!r} is the --input text file; --train-tokenizer would write "
+                         f"the tokenizer over the text: give the tokenizer a path of its own (e.g. tokenizer.json)")
+    if os.path.isdir(tokenizer_path):
+        raise InputError(f"--tokenizer={tokenizer_path!r} is a directory; --train-tokenizer writes a JSON file: "
+                         f"give a file path (e.g. tokenizer.json)")
+    if os.path.exists(tokenizer_path) and not _is_tokenizer(tokenizer_path):
+        raise InputError(f"--tokenizer={tokenizer_path!r} exists and is not a Hugging Face tokenizers JSON file; "
+                         f"--train-tokenizer replaces only a tokenizer: give a new path or remove that file")
+
+
+def _is_tokenizer(path: str) -> bool:
+    """Whether `path` holds a tokenizers JSON file (a JSON object with a "model"), read without the package."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(content, dict) and isinstance(content.get("model"), dict)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

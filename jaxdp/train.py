@@ -36,7 +36,8 @@ from jaxdp.metrics import Diverged  # noqa: E402
 
 # Which flag fed each library argument that an InputError may name.
 FLAG_OF_ARGUMENT = {"tokenizer": "--tokenizer", "directory": "--checkpoint-dir", "dataset": "--dataset", "devices": "--devices",
-                    "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer"}
+                    "vocab_size": "--vocab-size", "strategy": "--strategy", "tx": "--optimizer",
+                    "init_from": "--init-from"}
 
 
 def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
@@ -110,15 +111,16 @@ def train(config: Config) -> Any:
         rows_per_step = config.batch_size * config.grad_accum  # --grad-accum K: K micro-batches per step
 
         # ---- model, loss and optimizer ---------------------------------------------------------
+        config = _with_recorded_defaults(config, process)  # a checkpoint of an older jaxdp resumes as it was made
         tokens = dataset.kind == "tokens"
         num_outputs = dataset.vocab_size if tokens else dataset.num_classes
         model = usermodel.build(config, num_outputs, axis_name(mesh), dataset.kind)
         if config.init_from:  # a Hugging Face GPT-2's weights (the registry's gpt builder read its architecture)
             from jaxdp.models import hf
 
-            variables = {"params": hf.read_gpt2(config.init_from)[1]}
+            variables = {"params": hf.init_params(config.init_from)}
         else:
-            variables = jax.jit(model.init)(jax.random.PRNGKey(config.seed), dataset.example())
+            variables = jax.jit(model.init)(usermodel.init_rngs(config.seed), dataset.example())
         if usermodel.is_user_model(config.model):  # the wrong output shape is one line, not a traceback
             usermodel.check_output(model, variables, dataset.example(), dataset.kind, num_outputs, config.model)
         variables = dict(variables)
@@ -126,6 +128,9 @@ def train(config: Config) -> Any:
         model_state = variables  # e.g. {"batch_stats": ...}; {} for the MLP and GPT
         task = _task(dataset.kind, model, config)
         horizon, horizon_note = schedule_horizon(config)
+        if config.schedule == "warmup-cosine" and config.warmup_steps >= horizon:  # a resumed run's recorded horizon
+            raise ConfigError(f"--warmup-steps={config.warmup_steps} must be smaller than the schedule's horizon, "
+                              f"{horizon} steps (recorded by the checkpoint); give --schedule-steps")
         schedule = make_schedule(config.schedule, config.lr, horizon, config.warmup_steps, config.final_lr_fraction)
         tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
@@ -200,6 +205,24 @@ def schedule_horizon(config: Config) -> tuple[int, str]:
         return recorded, ""
     return recorded, (f"; the lr schedule keeps the {recorded} steps it started with (--steps is now {config.steps}; "
                       f"--schedule-steps N changes it)")
+
+
+def _with_recorded_defaults(config: Config, process: int) -> Config:
+    """`config`, with the values an older jaxdp had for the fields the checkpoint to resume does not
+    record (jaxdp.checkpoint.resume.with_recorded_defaults), said in one line on process 0."""
+    from jaxdp.checkpoint import artifacts, resume
+
+    if not config.checkpoint_dir:
+        return config
+    try:
+        recorded = artifacts.read_meta(config.checkpoint_dir).get("config")
+    except (InputError, OSError, ValueError):
+        return config  # no checkpoint (or none readable: the Checkpointer says so, and starts afresh)
+    config, said = resume.with_recorded_defaults(config, recorded)
+    if said and process == 0:
+        print(f"jaxdp: {config.checkpoint_dir} holds a checkpoint of an older jaxdp, made with what is now "
+              f"{', '.join(said)}: resuming it so", file=sys.stderr, flush=True)
+    return config
 
 
 def _recorded_horizon(checkpoint_dir: str) -> int | None:

@@ -230,3 +230,27 @@ def test_the_testbed_prediction_with_and_without_its_token_bucket():
     # overlapped: the longer of the compute and the link's share
     assert testbed_step_s(0.004, 340_000, 8, rate, burst, overlap=True) == pytest.approx(0.004)
     assert testbed_step_s(0.001, 340_000, 8, rate, burst, overlap=True) == pytest.approx(340_000 * 8 / rate / 8)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--compute-ms", "-1"], "--compute-ms must be a finite number above 0 (one device's milliseconds per step), got -1"),
+    (["--compute-ms", "0"], "--compute-ms must be a finite number above 0"),
+    (["--compute-ms", "nan"], "--compute-ms must be a finite number above 0"),
+    (["--compute-ms", "inf"], "--compute-ms must be a finite number above 0"),
+    (["--compute-ms", "15", "--comm-target", "nan"], "--comm-target must be a finite number above 0"),
+    (["--compute-ms", "15", "--comm-target", "0"], "--comm-target must be a finite number above 0"),
+    (["--compute-ms", "15", "--comm-target", "-1"], "--comm-target must be a finite number above 0"),
+    (["--compute-ms", "15", "--top", "0"], "--top must be 1 or more (rows to print), got 0"),
+    (["--compute-ms", "15", "--top", "-3"], "--top must be 1 or more"),
+    (["--compute-ms", "15", "--train-args", "--model 'gpt"], "--train-args \"--model 'gpt\" does not split as a shell"),
+])
+def test_plan_refuses_nonsense_numbers_in_one_line(capsys, flags, words):
+    """Each was a traceback (StopIteration, ValueError, TypeError) or a nonsense plan ("126x", "nanx")."""
+    from jaxdp.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--nodes", "2", "--link", "10mbit", *flags])
+    said = capsys.readouterr()
+    assert exit_.value.code == 2 and said.out == "", said
+    assert said.err == f"jaxdp.bench plan: error: {said.err.split('error: ', 1)[1]}" and said.err.count("\n") == 1
+    assert words in said.err, said.err

@@ -54,3 +54,31 @@ def test_bad_values_raise_one_sentence(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")) as info:
         parse_args(argv)
     assert "\n" not in str(info.value)
+
+
+def test_warmup_is_checked_against_the_schedule_s_horizon():
+    """A long schedule trained in short chunks: --warmup-steps belongs to --schedule-steps, not --steps."""
+    flags = ["--schedule", "warmup-cosine", "--warmup-steps", "100"]
+    chunk = parse_args([*flags, "--steps", "20", "--schedule-steps", "1000"])
+    assert (chunk.steps, chunk.schedule_steps, chunk.warmup_steps) == (20, 1000, 100)
+    with pytest.raises(ConfigError, match=r"--warmup-steps=100 must be smaller than the schedule's horizon, "
+                                          r"--schedule-steps=50$"):
+        parse_args([*flags, "--steps", "1000", "--schedule-steps", "50"])
+    with pytest.raises(ConfigError, match=r"--warmup-steps=100 must be smaller than the schedule's horizon, --steps=20$"):
+        parse_args([*flags, "--steps", "20"])
+
+
+def test_head_bias_and_the_defaults_of_checkpoints_that_do_not_record_it():
+    from jaxdp.checkpoint.resume import with_recorded_defaults
+
+    gpt = parse_args(["--model", "gpt", "--dataset", "corpus.txt"])
+    assert gpt.head_bias is False and parse_args(["--model", "gpt", "--dataset", "c.txt", "--head-bias"]).head_bias
+    with pytest.raises(ConfigError, match="--head-bias adds a bias to the output layer of --model gpt trained from "
+                                          "scratch; not --model=mlp"):
+        parse_args(["--head-bias"])
+    old = {k: v for k, v in gpt.to_dict().items() if k != "head_bias"}  # written before the field existed
+    assert with_recorded_defaults(gpt, old) == (gpt.replace(head_bias=True), ["--head-bias"])
+    assert with_recorded_defaults(gpt, gpt.to_dict()) == (gpt, [])  # recorded: as it says (a mismatch is refused)
+    assert with_recorded_defaults(gpt, None) == (gpt, [])  # no checkpoint: a new run
+    mlp = parse_args([])
+    assert with_recorded_defaults(mlp, {k: v for k, v in mlp.to_dict().items() if k != "head_bias"}) == (mlp, [])

@@ -200,7 +200,98 @@ def test_init_from_flag_is_checked(argv, needle):
         parse_args(argv)
 
 
+def nan_weights(tmp_path):
+    """fake_gpt2 with one NaN in a weight (as a diverged model's save would hold)."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = fake_gpt2(tmp_path)
+    tensors = load_file(f"{directory}/model.safetensors")
+    tensors["transformer.h.1.mlp.c_fc.weight"][3, 5] = np.nan
+    save_file(tensors, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(n_layer="2"), "config.json: n_layer is \"2\", not a positive integer"),
+    (dict(n_positions=-1), "config.json: n_positions is -1, not a positive integer"),
+    (dict(n_head=0), "config.json: n_head is 0, not a positive integer"),
+    (dict(layer_norm_epsilon="tiny"), "config.json: layer_norm_epsilon is \"tiny\", not a positive number"),
+    (dict(tie_word_embeddings="false"), "config.json: tie_word_embeddings is \"false\", not true or false"),
+    (dict(activation_function=["gelu"]), "config.json: activation_function is [\"gelu\"], not a string"),
+    (dict(model_type="llama"), "jaxdp's GPT cannot express this model: model_type is 'llama'"),
+    ("nan", "tensor 'h.1.mlp.c_fc.weight' holds 1 NaN or infinite value: the weights are damaged"),
+    ("no weights", "has no model.safetensors"),
+])
+def test_init_from_errors_name_the_flag_and_what_is_wrong_with_the_file(tmp_path, monkeypatch, capsys, change, words):
+    """Each was a traceback (exit 1), "training diverged ... lower --lr", a --seq-len hint of -1, or named
+    --checkpoint-dir: through the CLI, one line naming --init-from, exit 2."""
+    from jaxdp import train
+
+    directory = nan_weights(tmp_path) if change == "nan" else fake_gpt2(tmp_path, weights=change != "no weights") \
+        if isinstance(change, str) else fake_gpt2(tmp_path, **change)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_bytes(b"some text to train on " * 40)
+    code = train.main(["--model", "gpt", "--dataset", "corpus.txt", "--init-from", directory, "--seq-len", "16",
+                       "--batch-size", "8", "--steps", "2", "--no-progress", "--checkpoint-dir", "ckpt"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("jaxdp: error: --init-from: "), err
+    assert words in err and "--checkpoint-dir" not in err, err
+
+
 # ---- python -m jaxdp.export ----------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a tiny GPT trained, exported and loaded in torch: about 20 s on 2 cores
+def test_docs_a_gpt_trained_from_scratch_exports_and_transformers_agrees(tmp_path, monkeypatch, capsys):
+    """docs/models.md's from-scratch block, run in this process: `--model gpt` trains, the export
+    loads in transformers, and its logits are jaxdp's to 1e-4. The export refused every such GPT
+    ("output layer has a bias"): the built-in GPT trains without one now, and records so."""
+    import contextlib
+    import io
+    import os
+    import shlex
+
+    pytest.importorskip("transformers")
+    from jaxdp import train
+
+    (block,) = readme_blocks("tests/test_hf.py::test_docs_a_gpt_trained_from_scratch_exports_and_transformers_agrees")
+    env = sandbox(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    tools = {"jaxdp.train": train.main, "jaxdp.export": export.main}
+    for command in commands(block):
+        words = shlex.split(command)
+        if words[:2] == ["python", "-m"]:
+            assert tools[words[2]](words[3:]) == 0, capsys.readouterr().err
+        elif words[:2] == ["python", "-c"]:
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                exec(words[2], {})
+        else:
+            run_shell(command, tmp_path, env)
+    assert "head-bias = false" in (tmp_path / "scratch" / "config.toml").read_text()
+    module, params = jaxdp.load_model("scratch")
+    assert module.head_bias is False and "bias" not in params["head"] and not module.tie_embeddings
+    ids = np.frombuffer(b"The trainer averages gradients over devices", np.uint8)[None, :40].astype(np.int32)
+    torch_model = load_torch(tmp_path / "scratch-hf")
+    assert int(printed.getvalue()) == torch_model.num_parameters() == sum(x.size for x in jax.tree.leaves(params))
+    np.testing.assert_allclose(torch_logits(torch_model, ids), np.asarray(module.apply({"params": params}, ids)),
+                               atol=1e-4, rtol=0)
+    assert sorted(os.listdir("scratch-hf")) == ["config.json", "model.safetensors"]
+
+
+def test_a_gpt_checkpoint_of_an_older_jaxdp_loads_with_its_head_bias():
+    """The 7a73a05 fixture's GPT (config.toml without head-bias; its head has a bias) loads as it was
+    made: the bias is part of its logits (the resume is tests/test_checkpoint_compat.py's gpt mode)."""
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "checkpoints_7a73a05" / "gpt" / "ckpt"
+    module, params = jaxdp.load_model(fixture)
+    assert module.head_bias is True and params["head"]["bias"].shape == (module.vocab_size,)
+    ids = np.arange(8, dtype=np.int32)[None]
+    without = {**params, "head": {"kernel": params["head"]["kernel"]}}
+    no_bias = GPT(**{**{f: getattr(module, f) for f in ("vocab_size", "seq_len", "layers", "d_model", "heads")},
+                     "head_bias": False})
+    np.testing.assert_allclose(np.asarray(module.apply({"params": params}, ids)),
+                               np.asarray(no_bias.apply({"params": without}, ids)) + params["head"]["bias"], atol=1e-5)
 
 
 def test_export_writes_a_directory_transformers_loads(torch_gpt2, tmp_path, monkeypatch, capsys):

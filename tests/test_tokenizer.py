@@ -151,3 +151,37 @@ def test_docs_tokenizer_commands(tmp_path):
         run_shell(shlex.join([*shlex.split(command.replace("2048", "300")), *shrink]), tmp_path, env)
         losses.append([r["loss"] for r in records(tmp_path / "bpe.jsonl") if "event" not in r])
     assert losses[0] == losses[1] and len(losses[0]) == 1  # the same ids, the same run (one log point at step 4)
+
+
+def test_prepare_never_writes_over_its_input_or_a_file_it_does_not_own(tmp_path, capsys, monkeypatch):
+    """A mistyped path (the text given as --tokenizer, or as --output) is one line and exit 2, and every
+    file is left byte for byte as it was; the same file by another spelling or a link counts too."""
+    from jaxdp import prepare
+
+    monkeypatch.chdir(tmp_path)
+    text = tmp_path / "book.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"not": "a tokenizer"}')
+    (tmp_path / "linked.bin").symlink_to(text)
+    (tmp_path / "text.bin").write_text(TEXT, encoding="utf-8")  # a text that happens to end in .bin
+    assert prepare.main(["--input", str(text), "--tokenizer", "tok.bin", "--output", "ids.bin",
+                         "--train-tokenizer", "300", "--no-progress"]) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    cases = [
+        ([str(text), str(text), "ids.bin", "300"], "--tokenizer='" + str(text) + "' is the --input text file"),
+        ([str(text), "./book.txt", "ids.bin", "300"], "--tokenizer='./book.txt' is the --input text file"),
+        ([str(text), str(notes), "ids.bin", "300"], "exists and is not a Hugging Face tokenizers JSON file"),
+        ([str(text), str(tmp_path), "ids.bin", "300"], "is a directory; --train-tokenizer writes a JSON file"),
+        (["text.bin", "tok.bin", "text.bin", None], "--output='text.bin' is the --input text file"),
+        ([str(text), "tok.bin", "linked.bin", None], "--output='linked.bin' is the --input text file"),
+        ([str(text), "tok.bin", "tok.bin", None], "--output='tok.bin' is the --tokenizer file"),
+        ([str(text), "new.bin", "new.bin", "300"], "--output='new.bin' is the --tokenizer file"),
+    ]
+    for (source, tokenizer, output, vocab), words in cases:
+        argv = ["--input", source, "--tokenizer", tokenizer, "--output", output, "--no-progress"]
+        assert prepare.main([*argv, *(["--train-tokenizer", vocab] if vocab else [])]) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1 and err.startswith("jaxdp.prepare: error: "), (argv, err)
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, argv  # nothing written, nothing new

@@ -34,6 +34,7 @@ import math
 import re
 import shlex
 import statistics
+import sys
 import warnings
 from typing import Any
 
@@ -76,21 +77,48 @@ def bits_per_s(text: str) -> int:
     try:
         return testbed.parse_rate(text)
     except testbed.TestbedError as err:
-        raise SystemExit(f"jaxdp.bench plan: {err}") from None
+        raise refuse(str(err)) from None
 
 
 def seconds(text: str) -> float:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", str(text).lower())
     if not match:
-        raise SystemExit(f"jaxdp.bench plan: {text!r} is not a time like 0s, 50us or 1ms")
+        raise refuse(f"{text!r} is not a time like 0s, 50us or 1ms")
     return float(match.group(1)) * _TIMES[match.group(2)]
+
+
+def refuse(message: str) -> SystemExit:
+    """Bad input to plan: `message` as one line on stderr, then exit 2 (raise what this returns)."""
+    from jaxdp.errors import EXIT_BAD_INPUT
+
+    print(f"jaxdp.bench plan: error: {message}", file=sys.stderr)
+    return SystemExit(EXIT_BAD_INPUT)
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """The prediction's numbers must mean something: a compute time and a target above 0 and finite
+    (0 ms of compute makes every all-reduce infinitely slow by comparison), a row or more, and
+    --train-args that split as a shell would."""
+    for flag, value in (("--compute-ms", args.compute_ms), ("--comm-target", args.comm_target)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            what = "one device's milliseconds per step" if flag == "--compute-ms" else \
+                "the largest all-reduce time as a fraction of the compute time, e.g. 0.25"
+            raise refuse(f"{flag} must be a finite number above 0 ({what}), got {value:g}")
+    if args.top < 1:
+        raise refuse(f"--top must be 1 or more (rows to print), got {args.top}")
+    try:
+        shlex.split(args.train_args)
+    except ValueError as err:
+        raise refuse(f"--train-args {args.train_args!r} does not split as a shell command line ({err}); "
+                     f"check its quotes") from None
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     if args.validate:
         return validate(args)
     if args.nodes < 1 or args.devices_per_node < 1:
-        raise SystemExit("jaxdp.bench plan: --nodes and --devices-per-node must be 1 or more")
+        raise refuse("--nodes and --devices-per-node must be 1 or more")
+    check_numbers(args)
     from jaxdp.sync import costmodel
 
     cluster = costmodel.Cluster(args.nodes, args.devices_per_node, bits_per_s(args.link), seconds(args.latency),
@@ -139,14 +167,12 @@ def model_and_compute(args: argparse.Namespace, devices: int) -> tuple[float, An
         config = parse_args(flags)
     except ConfigError as err:
         if "--dataset" in flags or "token stream" not in str(err):
-            raise SystemExit(f"jaxdp.bench plan: --train-args: {err}") from None
+            raise refuse(f"--train-args: {err}") from None
         config, no_data = parse_args([*flags, "--dataset", "bytes.txt"]), True  # a token model, sized for bytes
     if no_data and args.compute_ms is None:
-        raise SystemExit("jaxdp.bench plan: measuring the compute trains the model: give --train-args a --dataset, "
-                         "or give --compute-ms")
+        raise refuse("measuring the compute trains the model: give --train-args a --dataset, or give --compute-ms")
     if config.batch_size % devices:
-        raise SystemExit(f"jaxdp.bench plan: --batch-size={config.batch_size} (of --train-args) must be divisible by "
-                         f"the {devices} devices")
+        raise refuse(f"--batch-size={config.batch_size} (of --train-args) must be divisible by the {devices} devices")
     if args.compute_ms is not None:
         return args.compute_ms / 1e3, abstract_params(config, no_data), "--compute-ms"
     share = ["--batch-size", str(config.batch_size // devices)]
@@ -177,7 +203,7 @@ def abstract_params(config: Any, no_data: bool = False) -> Any:
         outputs = dataset.vocab_size if dataset.kind == "tokens" else dataset.num_classes
         example = dataset.example()
     model = usermodel.build(config, outputs, None, "tokens" if tokens else "classification")
-    return jax.eval_shape(model.init, jax.random.PRNGKey(0), example)["params"]
+    return jax.eval_shape(model.init, usermodel.init_rngs(0), example)["params"]
 
 
 def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, overlap: bool,

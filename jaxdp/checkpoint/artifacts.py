@@ -125,7 +125,7 @@ def load_model(checkpoint_dir: str, step: int | None = None) -> tuple[Any, Any]:
 def load_variables(checkpoint_dir: str, step: int | None = None) -> tuple[Any, dict]:
     """(module, {"params": ..., **model_state}) of a CLI checkpoint (`load_model` with BatchNorm's
     statistics and any other model state)."""
-    from jaxdp.config import Config
+    from jaxdp.config import RECORDED_BEFORE, Config
     from jaxdp.models import usermodel
 
     checkpoint_dir = os.path.abspath(checkpoint_dir)
@@ -138,8 +138,9 @@ def load_variables(checkpoint_dir: str, step: int | None = None) -> tuple[Any, d
                          argument="directory")
     known = {f for f in Config.__dataclass_fields__}
     config = Config.__new__(Config)  # the recorded values as they were: no validation (the files may have moved)
-    for name, field in Config.__dataclass_fields__.items():
-        object.__setattr__(config, name, recorded.get(name, field.default) if name in known else field.default)
+    for name, field in Config.__dataclass_fields__.items():  # a field it lacks: the value its jaxdp had
+        object.__setattr__(config, name, recorded.get(name, RECORDED_BEFORE.get(name, field.default))
+                           if name in known else field.default)
     variables = _read_variables(step_dir, step)
     module = usermodel.rebuild(config, variables["params"], meta.get("num_outputs"))
     return module, variables

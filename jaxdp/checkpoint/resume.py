@@ -1,6 +1,7 @@
 """What a resumed run must share with the run that wrote its checkpoint, and what it may change.
 
     fields = resume_fields(config)              # {name: value} a checkpoint's recorded config must match
+    config, said = with_recorded_defaults(config, recorded)   # an older jaxdp's checkpoint: its defaults
     same_dataset(meta, config)                  # the same --dataset file, however it is spelt
     dataset_path(config)                        # --dataset as an absolute path (None: built in)
 
@@ -43,6 +44,21 @@ def resume_fields(config: Config) -> dict[str, Any]:
             if f.metadata["group"] in _RESUME_GROUPS and f.name not in _MAY_CHANGE_ON_RESUME and f.name not in unused}
 
 
+def with_recorded_defaults(config: Config, recorded: dict[str, Any] | None) -> tuple[Config, list[str]]:
+    """`config` for resuming a checkpoint whose recorded config is `recorded` (None: no checkpoint):
+    a field the recording lacks (an older jaxdp wrote it) takes the value that jaxdp had
+    (`config.RECORDED_BEFORE`), where this run would read it; returns the config and the flags so set."""
+    from jaxdp.config import RECORDED_BEFORE, _flag
+
+    if not recorded or recorded.get("model") != config.model:
+        return config, []
+    changes = {name: value for name, value in RECORDED_BEFORE.items()
+               if name not in recorded and name not in _unused(config) and getattr(config, name) != value
+               and not (name == "head_bias" and (config.model != "gpt" or config.init_from))}
+    said = [f"--{_flag(name)}" + ("" if value is True else f" {value}") for name, value in changes.items()]
+    return (config.replace(**changes) if changes else config), said
+
+
 def _unused(config: Config) -> set[str]:
     """Fields that `config`'s other choices leave unread (jaxdp/step/state.py, jaxdp/models/builtin.py)."""
     unused = set()
@@ -51,7 +67,7 @@ def _unused(config: Config) -> set[str]:
     if config.optimizer != "adamw":
         unused.add("weight_decay")
     if config.model in ("mlp", "cnn"):  # their sizes are fixed (a --model MODULE:ATTR factory may read them)
-        unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size"}
+        unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size", "head_bias"}
     if config.sync_every == 1:
         unused |= {"outer_optimizer", "outer_momentum", "sync_fragments"}
     return unused

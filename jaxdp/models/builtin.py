@@ -72,7 +72,9 @@ class GPT(nn.Module):
     `python -m jaxdp.bench gpt` for throughput and MFU; `flops_per_token` is the model-FLOPs count
     that MFU divides by.
 
-    The defaults are jaxdp's own GPT (its checkpoints depend on them). Hugging Face GPT-2 is
+    The defaults are jaxdp's own GPT (its checkpoints depend on them), but for `head_bias`: the
+    command line's `--model gpt` has none unless --head-bias, as GPT-2 (its older checkpoints,
+    which record no head-bias, had one: jaxdp.config.RECORDED_BEFORE). Hugging Face GPT-2 is
     `ln_epsilon=1e-5, tie_embeddings=True, head_bias=False, max_positions=n_positions` with the
     tanh GELU (`jaxdp.models.hf.read_gpt2` gives these). The parameters map one to one: GPT-2's `c_attn`
     [d, 3d] is `qkv_i` [d, 3, heads, head_dim], its `c_proj` [d, d] is `proj_i` [heads, head_dim, d].
@@ -91,7 +93,8 @@ class GPT(nn.Module):
     attention: str = "auto"  # "auto", "xla" or "cudnn": see attention_implementation
     ln_epsilon: float = 1e-6  # flax's LayerNorm default; GPT-2: 1e-5
     tie_embeddings: bool = False  # True: logits = x @ embed.T, no head (GPT-2)
-    head_bias: bool = True  # the untied head's bias (GPT-2 has none); a tied head has no bias
+    head_bias: bool = True  # the untied head's bias (GPT-2 has none); a tied head has no bias. The CLI's
+                            # --model gpt sets it from --head-bias (default False: it exports to GPT-2)
     max_positions: int | None = None  # rows of the position table (GPT-2: n_positions); None: seq_len
     gelu_approximate: bool = True  # the tanh GELU (GPT-2's "gelu_new"); False: the exact erf one
 
@@ -196,7 +199,7 @@ def build_cnn(config: Any, num_outputs: int, axis_name: str | None = None) -> nn
 def build_gpt(config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:
     del axis_name
     # The GPT-2 options are read where `config` has them (a config built for jaxdp.models.hf); a
-    # command-line Config has none of them and gets jaxdp's own GPT.
+    # command-line Config has only head_bias (--head-bias) and gets jaxdp's own GPT otherwise.
     options = {name: getattr(config, name) for name in GPT_OPTIONS if hasattr(config, name)}
     return GPT(vocab_size=num_outputs, seq_len=config.seq_len, layers=config.layers, d_model=config.d_model,
                heads=config.heads, dtype=compute_dtype(config.precision), attention=config.attention, **options)

@@ -18,6 +18,7 @@ than 4 * n_embd, cross-attention) is refused with one sentence (`jaxdp.errors.In
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -89,7 +90,7 @@ def read_gpt2(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
     model.safetensors (or its sharded form, model.safetensors.index.json). `GPT(**kwargs)` with
     these params computes GPT-2's logits; the params are float32 numpy arrays. `seq_len` is set to
     n_positions: pass a shorter one for training (`init_from` does)."""
-    kwargs = gpt2_kwargs(read_config(directory))
+    kwargs = gpt2_kwargs(read_config(directory), os.path.join(directory, CONFIG_FILE))
     tensors = _read_tensors(directory)
     tensors = {name.removeprefix("transformer."): value for name, value in tensors.items()}
     shapes = _param_shapes(kwargs)
@@ -102,6 +103,10 @@ def read_gpt2(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
         if value.shape != want:
             raise InputError(f"{directory}: tensor {name!r} has shape {list(value.shape)}, but config.json's sizes "
                              f"give {list(want)}", argument="directory")
+        if np.issubdtype(value.dtype, np.inexact) and not np.all(np.isfinite(value)):
+            bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+            raise InputError(f"{directory}: tensor {name!r} holds {bad} NaN or infinite value{'s' * (bad > 1)}: the "
+                             f"weights are damaged (or were saved from a diverged model)", argument="directory")
         value = value.T if relation == "T" else value.reshape(shapes[module, leaf])
         params.setdefault(module, {})[leaf] = np.ascontiguousarray(value, dtype=np.float32)
     return kwargs, params
@@ -126,30 +131,44 @@ def read_config(directory: str) -> dict[str, Any]:
     return config
 
 
-def gpt2_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    """jaxdp GPT keyword arguments of a GPT-2 config.json, or InputError naming what it cannot express."""
+def gpt2_kwargs(config: dict[str, Any], source: str = CONFIG_FILE) -> dict[str, Any]:
+    """jaxdp GPT keyword arguments of a GPT-2 config.json (read from `source`, the path its errors
+    name), or InputError naming a value of the wrong type or what jaxdp's GPT cannot express."""
     def refuse(what: str) -> InputError:
         return InputError(f"jaxdp's GPT cannot express this model: {what}", argument="directory")
 
+    def value(name: str, default: Any, kind: str) -> Any:
+        """config[name] (default if absent), InputError unless it is of `kind`: "count" a positive
+        integer, "epsilon" a positive finite number, "flag" true or false, "name" a string."""
+        got = config.get(name, default)
+        ok = {"count": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+              "epsilon": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+              "flag": lambda v: isinstance(v, bool), "name": lambda v: isinstance(v, str)}[kind](got)
+        if not ok:
+            want = {"count": "a positive integer", "epsilon": "a positive number", "flag": "true or false",
+                    "name": "a string"}[kind]
+            raise InputError(f"{source}: {name} is {json.dumps(got)}, not {want}", argument="directory")
+        return got
+
     if config.get("model_type") != "gpt2":
         raise refuse(f"model_type is {config.get('model_type')!r}, not 'gpt2'")
-    activation = config.get("activation_function", "gelu_new")
+    activation = value("activation_function", "gelu_new", "name")
     if activation not in GELU:
         raise refuse(f"activation_function is {activation!r}, not one of {', '.join(GELU)}")
     for name, default in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
                           ("add_cross_attention", False), ("scale_attn_weights", True)):
         if config.get(name, default) != default:
             raise refuse(f"{name} is {config.get(name)!r} (jaxdp's GPT has {default})")
-    d_model, heads = config.get("n_embd", 768), config.get("n_head", 12)
+    d_model, heads = value("n_embd", 768, "count"), value("n_head", 12, "count")
     if d_model % heads:
         raise refuse(f"n_head={heads} does not divide n_embd={d_model}")
     if config.get("n_inner") not in (None, 4 * d_model):
         raise refuse(f"n_inner is {config.get('n_inner')}, not 4 * n_embd = {4 * d_model}")
-    positions = config.get("n_positions", config.get("n_ctx", 1024))
-    return {"vocab_size": config.get("vocab_size", 50257), "seq_len": positions, "layers": config.get("n_layer", 12),
-            "d_model": d_model, "heads": heads, "max_positions": positions,
-            "ln_epsilon": float(config.get("layer_norm_epsilon", 1e-5)),
-            "tie_embeddings": bool(config.get("tie_word_embeddings", True)), "head_bias": False,
+    positions = value("n_positions" if "n_positions" in config else "n_ctx", 1024, "count")
+    return {"vocab_size": value("vocab_size", 50257, "count"), "seq_len": positions,
+            "layers": value("n_layer", 12, "count"), "d_model": d_model, "heads": heads, "max_positions": positions,
+            "ln_epsilon": float(value("layer_norm_epsilon", 1e-5, "epsilon")),
+            "tie_embeddings": value("tie_word_embeddings", True, "flag"), "head_bias": False,
             "gelu_approximate": GELU[activation]}
 
 
@@ -199,7 +218,8 @@ def gpt_module(directory: str, config: Any) -> GPT:
     (a `jaxdp.config.Config`): its --seq-len, --precision and --attention; the architecture (--layers,
     --d-model, --heads, the vocabulary) is the directory's. ConfigError if --seq-len exceeds its
     n_positions."""
-    kwargs = gpt2_kwargs(read_config(directory))
+    with _as_init_from():
+        kwargs = gpt2_kwargs(read_config(directory), os.path.join(directory, CONFIG_FILE))
     if config.seq_len > kwargs["max_positions"]:
         raise ConfigError(f"--seq-len={config.seq_len} is longer than --init-from={directory!r} can see "
                           f"(n_positions={kwargs['max_positions']}); use --seq-len {kwargs['max_positions']} or less")
@@ -210,9 +230,24 @@ def gpt_module(directory: str, config: Any) -> GPT:
 def init_from(directory: str, config: Any) -> tuple[GPT, dict[str, Any]]:
     """(module, params) to start `--model gpt --init-from DIR` from, in place of
     `models.build_model` and `model.init`: GPT-2's architecture and weights (numpy float32)."""
-    module = gpt_module(directory, config)
-    _, params = read_gpt2(directory)
-    return module, params
+    return gpt_module(directory, config), init_params(directory)
+
+
+def init_params(directory: str) -> dict[str, Any]:
+    """The params of `--init-from DIR` (`read_gpt2`'s), its errors naming --init-from."""
+    with _as_init_from():
+        return read_gpt2(directory)[1]
+
+
+@contextlib.contextmanager
+def _as_init_from() -> Iterator[None]:
+    """What is wrong with the directory, as the --init-from flag's error (argument "init_from")."""
+    try:
+        yield
+    except InputError as err:
+        if err.argument != "directory":
+            raise
+        raise InputError(str(err), argument="init_from") from None
 
 
 def build_gpt(config: Any, num_outputs: int, axis_name: str | None = None) -> GPT:

@@ -60,8 +60,8 @@ def language_model(model: nn.Module, takes_train: bool = False) -> Task:
         if takes_train:
             logits, model_state = model.apply({"params": params, **model_state}, batch["x"], train=True,
                                               rngs={"dropout": rng}, mutable=list(model_state))
-        else:
-            logits = model.apply({"params": params, **model_state}, batch["x"])
+        else:  # no `train` parameter: a module that drops out always still gets its per-step key
+            logits = model.apply({"params": params, **model_state}, batch["x"], rngs={"dropout": rng})
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         return loss, {}, model_state
 

@@ -21,7 +21,9 @@ installed packages. ATTR (dotted for nested names) is one of:
 The task follows from the dataset, as for the built-in models: an .npz of x, y (or a built-in
 dataset) trains `module(x) -> logits [B, classes]` with cross-entropy; a token stream trains
 `module(tokens int32 [B, T]) -> logits [B, T, V]` on the next token. A `__call__` with a `train`
-parameter gets `train=True` while training and `train=False` in evaluation, and a "dropout" rng.
+parameter gets `train=True` while training and `train=False` in evaluation. A "dropout" rng is
+there when the model is initialised (`init_rngs`: an nnx module's `nnx.Dropout(rate, rngs=rngs)`
+takes its stream then) and in every training step, different per device and step.
 
 Everything that is not a model, or gives the wrong shape, is one InputError naming what to fix.
 """
@@ -112,6 +114,16 @@ def build(config: Any, num_outputs: int, axis_name: Any, task: str) -> Any:
         raise InputError(f"--model={config.model!r}: the factory returned a {type(module).__name__}, not a "
                          f"flax.linen Module (for an nnx Module, give its class as ATTR)", setting="model")
     return module
+
+
+def init_rngs(seed: int) -> dict[str, Any]:
+    """The rngs a model is initialised with: "params", and a "dropout" stream, which an nnx module's
+    `nnx.Dropout(rate, rngs=rngs)` takes at construction (and a linen module whose `train` defaults
+    to True uses). The "params" key is `PRNGKey(seed)`, as it always was: the same parameters."""
+    import jax
+
+    key = jax.random.PRNGKey(seed)
+    return {"params": key, "dropout": jax.random.fold_in(key, 1)}
 
 
 def takes_train(module: Any) -> bool:
