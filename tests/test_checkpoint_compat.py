@@ -66,9 +66,11 @@ MISSING = "<not logged>"
 REL, FLOOR = 1e-6, 1e-8  # relative tolerance; absolute floor for values near 0 (see the docstring)
 EXACT = {"step", "round", "round_steps_by_process", "comm_bytes"}  # counts, also where logged as floats
 
-# Cold compile cache, one process (2-core machine, CPU seconds): 7a73a05: psum 12, powersgd 20,
-# local_steps 7, zero1 17, gpt 8; f0dd332: int8_ring 16, overlap 10, local_int4_overlap 26,
-# zero1_psum 13, cnn 11, gpt_bf16 18. Two per fixture stay in the fast subset.
+# Seconds per resume, one process on a 2-core machine shared with other work (load average 10 to 35):
+# cold compile cache, all modes: 7a73a05 psum 106, powersgd 142, local_steps 65, zero1 121, gpt 67;
+# f0dd332 int8_ring 48, overlap 44, local_int4_overlap 68, zero1_psum 27, cnn 29, gpt_bf16 34 (an
+# earlier cold run at lower load: 7a73a05 psum 12, powersgd 20, local_steps 7, zero1 17, gpt 8).
+# Warm cache, the fast subset: local_steps 9, gpt 6, overlap 5, cnn 4. Two per fixture stay in it.
 FAST = {("checkpoints_7a73a05", "local_steps"), ("checkpoints_7a73a05", "gpt"),
         ("checkpoints_f0dd332", "overlap"), ("checkpoints_f0dd332", "cnn")}
 CASES = [pytest.param(fixture, mode, id=f"{fixture.removeprefix('checkpoints_')}-{mode}",
