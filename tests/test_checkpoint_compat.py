@@ -27,8 +27,8 @@ tolerance, but in the GPT modes without int8 the attention's key bias (16 of the
 per block) differs by up to 2.4e-4 (1.1e-3 with int4 local steps), and powersgd's embedding in
 48 values: the key bias has no gradient in exact arithmetic (a constant added to every key's
 score leaves the softmax unchanged), so its gradient is rounding noise, which Adam's normalisation
-turns into steps of up to lr. On such a CPU those modes' parameter check fails; the fixtures here
-were made on an AVX2 machine.
+turns into steps of up to lr: `mismatches` checks it finite and compares the query and value biases.
+powersgd's embedding (a slow test) still differs on such a CPU; the fixtures were made on an AVX2 machine.
 
 The runs name their paths relative to the working directory (the checkpoints record
 `--dataset corpus.txt`, and a resumed run must give the same --dataset): each test runs in a
@@ -43,6 +43,7 @@ import math
 import numbers
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,14 @@ def mismatches(history: list[dict], summary: dict, params: dict[str, np.ndarray]
         if (got.dtype, got.shape) != (want.dtype, want.shape):
             out.append(f"{name}: {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}")
             continue
+        if re.search(r"qkv_\d+\.bias$", name) and want.shape[:1] == (3,):
+            # The attention's key bias gets no gradient in exact arithmetic (it adds a constant to every
+            # key's score, which the softmax ignores): its trajectory is rounding noise that Adam scales
+            # up to lr-sized steps, so it differs across CPUs. Checked finite; the query and value biases
+            # are compared like everything else.
+            if not np.isfinite(got[1]).all():
+                out.append(f"{name}: the key bias is not finite")
+            got, want = np.delete(got, 1, axis=0), np.delete(want, 1, axis=0)
         bad = ~np.isclose(got, want, rtol=REL, atol=FLOOR)
         if bad.any():
             worst = np.max(np.abs(got.astype(np.float64) - want)[bad] / np.maximum(np.abs(want[bad]), FLOOR))
