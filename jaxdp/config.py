@@ -33,7 +33,10 @@ SAVE_AUTO = "auto"  # --save-every auto (jaxdp.checkpoint.saveplan.AUTO)
 
 # Fields added after checkpoints recorded their run's Config: the value a recorded Config without the
 # field had (jaxdp.checkpoint.resume.with_recorded_defaults on resume, jaxdp.checkpoint.artifacts.load_variables to load).
-RECORDED_BEFORE = {"head_bias": True}  # jaxdp's GPT had an output bias until --head-bias came (False now)
+RECORDED_BEFORE = {
+    "head_bias": True,  # jaxdp's GPT had an output bias until --head-bias came (False now)
+    "weight_decay_on": "all",  # adamw decayed every parameter until --weight-decay-on came (matrices now)
+}
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
 
@@ -90,6 +93,7 @@ class Config:
     grad_accum: int = _field(1, "optimisation", "micro-batches per step: gradients accumulate on each device and are synchronised once per step")
     momentum: float = _field(0.9, "optimisation", "momentum for --optimizer=momentum")
     weight_decay: float = _field(1e-4, "optimisation", "weight decay for --optimizer=adamw")
+    weight_decay_on: str = _field("matrices", "optimisation", "which parameters --optimizer=adamw decays: matrices (and embeddings: every parameter of two or more dimensions, as nanoGPT; not biases or LayerNorm scales) or all (as jaxdp did before; checkpoints that record no --weight-decay-on resume with it)", choices_fixed=("matrices", "all"))
     seed: int = _field(0, "optimisation", "seed for parameters, data order and dropout")
 
     # -- distribution ---------------------------------------------------------------------------

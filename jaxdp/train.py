@@ -132,7 +132,8 @@ def train(config: Config) -> Any:
             raise ConfigError(f"--warmup-steps={config.warmup_steps} must be smaller than the schedule's horizon, "
                               f"{horizon} steps (recorded by the checkpoint); give --schedule-steps")
         schedule = make_schedule(config.schedule, config.lr, horizon, config.warmup_steps, config.final_lr_fraction)
-        tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm)
+        tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm,
+                            decay_matrices_only=config.weight_decay_on == "matrices")
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
     except BaseException:
         beat.stop()

@@ -65,7 +65,7 @@ def _unused(config: Config) -> set[str]:
     if config.optimizer != "momentum":
         unused.add("momentum")
     if config.optimizer != "adamw":
-        unused.add("weight_decay")
+        unused |= {"weight_decay", "weight_decay_on"}
     if config.model in ("mlp", "cnn"):  # their sizes are fixed (a --model MODULE:ATTR factory may read them)
         unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size", "head_bias"}
     if config.sync_every == 1:

@@ -8,6 +8,8 @@ reference) it is None.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, NamedTuple, Sequence
 
 import flax.linen as nn
@@ -97,6 +99,9 @@ class GPT(nn.Module):
                             # --model gpt sets it from --head-bias (default False: it exports to GPT-2)
     max_positions: int | None = None  # rows of the position table (GPT-2: n_positions); None: seq_len
     gelu_approximate: bool = True  # the tanh GELU (GPT-2's "gelu_new"); False: the exact erf one
+    init_std: float | None = 0.02  # GPT-2's initialisation: weights and embeddings normal(init_std), the residual
+    # projections (proj_i, fc_out_i) normal(init_std / sqrt(2 x layers)), biases 0; None: flax's defaults
+    # (lecun normal), as jaxdp's GPT had before (an initialisation only: checkpoints do not depend on it)
 
     @property
     def context(self) -> int:
@@ -111,16 +116,17 @@ class GPT(nn.Module):
             raise ValueError(f"GPT(max_positions={self.max_positions}) must be at least seq_len={self.seq_len}")
         length = tokens.shape[1]
         start = 0 if cache is None else cache.length
-        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed")
+        weights, residual, embedding = self._initializers()
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed", **embedding)
         positions = jnp.arange(length) + start
-        x = embed(tokens) + nn.Embed(self.context, self.d_model, dtype=self.dtype, name="pos")(positions)
+        x = embed(tokens) + nn.Embed(self.context, self.d_model, dtype=self.dtype, name="pos", **embedding)(positions)
         head_dim = self.d_model // self.heads
         # The cached path attends over the whole cache with a mask, which only XLA's attention takes.
         implementation = attention_implementation(self.attention, self.dtype, head_dim) if cache is None else "xla"
         keys, values = [], []
         for i in range(self.layers):
             h = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name=f"ln_attn_{i}")(x)
-            qkv = nn.DenseGeneral((3, self.heads, head_dim), dtype=self.dtype, name=f"qkv_{i}")(h)
+            qkv = nn.DenseGeneral((3, self.heads, head_dim), dtype=self.dtype, name=f"qkv_{i}", **weights)(h)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             if cache is None:
                 attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
@@ -131,19 +137,29 @@ class GPT(nn.Module):
                 values.append(v)
                 visible = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (query, key): causal
                 attn = jax.nn.dot_product_attention(q, k, v, mask=visible[None, None], implementation=implementation)
-            x = x + nn.DenseGeneral(self.d_model, axis=(-2, -1), dtype=self.dtype, name=f"proj_{i}")(attn)
+            x = x + nn.DenseGeneral(self.d_model, axis=(-2, -1), dtype=self.dtype, name=f"proj_{i}", **residual)(attn)
             h = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name=f"ln_mlp_{i}")(x)
-            h = nn.gelu(nn.Dense(4 * self.d_model, dtype=self.dtype, name=f"fc_{i}")(h), approximate=self.gelu_approximate)
-            x = x + nn.Dense(self.d_model, dtype=self.dtype, name=f"fc_out_{i}")(h)
+            h = nn.gelu(nn.Dense(4 * self.d_model, dtype=self.dtype, name=f"fc_{i}", **weights)(h),
+                        approximate=self.gelu_approximate)
+            x = x + nn.Dense(self.d_model, dtype=self.dtype, name=f"fc_out_{i}", **residual)(h)
         x = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name="ln_final")(x)
         if self.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = nn.Dense(self.vocab_size, use_bias=self.head_bias, dtype=self.dtype, name="head")(x)
+            logits = nn.Dense(self.vocab_size, use_bias=self.head_bias, dtype=self.dtype, name="head", **weights)(x)
         logits = logits.astype(jnp.float32)
         if cache is None:
             return logits
         return logits, KVCache(tuple(keys), tuple(values), cache.length + length)
+
+    def _initializers(self) -> tuple[dict, dict, dict]:
+        """Keyword arguments for the Dense layers, the residual projections and the embeddings."""
+        if self.init_std is None:
+            return {}, {}, {}
+        normal = nn.initializers.normal
+        return ({"kernel_init": normal(self.init_std)},
+                {"kernel_init": normal(self.init_std / math.sqrt(2 * self.layers))},
+                {"embedding_init": normal(self.init_std)})
 
     def init_cache(self, batch: int) -> KVCache:
         """An empty cache for `batch` sequences of up to `context` tokens."""

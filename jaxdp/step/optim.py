@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 # ---------------------------------------------------------------------------------------------
@@ -22,8 +24,14 @@ def adam(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransfo
     return optax.adam(lr)
 
 
-def adamw(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    return optax.adamw(lr, weight_decay=weight_decay)
+def adamw(lr: Any, momentum: float, weight_decay: float, mask: Any = None) -> optax.GradientTransformation:
+    return optax.adamw(lr, weight_decay=weight_decay, mask=mask)
+
+
+def matrices(params: Any) -> Any:
+    """True for the parameters weight decay applies to, nanoGPT's rule: two or more dimensions
+    (kernels, embeddings), not biases or LayerNorm scales."""
+    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
 
 
 def sgd(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
@@ -35,12 +43,17 @@ def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTra
 
 
 def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: float = 1e-4, *,
-                   clip_norm: float = 0.0) -> optax.GradientTransformation:
+                   clip_norm: float = 0.0, decay_matrices_only: bool = False) -> optax.GradientTransformation:
     """The optax optimizer called `name` in `jaxdp.registry.OPTIMIZERS`; `lr` may be a schedule.
-    `clip_norm` > 0 clips the global gradient norm first (optax.clip_by_global_norm)."""
+    `clip_norm` > 0 clips the global gradient norm first (optax.clip_by_global_norm).
+    `decay_matrices_only`: adamw's weight decay on parameters of two or more dimensions only
+    (`matrices`); the optimizer state has the same arrays either way."""
     from jaxdp.registry import OPTIMIZERS
 
-    tx = OPTIMIZERS[name](lr, momentum, weight_decay)
+    if decay_matrices_only and name in OPTIMIZERS and OPTIMIZERS[name] is adamw:
+        tx = adamw(lr, momentum, weight_decay, mask=matrices)
+    else:
+        tx = OPTIMIZERS[name](lr, momentum, weight_decay)
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
 
 
