@@ -403,19 +403,12 @@ def psum_scatter(padded: jax.Array, axis_name: Any) -> jax.Array:
     gloo's reduce-scatter returns wrong values at the end of a chunk of a few MiB, now and then,
     with no error (https://github.com/jax-ml/jax/issues/40830); its all-reduce and send / receive
     are right. So on CPU with several processes this is the ring's own reduce-scatter, of
-    ppermutes: faster there than gloo's own, and than an all-reduce and a slice (docs/performance.md,
-    "Reduce-scatter on CPU across processes"). Decided at trace time.
+    ppermutes: faster there than gloo's own, and than an all-reduce and a slice (`python -m jaxdp.bench
+    collectives --reduce-scatter`; docs/performance.md). Decided at trace time.
     """
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
         return ring_reduce_scatter(padded, axis_name)
     return jax.lax.psum_scatter(padded, axis_name, tiled=True)
-
-
-def _psum_then_slice(padded: jax.Array, axis_name: Any) -> jax.Array:
-    """`psum_scatter(tiled=True)` as an all-reduce of the whole buffer and this device's chunk of it
-    (the other way around gloo's reduce-scatter; `python -m jaxdp.bench collectives --reduce-scatter`)."""
-    chunk = padded.shape[0] // jax.lax.axis_size(axis_name)
-    return jax.lax.dynamic_slice_in_dim(jax.lax.psum(padded, axis_name), jax.lax.axis_index(axis_name) * chunk, chunk)
 
 
 def _psum_scatter_mean(padded: jax.Array, axis_name: Any) -> jax.Array:

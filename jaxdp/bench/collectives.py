@@ -120,12 +120,13 @@ def run_reduce_scatter(args: argparse.Namespace) -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-    from jaxdp.sync import _psum_then_slice, ring_reduce_scatter
+    from jaxdp.sync import ring_reduce_scatter
 
     mesh = make_mesh(distributed.mesh_devices(args.devices))
     n, local = mesh.size, len(mesh.local_devices)
     ways = {"psum_scatter": lambda x: jax.lax.psum_scatter(x, DATA_AXIS, tiled=True),
-            "psum+slice": lambda x: _psum_then_slice(x, DATA_AXIS),
+            "psum+slice": lambda x: jax.lax.dynamic_slice_in_dim(jax.lax.psum(x, DATA_AXIS),
+                                                                 jax.lax.axis_index(DATA_AXIS) * (x.shape[0] // n), x.shape[0] // n),
             "ring": lambda x: ring_reduce_scatter(x, DATA_AXIS)}
     programs = {name: jax.jit(jax.shard_map(lambda x, fn=fn: fn(x[0])[None], mesh=mesh, in_specs=P(DATA_AXIS),
                                             out_specs=P(DATA_AXIS), check_vma=False)) for name, fn in ways.items()}
