@@ -254,3 +254,19 @@ def test_plan_refuses_nonsense_numbers_in_one_line(capsys, flags, words):
     assert exit_.value.code == 2 and said.out == "", said
     assert said.err == f"jaxdp.bench plan: error: {said.err.split('error: ', 1)[1]}" and said.err.count("\n") == 1
     assert words in said.err, said.err
+
+
+def test_collectives_reduce_scatter_times_three_ways(tmp_path):
+    """--reduce-scatter: XLA's psum_scatter, psum + slice and the ring's, per size (one process here;
+    docs/performance.md runs it under jaxdp.launch)."""
+    out = tmp_path / "rs.json"
+    proc = run_cli("collectives", "--reduce-scatter", "--devices", "2", "--sizes", "1KB,64KB", "--repeats", "1",
+                   "--json", str(out), module="jaxdp.bench")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["way"], r["size"], r["chunk"]) for r in rows] == [(way, size, chunk) for size, chunk in
+                                                               (("1KB", "512B"), ("64KB", "32KB"))
+                                                               for way in ("psum_scatter", "psum+slice", "ring")]
+    assert all(r["processes"] == 1 and r["devices"] == 2 for r in rows)
+    assert [r["vs_psum_scatter"] for r in rows if r["way"] == "psum_scatter"] == [1.0, 1.0]
+    assert "x psum_scatter time" in proc.stdout

@@ -54,7 +54,7 @@ import numpy as np
 import pytest
 
 from helpers import records
-from jaxdp.checkpoint import Checkpointer
+from jaxdp.checkpoint.checkpointer import Checkpointer
 from jaxdp.config import parse_args
 from jaxdp.train import train
 

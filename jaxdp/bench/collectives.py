@@ -2,6 +2,14 @@
 of a float32 buffer of each size per device; in-graph strategies run inside a jitted shard_map,
 on-host ones (@on_host) are timed over their whole device -> host -> device path. algbw = bytes /
 time, busbw = algbw * 2 (N - 1) / N (the nccl-tests convention).
+
+With --reduce-scatter: instead, the time of one reduce-scatter (sum) of a float32 buffer of each size
+per device (device i keeps chunk i, 1/N of it) three ways: XLA's `psum_scatter`, an
+all-reduce then this device's chunk, and the ring's own (`ring_reduce_scatter`, N - 1 ppermute
+hops: what `jaxdp.sync.collectives.psum_scatter` runs instead of XLA's on CPU across processes, where gloo's
+reduce-scatter is wrong now and then). Also under jax.distributed, each process with --devices devices:
+
+    python -m jaxdp.launch --nproc-per-node 2 -- python -m jaxdp.bench collectives --reduce-scatter --devices 2
 """
 
 from __future__ import annotations
@@ -26,12 +34,16 @@ def register(subparsers: Any) -> None:
                    help="default: all of jaxdp.registry.STRATEGIES")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--ring-floor", action="store_true", help="also time a diagnostic: only the ring's 2(N-1) ppermute hops")
+    p.add_argument("--reduce-scatter", action="store_true",
+                   help="time reduce-scatters instead: XLA's psum_scatter, psum + slice, the ring's (several processes too)")
     p.add_argument("--json", help="write {'results': [...], 'machine': {...}} here")
     p.add_argument("--plot", help="write a PNG of busbw vs size here")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.reduce_scatter:
+        return run_reduce_scatter(args)
     import jax
     jax.config.update("jax_num_cpu_devices", args.devices)
     import numpy as np
@@ -94,6 +106,50 @@ def run(args: argparse.Namespace) -> list[dict]:
     write_json(args.json, results)
     if args.plot:
         plot(results, args.plot, n)
+    return results
+
+
+def run_reduce_scatter(args: argparse.Namespace) -> list[dict]:
+    """--reduce-scatter: one process, or each process of a jax.distributed run (jaxdp.launch)."""
+    from jaxdp.cluster import distributed
+    from jaxdp.config import Config
+
+    distributed.initialize(Config(devices=args.devices, progress=False))
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
+    from jaxdp.sync.collectives import ring_reduce_scatter
+
+    mesh = make_mesh(distributed.mesh_devices(args.devices))
+    n, local = mesh.size, len(mesh.local_devices)
+    ways = {"psum_scatter": lambda x: jax.lax.psum_scatter(x, DATA_AXIS, tiled=True),
+            "psum+slice": lambda x: jax.lax.dynamic_slice_in_dim(jax.lax.psum(x, DATA_AXIS),
+                                                                 jax.lax.axis_index(DATA_AXIS) * (x.shape[0] // n), x.shape[0] // n),
+            "ring": lambda x: ring_reduce_scatter(x, DATA_AXIS)}
+    programs = {name: jax.jit(jax.shard_map(lambda x, fn=fn: fn(x[0])[None], mesh=mesh, in_specs=P(DATA_AXIS),
+                                            out_specs=P(DATA_AXIS), check_vma=False)) for name, fn in ways.items()}
+    results = []
+    for nbytes in args.sizes:
+        values = max(n, nbytes // 4 // n * n)
+        x = shard_batch(np.random.default_rng(0).standard_normal((local, values), dtype=np.float32), mesh)
+        times = interleaved({name: lambda fn=fn, x=x: jax.block_until_ready(fn(x))
+                             for name, fn in programs.items()},
+                            args.repeats)
+        for name in ways:
+            median = statistics.median(times[name])
+            results.append({"way": name, "devices": n, "processes": jax.process_count(), "bytes": values * 4,
+                            "size": human(values * 4), "chunk": human(values * 4 // n), "median_s": median,
+                            "min_s": min(times[name]), "repeats": args.repeats,
+                            "vs_psum_scatter": paired_ratio(times[name], times["psum_scatter"])})
+        del x
+    if jax.process_index() == 0:
+        print(f"reduce-scatter (sum) of a float32 buffer per device, {n} {jax.default_backend()} devices in "
+              f"{jax.process_count()} process(es), median of {args.repeats}")
+        print_table(results, [("way", "way", "s"), ("size", "size", "s"), ("chunk", "chunk", "s"),
+                              ("median_s", "time ms", ".3f"), ("vs_psum_scatter", "x psum_scatter time", ".2f")])
+        write_json(args.json, results)
     return results
 
 

@@ -14,7 +14,8 @@ The same bytes cross the wire as in one all-reduce (a reduce-scatter plus an all
 a ring all-reduce is), but each device keeps 1/N of the optimizer state and does 1/N of the
 update's work. With `strategy="ring"` the halves are the explicit ring's own
 (`jaxdp.sync.collectives.ring_reduce_scatter`, `ring_all_gather`); with `psum` they are XLA's
-`psum_scatter` and `all_gather`.
+`psum_scatter` and `all_gather` (on CPU across processes the ring's reduce-scatter instead:
+`jaxdp.sync.collectives.psum_scatter` says why).
 
 Layout (`FlatLayout`): every parameter leaf is raveled into a flat buffer, zero-padded to a
 multiple of N and cut into N equal chunks; device i owns chunk i of every buffer. The optimizer

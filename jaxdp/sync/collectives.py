@@ -138,8 +138,24 @@ def _psum_sum(tree: Tree, axis_name: Any) -> Tree:
     return jax.lax.psum(tree, axis_name)
 
 
+def psum_scatter(padded: jax.Array, axis_name: Any) -> jax.Array:
+    """A 1-D buffer of N equal chunks in, on device i the sum over devices of chunk i out: XLA's
+    `psum_scatter`, except on CPU under jax.distributed.
+
+    There XLA runs every collective through gloo, even between the devices of one process, and
+    gloo's reduce-scatter returns wrong values at the end of a chunk of a few MiB, now and then,
+    with no error (https://github.com/jax-ml/jax/issues/40830); its all-reduce and send / receive
+    are right. So on CPU with several processes this is the ring's own reduce-scatter, of
+    ppermutes: faster there than gloo's own, and than an all-reduce and a slice (`python -m jaxdp.bench
+    collectives --reduce-scatter`; docs/performance.md). Decided at trace time.
+    """
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return ring_reduce_scatter(padded, axis_name)
+    return jax.lax.psum_scatter(padded, axis_name, tiled=True)
+
+
 def _psum_scatter_mean(padded: jax.Array, axis_name: Any) -> jax.Array:
-    return jax.lax.psum_scatter(padded, axis_name, tiled=True) / jax.lax.axis_size(axis_name)
+    return psum_scatter(padded, axis_name) / jax.lax.axis_size(axis_name)
 
 
 def _psum_all_gather(owned: jax.Array, axis_name: Any) -> jax.Array:
@@ -163,7 +179,7 @@ def hierarchical(strategy: Any) -> Collective:
     """`strategy` (a name, Collective or function with a sum) made two-level for a mesh of two data
     axes (`make_mesh(axis_name=("hosts", "local"))`: one row of devices per process):
 
-    1. reduce-scatter over "local" with XLA's own collective (`psum_scatter`): device l of a process
+    1. reduce-scatter over "local" with XLA's own collective (`psum_scatter`, but see there): device l of a process
        holds the process's exact sum of block l, 1/G of the buffer (G devices per process);
     2. the strategy over "hosts" on that block only: each device's ring (or all-reduce) spans one
        device per process and carries 1/G of the buffer, so the link between processes carries
@@ -194,7 +210,7 @@ def hierarchical(strategy: Any) -> Collective:
         # chunk h G + l must end on device (h, l): order the chunks local-major, so that the
         # local reduce-scatter's block l holds chunks (0, l), (1, l), ... for the ring across hosts
         by_local = padded.reshape(hosts, local, -1).swapaxes(0, 1).reshape(-1)
-        block = jax.lax.psum_scatter(by_local, inner, tiled=True) / local
+        block = psum_scatter(by_local, inner) / local
         return base.halves.reduce_scatter(block, outer)
 
     def all_gather(owned: jax.Array, outer: Any, inner: str) -> jax.Array:
@@ -204,7 +220,7 @@ def hierarchical(strategy: Any) -> Collective:
 
     def coded_sum(padded: jax.Array, outer: Any, inner: str, wire: Any,
                   exact: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        block = jax.lax.psum_scatter(padded, inner, tiled=True)  # exact, inside the process
+        block = psum_scatter(padded, inner)  # exact, inside the process
         riding = None if exact is None else jax.lax.psum(exact, inner)
         got, left, riding = base.coded_sum(block, outer, wire, riding)
         # what this device's encodings left out sits at its block's place; over all devices the
@@ -241,7 +257,7 @@ def _across(flat: jax.Array, inner: str, across: Callable[[jax.Array], jax.Array
     """Reduce-scatter `flat` over `inner` (XLA, exact), `across` on this device's block, all-gather."""
     size, local = flat.shape[0], jax.lax.axis_size(inner)
     padded = jnp.pad(flat, (0, -(-size // local) * local - size))
-    block = jax.lax.psum_scatter(padded, inner, tiled=True)
+    block = psum_scatter(padded, inner)
     if scale != 1.0:
         block = block * scale
     return jax.lax.all_gather(across(block), inner, tiled=True)[:size]
