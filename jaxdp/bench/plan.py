@@ -186,7 +186,7 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
     `cluster`: the controller's own rules (costmodel.plan, then costmodel.choose_local_steps) on
     the figures the cluster's all-reduce model gives, flat."""
     from jaxdp.sync import costmodel
-    from jaxdp.sync.compression import PowerSGD
+    from jaxdp.sync.codecs.powersgd import PowerSGD
 
     fraction = costmodel.TARGET_COMM_FRACTION if target is None else target
     model = cluster.allreduce()

@@ -264,7 +264,7 @@ def ring_mean(grads: Tree, axis_name: Any) -> Tree:
 
 
 # ---------------------------------------------------------------------------------------------
-# The coded ring: every hop sends through a codec's wire format (int8 / int4 in jaxdp/sync/compression.py).
+# The coded ring: every hop sends through a codec's wire format (int8 / int4 in jaxdp/sync/codecs/quantized.py).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -273,7 +273,7 @@ def ring_coded_allreduce(padded: jax.Array, axis_name: Any, wire: Any,
     """The ring all-reduce of a float32 buffer of N equal chunks whose every message is encoded:
     returns (sum, residual, exact sum), the sum identical on every device.
 
-    `wire` is a codec's wire format for one chunk (`jaxdp.sync.compression.Wire`): `wire.encode(chunk)
+    `wire` is a codec's wire format for one chunk (`jaxdp.sync.codecs.base.Wire`): `wire.encode(chunk)
     -> (message, residual)`, a 1-D uint8 message and `chunk - wire.decode(message)`.
 
     Reduce-scatter: in hop s device i encodes its running sum of chunk (i - 1 - s) (at s = 0 its
