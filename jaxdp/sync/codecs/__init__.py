@@ -42,6 +42,7 @@ class Row:
                so local steps may not send their pseudo-gradient through it under auto (the guard
                measures gradients, not pseudo-gradients).
     keeps_state: it has a slot in state.sync (error feedback, shared factors).
+    example:   a spec of it, for tests and messages (default: its name).
     """
 
     name: str
@@ -54,6 +55,11 @@ class Row:
     fewer_bytes: bool = False
     guarded: bool = False
     keeps_state: bool = False
+    example: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.example:
+            object.__setattr__(self, "example", self.name)
 
     def load(self) -> type:
         """The class that implements it (imports its module, and JAX)."""
@@ -73,7 +79,7 @@ TABLE: tuple[Row, ...] = (
         bytes_per_value=0.5 + _QUANT_BYTES, ladder=1, keeps_state=True),
     Row("powersgd", r"powersgd:[1-9]\d*" + _PSGD_OPTIONS, "powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]",
         "jaxdp.sync.codecs.powersgd:PowerSGD", ladder=2, fewer_bytes=True, guarded=True,
-        keeps_state=True),
+        keeps_state=True, example="powersgd:4:start=2"),
 )
 
 SPEC_HELP = ", ".join(r.usage for r in TABLE[:-1]) + f" or {TABLE[-1].usage}"
