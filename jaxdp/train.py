@@ -46,7 +46,7 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     import jax
 
     from jaxdp.mesh import make_mesh
-    from jaxdp.sync.collectives import hierarchical
+    from jaxdp.sync.hierarchy import hierarchical
     from jaxdp.sync.rules import abilities as abilities_of
 
     processes = len({d.process_index for d in devices})

@@ -1,4 +1,4 @@
-"""jaxdp.sync.compression: the codecs (none, bf16, PowerSGD) against exact averaging."""
+"""jaxdp.sync.codecs: the codecs (none, bf16, PowerSGD) against exact averaging."""
 
 import re
 

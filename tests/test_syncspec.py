@@ -65,7 +65,7 @@ def test_rule_and_layout():
     assert SyncSpec(compression="powersgd:4:start=3").layout().compression == "powersgd:4"
     assert SyncSpec(compression="auto").layout().compression == AUTO
     assert SyncSpec(sync_every=4, sync_fragments=2).layout() == StateLayout("local", 2, None)
-    hash(SyncSpec(compression=jaxdp.sync.compression.parse("powersgd:2"), outer_tx=optax.sgd(1.0)))  # a dict key
+    hash(SyncSpec(compression=jaxdp.sync.codecs.parse("powersgd:2"), outer_tx=optax.sgd(1.0)))  # a dict key
 
 
 def test_a_layout_serves_what_it_was_made_for():
@@ -118,6 +118,10 @@ def test_a_state_for_another_layout_is_refused_in_one_line(devices):
 
 
 @pytest.mark.parametrize("module, name, home", [("jaxdp.sync.compression", "plan", "jaxdp.sync.costmodel"),
+                                                ("jaxdp.sync.compression", "parse", "jaxdp.sync.codecs"),
+                                                ("jaxdp.sync.compression", "PowerSGD", "jaxdp.sync.codecs.powersgd"),
+                                                ("jaxdp.sync.compression", "CompressionState", "jaxdp.sync.codecs.base"),
+                                                ("jaxdp.compression", "Quantized", "jaxdp.sync.codecs.quantized"),
                                                 ("jaxdp.sync.compression", "TARGET_COMM_FRACTION", "jaxdp.sync.costmodel"),
                                                 ("jaxdp.step.local_sgd", "auto_sync_every", "jaxdp.sync.costmodel"),
                                                 ("jaxdp.step.local_sgd", "check_sync_every", "jaxdp.sync.spec"),
