@@ -17,7 +17,8 @@ new slot on the mesh, for one codec or for "auto" (one slot serving every candid
 controller's ladder: jaxdp.sync.costmodel.auto_slot).
 
 A new way to average (a delayed all-reduce, a hierarchical exchange) is a new class here with the
-same `mean`, plus its field in jaxdp/sync/spec.py and its flag.
+same `mean`, plus its field in jaxdp/sync/spec.py, its rows in jaxdp/sync/rules.py and its flag; a new
+codec is a file in jaxdp/sync/codecs/ and a line in its table, and needs nothing here.
 """
 
 from __future__ import annotations
