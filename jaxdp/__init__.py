@@ -49,7 +49,7 @@ _EXPORTS = {
     "TrainState": "jaxdp.step.state",
     "TrainStep": "jaxdp.step.train_step",
     "batch_sharding": "jaxdp.mesh",
-    "hierarchical": "jaxdp.sync.collectives",
+    "hierarchical": "jaxdp.sync.hierarchy",
     "host_mean": "jaxdp.sync.host",
     "init_state": "jaxdp.step.state",
     "initialize": "jaxdp.cluster.distributed",

@@ -3,7 +3,10 @@
 Every field carries its flag group and help text, so `--help`, the README's flag table and the
 validation below cannot drift apart. Choices come from `jaxdp.registry`, which names them without
 importing them: parsing flags imports no JAX. Validation raises `ConfigError` with one sentence that
-says what to change; `jaxdp.train` turns it into exit code 2 without a traceback.
+says what to change; `jaxdp.train` turns it into exit code 2 without a traceback. The checks here are
+per field; which sync choices combine (--strategy, --compression, --sync-every, --sync-seconds,
+--shard-optimizer, --overlap) is the one table of jaxdp/sync/rules.py, which `jaxdp.train` asks
+in flag terms before JAX starts (`rules.check_config`): config imports no sync code.
 
 Why argparse and not tyro or simple_parsing: `build_parser` below is about thirty lines, keeps `--help`
 free of imports, and gives every error as one line; those libraries would add a dependency for the
@@ -25,11 +28,9 @@ from typing import Any, Sequence
 
 from jaxdp import registry
 from jaxdp.errors import InputError
-from jaxdp.sync import spec as syncspec
 
 TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/data/tokens.py), for --model gpt
-SYNC_AUTO = "auto"  # --sync-every auto (jaxdp.sync.spec.AUTO)
-SAVE_AUTO = "auto"  # --save-every auto (jaxdp.checkpoint.saveplan.AUTO)
+SYNC_AUTO = SAVE_AUTO = registry.AUTO  # --sync-every auto, --save-every auto (the controllers decide)
 
 # Fields added after checkpoints recorded their run's Config: the value a recorded Config without the
 # field had (jaxdp.checkpoint.resume.with_recorded_defaults on resume, jaxdp.checkpoint.artifacts.load_variables to load).
@@ -235,17 +236,6 @@ def _check_inputs(config: Config) -> None:
     """Values that used to fail only after JAX started (or at the first save): fail before it."""
     if config.stall_timeout <= 0:
         raise ConfigError(f"--stall-timeout must be a positive number of seconds, got {config.stall_timeout}")
-    if config.compression != "none":
-        # The grammar of jaxdp.sync.compression.parse, checked here without importing JAX.
-        if not re.fullmatch(r"bf16|int8|int4|auto|powersgd:[1-9]\d*(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*",
-                            config.compression):
-            raise ConfigError(f"--compression={config.compression!r} is not none, bf16, int8, int4, auto or "
-                              f"powersgd:RANK[:start=STEP][:min_rate=R][:seed=S] (e.g. powersgd:4)")
-        clash = syncspec.incompatible(syncspec.abilities(config.strategy), compression=True, local=False,
-                                      shard_optimizer=False, needs=syncspec.codec_needs(config.compression))
-        if clash and syncspec.codec_needs(config.compression) != "sum":
-            raise ConfigError(f"--compression={config.compression} needs --strategy ring: --strategy={config.strategy} "
-                              f"does not qualify ({clash[2]})")
     if not 0 < config.comm_target:
         raise ConfigError(f"--comm-target must be a positive fraction of compute time, got {config.comm_target}")
     if config.compression_every < 0:
@@ -256,35 +246,12 @@ def _check_inputs(config: Config) -> None:
                           f"got {config.sync_every!r}")
     if not auto_sync and config.sync_every < 1:
         raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training), got {config.sync_every}")
-    if auto_sync and config.sync_fragments > 1:
-        raise ConfigError(f"--sync-fragments={config.sync_fragments} needs a fixed --sync-every that it divides, not "
-                          f"auto (which may choose 1, synchronous training); pass --sync-every N")
-    if config.sync_fragments < 1 or (not auto_sync and config.sync_every % config.sync_fragments):
-        raise ConfigError(f"--sync-fragments={config.sync_fragments} must be a positive integer that divides "
-                          f"--sync-every={config.sync_every}")
+    if config.sync_fragments < 1:
+        raise ConfigError(f"--sync-fragments must be a positive integer, got {config.sync_fragments}")
     paced = config.sync_seconds != 0
     if paced:
         if not math.isfinite(config.sync_seconds) or config.sync_seconds < 0:
             raise ConfigError(f"--sync-seconds must be a positive number of seconds (0: off), got {config.sync_seconds}")
-        clash = ("--sync-every", config.sync_every) if config.sync_every != 1 else ("--compression", "auto") \
-            if config.compression == "auto" else ("--sync-fragments", config.sync_fragments) \
-            if config.sync_fragments != 1 else ("--shard-optimizer", "true") if config.shard_optimizer else None
-        if clash:
-            raise ConfigError(f"--sync-seconds does not combine with {clash[0]}={clash[1]}: the rounds are "
-                              f"--sync-seconds long, with one fixed --compression; drop one of them")
-    if config.overlap:
-        abilities = syncspec.abilities(config.strategy)
-        clash = ("--sync-seconds", config.sync_seconds) if paced else ("--compression", "auto") \
-            if config.compression == "auto" and not auto_sync \
-            else ("--sync-fragments", config.sync_fragments) if config.sync_fragments != 1 \
-            else ("--shard-optimizer", "true") if config.shard_optimizer \
-            else ("--strategy", config.strategy) if "host" in abilities or "sum" not in abilities else None
-        if clash:
-            raise ConfigError(f"--overlap does not combine with {clash[0]}={clash[1]}: it overlaps each step's (or each "
-                              f"--sync-every round's) all-reduce through --strategy psum or ring, with a fixed "
-                              f"--compression (auto only with --sync-every auto), with the next step's compute; change "
-                              f"one of them")
-    _check_combinations(config, local=auto_sync or config.sync_every > 1 or paced)  # auto may choose local steps
     if auto_sync or config.sync_every > 1 or paced:
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
             raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")
@@ -311,20 +278,6 @@ def _check_inputs(config: Config) -> None:
         if parent and not os.path.isdir(parent):
             raise ConfigError(f"--{_flag(name)}={path!r} is under {parent!r}, which is a file, not a directory; "
                               f"point it at a path in a directory")
-
-
-def _check_combinations(config: Config, local: bool) -> None:
-    """The sync choices against the one compatibility table (jaxdp.sync.spec), in flag terms."""
-    clash = syncspec.incompatible(syncspec.abilities(config.strategy), compression=config.compression != "none",
-                                  local=local, shard_optimizer=config.shard_optimizer)
-    if clash is None:
-        return
-    feature, culprit, why = clash
-    flag = {"compression": "--compression", "local": "--sync-every", "shard_optimizer": "--shard-optimizer"}[feature]
-    if culprit == "strategy":
-        raise ConfigError(f"{flag} needs an in-graph strategy (--strategy psum or ring): --strategy={config.strategy} "
-                          f"does not qualify ({why})")
-    raise ConfigError(f"{flag} and --shard-optimizer do not combine: {why}; use one of them")
 
 
 def _flag(name: str) -> str:

@@ -16,6 +16,11 @@ import importlib
 from typing import Any, Iterator, Mapping
 
 
+# The word for "decide it while training" (--compression auto, --sync-every auto, --save-every auto): the
+# controllers resolve it (jaxdp/sync/controller.py, jaxdp/checkpoint/saveplan.py); written once, here.
+AUTO = "auto"
+
+
 class Registry(Mapping[str, Any]):
     """A name -> object mapping whose entries are "module:attribute" paths imported on access."""
 

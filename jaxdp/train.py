@@ -47,12 +47,12 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     import jax
 
     from jaxdp.mesh import make_mesh
-    from jaxdp.sync import spec as syncspec
-    from jaxdp.sync.collectives import hierarchical
+    from jaxdp.sync.hierarchy import hierarchical
+    from jaxdp.sync.rules import abilities as abilities_of
 
     processes = len({d.process_index for d in devices})
     local = len(devices) // processes
-    abilities = syncspec.abilities(config.strategy)
+    abilities = abilities_of(config.strategy)
     flat = config.hierarchy == "flat" or config.sync_seconds or config.overlap  # rounds: one axis (jaxdp/step/rounds.py)
     if flat or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:
         return make_mesh(devices), config.strategy
@@ -66,7 +66,10 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
 def train(config: Config) -> Any:
     """Run `config`: build its model, data and optimizer, then `jaxdp.fit` them. Returns fit's Result."""
     # JAX is imported here, after the flags are parsed, because distributed.initialize must run
-    # before JAX starts its backend.
+    # before JAX starts its backend; the sync choices are checked before it (jaxdp/sync/rules.py).
+    from jaxdp.sync import rules
+
+    rules.check_config(config)
     from jaxdp.cluster import runtime
 
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them

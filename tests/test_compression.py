@@ -1,4 +1,4 @@
-"""jaxdp.sync.compression: the codecs (none, bf16, PowerSGD) against exact averaging."""
+"""jaxdp.sync.codecs: the codecs (none, bf16, PowerSGD) against exact averaging."""
 
 import re
 
@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import compression as C, costmodel
+from jaxdp.sync import codecs as C, costmodel
 from jaxdp.sync.collectives import ring_allreduce
 
 REDUCE = {"psum": lambda t: jax.lax.psum(t, DATA_AXIS), "ring": lambda t: ring_allreduce(t, DATA_AXIS)}

@@ -14,8 +14,9 @@ import jaxdp.sync.collectives
 from jaxdp.errors import InputError
 from helpers import records, step_records
 from jaxdp.config import ConfigError, config_toml, parse_args, read_config_file
+from jaxdp.sync.rules import check_config
 from jaxdp.models.builtin import MLP
-from jaxdp.sync import compression
+from jaxdp.sync import codecs as compression
 from jaxdp.sync.controller import Controller
 from jaxdp.train import train
 
@@ -111,7 +112,7 @@ def test_flags_accept_auto_and_refuse_the_rest_in_one_line(tmp_path):
            ("--sync-every", "auto", "--outer-lr", "0"): "--outer-lr must be a positive number"}
     for argv, needle in bad.items():
         with pytest.raises(ConfigError) as err:
-            parse_args(list(argv))
+            check_config(parse_args(list(argv)))  # per flag, then the sync rules (jaxdp/sync/rules.py)
         assert needle in str(err.value) and "\n" not in str(err.value), (argv, str(err.value))
     path = tmp_path / "run.toml"
     path.write_text(config_toml(parse_args(["--sync-every", "auto"]), comment="a note"))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.sync import compression as C, costmodel
+from jaxdp.sync import codecs as C, costmodel
 from jaxdp.sync.costmodel import CommModel
 
 

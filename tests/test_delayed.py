@@ -14,6 +14,7 @@ import pytest
 
 import jaxdp
 from jaxdp.config import ConfigError, parse_args
+from jaxdp.sync.rules import check_config
 from jaxdp.errors import InputError
 from jaxdp.mesh import make_mesh, shard_batch
 from jaxdp.models.builtin import MLP
@@ -119,7 +120,7 @@ def test_int8_ring_with_overlap_resumes_bit_identically(devices, tmp_path):
 ])
 def test_every_step_overlap_flag_errors_are_one_line(flags, says):
     with pytest.raises(ConfigError, match=says):
-        parse_args(flags)
+        check_config(parse_args(flags))
 
 
 def test_fit_and_the_step_refuse_what_every_step_overlap_does_not_do(devices):

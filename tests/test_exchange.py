@@ -12,7 +12,7 @@ import jaxdp
 from helpers import records, run_cli
 from jaxdp.errors import InputError
 from jaxdp.models.builtin import MLP
-from jaxdp.sync import compression, costmodel
+from jaxdp.sync import codecs as compression, costmodel
 
 MODEL = MLP(hidden=(24, 16))
 PARAMS = MODEL.init(jax.random.PRNGKey(0), jnp.zeros((1, 13)))["params"]
@@ -163,7 +163,7 @@ def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
 
     from jaxdp.step.train_step import state_specs
     from jaxdp.sync.controller import GUARD_BATCHES, Controller
-    from jaxdp.sync.exchange import STATE_NAME, read_slot, write_slot
+    from jaxdp.sync.codecs.base import SLOT as STATE_NAME
 
     mesh, tx = jaxdp.make_mesh(devices), optax.sgd(0.1, momentum=0.9)
     state, _ = train(mesh, tx, strategy, "powersgd:2", data(3), state_spec="auto")
@@ -183,10 +183,10 @@ def test_the_guard_replays_compression_on_the_mean_exactly(devices, strategy):
             _, _, grads = step.local_grads(state, batch)
             stored = compression.CompressionState(error=jax.tree.map(lambda x: x[0], rows),
                                                   q=state.sync.shared[STATE_NAME])
-            mean, new, _ = compressor.mean(grads, read_slot(compressor, stored, grads),
+            mean, new, _ = compressor.mean(grads, compressor.read(stored, grads),
                                            lambda t: total(t, axis), n, 0)
             true = total(jax.tree.map(lambda g: g / n, grads), axis)
-            return (mean, true), jax.tree.map(lambda x: x[None], write_slot(stored, new).error)
+            return (mean, true), jax.tree.map(lambda x: x[None], compressor.write(stored, new).error)
 
         fn = jax.jit(lambda state, batch, rows: jax.shard_map(
             per_device, mesh=mesh, in_specs=(state_specs(state, axis), P(axis), P(axis)),

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxdp
 from helpers import mlp_batches, mlp_problem
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import compression as C
+from jaxdp.sync import codecs as C
 from jaxdp.sync.collectives import as_collective, hierarchical
 
 TWO = ("hosts", "local")

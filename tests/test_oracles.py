@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jaxdp
 from helpers import ROOT, cli_env, free_port
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import compression as C
+from jaxdp.sync import codecs as C
 from jaxdp.sync.collectives import ring_allreduce
 
 pytestmark = pytest.mark.slow  # torch's two gloo ranks in subprocesses: 30 s in all on 2 cores

@@ -15,6 +15,7 @@ import pytest
 
 import jaxdp
 from jaxdp.config import ConfigError, parse_args
+from jaxdp.sync.rules import check_config
 from jaxdp.errors import InputError
 from jaxdp.mesh import make_mesh
 from jaxdp.models.builtin import MLP
@@ -110,11 +111,11 @@ def test_resumed_with_the_average_in_flight_equals_the_uninterrupted_run(devices
 ])
 def test_overlap_flag_errors_are_one_line(flags, says):
     with pytest.raises(ConfigError, match=says.replace("+", r"\+")):
-        parse_args(flags)
+        check_config(parse_args(flags))
 
 
 def test_fit_refuses_overlap_of_rounds_with_a_host_strategy(devices):
-    with pytest.raises(InputError, match="overlap needs an in-graph strategy"):
+    with pytest.raises(InputError, match="overlap does not apply to strategy 'host'"):  # (rules.py: one message)
         jaxdp.fit(loss_fn, PARAMS, TX, data, steps=2, mesh=make_mesh(devices[:2]), overlap=True, sync_every=2,
                   strategy="host", progress=False)
 

@@ -1,5 +1,5 @@
 """PowerSGD when a gradient's rank is below r: a zero-initialised layer trains, full rank is exact,
-and a rank-deficient step lowers the rank of that step only (jaxdp/sync/compression.py, `_basis`)."""
+and a rank-deficient step lowers the rank of that step only (jaxdp/sync/codecs/powersgd.py, `_basis`)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ import jaxdp
 from jaxdp.data.datasets import digits
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
 from jaxdp.models.builtin import MLP
-from jaxdp.sync import compression as C
+from jaxdp.sync import codecs as C
 from jaxdp.sync.collectives import ring_allreduce
 
 REDUCE = {"psum": lambda t: jax.lax.psum(t, DATA_AXIS), "ring": lambda t: ring_allreduce(t, DATA_AXIS)}

@@ -16,7 +16,7 @@ from helpers import ROOT, cli_env, mlp_batches, mlp_problem, records
 from jaxdp.config import parse_args
 from jaxdp.errors import InputError
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
-from jaxdp.sync import compression as C, spec as syncspec
+from jaxdp.sync import codecs as C
 from jaxdp.sync.collectives import ring_coded_allreduce
 from jaxdp.train import train
 
@@ -49,7 +49,7 @@ def ring_reference(x, comp, chunk, block):
 @pytest.mark.parametrize("name", CODECS)
 def test_ring_sum_matches_the_numpy_reference_within_the_bound_and_is_identical_everywhere(devices, name):
     n, comp = 8, C.parse(name)
-    assert comp.name == name and C.parse(comp.name) == comp and comp.needs == syncspec.CODED_CODECS[name]
+    assert comp.name == name and C.parse(comp.name) == comp and comp.needs == C.row(name).needs == "coded_sum"
     chunk, block = comp.chunking(3000, n)
     mesh = make_mesh(devices[:n])
     wire = comp.wire(chunk, block)

@@ -1,5 +1,6 @@
-"""jaxdp/sync/spec.py: the sync choices as one value and the one compatibility table, which
-init_state, make_train_step and the command line all ask; the state's layout tag."""
+"""jaxdp/sync/spec.py: the sync choices as one value, resolved once; the one compatibility table
+(jaxdp/sync/rules.py), which init_state, make_train_step, fit and the command line all ask; the
+state's layout tag."""
 
 import subprocess
 import sys
@@ -14,21 +15,26 @@ import jaxdp
 import jaxdp.sync.collectives
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.errors import InputError
-from jaxdp.sync.spec import AUTO, StateLayout, SyncSpec, abilities, incompatible
+from jaxdp.sync.rules import Choices, broken, check_config
+from jaxdp.sync.spec import AUTO, StateLayout, SyncSpec, abilities
+
+
+def clash(strategy="psum", **choices):
+    rule = broken(Choices(strategy, abilities(strategy), **choices))
+    return rule and rule.name
 
 
 def test_the_table_names_the_first_clash():
-    both = frozenset({"sum", "halves"})
-    assert incompatible(both, compression=True, local=True, shard_optimizer=False) is None
-    assert incompatible(both, compression=False, local=False, shard_optimizer=True) is None
-    assert incompatible(frozenset({"host"}), compression=True, local=False, shard_optimizer=False)[:2] == ("compression", "strategy")
-    assert incompatible(frozenset({"host"}), compression=False, local=True, shard_optimizer=False)[:2] == ("local", "strategy")
-    assert incompatible(frozenset({"host"}), compression=False, local=False, shard_optimizer=True)[:2] == (
-        "shard_optimizer", "strategy")
-    assert incompatible(both, compression=True, local=False, shard_optimizer=True)[:2] == ("compression", "shard_optimizer")
-    assert incompatible(both, compression=False, local=True, shard_optimizer=True)[:2] == ("local", "shard_optimizer")
-    assert incompatible(frozenset({"sum"}), compression=False, local=False, shard_optimizer=True)[:2] == (
-        "shard_optimizer", "strategy")
+    assert clash(compression="bf16", sync_every=4) is None and clash(shard_optimizer=True) is None
+    assert clash("host", compression="bf16") == "compression-strategy"
+    assert clash("host", sync_every=2) == "local-strategy"
+    assert clash("host", shard_optimizer=True) == "zero-host"
+    assert clash(compression="bf16", shard_optimizer=True) == "compression-zero"
+    assert clash(sync_every=2, shard_optimizer=True) == "local-zero"
+    assert clash("ring", sync_every=2, outer=True, shard_optimizer=True) == "local-zero"
+    assert clash(overlap=True, shard_optimizer=True) == "overlap-zero"  # the overlap rule is named before ZeRO-1's own
+    assert clash(sync_seconds=1.0, sync_every=4) == "paced-local"
+    assert clash("ring", elastic=True) == "elastic-strategy" and clash("host", elastic=True, overlap=True) == "elastic-overlap"
 
 
 def test_abilities_of_builtin_registered_and_bare_strategies():
@@ -36,10 +42,18 @@ def test_abilities_of_builtin_registered_and_bare_strategies():
     assert abilities("ring") == abilities(jaxdp.sync.collectives.RING) == {"sum", "halves", "coded_sum"}
     assert abilities(jaxdp.sync.collectives.PSUM) == abilities("psum")
     # int8 / int4 requantize at every hop: the ring has hops, XLA's all-reduce has none.
-    assert incompatible(abilities("psum"), compression=True, local=False, shard_optimizer=False,
-                        needs="coded_sum")[:2] == ("compression", "strategy")
-    assert incompatible(abilities("ring"), compression=True, local=True, shard_optimizer=False, needs="coded_sum") is None
+    assert clash("psum", compression="int8", needs="coded_sum") == "compression-hops"
+    assert clash("ring", compression="int8", needs="coded_sum", sync_every=4) is None
     assert abilities(lambda tree, axis: jax.lax.pmean(tree, axis)) == frozenset()  # a bare mean: nothing more
+
+
+def test_a_spec_resolves_its_names_once():
+    spec = SyncSpec(strategy="ring", compression="powersgd:4:start=2")
+    assert spec.collective is jaxdp.sync.collectives.RING and spec.collective is spec.collective
+    assert spec.codec is spec.codec and spec.codec.name == "powersgd:4:start=2"
+    assert SyncSpec().codec is None and SyncSpec(compression="none").codec is None
+    with pytest.raises(ValueError, match="decided while training"):
+        SyncSpec(compression="auto").codec
 
 
 def test_rule_and_layout():
@@ -51,7 +65,7 @@ def test_rule_and_layout():
     assert SyncSpec(compression="powersgd:4:start=3").layout().compression == "powersgd:4"
     assert SyncSpec(compression="auto").layout().compression == AUTO
     assert SyncSpec(sync_every=4, sync_fragments=2).layout() == StateLayout("local", 2, None)
-    hash(SyncSpec(compression=jaxdp.sync.compression.parse("powersgd:2"), outer_tx=optax.sgd(1.0)))  # a dict key
+    hash(SyncSpec(compression=jaxdp.sync.codecs.parse("powersgd:2"), outer_tx=optax.sgd(1.0)))  # a dict key
 
 
 def test_a_layout_serves_what_it_was_made_for():
@@ -79,12 +93,13 @@ def test_library_and_command_line_refuse_the_same_combinations(devices, kwargs, 
              "shard_optimizer": "--shard-optimizer"}
     argv = [x for k, v in kwargs.items() for x in (flags[k], str(v).lower())]
     with pytest.raises(ConfigError):
-        parse_args(argv)
+        check_config(parse_args(argv))
 
 
 def test_validation_needs_no_jax():
     code = ("import sys; from jaxdp.sync.spec import SyncSpec; SyncSpec(strategy='ring', compression='powersgd:4', "
-            "sync_every=4).validate(); from jaxdp.config import parse_args; parse_args(['--strategy', 'ring']); "
+            "sync_every=4).validate(); from jaxdp.config import parse_args; from jaxdp.sync.rules import check_config; "
+            "check_config(parse_args(['--strategy', 'ring', '--compression', 'int8'])); "
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -103,6 +118,10 @@ def test_a_state_for_another_layout_is_refused_in_one_line(devices):
 
 
 @pytest.mark.parametrize("module, name, home", [("jaxdp.sync.compression", "plan", "jaxdp.sync.costmodel"),
+                                                ("jaxdp.sync.compression", "parse", "jaxdp.sync.codecs"),
+                                                ("jaxdp.sync.compression", "PowerSGD", "jaxdp.sync.codecs.powersgd"),
+                                                ("jaxdp.sync.compression", "CompressionState", "jaxdp.sync.codecs.base"),
+                                                ("jaxdp.compression", "Quantized", "jaxdp.sync.codecs.quantized"),
                                                 ("jaxdp.sync.compression", "TARGET_COMM_FRACTION", "jaxdp.sync.costmodel"),
                                                 ("jaxdp.step.local_sgd", "auto_sync_every", "jaxdp.sync.costmodel"),
                                                 ("jaxdp.step.local_sgd", "check_sync_every", "jaxdp.sync.spec"),

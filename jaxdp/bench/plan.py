@@ -211,8 +211,7 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
     """What `--sync-every auto --compression auto` (with `overlap`: and --overlap) chooses on
     `cluster`: the controller's own rules (costmodel.plan, then costmodel.choose_local_steps) on
     the figures the cluster's all-reduce model gives, flat."""
-    from jaxdp.sync import costmodel
-    from jaxdp.sync.compression import PowerSGD
+    from jaxdp.sync import codecs as codec_table, costmodel
 
     fraction = costmodel.TARGET_COMM_FRACTION if target is None else target
     model = cluster.allreduce()
@@ -226,11 +225,11 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
     if reasons["fits"] or devices == 1:
         step = costmodel.predicted_step_s(compute_s, reasons["predicted_s"][codec.name], 1)
         guard = " (the quality guard then checks it on the run's gradients and may step back)" \
-            if isinstance(codec, PowerSGD) else ""
+            if codec_table.row(codec.name).guarded else ""
         return {"overlap_flag": overlap, "compression": codec.name, "sync_every": 1, "overlap": False, "step_s": step,
                 "summary": f"synchronous, --compression {codec.name}{guard}: {reasons['why']}"}
-    codecs = [c for c in candidates if isinstance(c, costmodel.PSEUDO_GRADIENT_CODECS)]
-    record = costmodel.choose_local_steps(figures, costmodel.options(codecs, params), fraction, overlap)
+    allowed = [c for c in candidates if costmodel.pseudo_gradient_codec(c)]
+    record = costmodel.choose_local_steps(figures, costmodel.options(allowed, params), fraction, overlap)
     return {"overlap_flag": overlap, "compression": record["pseudo_gradient"], "sync_every": record["sync_every"],
             "overlap": record["overlap"], "step_s": record["predicted_step_s"],
             "summary": f"--sync-every {record['sync_every']}, pseudo-gradient {record['pseudo_gradient']}"

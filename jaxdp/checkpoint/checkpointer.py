@@ -403,31 +403,25 @@ class Checkpointer:
 
 
 def _without_unsaved_feedback(state: TrainState, shapes: dict) -> tuple[TrainState, list[str]]:
-    """(`state` less the error-feedback leaves of its compression slot that checkpoint `shapes`
-    lacks, their names). A `--compression auto` checkpoint from before int8 and int4 joined the
-    ladder keeps error feedback for PowerSGD's matrices only, and the slot now holds every leaf's:
-    what it lacks starts at zero, as in a new slot (nothing was owed for those leaves). A slot the
-    checkpoint lacks entirely is not this: the compatibility check names it."""
-    from jaxdp.sync.exchange import STATE_NAME
+    """(`state` less what of its codec's slot checkpoint `shapes` lacks, those names): the codec
+    that owns the slot migrates an older checkpoint's layout (jaxdp.sync.codecs.base.Compressor.restorable)."""
+    from jaxdp.sync.codecs.base import SLOT, migration
 
-    slot = state.sync.per_device.get(STATE_NAME)
-    if not isinstance(slot, dict):
+    owner = migration(state.layout.compression)
+    slot, missing = owner.restorable(state.sync.per_device.get(SLOT), lambda k: f"sync/per_device/{SLOT}/{k}" in shapes)
+    if not missing:
         return state, []
-    missing = [k for k in slot if f"sync/per_device/{STATE_NAME}/{k}" not in shapes]
-    if not missing or len(missing) == len(slot):
-        return state, []
-    kept = {k: v for k, v in slot.items() if k not in missing}
-    return state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: kept})), missing
+    return state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, SLOT: slot})), missing
 
 
 def _with_feedback(restored: TrainState, fresh: TrainState, owed: list[str]) -> TrainState:
-    """`_without_unsaved_feedback`'s inverse: the leaves it left out, from `fresh` (zeros)."""
+    """`_without_unsaved_feedback`'s inverse: the slot's rows it left out, from `fresh` (a new slot)."""
     if not owed:
         return restored
-    from jaxdp.sync.exchange import STATE_NAME
+    from jaxdp.sync.codecs.base import SLOT, migration
 
-    slot = {**restored.sync.per_device[STATE_NAME], **{k: fresh.sync.per_device[STATE_NAME][k] for k in owed}}
-    return restored.replace(sync=restored.sync.replace(per_device={**restored.sync.per_device, STATE_NAME: slot}))
+    slot = migration(fresh.layout.compression).refill(restored.sync.per_device[SLOT], fresh.sync.per_device[SLOT], owed)
+    return restored.replace(sync=restored.sync.replace(per_device={**restored.sync.per_device, SLOT: slot}))
 
 
 def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

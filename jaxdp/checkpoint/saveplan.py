@@ -34,7 +34,8 @@ import math
 import os
 import time
 
-AUTO = "auto"
+from jaxdp.registry import AUTO  # --save-every auto
+
 OVERHEAD = 0.01  # the share of training time checkpoints may take when no failure has been seen
 PROBE_AFTER = 20  # the measuring save: this many steps after the first (compiling) step
 ENV_RESTARTS = "JAXDP_RESTARTS"  # set by jaxdp.launch: how many times it has restarted a lost process

@@ -105,7 +105,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     from jaxdp.step.state import init_state
     from jaxdp.step.train_step import make_elastic_step, make_eval_step, make_train_step
     from jaxdp.sync import controller as controller_lib, exchange, spec as syncspec
-    from jaxdp.sync.compression import bytes_sent, uncompressed_bytes
+    from jaxdp.sync.codecs.base import bytes_sent, uncompressed_bytes
     from jaxdp.sync.controller import GUARD_BATCHES
 
     started = time.perf_counter() if started is None else started
@@ -124,23 +124,22 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     sync_auto = sync_every == syncspec.AUTO
     every_step_overlap = overlap and sync_every == 1  # each step's all-reduce one step late (jaxdp/step/delayed.py)
     if overlap:
-        # sync_every auto chooses H >= 2 for overlap (below), and with compression auto fixes the
-        # pseudo-gradient's codec: checked as such
-        rounds_of = 2 if sync_auto else sync_every
-        _check_overlap(rounds_of, sync_seconds)
+        _check_overlap(2 if sync_auto else sync_every)  # sync_every auto chooses H >= 2 for overlap (below)
+    # Every sync choice, fit's own too, against the one table (jaxdp/sync/rules.py): InputError naming the first clash.
+    syncspec.SyncSpec(strategy=strategy, compression=None if compression == "none" else compression,
+                      sync_every=sync_every, sync_fragments=sync_fragments, shard_optimizer=shard_optimizer,
+                      overlap=overlap).validate(sync_seconds=sync_seconds, elastic=elastic is not None,
+                                                float_state=bool(exchange.float_leaves(model_state)[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
-        _check_paced(paced.FixedSteps(rounds_of), data, mesh, strategy,
-                     "none" if sync_auto and compression == syncspec.AUTO else compression, 1, sync_fragments,
-                     shard_optimizer, what="overlap")
+        _check_paced(paced.FixedSteps(2 if sync_auto else sync_every), data, mesh, what="overlap")
     elif sync_seconds is not None:  # workers at their own pace (jaxdp/step/rounds.py)
-        _check_paced(sync_seconds, data, mesh, strategy, compression, sync_every, sync_fragments, shard_optimizer)
+        _check_paced(sync_seconds, data, mesh)
     rounds_run = (overlap and not every_step_overlap) or sync_seconds is not None  # host-driven rounds (jaxdp/step/rounds.py)
     if rounds_run:
         outer_tx = local_sgd.default_outer(outer_tx)  # local steps, in rounds
     shard_data = None
     if elastic is not None:  # one process of an elastic run (jaxdp/cluster/elastic.py): data(step, shard)
-        _check_elastic(data, mesh, strategy, compression, sync_every, sync_seconds, sync_fragments, shard_optimizer,
-                       overlap)
+        _check_elastic(data, mesh)
         shard_data, data = data, lambda step: shard_data(step, elastic.rank)
     batch_at = _batch_function(data, mesh)
     cache_hits = runtime.CacheHits()  # compiled programs loaded from JAX's persistent cache
@@ -154,8 +153,6 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         requested = syncspec.SyncSpec(strategy=strategy, compression=None if compression == "none" else compression,
                                       sync_every=sync_every, sync_fragments=sync_fragments, outer_tx=outer_tx,
                                       shard_optimizer=shard_optimizer, overlap=every_step_overlap)
-        if every_step_overlap:
-            requested.validate()  # (InputError naming the clash: strategy, shard_optimizer, compression auto)
 
         def new_state(spec: Any) -> Any:
             made = init_state(params, tx, mesh, model_state=model_state, rng=seed,
@@ -218,8 +215,6 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             state, joined = _join(elastic, state, checkpointer, train_step, batch_at)
         elif checkpointer:
             state = checkpointer.restore(state)  # the latest complete checkpoint, or `state` if none
-            if rounds_run:
-                paced.check_state(state, overlap)
             if int(state.step) > steps:
                 raise InputError(f"checkpoint directory {checkpointer.directory!r} holds step {int(state.step)}, past "
                                  f"steps={steps}; raise steps to train further or use another checkpoint directory",
@@ -417,23 +412,11 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     return Result(state=state, history=history, summary=summary, timings=timings)
 
 
-def _check_elastic(data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any, sync_seconds: Any,
-                   sync_fragments: int, shard_optimizer: bool, overlap: bool = False) -> None:
-    """InputError for what an elastic run (jaxdp/cluster/elastic.py) does not do."""
+def _check_elastic(data: Any, mesh: Any) -> None:
+    """InputError for the data and mesh an elastic run (jaxdp/cluster/elastic.py) cannot use (its sync
+    choices: jaxdp/sync/rules.py)."""
     from jaxdp.errors import InputError
-    from jaxdp.sync.collectives import as_collective
 
-    if as_collective(strategy).name != "host":
-        raise InputError(f"an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use "
-                         f"strategy='host', not {as_collective(strategy).name!r}", setting="strategy")
-    clash = ("compression", f"compression={compression!r}") if compression not in ("none", None) else \
-        ("sync_every", f"sync_every={sync_every!r}") if sync_every != 1 else \
-        ("sync_seconds", "sync_seconds") if sync_seconds is not None else \
-        ("sync_fragments", f"sync_fragments={sync_fragments}") if sync_fragments != 1 else \
-        ("shard_optimizer", "shard_optimizer (ZeRO-1)") if shard_optimizer else \
-        ("overlap", "overlap") if overlap else None
-    if clash:
-        raise InputError(f"an elastic run (jaxdp.launch --elastic) does not combine with {clash[1]}", setting=clash[0])
     if not callable(data):
         raise InputError("an elastic run needs data as a function data(step, shard) (a lost process's shards are "
                          "computed by the others)", argument="data")
@@ -498,36 +481,23 @@ class _NeverRaised(Exception):
     """(What the loop catches for an elastic run's HubGone in a run that is not elastic.)"""
 
 
-def _check_overlap(sync_every: Any, sync_seconds: Any) -> None:
+def _check_overlap(sync_every: Any) -> None:
     """InputError unless `overlap` has steps (sync_every 1, jaxdp/step/delayed.py) or rounds of H > 1
-    steps (jaxdp/step/rounds.py) to overlap."""
+    steps (jaxdp/step/rounds.py) to overlap (what it combines with: jaxdp/sync/rules.py)."""
     from jaxdp.errors import InputError
 
-    if sync_seconds is not None:
-        raise InputError("overlap does not combine with sync_seconds yet: its rounds are H steps (sync_every)",
-                         setting="overlap")
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise InputError(f"overlap overlaps each step's all-reduce (sync_every 1) or each round's average (sync_every "
                          f"= H of 2 or more) with what comes next; got sync_every={sync_every!r}", setting="sync_every")
 
 
-def _check_paced(sync_seconds: Any, data: Any, mesh: Any, strategy: Any, compression: Any, sync_every: Any,
-                 sync_fragments: int, shard_optimizer: bool, what: str = "sync_seconds") -> None:
-    """InputError for what `sync_seconds` or `overlap` (`what`; jaxdp/step/rounds.py) does not combine with."""
+def _check_paced(sync_seconds: Any, data: Any, mesh: Any, what: str = "sync_seconds") -> None:
+    """InputError for the pace, data or mesh `sync_seconds` or `overlap` (`what`; jaxdp/step/rounds.py)
+    cannot use (what they combine with: jaxdp/sync/rules.py)."""
     from jaxdp.errors import InputError
     from jaxdp.step import rounds as paced
-    from jaxdp.sync.collectives import as_collective
 
     paced.check(sync_seconds, mesh)
-    clash = ("sync_every", f"sync_every={sync_every!r}: the round is sync_seconds long, not H steps") \
-        if sync_every != 1 else ("compression", "compression auto: choose one (none, bf16, int8, ...)") \
-        if compression == "auto" else ("sync_fragments", f"sync_fragments={sync_fragments}") \
-        if sync_fragments != 1 else ("shard_optimizer", "shard_optimizer (ZeRO-1)") if shard_optimizer else None
-    if clash:
-        raise InputError(f"{what} does not combine with {clash[1]}", setting=clash[0])
-    if as_collective(strategy).sum is None:
-        raise InputError(f"{what} needs an in-graph strategy (psum or ring), not {as_collective(strategy).name}",
-                         setting="strategy")
     if not callable(data):
         raise InputError(f"{what} needs data as a function data(step) (each process reads its own positions)",
                          argument="data")

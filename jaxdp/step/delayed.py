@@ -55,9 +55,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, state_specs
-from jaxdp.sync.collectives import as_collective
 from jaxdp.sync.exchange import float_leaves, make_exchange
 
 DELAYED_NAME = "delayed"  # per_device[DELAYED_NAME] = {"grads": params rows, "metrics": rows, "held": int32 rows}
@@ -77,8 +75,8 @@ class Delayed:
     def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: Any,
                  grad_norm: bool):
         axis, n = data_axes(mesh), mesh.size
-        self.mesh, self.axis = mesh, axis
-        exchange = make_exchange(as_collective(spec.strategy), axis, n, spec.compression)
+        self.mesh, self.axis, self.spec = mesh, axis, spec
+        exchange = make_exchange(spec.collective, axis, n, spec.codec)
 
         def device_grads(view: Any, batch: Any) -> tuple[dict, Any]:
             metrics, model_state, grads = local_grads(view, batch)
@@ -127,10 +125,7 @@ class Delayed:
         """`state` with the slot (nothing held: zeros of the gradient program's shapes), if it has none."""
         if is_delayed(state):
             return state
-        floats, _ = float_leaves(state.model_state)
-        if floats:
-            raise InputError("overlap keeps no float model state (BatchNorm statistics would be one step stale and "
-                             "differ per device); use a model without it", setting="overlap")
+        self.spec.validate(float_state=bool(float_leaves(state.model_state)[0]))  # (jaxdp/sync/rules.py)
         shapes, _ = jax.eval_shape(self.grads, self._view(state), batch)
         rows = NamedSharding(self.mesh, P(self.axis))
 

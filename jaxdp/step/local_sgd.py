@@ -76,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicated_sharding
 from jaxdp.moved import forwarder
-from jaxdp.sync.compression import bytes_sent
+from jaxdp.sync.codecs.base import bytes_sent
 from jaxdp.sync.exchange import leaf_names
 
 STATE_NAME = "local_sgd"   # state.sync.per_device[STATE_NAME] = {"params": rows, "opt_state": rows}

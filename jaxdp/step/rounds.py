@@ -49,7 +49,8 @@ heartbeat (jaxdp/cluster/heartbeat.py, which counts rounds here, not steps) afte
 
 Scope: an in-graph strategy (psum, ring) and its compression (not "auto"), one fragment, no ZeRO-1,
 a flat mesh (`--hierarchy flat`), and models without float model state (BatchNorm statistics would
-differ per process between syncs; dropout's keys are fine).
+differ per process between syncs; dropout's keys are fine): the rules of jaxdp/sync/rules.py, which
+fit asks.
 
 Overlap (`overlap=True` with `sync_every=H`, `Overlapped`): every process takes H inner steps per
 round, and round k's average (`make_reduce`, the only collective) runs on a thread of its own while
@@ -78,8 +79,9 @@ from jaxdp.mesh import data_axes
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.state import TrainState
 from jaxdp.sync.collectives import as_collective
-from jaxdp.sync.compression import NoCompression
-from jaxdp.sync.exchange import codec as codec_of, float_leaves, leaf_names, make_exchange
+from jaxdp.sync.codecs.base import only as codec_slot
+from jaxdp.sync.codecs.plain import NoCompression
+from jaxdp.sync.exchange import codec as codec_of, leaf_names, make_exchange
 
 PACE_NAME = "paced"  # per_device[PACE_NAME] = {"position": int32 rows}; shared[PACE_NAME] = {"round": int32}
 OVERLAP_NAME = "overlap"  # --overlap: per_device[OVERLAP_NAME] = {"delta": params rows, "steps", "loss_sum": rows}
@@ -497,14 +499,13 @@ class Overlapped(Rounds):
         self.reduce = make_reduce(mesh, strategy, compression)
         self.apply = make_apply(mesh, outer_tx)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
-        self.codec_slot = [] if codec_of(compression) is None else ["compression"]
+        self.coded = codec_of(compression) is not None
 
     def close(self) -> None:
         self.thread.shutdown(wait=True)
 
     def _coded(self, state: TrainState) -> Any:
-        return state.sync.replace(per_device={k: v for k, v in state.sync.per_device.items() if k in self.codec_slot},
-                                  shared={k: v for k, v in state.sync.shared.items() if k in self.codec_slot})
+        return codec_slot(state.sync) if self.coded else state.sync.replace(per_device={}, shared={})
 
     def _in_flight(self, state: TrainState) -> Any:
         """Start averaging the delta the state holds (on the thread); None if it holds none."""
@@ -568,13 +569,3 @@ class Overlapped(Rounds):
 
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
         return remaining if remaining < self.pace.steps else None
-
-
-def check_state(state: Any, overlap: bool = False) -> None:
-    """InputError for model state the rounds cannot keep (float collections, e.g. BatchNorm)."""
-    floats, _ = float_leaves(state.model_state)
-    what = "overlap" if overlap else "sync_seconds"
-    if floats:
-        raise InputError(f"{what} keeps no model state between syncs (BatchNorm statistics would differ per "
-                         f"process); use a model without float model state"
-                         + ("" if overlap else ", or --sync-every"), setting=what)

@@ -110,10 +110,10 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     per device instead of replicated; pass it to `make_train_step` too. InputError if `tx` looks at
     the parameter tree itself and so cannot run on the flat slices.
 
-    `compression` ("bf16", "int8", "int4", "powersgd:RANK", "auto", or a `jaxdp.sync.compression.Compressor`; None or
+    `compression` ("bf16", "int8", "int4", "powersgd:RANK", "auto", or a `jaxdp.sync.codecs.base.Compressor`; None or
     "none": no state): the state gradient compression keeps between steps, in `state.sync`; pass
     the same to `make_train_step`. A state made for "auto" serves every candidate of the adaptive
-    controller (jaxdp/sync/compression.py).
+    controller (jaxdp/sync/controller.py).
 
     `sync_every=H` (> 1) or an `outer_tx`: local steps (jaxdp/step/local_sgd.py, DiLoCo). Every device's
     replica of `params` and its own `tx` state go into `state.sync.per_device["local_sgd"]`, the
@@ -125,9 +125,7 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     # that can do everything (ring; int8 / int4 need its hops), make_train_step checks the strategy.
     spec = SyncSpec(strategy="ring", compression=compression, sync_every=sync_every, sync_fragments=sync_fragments,
                     outer_tx=outer_tx, shard_optimizer=shard_optimizer)
-    if shard_optimizer and spec.local:
-        raise ValueError("init_state: local steps (sync_every > 1 or an outer_tx) and shard_optimizer do not combine")
-    spec.validate()
+    spec.validate()  # the one table (jaxdp/sync/rules.py): local steps and shard_optimizer do not combine, ...
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):

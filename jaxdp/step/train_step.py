@@ -43,11 +43,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.step import delayed, local_sgd, zero
 from jaxdp.sync import host
-from jaxdp.sync.compression import NoCompression
+from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs  # (state_specs: importable from here too)
 from jaxdp.step.state import SyncState, TrainState
-from jaxdp.sync.collectives import Collective, as_collective
+from jaxdp.sync.collectives import Collective
 from jaxdp.sync.spec import StateLayout, SyncSpec
 
 Batch = Any
@@ -67,7 +67,7 @@ class TrainStep:
     def __init__(self, run: Callable[[TrainState, Batch], tuple[TrainState, Metrics]], lowerable: Any,
                  tx: optax.GradientTransformation, spec: SyncSpec, local_grads: Callable):
         self._run, self._lowerable, self.tx, self.spec = run, lowerable, tx, spec
-        self.strategy: Collective = as_collective(spec.strategy)
+        self.strategy: Collective = spec.collective
         self.layout: StateLayout = spec.layout()
         self.local_grads = local_grads
         self.schedule: Callable | None = None  # make_train_step(..., schedule=): metrics gain "lr"
@@ -132,9 +132,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     The state must come from `init_state(..., shard_optimizer=True)`. Parameters, metrics and
     model state are the same as without it.
 
-    `compression` ("bf16", "powersgd:RANK[:start=STEP]", or a `jaxdp.sync.compression.Compressor`;
+    `compression` ("bf16", "powersgd:RANK[:start=STEP]", or a `jaxdp.sync.codecs.base.Compressor`;
     None or "none": off) compresses the gradients on their way through the strategy's collective
-    (jaxdp/sync/compression.py): reduce-compatible kinds only, so psum and the ring carry them. Its
+    (jaxdp/sync/codecs/): reduce-compatible kinds only, so psum and the ring carry them. Its
     state (error feedback, warm start) lives in `state.sync`: make the state with
     `init_state(..., compression=<the same, or "auto">)`. `metrics` gains "comm_bytes" (what each
     device sends per step) and "compression_ratio".
@@ -177,7 +177,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
 def _replicated(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
                 grad_norm: bool) -> TrainStep:
     """Every device averages its gradients through the exchange and applies the same update."""
-    exchange = make_exchange(as_collective(spec.strategy), data_axes(mesh), mesh.size, spec.compression)
+    exchange = make_exchange(spec.collective, data_axes(mesh), mesh.size, spec.codec)
 
     def device_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         metrics, model_state, grads = local_grads(state, batch)
@@ -199,8 +199,7 @@ def _local(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, 
            grad_norm: bool) -> TrainStep:
     """Local steps (jaxdp/step/local_sgd.py): the pseudo-gradient averaged every H steps, through the
     collective's sum (pre-scaled by 1/N) and the codec if any."""
-    exchange = make_exchange(as_collective(spec.strategy), data_axes(mesh), mesh.size,
-                             spec.compression or NoCompression())
+    exchange = make_exchange(spec.collective, data_axes(mesh), mesh.size, spec.codec or NoCompression())
     device_step = local_sgd.make_device_step(local_grads, tx, spec.outer_tx, exchange, spec.sync_every,
                                              spec.sync_fragments, grad_norm)
     return _in_graph(device_step, mesh, tx, spec, local_grads)
@@ -209,7 +208,7 @@ def _local(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, 
 def _sharded(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
              grad_norm: bool) -> TrainStep:
     """ZeRO-1 (jaxdp/step/zero.py): reduce-scatter, each device's update of its 1/N, all-gather."""
-    collective = as_collective(spec.strategy)
+    collective = spec.collective
     jitted = zero.make_step(local_grads, tx, mesh, collective, make_exchange(collective, data_axes(mesh), mesh.size),
                             grad_norm)
     return TrainStep(_bounded(jitted, mesh), jitted, tx, spec, local_grads)
@@ -302,7 +301,7 @@ def _host(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
     `host.process_sum_for(mesh)` transport), and copied back to every device.
     """
     process_sum = host.process_sum_for(mesh)
-    host_mean = as_collective(spec.strategy).host
+    host_mean = spec.collective.host
     grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:

@@ -61,10 +61,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, state_specs
-from jaxdp.sync import compression, costmodel
+from jaxdp.registry import AUTO
+from jaxdp.sync import codecs, costmodel
+from jaxdp.sync.codecs.base import CompressionState, Compressor, rows as slot_rows, uncompressed_bytes
 from jaxdp.sync.collectives import as_collective
-from jaxdp.sync.exchange import STATE_NAME, codec as codec_of, read_slot, write_slot
-from jaxdp.sync.spec import AUTO, SyncSpec
+from jaxdp.sync.exchange import codec as codec_of
+from jaxdp.sync.spec import SyncSpec
 
 GUARD_BATCHES = costmodel.GUARD_WINDOW  # batches the guard sums over (each: one uncompressed all-reduce)
 COMPUTE_REPEATS = 5
@@ -73,7 +75,7 @@ COMM_REPEATS = 3
 
 @dataclasses.dataclass
 class Decision:
-    compressor: compression.Compressor | None    # None: plain averaging
+    compressor: Compressor | None    # None: plain averaging
     record: dict[str, Any]                        # what the metrics file gets
 
 
@@ -90,7 +92,7 @@ class Controller:
         coded = as_collective(strategy).coded_sum is not None
         self.candidates = costmodel.ladder(self.abstract, quantized_devices=self.n if coded else None)
         self.target_fraction, self.guard_threshold = target_fraction, guard_threshold
-        self.grad_bytes = compression.uncompressed_bytes(self.abstract)
+        self.grad_bytes = uncompressed_bytes(self.abstract)
         axis = self.axis
 
         def compute(state: Any, batch: Any) -> jax.Array:  # forward + backward, no collective
@@ -141,11 +143,12 @@ class Controller:
         choice, reasons = costmodel.plan(figures["compute_s"], model, self.abstract, self.candidates,
                                            self.target_fraction)
         checks, planned = [], choice
-        if isinstance(choice, compression.PowerSGD) and (reasons["fits"] or guard_misses):
-            # The quality guard: the true means once; then the chosen rank and those above it, in
-            # order, until one passes.
+        if codecs.row(choice.name).guarded and (reasons["fits"] or guard_misses):
+            # The quality guard: the true means once; then the choice and the candidates of its row
+            # before it (PowerSGD's higher ranks), in order, until one passes.
             truth = self.truth(state, batches)
-            upwards = [c for c in self.candidates if isinstance(c, compression.PowerSGD) and c.rank >= choice.rank]
+            family = [c for c in self.candidates if codecs.row(c.name) == codecs.row(choice.name)]
+            upwards = family[:family.index(choice) + 1]
             for candidate in upwards[::-1]:  # from the chosen rank upwards
                 error = self.replay(candidate, truth)
                 checks.append({"candidate": candidate.name, "relative_error": error})
@@ -175,7 +178,7 @@ class Controller:
                   "payload_bytes": reasons["payload_bytes"], "uncompressed_bytes": self.grad_bytes,
                   "fits": fits, "why": why, "planned": planned.name, "quality_checks": checks,
                   "guard_threshold": self.guard_threshold, "cost_s": cost_s}
-        return Decision(None if isinstance(choice, compression.NoCompression) else choice, record)
+        return Decision(None if choice.name == "none" else choice, record)
 
     def decide_sync_every(self, state: Any, batches: list[Any], step: int, compressor: Any = None,
                           auto_compression: bool = False, overlap: bool = False) -> tuple[Decision | None, dict[str, Any]]:
@@ -197,7 +200,7 @@ class Controller:
             decision = self.decide(state, batches, step, guard_misses=False)
             figures = decision.record
             if figures["fits"]:
-                chosen = decision.compressor or compression.NoCompression()
+                chosen = decision.compressor or codecs.parse("none")
                 record = costmodel.local_steps_record(figures, chosen.name, chosen.payload_bytes(self.abstract),
                                                       chosen.collectives, self.target_fraction)
                 note = "; nothing to overlap" if overlap else ""
@@ -205,14 +208,14 @@ class Controller:
                                   "why": f"synchronous: --compression auto chose {chosen.name}, which meets the target "
                                          f"({figures['why']}){note}"}
             # Plain averaging misses the target too (else plan would have chosen it): H > 1.
-            codecs = [c for c in self.candidates if isinstance(c, costmodel.PSEUDO_GRADIENT_CODECS)]
-            record = costmodel.choose_local_steps(figures, costmodel.options(codecs, self.abstract),
+            allowed = [c for c in self.candidates if costmodel.pseudo_gradient_codec(c)]
+            record = costmodel.choose_local_steps(figures, costmodel.options(allowed, self.abstract),
                                                   self.target_fraction, overlap)
             decision.record["applied"] = False  # the step compresses nothing: local steps instead
             return decision, {**record, "why": f"{record['why']}; no compression meets the target at every step "
                               f"({figures['why']})"}
         figures = self.measure(state, batches[0])
-        chosen = compressor or compression.NoCompression()
+        chosen = compressor or codecs.parse("none")
         return None, costmodel.choose_local_steps(figures, costmodel.options([chosen], self.abstract),
                                                   self.target_fraction, overlap)
 
@@ -241,20 +244,20 @@ class Controller:
             self._mean_rows = jax.jit(lambda rows: jax.tree.map(lambda x: jnp.mean(x, axis=0), rows),
                                       out_shardings=NamedSharding(self.mesh, P()))
         means = [self._truth(state, batch) for batch in batches[:GUARD_BATCHES]]
-        error = self._mean_rows(state.sync.per_device.get(STATE_NAME, {}))
-        return means, error, state.sync.shared.get(STATE_NAME, {})
+        error, q = slot_rows(state.sync)
+        return means, self._mean_rows(error), q
 
-    def replay(self, candidate: compression.PowerSGD, truth: tuple[list[Any], Any, Any]) -> float:
+    def replay(self, candidate: Compressor, truth: tuple[list[Any], Any, Any]) -> float:
         """`candidate`'s relative error over the window of `truth` (see `truth`), on every device
         alike: compression of the mean on one device, error feedback threaded, Q held."""
         if candidate.name not in self._replays:
             def replay(means: list[Any], error: Any, q: Any) -> jax.Array:
                 applied = []
                 for mean in means:
-                    stored = compression.CompressionState(error=error, q=q)
-                    approx, new, _ = candidate.mean(mean, read_slot(candidate, stored, mean), lambda t: t, 1,
+                    stored = CompressionState(error=error, q=q)
+                    approx, new, _ = candidate.mean(mean, candidate.read(stored, mean), lambda t: t, 1,
                                                     candidate.start)  # past any start step: compressed
-                    error = write_slot(stored, new).error
+                    error = candidate.write(stored, new).error
                     applied.append(approx)
                 return costmodel.relative_error(_tree_sum(applied), _tree_sum(means))
 

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.sync.compression import Bf16, Compressor, NoCompression, PowerSGD, Quantized, uncompressed_bytes
+from jaxdp.sync import codecs
+from jaxdp.sync.codecs.base import Compressor, uncompressed_bytes
 
 Tree = Any
 
@@ -73,7 +74,7 @@ MAX_AUTO_SYNC_EVERY = 16
 # while their one-step error before feedback, Quantized.error_bound(devices), is at most this
 # fraction of a block's largest sum: int4 up to 4 devices on the ring (14.8 % at 2, 31.7 % at 4,
 # 74 % at 8), int8 up to 76. Error feedback sends what a step left out at the next step, so the
-# applied sum over a run is exact up to the last step's error (jaxdp.sync.compression.Quantized); but
+# applied sum over a run is exact up to the last step's error (jaxdp.sync.codecs.quantized.Quantized); but
 # past this bound the error carried from step to step is as large as the gradient itself, and
 # PowerSGD's guarded ranks are the better bet. They are not replayed by the quality guard: the
 # replay's shortcut (a compressed mean equals the mean of compressed parts) holds for PowerSGD's
@@ -120,25 +121,36 @@ def ladder(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0,
     allows (QUANT_BOUND), then PowerSGD at decreasing ranks. A rank is left out when it is no
     smaller than the largest matrix's min(n, m) (it would be that matrix's full rank), or when it
     moves no fewer bytes than the candidate before it (int4's payload, or a higher rank's)."""
-    out: list[Compressor] = [NoCompression(), Bf16()]
-    shapes = [x.shape for x in jax.tree.leaves(params) if len(x.shape) >= 2]
-    largest = max((min(int(np.prod(s[:-1])), int(s[-1])) for s in shapes), default=0)
+    out: list[Compressor] = []
     last_bytes = None
-    for bits in (8, 4) if quantized_devices else ():
-        quantized = Quantized(bits)
-        if quantized.error_bound(quantized_devices) <= QUANT_BOUND:
-            out.append(quantized)
-            last_bytes = quantized.payload_bytes(params)
-    for r in sorted(set(ranks), reverse=True):
-        candidate = PowerSGD(rank=r, start=start)
-        if r >= largest or not candidate.layout(params):
-            continue
-        payload = candidate.payload_bytes(params)
-        if last_bytes is not None and payload >= last_bytes:
-            continue
-        out.append(candidate)
-        last_bytes = payload
+    for row, members in offered(params, ranks, start, quantized_devices, QUANT_BOUND):
+        for candidate in members:
+            payload = candidate.payload_bytes(params)
+            if row.fewer_bytes and last_bytes is not None and payload >= last_bytes:
+                continue
+            out.append(candidate)
+            last_bytes = payload if row.ladder > 0 else last_bytes
     return out
+
+
+def offered(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0, ring_devices: int | None = None,
+            bound: float = math.inf) -> list[tuple[Any, list[Compressor]]]:
+    """(row, its candidates) for every row of the codec table's ladder, in ladder order: what each
+    codec family offers for `params` (jaxdp/sync/codecs/__init__.py), before `ladder`'s byte rule."""
+    return [(row, row.load().candidates(row.name, params, ranks=ranks, start=start, ring_devices=ring_devices,
+                                        bound=bound)) for row in codecs.ladder_rows()]
+
+
+def auto_slot(params: Tree) -> Any:
+    """One device's slot for `--compression auto`: one that serves every candidate the ladder may
+    offer (on any ring, at any error bound), each family's `serving` slot merged
+    (jaxdp.sync.codecs.base.auto_slot)."""
+    from jaxdp.sync.codecs.base import auto_slot as merged
+
+    families: dict[type, list[Compressor]] = {}
+    for row, members in offered(params, ring_devices=2):
+        families.setdefault(row.load(), []).extend(members)
+    return merged(params, list(families.items()))  # in ladder order: int8's error rows (every leaf) first
 
 
 def plan(compute_seconds: float, comm_model: CommModel, params: Tree, candidates: Sequence[Compressor] | None = None,
@@ -198,13 +210,7 @@ def weaker(choice: Compressor, candidates: Sequence[Compressor] | None = None) -
     candidates = list(candidates or [])
     if choice in candidates:
         return candidates[max(candidates.index(choice) - 1, 0)]
-    if isinstance(choice, Quantized):
-        return Quantized(8) if choice.bits < 8 else Bf16()
-    if isinstance(choice, PowerSGD):
-        if choice.rank * 2 <= max(DEFAULT_RANKS):
-            return dataclasses.replace(choice, rank=choice.rank * 2)
-        return Bf16()
-    return NoCompression()
+    return choice.weaker(DEFAULT_RANKS)
 
 
 def guard(choice: Compressor, rel_error: float, threshold: float = GUARD_THRESHOLD,
@@ -289,10 +295,11 @@ def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_by
             "uncapped_sync_every": choice["uncapped_sync_every"], "max_sync_every": MAX_AUTO_SYNC_EVERY}
 
 
-# The codecs local steps may send their pseudo-gradient through: every value, rounded or not, with
-# error feedback where it keeps any. Not PowerSGD: the quality guard measures gradients, not
-# pseudo-gradients.
-PSEUDO_GRADIENT_CODECS = (NoCompression, Bf16, Quantized)
+def pseudo_gradient_codec(codec: Compressor) -> bool:
+    """Whether local steps may send their pseudo-gradient through `codec` under auto: every value,
+    rounded or not, with error feedback where it keeps any; not one the quality guard replays
+    (PowerSGD), as the guard measures gradients, not pseudo-gradients (the codec table's `guarded`)."""
+    return not codecs.row(codec.name).guarded
 
 
 def options(codecs: Sequence[Compressor], params: Tree) -> list[tuple[str, int, int]]:
@@ -420,7 +427,7 @@ def predict(cluster: Cluster, compute_seconds: float, params: Tree, *, strategy:
             payload = codec.payload_bytes(params)
             seconds = model.seconds(payload, codec.collectives)
             for h in sync_every:
-                if h > 1 and not isinstance(codec, PSEUDO_GRADIENT_CODECS):
+                if h > 1 and not pseudo_gradient_codec(codec):
                     continue
                 for overlap in ((False, True) if h > 1 else (False,)):
                     rows.append({"compression": codec.name, "sync_every": h, "overlap": overlap, "hierarchy": hierarchy,

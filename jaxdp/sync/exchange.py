@@ -10,21 +10,20 @@ state (BatchNorm statistics) ride along in the same collective (`riders`), so th
 latency of their own. `extra` holds the metrics the exchange adds ("comm_bytes",
 "compression_ratio" and the codec's scalars; {} for plain averaging).
 
-A codec's state (PowerSGD's error feedback and warm-start Q) lives in the train state's
-`state.sync` under the slot `STATE_NAME` ("compression"): the error one row per device
-(`per_device`, sharded over the data axes), Q replicated (`shared`). `init_slot` makes it, for one
-codec or for "auto" (one slot serving every candidate of the controller's ladder); `read_slot` and
-`write_slot` convert between the slot (keyed by checkpoint-safe leaf names, `leaf_key`) and the
-codec's own `CompressionState`.
+A codec's state (error feedback, PowerSGD's warm-start Q) lives in the train state's `state.sync`,
+in the slot the codec owns (jaxdp/sync/codecs/base.py): the exchange asks the codec to read and
+write it (`codec.read`, `codec.write`) and never asks what class a codec is. `init_slot` places a
+new slot on the mesh, for one codec or for "auto" (one slot serving every candidate of the
+controller's ladder: jaxdp.sync.costmodel.auto_slot).
 
 A new way to average (a delayed all-reduce, a hierarchical exchange) is a new class here with the
-same `mean`, plus its field in jaxdp/sync/spec.py and its flag.
+same `mean`, plus its field in jaxdp/sync/spec.py, its rows in jaxdp/sync/rules.py and its flag; a new
+codec is a file in jaxdp/sync/codecs/ and a line in its table, and needs nothing here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable
 
 import jax
@@ -32,19 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp.sync.compression import Bf16, CompressionState, Compressor, NoCompression, PowerSGD, Quantized, bytes_sent, \
-    parse, uncompressed_bytes
 from jaxdp.mesh import data_axes, replicate
+from jaxdp.registry import AUTO
+from jaxdp.sync import codecs, rules
+from jaxdp.sync.codecs.base import SLOT, CompressionState, Compressor, bytes_sent, entries, leaf_key, store, stored, \
+    uncompressed_bytes
 from jaxdp.sync.collectives import Collective
-from jaxdp.sync.spec import AUTO
 
 Tree = Any
-STATE_NAME = "compression"  # the codec's slot in state.sync.per_device / state.sync.shared
-
-
-def leaf_key(path: Any) -> str:
-    """A leaf's path as a checkpoint-safe name: ("Dense_0", "kernel") -> "Dense_0.kernel"."""
-    return _checkpoint_safe(jax.tree_util.keystr(path))
+STATE_NAME = SLOT  # the codec's slot in state.sync (older code reads the name here; the codec owns it)
 
 
 def leaf_names(tree: Tree) -> list[str]:
@@ -66,17 +61,13 @@ def float_leaves(tree: Tree) -> tuple[list[Any], Callable[[list[Any]], Tree]]:
 
 
 def codec(compression: Any) -> Compressor | None:
-    """None for no compression (None, "none", NoCompression), else the Compressor (ValueError if bad).
+    """None for no compression (None, "none", the none codec), else the codec (ValueError if bad).
     "auto" is not a codec: the controller decides one (jaxdp/sync/controller.py)."""
-    if compression is None or isinstance(compression, NoCompression):
-        return None
-    if isinstance(compression, Compressor):
-        return compression
     if isinstance(compression, str) and compression.strip().lower() == AUTO:
         raise ValueError("compression='auto' is decided while training (jaxdp.train's controller); give the step one "
-                         "choice: none, bf16, int8, int4 or powersgd:RANK (a state made for 'auto' serves each)")
-    found = parse(compression)
-    return None if isinstance(found, NoCompression) else found
+                         f"choice: {codecs.SPEC_HELP} (a state made for 'auto' serves each)")
+    found = codecs.parse(compression) if isinstance(compression, str) else compression
+    return None if found is None or found.name == "none" else found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +102,7 @@ class Plain:
 @dataclasses.dataclass(frozen=True)
 class Coded:
     """Averaging through a codec over the collective's sum (or, for a codec that needs it, the
-    collective's coded ring: int8 / int4); its state in the slot STATE_NAME."""
+    collective's coded ring: int8 / int4); its state in the slot the codec owns."""
 
     collective: Collective
     codec: Compressor
@@ -131,8 +122,7 @@ class Coded:
     def mean(self, tree: Tree, metrics: dict, model_state: Tree, sync: Any, step: Any) -> tuple[Tree, dict, Tree, Any, dict]:
         """The riders go in the codec's first collective (before a PowerSGD start step, in their own)."""
         codec, axis, n, total = self.codec, self.axis, self.n, self.collective.sum
-        stored = CompressionState(error=jax.tree.map(lambda x: x[0], sync.per_device.get(STATE_NAME, {})),
-                                  q=sync.shared.get(STATE_NAME, {}))
+        slot = stored(sync)
         floats, rejoin = float_leaves(model_state)
         riders = (metrics, floats)
         riding: list[Any] = []
@@ -157,20 +147,17 @@ class Coded:
                                                        for x, a, b in zip(leaves, offsets, offsets[1:])]))
             return summed, residual
 
-        start = getattr(codec, "start", 0)
+        start = codec.start
         separate = n == 1 or start > 0  # lax.cond branches cannot hand values out
         coded = self.collective.coded_sum
         if codec.needs == "coded_sum":
             reduce = coded_with_riders
         else:
             reduce = (lambda t: total(t, axis)) if separate else sum_with_riders
-        mean, new, scalars = codec.mean(tree, read_slot(codec, stored, tree), reduce, n, step)
+        mean, new, scalars = codec.mean(tree, codec.read(slot, tree), reduce, n, step)
         metrics, floats = self.collective.mean(riders, axis) if separate and n > 1 else (
             riding[0] if riding else riders)
-        merged = write_slot(stored, new)
-        if merged.error or merged.q:
-            sync = sync.replace(per_device={**sync.per_device, STATE_NAME: jax.tree.map(lambda x: x[None], merged.error)},
-                                shared={**sync.shared, STATE_NAME: merged.q})
+        sync = store(sync, codec.write(slot, new))
         payload, plain = codec.payload_bytes(tree, n), uncompressed_bytes(tree)
         if start > 0:  # before its start step the codec sends the whole tree
             payload = jnp.where(jnp.asarray(step) >= start, jnp.float32(payload), jnp.float32(plain))
@@ -193,11 +180,7 @@ def make_exchange(collective: Collective, axis: Any, n: int, codec: Compressor |
     pre-scaled by 1/n, which is how local steps average their pseudo-gradients)."""
     if codec is None:
         return Plain(collective, axis, n)
-    if collective.sum is None:
-        raise ValueError(f"compression needs an in-graph sum over devices; strategy {collective.name!r} has none")
-    if codec.needs == "coded_sum" and collective.coded_sum is None:
-        raise ValueError(f"compression {codec.name} requantizes at every hop of a ring; strategy {collective.name!r} "
-                         f"has no such hops (jaxdp.sync.collectives.Collective.coded_sum); use ring")
+    rules.check(rules.Choices(collective.name, rules.abilities(collective), compression=codec.name, needs=codec.needs))
     return Coded(collective, codec, axis, n)
 
 
@@ -207,29 +190,15 @@ def make_exchange(collective: Collective, axis: Any, n: int, codec: Compressor |
 
 
 def slot_state(compression: Any, params: Tree) -> CompressionState:
-    """One device's slot for `compression` (a codec, its name, or "auto"), keyed by `leaf_key`.
-    For "auto", one slot that serves every candidate of the cost model's ladder: the error of every
-    leaf (int8 and int4 quantize them all; PowerSGD reads its matrices'), and Q at the largest rank
-    (a candidate of rank r reads its first r columns). The error is what is still owed to the mean,
-    whichever codec left it, so a switch of codec carries it over."""
+    """One device's slot for `compression` (a codec, its name, or "auto"), keyed by `leaf_key`:
+    the codec's own (`Compressor.slot`), or for "auto" one that serves every candidate of the cost
+    model's ladder (jaxdp.sync.costmodel.auto_slot)."""
     if isinstance(compression, str) and compression.strip().lower() == AUTO:
-        from jaxdp.sync.costmodel import ladder
+        from jaxdp.sync.costmodel import auto_slot
 
-        powersgd = [c for c in ladder(params) if isinstance(c, PowerSGD)]
-        error = Quantized(8).init(params).error
-        if not powersgd:
-            state = CompressionState(error=error)
-        else:
-            keys = set().union(*(c.layout(params) for c in powersgd))
-            widest = PowerSGD(rank=max(c.rank for c in powersgd), min_rate=0.0).init(params)
-            state = CompressionState(error=error, q={k: v for k, v in widest.q.items() if k in keys})
-    else:
-        found = codec(compression)
-        if found is None or isinstance(found, Bf16):
-            return CompressionState()
-        state = found.init(params)
-    return CompressionState(error={_checkpoint_safe(k): v for k, v in state.error.items()},
-                            q={_checkpoint_safe(k): v for k, v in state.q.items()})
+        return auto_slot(params)
+    found = codec(compression)
+    return CompressionState() if found is None else found.slot(params)
 
 
 def init_slot(compression: Any, params: Tree, mesh: Any) -> tuple[dict, dict]:
@@ -242,41 +211,4 @@ def init_slot(compression: Any, params: Tree, mesh: Any) -> tuple[dict, dict]:
     rows = NamedSharding(mesh, P(data_axes(mesh)))
     error = {k: jax.make_array_from_callback((mesh.size, *e.shape), rows, lambda index, e=e: np.broadcast_to(
         np.asarray(e), (mesh.size, *e.shape))[index]) for k, e in state.error.items()}
-    return {STATE_NAME: error}, {STATE_NAME: replicate(state.q, mesh)}
-
-
-def read_slot(codec: Compressor, stored: CompressionState, grads: Tree) -> CompressionState:
-    """The part of a slot (made by `slot_state` for this codec, or for "auto") that `codec.mean`
-    reads, keyed as it expects. ValueError if the slot lacks a leaf."""
-    if isinstance(codec, Quantized):  # error feedback for every leaf
-        keys = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
-        missing = [k for k in keys if _checkpoint_safe(k) not in stored.error]
-        if missing:
-            raise ValueError(f"the state has no compression state for {codec.name} (leaf {missing[0]}); make it with "
-                             f"init_state(..., compression={codec.name!r})")
-        return CompressionState(error={k: stored.error[_checkpoint_safe(k)] for k in keys})
-    if not isinstance(codec, PowerSGD):
-        return CompressionState()
-    layout = codec.layout(grads)
-    missing = [k for k in layout if _checkpoint_safe(k) not in stored.error]
-    if missing:
-        raise ValueError(f"the state has no compression state for {codec.name} (leaf {missing[0]}); make it with "
-                         f"init_state(..., compression={codec.name!r}) or compression='auto'")
-    return CompressionState(error={k: stored.error[_checkpoint_safe(k)] for k in layout},
-                            q={k: stored.q[_checkpoint_safe(k)][:, :r] for k, (_, _, r) in layout.items()})
-
-
-def write_slot(stored: CompressionState, new: CompressionState) -> CompressionState:
-    """`read_slot`'s inverse: the slot with the codec's new error and Q written back."""
-    error, q = dict(stored.error), dict(stored.q)
-    for k, e in new.error.items():
-        error[_checkpoint_safe(k)] = e.astype(error[_checkpoint_safe(k)].dtype)
-    for k, v in new.q.items():
-        old = q[_checkpoint_safe(k)]
-        q[_checkpoint_safe(k)] = v.astype(old.dtype) if v.shape == old.shape else old.at[:, :v.shape[1]].set(v.astype(old.dtype))
-    return CompressionState(error=error, q=q)
-
-
-def _checkpoint_safe(key: str) -> str:
-    """A `jax.tree_util.keystr` ("['Dense_0']['kernel']") as a checkpoint-safe name ("Dense_0.kernel")."""
-    return re.sub(r"[^A-Za-z0-9_]+", ".", key).strip(".")
+    return entries(error, replicate(state.q, mesh))

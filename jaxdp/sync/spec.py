@@ -1,7 +1,8 @@
-"""The sync choices of a run as one value, and the one table of which of them combine.
+"""The sync choices of a run as one value, resolved once to typed values.
 
     spec = SyncSpec(strategy="ring", compression="powersgd:4")
-    spec.validate()                 # InputError naming the first pair of choices that do not combine
+    spec.validate()                 # InputError naming the first rule of jaxdp/sync/rules.py the choices break
+    spec.collective, spec.codec     # the Collective and the codec (a Compressor, or None), resolved once
     spec.rule                       # "replicated" | "local" | "sharded" | "host" | "delayed": the update rule
     spec.layout()                   # StateLayout: what init_state builds and the step expects
 
@@ -10,15 +11,14 @@ Five axes, each with one owner:
 | axis | values | owner |
 |---|---|---|
 | strategy | a name in STRATEGIES, a `Collective`, or a bare `fn(tree, axis)` | sync/collectives.py, sync/host.py |
-| compression | None, "auto", a codec name ("bf16", "int8", "powersgd:4") or a `Compressor` | sync/compression.py, sync/exchange.py |
+| compression | None, "auto", a codec name ("bf16", "int8", "powersgd:4") or a codec | sync/codecs/ (the table and one file per family) |
 | sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/step/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/step/zero.py |
 | overlap | every step's all-reduce overlapped with the next step (with local steps: step/rounds.py's rounds) | step/delayed.py |
 
-The compatibility table (`incompatible`) is here and only here: `init_state`, `make_train_step`
-and the command line's validation (jaxdp/config.py) all ask it. Nothing here imports JAX: the
-command line checks its flags before JAX starts, so a built-in strategy's abilities come from
-`jaxdp.registry.STRATEGY_ABILITIES`; a user's own strategy is asked (`jaxdp.sync.collectives.as_collective`).
+Which choices combine is jaxdp/sync/rules.py's table, and only there: `validate` asks it in keyword
+terms, the command line (`rules.check_config`) in flag terms. Nothing here imports JAX until a
+typed value is asked for (`collective`, `codec`): the command line checks its flags before JAX starts.
 
 The controller (jaxdp/sync/controller.py) returns a new SyncSpec when it decides; a SyncSpec is
 hashable, so the CLI keeps one compiled step per spec.
@@ -27,76 +27,23 @@ hashable, so the CLI keeps one compiled step per spec.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
-from jaxdp.errors import InputError
-
-AUTO = "auto"  # --compression auto, --sync-every auto: decided by the controller while training
+from jaxdp.registry import AUTO  # (older code imports it here)
+from jaxdp.sync import rules
+from jaxdp.sync.rules import abilities, strategy_name  # noqa: F401  (their home is rules.py; older code imports them here)
 
 RULES = ("replicated", "local", "sharded", "host", "delayed")
 
 
 def check_sync_every(sync_every: Any, sync_fragments: Any = 1) -> int:
-    """`sync_every` as an int; ValueError unless both are positive integers and fragments divide it."""
+    """`sync_every` as an int; ValueError unless both are positive integers (whether the fragments
+    divide it is a rule of jaxdp/sync/rules.py)."""
     for name, value in (("sync_every", sync_every), ("sync_fragments", sync_fragments)):
         if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__") or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if sync_every % sync_fragments:
-        raise ValueError(f"sync_fragments={sync_fragments} must divide sync_every={sync_every}: each fragment is "
-                         f"synchronised every sync_every steps, one every sync_every / sync_fragments steps")
     return int(sync_every)
-
-
-def abilities(strategy: Any) -> frozenset[str]:
-    """What a strategy can do: a subset of {"sum", "halves", "coded_sum", "host"}."""
-    from jaxdp.registry import STRATEGIES, STRATEGY_ABILITIES
-
-    if isinstance(strategy, str) and strategy in STRATEGY_ABILITIES and strategy in STRATEGIES._paths:
-        return STRATEGY_ABILITIES[strategy]
-    from jaxdp.sync.collectives import as_collective
-
-    collective = as_collective(strategy)
-    return frozenset(name for name, has in (("sum", collective.sum), ("halves", collective.halves),
-                                            ("coded_sum", collective.coded_sum), ("host", collective.host))
-                     if has is not None)
-
-
-def codec_needs(compression: Any) -> str:
-    """What a codec needs of the strategy, without JAX: "coded_sum" for int8 / int4 (they requantize
-    at every hop of a ring), else "sum". `compression` is a codec name or a `Compressor`."""
-    if not isinstance(compression, str):
-        return getattr(compression, "needs", "sum")
-    return CODED_CODECS.get(compression.strip().lower(), "sum")
-
-
-# The codecs whose `needs` (jaxdp.sync.compression.Compressor.needs) is not "sum", by name, for the
-# command line's check before JAX starts (tests/test_quantized.py checks it against the codecs).
-CODED_CODECS = {"int8": "coded_sum", "int4": "coded_sum"}
-
-
-def incompatible(strategy_abilities: frozenset[str], *, compression: bool, local: bool,
-                 shard_optimizer: bool, needs: str = "sum") -> tuple[str, str, str] | None:
-    """The compatibility table. None if the choices combine, else (feature, culprit, why):
-    `feature` is "compression", "local" or "shard_optimizer"; `culprit` is "strategy" (the
-    strategy lacks what the feature needs) or "shard_optimizer" (the feature and ZeRO-1 exclude
-    each other); `why` is the reason in words. `needs`: what the codec needs of the strategy
-    (`codec_needs`)."""
-    if compression or local:
-        feature = "compression" if compression else "local"
-        if "sum" not in strategy_abilities:
-            return feature, "strategy", "it needs an in-graph sum over devices"
-        if compression and needs not in strategy_abilities:
-            return feature, "strategy", ("it requantizes at every hop of a ring, and this strategy's all-reduce has no "
-                                         "hops to requantize (XLA's all-reduce sums in full precision inside)")
-        if shard_optimizer:
-            return feature, "shard_optimizer", (
-                "compression needs the whole averaged gradient on every device" if feature == "compression"
-                else "every device keeps its own whole inner optimizer state")
-    if shard_optimizer and "halves" not in strategy_abilities:
-        return "shard_optimizer", "strategy", (
-            "it averages whole gradients in host memory, so there is no device-side update to shard"
-            if "host" in strategy_abilities else "it has no reduce-scatter and all-gather halves (jaxdp.sync.collectives.Halves)")
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +107,7 @@ class SyncSpec:
     def rule(self) -> str:
         """The update rule: "host" (an on-host strategy), "local" (local steps), "sharded" (ZeRO-1)
         or "replicated" (every device applies the same update to replicated state)."""
-        if "host" in abilities(self.strategy):
+        if "host" in self.abilities:
             return "host"
         if self.local:
             return "local"
@@ -168,36 +115,34 @@ class SyncSpec:
             return "delayed"
         return "sharded" if self.shard_optimizer else "replicated"
 
-    def validate(self) -> "SyncSpec":
-        """self, or InputError naming the first pair of choices that do not combine (and ValueError
-        for a bad sync_every / sync_fragments)."""
+    def validate(self, **more: Any) -> "SyncSpec":
+        """self, or InputError naming the first rule of jaxdp/sync/rules.py the choices break (and
+        ValueError for a bad sync_every / sync_fragments). `more`: choices only the caller knows
+        (`sync_seconds`, `elastic`, `float_state`: jaxdp.sync.rules.Choices)."""
         if self.sync_every != AUTO:
             check_sync_every(self.sync_every, self.sync_fragments)
-        needs = codec_needs(self.compression) if self.compressed else "sum"
-        clash = incompatible(abilities(self.strategy), compression=self.compressed, local=self.local,
-                             shard_optimizer=self.shard_optimizer, needs=needs)
-        if clash:
-            feature, culprit, why = clash
-            name = {"compression": "compression", "local": "local steps (sync_every)",
-                    "shard_optimizer": "shard_optimizer"}[feature]
-            if culprit == "strategy":
-                use = "ring" if feature == "compression" and needs != "sum" else "psum or ring"
-                raise InputError(f"{name} does not apply to strategy {strategy_name(self.strategy)!r}: {why}; use {use}",
-                                 argument="strategy")
-            raise InputError(f"{name} and shard_optimizer do not combine: {why}; use one of them",
-                             argument="shard_optimizer")
-        if self.overlap and not self.local:  # (local steps overlap their rounds: jaxdp/step/rounds.py)
-            if "host" in abilities(self.strategy) or "sum" not in abilities(self.strategy):
-                raise InputError(f"overlap does not apply to strategy {strategy_name(self.strategy)!r}: it overlaps an "
-                                 f"in-graph all-reduce with the next step's compute; use psum or ring",
-                                 argument="strategy")
-            if self.shard_optimizer:
-                raise InputError("overlap and shard_optimizer do not combine: overlap applies each averaged gradient "
-                                 "whole, one step late; use one of them", argument="shard_optimizer")
-            if self.codec_name() == AUTO:
-                raise InputError("overlap does not combine with compression auto: the controller measures "
-                                 "synchronous steps; choose a codec (none, bf16, int8, ...)", argument="compression")
+        rules.check(rules.Choices.of(self, **more))
         return self
+
+    @functools.cached_property
+    def abilities(self) -> frozenset[str]:
+        """What the strategy can do (jaxdp.sync.rules.abilities), asked once."""
+        return abilities(self.strategy)
+
+    @functools.cached_property
+    def collective(self) -> Any:
+        """The strategy as a `jaxdp.sync.collectives.Collective` (imports JAX), looked up once."""
+        from jaxdp.sync.collectives import as_collective
+
+        return as_collective(self.strategy)
+
+    @functools.cached_property
+    def codec(self) -> Any:
+        """The compression as a codec (jaxdp.sync.codecs), None for none; ValueError for "auto",
+        which the controller decides while training. Parsed once."""
+        from jaxdp.sync.exchange import codec
+
+        return codec(self.compression)
 
     def codec_name(self) -> str | None:
         """The compression as a name: None (off), "auto", or the codec's name."""
@@ -210,9 +155,7 @@ class SyncSpec:
         rule = "replicated" if self.rule in ("host", "delayed") else self.rule  # (delayed: a slot the step adds)
         codec = self.codec_name()
         if codec is not None and codec != AUTO:  # the codec's slot: None for one that keeps no state
-            from jaxdp.sync.compression import parse
-
-            codec = (parse(codec) if isinstance(self.compression, str) else self.compression).state_name
+            codec = self.codec.state_name
         return StateLayout(rule=rule, fragments=self.sync_fragments if rule == "local" else 1, compression=codec)
 
 
@@ -223,9 +166,3 @@ def from_config(config: Any, outer_tx: Any = None) -> SyncSpec:
                     sync_every=config.sync_every, sync_fragments=config.sync_fragments,
                     outer_tx=None if config.sync_every == 1 else outer_tx, shard_optimizer=config.shard_optimizer)
 
-
-def strategy_name(strategy: Any) -> str:
-    """A strategy's name for messages: the registered name, a Collective's, or the function's."""
-    if isinstance(strategy, str):
-        return strategy
-    return getattr(strategy, "name", None) or getattr(strategy, "__name__", "this strategy")

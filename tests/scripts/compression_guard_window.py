@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 from jaxdp.mesh import make_mesh, shard_batch, replicate
 from jaxdp.models.builtin import MLP
-from jaxdp.sync import compression as C, costmodel
+from jaxdp.sync import codecs as C, costmodel
 
 N, STEPS, W, B = 8, 600, 100, 256
 x, y = load_digits(return_X_y=True)

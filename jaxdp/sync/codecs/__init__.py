@@ -1,0 +1,139 @@
+"""The codecs: one table of what each is, and `parse`, which imports only the one that a spec names.
+
+    from jaxdp.sync import codecs
+    codecs.row("powersgd:4:start=10")      # its TABLE row, without JAX: grammar, needs, ladder place
+    codecs.parse("powersgd:4:start=10")    # PowerSGD(rank=4, start=10), importing codecs/powersgd.py only
+    codecs.ladder_rows()                   # the rows --compression auto chooses among, in ladder order
+
+One file per family: plain.py (none, bf16), quantized.py (int8, int4), powersgd.py; base.py holds
+the `Compressor` interface and the slot each codec owns in `state.sync` (its docstring). This
+module imports no JAX: the sync choices are checked against the table before JAX starts
+(jaxdp/sync/rules.py), and the cost model's ladder, the controller and the tests read it too.
+
+A new codec (a top-k, say) is its file here, a class with the base's methods (`from_spec`,
+`candidates` if auto may choose it, `mean`, `payload_bytes`, and `init` / `read` / `serving` if it
+keeps state), plus one line in TABLE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import re
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One codec in the table.
+
+    name:      its name, the spec's first word ("powersgd").
+    grammar:   a regular expression of the whole spec (lower case), checked before anything is imported.
+    usage:     the grammar in words, for messages.
+    where:     "module:Class" that implements it (the class's `from_spec(text)` builds it).
+    needs:     what it needs of the collective: "sum" (psum and the ring carry it), or "coded_sum"
+               (a ring whose hops it encodes: jaxdp.sync.collectives.Collective.coded_sum).
+    bytes_per_value: what one float32 value costs on the wire, scales included, for a large buffer
+               (None: it depends on the shapes, as PowerSGD's factors do; the codec's `payload_bytes`).
+    ladder:    its place in --compression auto's ladder (None: never chosen by auto). Place 0 is the
+               floor, always offered; a candidate of a later place is left out where it moves no
+               fewer bytes than the one before it, if `fewer_bytes`.
+    guarded:   --compression auto's quality guard replays it before keeping it (jaxdp/sync/controller.py);
+               so local steps may not send their pseudo-gradient through it under auto (the guard
+               measures gradients, not pseudo-gradients).
+    keeps_state: it has a slot in state.sync (error feedback, shared factors).
+    example:   a spec of it, for tests and messages (default: its name).
+    """
+
+    name: str
+    grammar: str
+    usage: str
+    where: str
+    needs: str = "sum"
+    bytes_per_value: float | None = None
+    ladder: int | None = None
+    fewer_bytes: bool = False
+    guarded: bool = False
+    keeps_state: bool = False
+    example: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.example:
+            object.__setattr__(self, "example", self.name)
+
+    def load(self) -> type:
+        """The class that implements it (imports its module, and JAX)."""
+        module, _, name = self.where.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+_PSGD_OPTIONS = r"(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*"
+_QUANT_BYTES = 4 / 512  # one float32 scale per block of QUANT_BLOCK (codecs/quantized.py) values
+
+TABLE: tuple[Row, ...] = (
+    Row("none", "none", "none", "jaxdp.sync.codecs.plain:NoCompression", bytes_per_value=4.0, ladder=0),
+    Row("bf16", "bf16", "bf16", "jaxdp.sync.codecs.plain:Bf16", bytes_per_value=2.0, ladder=0),
+    Row("int8", "int8", "int8", "jaxdp.sync.codecs.quantized:Quantized", needs="coded_sum",
+        bytes_per_value=1 + _QUANT_BYTES, ladder=1, keeps_state=True),
+    Row("int4", "int4", "int4", "jaxdp.sync.codecs.quantized:Quantized", needs="coded_sum",
+        bytes_per_value=0.5 + _QUANT_BYTES, ladder=1, keeps_state=True),
+    Row("powersgd", r"powersgd:[1-9]\d*" + _PSGD_OPTIONS, "powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]",
+        "jaxdp.sync.codecs.powersgd:PowerSGD", ladder=2, fewer_bytes=True, guarded=True,
+        keeps_state=True, example="powersgd:4:start=2"),
+)
+
+SPEC_HELP = ", ".join(r.usage for r in TABLE[:-1]) + f" or {TABLE[-1].usage}"
+
+
+def row(spec: str) -> Row:
+    """The row whose grammar `spec` matches (ValueError, one line, saying what is accepted)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"compression {spec!r}: not a string; use {SPEC_HELP}")
+    text = spec.strip().lower()
+    for r in TABLE:
+        if re.fullmatch(r.grammar, text):
+            return r
+    kind = text.partition(":")[0]
+    why = "unknown kind" if all(r.name != kind for r in TABLE) else f"it is not {next(r.usage for r in TABLE if r.name == kind)}"
+    raise ValueError(f"compression {spec!r}: {why}; use {SPEC_HELP}")
+
+
+def parse(spec: str) -> Any:
+    """The codec `spec` names ("none" | "bf16" | "int8" | "int4" | "powersgd:RANK[...]"), a
+    `Compressor`; ValueError (one line) otherwise. Imports only the module of its row; a spec is
+    parsed once per process (codecs are frozen values)."""
+    found = row(spec)
+    try:
+        return _parsed(found, spec.strip().lower())
+    except ValueError as err:
+        raise ValueError(f"compression {spec!r}: {err}; use {SPEC_HELP}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(found: Row, text: str) -> Any:
+    return found.load().from_spec(text)
+
+
+def ladder_rows() -> list[Row]:
+    """The rows --compression auto chooses among, from least to most compression."""
+    return sorted((r for r in TABLE if r.ladder is not None), key=lambda r: r.ladder)
+
+
+def needs(compression: Any) -> str:
+    """What a codec (a spec or a codec object) needs of the collective, without JAX."""
+    if isinstance(compression, str):
+        return row(compression).needs
+    return getattr(compression, "needs", "sum")
+
+
+def __getattr__(attr: str) -> Any:
+    """The implementing names, loaded on first use: codecs.PowerSGD, codecs.Compressor, ..."""
+    homes = {"Compressor": "base", "CompressionState": "base", "Wire": "base", "bytes_sent": "base",
+             "uncompressed_bytes": "base", "leaf_key": "base", "SLOT": "base", "auto_slot": "base",
+             "NoCompression": "plain", "Bf16": "plain", "Quantized": "quantized", "QUANT_BLOCK": "quantized",
+             "PowerSGD": "powersgd", "orthonormalize": "powersgd", "matrix_view": "powersgd",
+             "DEFAULT_MIN_RATE": "powersgd", "ORTHO_EPS": "powersgd"}
+    if attr not in homes:
+        raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+    return getattr(importlib.import_module(f"{__name__}.{homes[attr]}"), attr)
