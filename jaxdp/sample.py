@@ -24,6 +24,7 @@ import sys
 import tomllib
 from typing import Any, Callable, Mapping, Sequence
 
+from jaxdp.config import is_corpus
 from jaxdp.errors import EXIT_OK, InputError, OneLineParser, run_tool
 
 Encode = Callable[[str], list[int]]
@@ -92,7 +93,7 @@ def codec_for(config: Mapping[str, Any]) -> tuple[Encode, Decode]:
         return ((lambda text: tokenizer.encode(text, add_special_tokens=False).ids),
                 (lambda ids: tokenizer.decode([int(i) for i in ids])))
     dataset = str(config.get("dataset", ""))
-    if dataset.lower().endswith(".txt"):
+    if dataset.lower().endswith(".txt") or is_corpus(dataset):  # text as bytes (documents: jaxdp/data/corpus.py)
         return _encode_bytes, _decode_bytes
     if dataset.lower().endswith((".bin", ".npy")):
         def refuse(text: str) -> list[int]:
