@@ -162,3 +162,14 @@ def test_without_pyarrow_a_parquet_folder_says_what_to_install(tmp_path, monkeyp
     monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)
     with pytest.raises(InputError, match=r"needs pyarrow: pip install 'jaxdp\[data\]'"):
         load_dataset(str(folder), seq_len=16)
+
+
+def test_sampling_a_run_on_documents_reads_bytes_even_when_the_folder_is_gone(tmp_path):
+    from jaxdp import sample
+
+    for dataset in (str(write(tmp_path / "docs", "jsonl")), "/gone/shards", "/gone/shards/*.parquet"):
+        encode, decode = sample.codec_for({"dataset": dataset})
+        assert encode("héllo") == list("héllo".encode()) and decode(encode("héllo")) == "héllo"
+    for dataset in ("digits", "/data/x.npz"):
+        with pytest.raises(InputError, match="not a language model"):
+            sample.codec_for({"dataset": dataset})
