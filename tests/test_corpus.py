@@ -173,3 +173,11 @@ def test_sampling_a_run_on_documents_reads_bytes_even_when_the_folder_is_gone(tm
     for dataset in ("digits", "/data/x.npz"):
         with pytest.raises(InputError, match="not a language model"):
             sample.codec_for({"dataset": dataset})
+
+
+def test_a_resumed_run_on_documents_keeps_its_text_column(tmp_path):
+    from jaxdp.checkpoint.resume import resume_fields
+
+    folder = write(tmp_path / "docs", "jsonl")
+    assert resume_fields(parse_args(["--model", "gpt", "--dataset", str(folder), "--text-column", "body"]))["text_column"] == "body"
+    assert "text_column" not in resume_fields(parse_args(["--model", "gpt", "--dataset", str(tmp_path / "a.txt")]))
