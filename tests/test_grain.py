@@ -44,7 +44,7 @@ def pipeline(read: list):
 
 def fit(data, tmp_path, **kwargs):
     return jaxdp.fit(loss_fn, PARAMS, TX, data, steps=STEPS, mesh=make_mesh(jax.devices()[:4]),
-                     checkpoint_dir=str(tmp_path), save_every=2, progress=False, log_every=1, prefetch=0, **kwargs)
+                     checkpoint_dir=str(tmp_path), save_every=2, progress=False, log_every=1, **kwargs)  # prefetch 2: reads ahead
 
 
 def reference():
