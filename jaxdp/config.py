@@ -314,8 +314,8 @@ def _check_combinations(config: Config, local: bool) -> None:
 
 def is_corpus(dataset: str) -> bool:
     """Whether --dataset names documents (jaxdp/data/corpus.py): a folder, a glob, or a Parquet / Arrow / JSONL file."""
-    return dataset not in registry.DATASETS and (os.path.isdir(dataset) or any(c in dataset for c in "*?[")
-                                                 or dataset.lower().endswith(CORPUS_SUFFIXES))
+    return dataset not in registry.DATASETS and not dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)) and (
+        os.path.isdir(dataset) or any(c in dataset for c in "*?[") or dataset.lower().endswith(CORPUS_SUFFIXES))
 
 
 def _flag(name: str) -> str:

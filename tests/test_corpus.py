@@ -181,3 +181,10 @@ def test_a_resumed_run_on_documents_keeps_its_text_column(tmp_path):
     folder = write(tmp_path / "docs", "jsonl")
     assert resume_fields(parse_args(["--model", "gpt", "--dataset", str(folder), "--text-column", "body"]))["text_column"] == "body"
     assert "text_column" not in resume_fields(parse_args(["--model", "gpt", "--dataset", str(tmp_path / "a.txt")]))
+
+
+def test_a_text_file_named_like_a_glob_is_still_a_text_file(tmp_path):
+    path = tmp_path / "book[1].txt"
+    path.write_text("".join(d + "\n" for d in DOCS), encoding="utf-8")
+    dataset = load_dataset(str(path), seq_len=16)
+    assert np.array_equal(np.asarray(dataset.tokens), np.fromfile(path, np.uint8))
