@@ -30,6 +30,7 @@ from jaxdp import registry
 from jaxdp.errors import InputError
 
 TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/data/tokens.py), for --model gpt
+CORPUS_SUFFIXES = (".parquet", ".arrow", ".feather", ".jsonl", ".ndjson")  # documents (jaxdp/data/corpus.py), for gpt
 SYNC_AUTO = SAVE_AUTO = registry.AUTO  # --sync-every auto, --save-every auto (the controllers decide)
 
 # Fields added after checkpoints recorded their run's Config: the value a recorded Config without the
@@ -53,11 +54,12 @@ def _field(default: Any, group: str, help: str, **kwargs: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Config:
     # -- data -----------------------------------------------------------------------------------
-    dataset: str = _field("digits", "data", "built-in dataset (digits, synthetic), an .npz file with arrays x and y, or for --model gpt a token stream: .txt (bytes), .bin or .npy (token ids)")
+    dataset: str = _field("digits", "data", "built-in dataset (digits, synthetic), an .npz file with arrays x and y, or for --model gpt a token stream: .txt (bytes), .bin or .npy (token ids), or documents: a folder or glob of .parquet, .arrow, .feather or .jsonl files, or a Hugging Face dataset saved with save_to_disk (tokenized once into the token cache)")
     batch_size: int = _field(128, "data", "global batch size (in sequences for gpt), split evenly over every device of every process; with --grad-accum K each step takes K such batches")
     vocab_size: int | None = _field(None, "data", "vocabulary size of a .bin or .npy token file (a .txt file is bytes: 256, or its --tokenizer's)")
     seq_len: int = _field(128, "data", "tokens per training sequence (gpt)")
     tokenizer: str | None = _field(None, "data", "a Hugging Face tokenizers JSON file that encodes a .txt --dataset (else read as bytes); its vocabulary size is the model's (or a larger --vocab-size); the text is encoded once into a cache ($JAXDP_TOKEN_CACHE, else ~/.cache/jaxdp/tokens); needs pip install 'jaxdp[tokenizers]'", metavar="PATH")
+    text_column: str = _field("text", "data", "the column (Parquet, Arrow, a saved Hugging Face dataset) or key (JSON lines) of a documents --dataset that holds the text", metavar="NAME")
     prefetch: int = _field(2, "data", "batches prepared and copied to the devices ahead of the step that needs them, on a background thread (0: none)")
 
     # -- model ----------------------------------------------------------------------------------
@@ -177,11 +179,11 @@ class Config:
         if self.save_every != SAVE_AUTO and (isinstance(self.save_every, str) or self.save_every < 0):
             raise ConfigError(f"--save-every must be a number of steps (0: only at the end) or auto, "
                               f"got {self.save_every!r}")
-        token_file = self.dataset.lower().endswith(TOKEN_SUFFIXES)
-        if self.model == "gpt" and not token_file:
-            raise ConfigError(f"--model=gpt trains on a token stream: give --dataset a .txt, .bin or .npy file, "
-                              f"not {self.dataset!r}")
-        if self.model in ("mlp", "cnn") and token_file:
+        text, token_file = self.dataset.lower().endswith(".txt") or is_corpus(self.dataset), self.dataset.lower().endswith(TOKEN_SUFFIXES)
+        if self.model == "gpt" and not (token_file or text):
+            raise ConfigError(f"--model=gpt trains on a token stream: give --dataset a .txt, .bin or .npy file, or a folder or "
+                              f"glob of .parquet, .arrow, .feather or .jsonl files, not {self.dataset!r}")
+        if self.model in ("mlp", "cnn") and (token_file or text):
             raise ConfigError(f"--dataset={self.dataset!r} is a token stream, for --model=gpt; "
                               f"--model={self.model} needs a built-in dataset or an .npz file")
         if self.head_bias and (self.model != "gpt" or self.init_from is not None):
@@ -195,10 +197,10 @@ class Config:
                 what = "has no config.json" if os.path.isdir(self.init_from) else "is not a directory"
                 raise ConfigError(f"--init-from={self.init_from!r} {what}; give a Hugging Face GPT-2 directory "
                                   f"(config.json + model.safetensors, as save_pretrained writes it)")
-        if self.dataset not in registry.DATASETS and not self.dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)):
+        if self.dataset not in registry.DATASETS and not self.dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)) and not text:
             raise ConfigError(f"--dataset={self.dataset!r} is neither a built-in dataset ({', '.join(registry.DATASETS)}) "
-                              f"nor a path ending in .npz, .txt, .bin or .npy")
-        if self.tokenizer is not None and not self.dataset.lower().endswith(".txt"):
+                              f"nor a path ending in .npz, .txt, .bin, .npy, {', '.join(CORPUS_SUFFIXES)} or a folder of them")
+        if self.tokenizer is not None and not text:
             raise ConfigError(f"--tokenizer encodes text: --dataset={self.dataset!r} is not a .txt file (a .bin or "
                               f".npy holds token ids already: give its --vocab-size; python -m jaxdp.prepare makes one)")
         for name, package, extra in (("tokenizer", "tokenizers", "tokenizers"), ("wandb_project", "wandb", "wandb")):
@@ -278,6 +280,12 @@ def _check_inputs(config: Config) -> None:
         if parent and not os.path.isdir(parent):
             raise ConfigError(f"--{_flag(name)}={path!r} is under {parent!r}, which is a file, not a directory; "
                               f"point it at a path in a directory")
+
+
+def is_corpus(dataset: str) -> bool:
+    """Whether --dataset names documents (jaxdp/data/corpus.py): a folder, a glob, or a Parquet / Arrow / JSONL file."""
+    return dataset not in registry.DATASETS and not dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)) and (
+        os.path.isdir(dataset) or any(c in dataset for c in "*?[") or dataset.lower().endswith(CORPUS_SUFFIXES))
 
 
 def _flag(name: str) -> str:

@@ -24,6 +24,8 @@ import sys
 import tomllib
 from typing import Any, Callable, Mapping, Sequence
 
+from jaxdp.config import is_corpus
+from jaxdp.registry import DATASETS
 from jaxdp.errors import EXIT_OK, InputError, OneLineParser, run_tool
 
 Encode = Callable[[str], list[int]]
@@ -92,8 +94,9 @@ def codec_for(config: Mapping[str, Any]) -> tuple[Encode, Decode]:
         return ((lambda text: tokenizer.encode(text, add_special_tokens=False).ids),
                 (lambda ids: tokenizer.decode([int(i) for i in ids])))
     dataset = str(config.get("dataset", ""))
-    if dataset.lower().endswith(".txt"):
-        return _encode_bytes, _decode_bytes
+    if dataset.lower().endswith(".txt") or is_corpus(dataset) or (dataset and dataset not in DATASETS and not
+                                                                 dataset.lower().endswith((".bin", ".npy", ".npz"))):
+        return _encode_bytes, _decode_bytes  # text as bytes (documents too: jaxdp/data/corpus.py, a folder moved since)
     if dataset.lower().endswith((".bin", ".npy")):
         def refuse(text: str) -> list[int]:
             raise InputError(f"the run trained on token ids ({os.path.basename(dataset)}) and has no tokenizer, so "

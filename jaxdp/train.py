@@ -106,7 +106,8 @@ def train(config: Config) -> Any:
         # Every process checks its own input, then they agree: bad input or different data on any
         # one process stops every process with exit 2 naming it, before the first collective.
         dataset = agreement.load_dataset(lambda: data.load_dataset(config.dataset, seq_len=config.seq_len,
-                                                                   vocab_size=config.vocab_size, tokenizer=config.tokenizer),
+                                                                   vocab_size=config.vocab_size, tokenizer=config.tokenizer,
+                                                                   text_column=config.text_column),
                                        process, n_processes)
         if config.model == "cnn" and dataset.x_train.ndim != 4:
             raise ConfigError(f"--model=cnn needs image data of shape (N, H, W[, C]), got rows of shape "

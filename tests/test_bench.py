@@ -270,3 +270,17 @@ def test_collectives_reduce_scatter_times_three_ways(tmp_path):
     assert all(r["processes"] == 1 and r["devices"] == 2 for r in rows)
     assert [r["vs_psum_scatter"] for r in rows if r["way"] == "psum_scatter"] == [1.0, 1.0]
     assert "x psum_scatter time" in proc.stdout
+
+
+@pytest.mark.slow  # a tiny GPT compiled without the cache: about 30 s on 2 cores
+def test_data_tokenizes_a_jsonl_corpus_and_reports_peak_memory(tmp_path):
+    from jaxdp.bench.__main__ import main
+
+    out = tmp_path / "d.json"
+    assert main(["data", "--size", "1MB", "--files", "2", "--steps", "1", "--keep", str(tmp_path / "corpus"),
+                 "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    written = sum(p.stat().st_size for p in (tmp_path / "corpus").iterdir())
+    assert r["jsonl_bytes"] == written >= 1 << 20 and written / 2 < r["tokens"] < written  # (JSON escapes, the source key)
+    assert 0 < r["tokenizing_rssanon"] <= r["tokenizing_vmrss"] and r["training_vmrss"] > 0
+    assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == ["part-000.jsonl", "part-001.jsonl"]

@@ -57,7 +57,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -97,6 +97,8 @@ class Checkpointer:
         self.decision: dict | None = None  # an auto plan's choice, until `report_decision` says it
         self.config = config
         self.extra_meta: dict[str, Any] = {}  # more JSON for every checkpoint's meta (the CLI: sync_every_auto)
+        self.data_state: Callable[[int], dict] | None = None  # step -> more meta: a grain iterator's (jaxdp/data/grain.py)
+        self.restored_meta: dict | None = None  # the meta of the checkpoint `restore` restored
         self.restored_unverified: int | None = None  # the step `restore` restored without a checksum record
         _check_writable(self.directory)
         self._lock = DirectoryLock(self.directory, *_process_and_client())  # InputError: in use, or not shared
@@ -154,6 +156,7 @@ class Checkpointer:
                 unreadable.append((step, err))
         self._move_aside(unreadable, restored_step=None if restored is None else int(restored.step))
         if restored is not None:
+            self.restored_meta = meta
             self._recall_save_cost(int(restored.step), meta)
         if restored is not None and not verified:
             self.restored_unverified = int(restored.step)
@@ -341,7 +344,8 @@ class Checkpointer:
             return False
         self._finish_pending()  # orbax waits for the previous save here anyway
         meta = {"step": step, "data_position": step, "config": None if self.config is None else self.config.to_dict(),
-                "processes": jax.process_count(), "devices": jax.device_count(), **self.extra_meta}
+                "processes": jax.process_count(), "devices": jax.device_count(), **self.extra_meta,
+                **(self.data_state(step) if self.data_state else {})}
         if self.config is not None and resume.dataset_path(self.config):
             meta["dataset_path"] = resume.dataset_path(self.config)  # --dataset as given may be relative
         host_state = jax.device_get(portable.to_portable(state))

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
-from jaxdp.config import Config
+from jaxdp.config import Config, is_corpus
 
 # Config groups whose fields decide what a checkpoint contains or which batches come next: a resumed
 # run must use the same values. Every other field may change on resume: --steps (the total to train
@@ -70,6 +70,8 @@ def _unused(config: Config) -> set[str]:
         unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size", "head_bias"}
     if config.sync_every == 1:
         unused |= {"outer_optimizer", "outer_momentum", "sync_fragments"}
+    if not is_corpus(config.dataset):  # --text-column names a column of documents only
+        unused.add("text_column")
     return unused
 
 

@@ -59,17 +59,23 @@ class Dataset:
 
 
 def load_dataset(name: str, *, seq_len: int = 128, vocab_size: int | None = None,
-                 tokenizer: str | None = None) -> Dataset:
-    """A built-in dataset of `jaxdp.registry.DATASETS` (digits, synthetic), a path to an .npz, or a
-    token stream (.txt, .bin, .npy: `jaxdp.data.tokens.TokenDataset`, cut into `seq_len` windows).
+                 tokenizer: str | None = None, text_column: str = "text") -> Dataset:
+    """A built-in dataset of `jaxdp.registry.DATASETS` (digits, synthetic), a path to an .npz, a
+    token stream (.txt, .bin, .npy: `jaxdp.data.tokens.TokenDataset`, cut into `seq_len` windows), or
+    documents (a folder or glob of Parquet, Arrow, JSONL files: jaxdp/data/corpus.py, their `text_column`).
 
-    `tokenizer`: a Hugging Face `tokenizers` JSON file that encodes a .txt (else read as bytes)."""
+    `tokenizer`: a Hugging Face `tokenizers` JSON file that encodes a .txt or documents (else read as bytes)."""
+    from jaxdp.config import is_corpus
     from jaxdp.registry import DATASETS
 
-    if tokenizer is not None and not name.lower().endswith(".txt"):
+    if tokenizer is not None and not name.lower().endswith(".txt") and not is_corpus(name):
         raise InputError(f"a tokenizer encodes text: dataset {name!r} is not a .txt file", argument="tokenizer")
     if name in DATASETS:
         return DATASETS[name]()
+    if is_corpus(name):
+        from jaxdp.data.corpus import load_corpus
+
+        return load_corpus(name, seq_len, vocab_size, tokenizer=tokenizer, text_column=text_column)
     if name.lower().endswith((".txt", ".bin", ".npy")):
         from jaxdp.data.tokens import load_tokens
 

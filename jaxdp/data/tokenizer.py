@@ -17,7 +17,8 @@ file and memory-mapped like a .bin. The cache lives in `$JAXDP_TOKEN_CACHE`, els
 `<text name>-<digest>.bin`, the digest over the text's absolute path, size, modification time and a
 sample of its bytes, and the tokenizer file's contents. A changed text or tokenizer gets a new file
 (the stale one of the same text and tokenizer is removed); processes of one machine that start
-together encode it once (a file lock), the others wait and read it.
+together encode it once (a file lock, removed once the file is written: `build_once`), the others
+wait and read it. Folders of documents (jaxdp/data/corpus.py) share the cache and the lock.
 """
 
 from __future__ import annotations
@@ -188,23 +189,41 @@ def cached_tokens(text_path: str, tokenizer_path: str, tokenizer: Any = None, an
     tokenizer = load(tokenizer_path) if tokenizer is None else tokenizer
     vocab_size = tokenizer.get_vocab_size()
     path = cache_path(text_path, tokenizer_path)
-    if not os.path.exists(path):
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path + ".lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be encoding it
-                if not os.path.exists(path):
-                    if announce:
-                        print(f"jaxdp: tokenizing {text_path} with {tokenizer_path} (once; cached as {path})",
-                              file=sys.stderr, flush=True)
-                    encode_file(text_path, tokenizer, path)
-                    _remove_stale(path)
-        except OSError as err:
-            raise InputError(f"cannot write the token cache {path!r} ({err.strerror or err}); set ${ENV_CACHE} to "
-                             f"a writable directory", argument="tokenizer") from None
+
+    def encode(path: str) -> None:
+        if announce:
+            print(f"jaxdp: tokenizing {text_path} with {tokenizer_path} (once; cached as {path})", file=sys.stderr, flush=True)
+        encode_file(text_path, tokenizer, path)
+
+    build_once(path, encode, argument="tokenizer")
     if os.path.getsize(path) == 0:
         return np.zeros(0, id_dtype(vocab_size))
     return np.memmap(path, dtype=id_dtype(vocab_size), mode="r")
+
+
+def build_once(path: str, build: Callable[[str], None], argument: str) -> None:
+    """Make the cache file `path` with `build(path)` (which writes it through a rename) unless it is there.
+
+    Processes of one machine that start together build it once: the first takes a lock on `path.lock`,
+    the others wait, then find the file. The lock file is removed as soon as the file is there (or its
+    build failed), so none is left behind; the lock only saves work, the rename keeps the file whole."""
+    if os.path.exists(path):
+        return
+    lock_path = path + ".lock"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be building it
+            try:
+                if not os.path.exists(path):
+                    build(path)
+                    _remove_stale(path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock_path)
+    except OSError as err:
+        raise InputError(f"cannot write the token cache {path!r} ({err.strerror or err}); set ${ENV_CACHE} to "
+                         f"a writable directory", argument=argument) from None
 
 
 def _remove_stale(path: str) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -114,18 +114,10 @@ def load_tokens(path: str, seq_len: int, vocab_size: int | None = None, tokenize
         if tokenizer is not None:
             from jaxdp.data import tokenizer as tokenizer_lib
 
-            loaded = tokenizer_lib.load(tokenizer)
-            own = loaded.get_vocab_size()
-            if vocab_size is not None and vocab_size < own:
-                raise InputError(f"the tokenizer {tokenizer!r} has {own} tokens, more than the vocabulary of "
-                                 f"{vocab_size}; leave the vocabulary size out (it is the tokenizer's), or give at "
-                                 f"least {own}", argument="vocab_size")
-            tokens, vocab_size = tokenizer_lib.cached_tokens(path, tokenizer, loaded), vocab_size or own
+            loaded, vocab_size = load_tokenizer(tokenizer, vocab_size)
+            tokens = tokenizer_lib.cached_tokens(path, tokenizer, loaded)
         elif suffix == ".txt":
-            if vocab_size not in (None, 256):
-                raise InputError(f"{where} is text, read as bytes: its vocabulary is 256, not {vocab_size}",
-                                 argument="vocab_size")
-            tokens, vocab_size = np.memmap(path, dtype=np.uint8, mode="r"), 256
+            tokens, vocab_size = np.memmap(path, dtype=np.uint8, mode="r"), bytes_vocabulary(vocab_size, where)
         elif suffix == ".bin":
             if vocab_size is None:
                 raise InputError(f"{where} holds raw token ids: give its vocabulary size (uint16 ids up to "
@@ -147,6 +139,32 @@ def load_tokens(path: str, seq_len: int, vocab_size: int | None = None, tokenize
         if isinstance(err, InputError):
             raise
         raise InputError(f"{where} cannot be read as {suffix} tokens ({err})", argument="dataset") from None
+    return token_dataset(path, tokens, int(vocab_size), seq_len)
+
+
+def load_tokenizer(path: str, vocab_size: int | None) -> tuple[Any, int]:
+    """The tokenizer in the JSON file `path` and the model's vocabulary: the tokenizer's, or a larger `vocab_size`."""
+    from jaxdp.data import tokenizer as tokenizer_lib
+
+    loaded = tokenizer_lib.load(path)
+    own = loaded.get_vocab_size()
+    if vocab_size is not None and vocab_size < own:
+        raise InputError(f"the tokenizer {path!r} has {own} tokens, more than the vocabulary of {vocab_size}; leave "
+                         f"the vocabulary size out (it is the tokenizer's), or give at least {own}", argument="vocab_size")
+    return loaded, vocab_size or own
+
+
+def bytes_vocabulary(vocab_size: int | None, where: str) -> int:
+    """256: text without a tokenizer is read as bytes (InputError for another `vocab_size`)."""
+    if vocab_size not in (None, 256):
+        raise InputError(f"{where} is text, read as bytes: its vocabulary is 256, not {vocab_size}", argument="vocab_size")
+    return 256
+
+
+def token_dataset(path: str, tokens: np.ndarray, vocab_size: int, seq_len: int) -> TokenDataset:
+    """`tokens` (read from `path`) as a TokenDataset, the last `HELD_OUT_FRACTION` held out; InputError if
+    too short for a window in both splits or if an id is outside the vocabulary."""
+    where = f"dataset file {path!r}"
     n_train = len(tokens) - math.ceil(len(tokens) * HELD_OUT_FRACTION)
     dataset = TokenDataset(path, tokens, int(vocab_size), seq_len, n_train)
     if dataset.train_windows < 1 or dataset.held_out_windows < 1:

@@ -20,7 +20,8 @@ Arguments, by what they describe:
   them in a one-process run), as a numpy pytree whose leading axis divides over the local devices.
   It must be a pure function of `step` for resume to be exact (the built-in datasets are:
   `jaxdp.data.datasets.Dataset.train_batch`). An iterable of batches works too; a resumed run then skips
-  the batches of the steps already trained.
+  the batches of the steps already trained. A grain `MapDataset` of batches (batch `step` is `ds[step]`) or
+  grain iterator (its state saved with each checkpoint and restored) works as well: jaxdp/data/grain.py.
 * evaluation: `eval_fn(params, model_state, batch) -> per-device sums` (a dict; padding rows
   carry `batch["mask"] == 0` and must be left out of the sums), `eval_data` (an iterable of host
   batches, or a function returning one; batches that do not divide over the devices are padded
@@ -97,6 +98,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     from jaxdp.cluster import heartbeat, runtime
     from jaxdp.cluster.preemption import Preemption
     from jaxdp.config import config_toml
+    from jaxdp.data import grain as grain_data
     from jaxdp.data.prefetch import Prefetcher
     from jaxdp.errors import InputError
     from jaxdp.mesh import make_mesh, pad_batch, shard_batch
@@ -115,6 +117,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     n_processes = jax.process_count() if elastic is None else elastic.size
     devices = mesh.size * (1 if elastic is None else elastic.size)  # every process's, of the whole run
     model_state = {} if model_state is None else dict(model_state)
+    data = grain_data.adapt(data)  # a grain MapDataset or iterator as data(step) (jaxdp/data/grain.py)
     if not isinstance(steps, int) or steps < 0:
         raise InputError(f"fit: steps must be 0 or more, got {steps!r}")
     # Multi-process: stalled peers and stragglers, watched to the end (the command line starts the
@@ -148,6 +151,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     if checkpoint_dir and (elastic is None or is_main):  # an elastic run: rank 0 saves
         checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, config=config)
         checkpointer.extra_meta.update(checkpoint_meta or {})
+        grain_data.attach(data, checkpointer)  # a grain iterator's state: saved with each checkpoint, resumed
     try:
         # ---- update step: the sync choices as one value; "auto" ones the controller resolves ----
         requested = syncspec.SyncSpec(strategy=strategy, compression=None if compression == "none" else compression,

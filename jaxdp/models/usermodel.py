@@ -161,7 +161,10 @@ def check_output(module: Any, variables: Any, example: Any, task: str, num_outpu
 def rebuild(config: Any, params: Any, num_outputs: int | None = None) -> Any:
     """The module of a finished run, from its recorded config and its parameters' shapes
     (jaxdp.checkpoint.artifacts.load_model)."""
-    task = "tokens" if config.dataset.lower().endswith((".txt", ".bin", ".npy")) else "classification"
+    from jaxdp.registry import DATASETS
+
+    # classification: a built-in dataset or an .npz; anything else is a token stream (a .txt, .bin, .npy, documents)
+    task = "classification" if config.dataset in DATASETS or config.dataset.lower().endswith(".npz") else "tokens"
     if num_outputs is None:
         num_outputs = _outputs_from_params(config.model, params)
     return build(config, num_outputs, None, task)  # no mesh axis: BatchNorm outside a mapped step

@@ -1,0 +1,190 @@
+"""--dataset as documents: folders and globs of Parquet, Arrow (file and stream), JSON lines, a saved Hugging Face
+dataset (jaxdp/data/corpus.py), tokenized once into the token cache, trained on with exact resume.
+
+The reference is the same text in a .txt file: each document followed by a newline, read as bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdp.config import ConfigError, parse_args
+from jaxdp.data import corpus, tokenizer as tokenizer_lib
+from jaxdp.data.datasets import load_dataset
+from jaxdp.errors import InputError
+from jaxdp.train import train
+
+pa = pytest.importorskip("pyarrow")
+import pyarrow.feather  # noqa: E402
+import pyarrow.parquet  # noqa: E402
+
+# Documents with what a separator must not disturb: multi-byte characters, inner newlines, an empty one.
+DOCS = [f"Document {i}: {'naïve café ' * (i % 5)}the end{chr(10) * (i % 3 == 0)}." for i in range(120)] + [""]
+TINY_GPT = ["--model", "gpt", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+            "--batch-size", "8", "--no-progress", "--log-every", "1"]
+
+
+@pytest.fixture(autouse=True)
+def token_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(tokenizer_lib.ENV_CACHE, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def write(folder, fmt: str, docs=DOCS, column: str = "text"):
+    """`docs` in `folder` as `fmt`, in three files (one for the Hugging Face dataset), read in path order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if fmt == "hf":
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_dict({column: docs, "n": list(range(len(docs)))}).save_to_disk(str(folder))
+        return folder
+    parts = np.array_split(np.arange(len(docs)), 3)
+    for k, rows in enumerate(parts):
+        table = pa.table({"id": [int(r) for r in rows], column: [docs[r] for r in rows]})
+        path = folder / f"part-{k}.{ {'jsonl': 'jsonl', 'parquet': 'parquet'}.get(fmt, 'arrow') }"
+        if fmt == "jsonl":
+            path.write_text("".join(json.dumps({"id": int(r), column: docs[r]}) + "\n" for r in rows), encoding="utf-8")
+        elif fmt == "parquet":
+            pyarrow.parquet.write_table(table, path, row_group_size=7)
+        elif fmt == "feather":
+            pyarrow.feather.write_feather(table, path, chunksize=9)
+        else:  # an Arrow stream (what save_to_disk writes)
+            with pa.ipc.new_stream(str(path), table.schema) as writer:
+                writer.write_table(table, max_chunksize=9)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same text in a .txt file, and the parameters after 2 steps on it."""
+    path = tmp_path_factory.mktemp("text") / "all.txt"
+    path.write_text("".join(d + "\n" for d in DOCS), encoding="utf-8")
+    return path, train(parse_args([*TINY_GPT, "--dataset", str(path), "--steps", "2"])).state.params
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "feather", "stream", "hf"])
+def test_each_format_trains_on_the_stream_of_the_same_text(tmp_path, fmt, reference, token_cache):
+    text_file, params = reference
+    folder = write(tmp_path / fmt, fmt)
+    documents = load_dataset(str(folder), seq_len=16)
+    assert documents.vocab_size == 256 and documents.tokens.dtype == np.uint8
+    assert np.array_equal(np.asarray(documents.tokens), np.fromfile(text_file, np.uint8))
+    run = train(parse_args([*TINY_GPT, "--dataset", str(folder), "--steps", "2"]))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), run.state.params, params)
+    assert not [p for p in os.listdir(token_cache) if not p.endswith(".bin")]  # no .lock, no temporary file left
+
+
+def test_a_glob_and_a_tokenizer_with_an_end_of_text_token(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      show_progress=False))
+    tok.save(str(tmp_path / "tok.json"))
+    write(tmp_path / "docs", "parquet")
+    (tmp_path / "docs" / "notes.md").write_text("not data")
+    dataset = load_dataset(str(tmp_path / "docs" / "*.parquet"), seq_len=16, tokenizer=str(tmp_path / "tok.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    expected = [i for d in DOCS for i in [*tok.encode(d, add_special_tokens=False).ids, eot]]
+    assert dataset.vocab_size == tok.get_vocab_size() and np.array_equal(np.asarray(dataset.tokens), expected)
+    with pytest.raises(InputError, match="notes.md.*narrow the pattern"):
+        load_dataset(str(tmp_path / "docs" / "*"), seq_len=16)
+
+
+def test_the_cache_is_reused_and_remade_when_a_file_changes(tmp_path, token_cache, monkeypatch):
+    folder = write(tmp_path / "docs", "jsonl")
+    first = np.asarray(load_dataset(str(folder), seq_len=16).tokens)
+    (cached,) = token_cache.iterdir()
+    made = cached.stat().st_mtime_ns
+
+    def no_second_tokenization(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(corpus, "write_ids", no_second_tokenization)
+        again = load_dataset(str(folder), seq_len=16)
+    assert np.array_equal(np.asarray(again.tokens), first) and cached.stat().st_mtime_ns == made
+    with open(folder / "part-2.jsonl", "a") as f:  # a changed file: tokenized again, the stale file removed
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    load_dataset(str(folder), seq_len=16)
+    assert [p.name for p in token_cache.iterdir()] != [cached.name] and len(list(token_cache.iterdir())) == 1
+
+
+def test_no_lock_file_is_left_by_the_text_token_cache(tmp_path, token_cache):
+    pytest.importorskip("tokenizers")
+    text = tmp_path / "book.txt"
+    text.write_text(" ".join(DOCS) * 3, encoding="utf-8")
+    tokenizer_lib.train_bpe(str(text), 280, str(tmp_path / "tok.json"))
+    load_dataset(str(text), seq_len=16, tokenizer=str(tmp_path / "tok.json"))
+    assert [p.suffix for p in token_cache.iterdir()] == [".bin"]
+
+
+@pytest.mark.slow  # two tiny GPT runs with checkpoints: about 20 s on 2 cores
+def test_resume_from_a_checkpoint_is_bit_identical(tmp_path):
+    folder = write(tmp_path / "docs", "parquet")
+    flags = [*TINY_GPT, "--dataset", str(folder), "--save-every", "2", "--steps", "4", "--checkpoint-dir", str(tmp_path / "run")]
+    whole = train(parse_args(flags))
+    shutil.rmtree(tmp_path / "run" / "4")  # back to step 2
+    resumed = train(parse_args(flags))
+    assert [r["step"] for r in resumed.history] == [3, 4]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.state, whole.state)
+
+
+def test_bad_documents_are_one_line_naming_the_dataset(tmp_path):
+    folder = write(tmp_path / "docs", "parquet", column="body")
+    os.makedirs(tmp_path / "empty")
+    for path, column, words in ((folder, "text", "has no column 'text' .*--text-column"),
+                                (folder, "id", "holds int64, not text"),
+                                (tmp_path / "empty", "text", "holds no .parquet"),
+                                (tmp_path / "none-*.jsonl", "text", "matches no file")):
+        with pytest.raises(InputError, match=words) as err:
+            load_dataset(str(path), seq_len=16, text_column=column)
+        assert err.value.argument == "dataset" and "\n" not in str(err.value)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(InputError, match="line 2 has no key 'text'"):
+        load_dataset(str(tmp_path / "bad"), seq_len=16)
+    with pytest.raises(ConfigError, match="--model=gpt trains on a token stream"):
+        parse_args(["--model", "gpt", "--dataset", str(tmp_path / "x.csv")])
+    with pytest.raises(ConfigError, match="is a token stream, for --model=gpt"):
+        parse_args(["--model", "mlp", "--dataset", str(folder)])
+
+
+def test_without_pyarrow_a_parquet_folder_says_what_to_install(tmp_path, monkeypatch):
+    folder = write(tmp_path / "docs", "parquet")
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)
+    with pytest.raises(InputError, match=r"needs pyarrow: pip install 'jaxdp\[data\]'"):
+        load_dataset(str(folder), seq_len=16)
+
+
+def test_sampling_a_run_on_documents_reads_bytes_even_when_the_folder_is_gone(tmp_path):
+    from jaxdp import sample
+
+    for dataset in (str(write(tmp_path / "docs", "jsonl")), "/gone/shards", "/gone/shards/*.parquet"):
+        encode, decode = sample.codec_for({"dataset": dataset})
+        assert encode("héllo") == list("héllo".encode()) and decode(encode("héllo")) == "héllo"
+    for dataset in ("digits", "/data/x.npz"):
+        with pytest.raises(InputError, match="not a language model"):
+            sample.codec_for({"dataset": dataset})
+
+
+def test_a_resumed_run_on_documents_keeps_its_text_column(tmp_path):
+    from jaxdp.checkpoint.resume import resume_fields
+
+    folder = write(tmp_path / "docs", "jsonl")
+    assert resume_fields(parse_args(["--model", "gpt", "--dataset", str(folder), "--text-column", "body"]))["text_column"] == "body"
+    assert "text_column" not in resume_fields(parse_args(["--model", "gpt", "--dataset", str(tmp_path / "a.txt")]))
+
+
+def test_a_text_file_named_like_a_glob_is_still_a_text_file(tmp_path):
+    path = tmp_path / "book[1].txt"
+    path.write_text("".join(d + "\n" for d in DOCS), encoding="utf-8")
+    dataset = load_dataset(str(path), seq_len=16)
+    assert np.array_equal(np.asarray(dataset.tokens), np.fromfile(path, np.uint8))
