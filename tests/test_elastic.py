@@ -183,6 +183,9 @@ def test_elastic_flags_are_checked(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "--strategy" in proc.stderr and "use strategy='host'" not in proc.stderr and "Traceback" not in proc.stderr
     assert "restarting" not in proc.stderr
+    from jaxdp.sync import rules
+
+    assert rules.ELASTIC_ENV == elastic.ENV_ADDRESS  # the rules table knows an elastic member by the same variable
 
 
 def _elastic_rank(pid: int) -> int | None:

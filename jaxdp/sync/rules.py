@@ -15,6 +15,7 @@ Nothing here imports JAX (a user's own strategy excepted: it is asked what it ca
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 from jaxdp.errors import InputError
@@ -78,8 +79,9 @@ class Choices:
                    shard_optimizer=spec.shard_optimizer, overlap=spec.overlap, **more)
 
     @classmethod
-    def from_config(cls, config: Any) -> "Choices":
-        """The choices a `jaxdp.config.Config` makes (ConfigError for a --compression of no codec)."""
+    def from_config(cls, config: Any, environ: Any = None) -> "Choices":
+        """The choices a `jaxdp.config.Config` makes (ConfigError for a --compression of no codec); an
+        elastic run is one that `jaxdp.launch --elastic` started (its hub's address in the environment)."""
         from jaxdp.config import ConfigError
 
         text = config.compression.strip().lower()
@@ -95,7 +97,7 @@ class Choices:
                    needs="sum" if text in ("none", AUTO) else codecs.row(text).needs,
                    sync_every=config.sync_every, sync_fragments=config.sync_fragments,
                    sync_seconds=config.sync_seconds or None, shard_optimizer=config.shard_optimizer,
-                   overlap=config.overlap)
+                   overlap=config.overlap, elastic=bool((os.environ if environ is None else environ).get(ELASTIC_ENV)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +114,7 @@ class Rule:
     setting: str
 
 
+ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.cluster.elastic.ENV_ADDRESS (not imported: this table imports nothing heavy)
 _ELASTIC = "an elastic run (jaxdp.launch --elastic) does not combine with "
 _PACED = ": the rounds are --sync-seconds long, with one fixed --compression; drop one of them"
 _OVERLAP = (": it overlaps each step's (or each --sync-every round's) all-reduce through --strategy psum or ring, with "
