@@ -119,7 +119,7 @@ def test_testbed_links_its_hosts_shapes_them_and_deletes_everything():
                            "    except OSError: time.sleep(0.05)\n"
                            "print(c.recv(100).decode())\n"
                            "s = socket.create_server(('127.0.0.1', 0)); socket.create_connection(s.getsockname())\n"
-                           "from jaxdp import gloo; print(gloo.choose('10.77.0.2:1').describe())")
+                           "from jaxdp.cluster import gloo; print(gloo.choose('10.77.0.2:1').describe())")
         assert out.splitlines()[0] == "10.77.0.3"
         assert out.splitlines()[1].startswith("gloo collectives on eth0 (10.77.0.3): the interface that reaches "
                                               "the coordinator 10.77.0.2")

@@ -5,4 +5,4 @@ Submodules load on first use (PEP 562): importing the package imports nothing el
 
 from jaxdp import moved
 
-__getattr__ = moved.package(__name__, 'jaxdp.data.datasets')
+__getattr__ = moved.package(__name__, 'jaxdp.data.datasets', warn=False)
