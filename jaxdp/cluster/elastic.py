@@ -57,7 +57,7 @@ as a lost one. A member whose hub goes away (the launcher was killed) stops afte
 rank 0 saves it (`HubGone`, then exit 75 in every member).
 
 This module holds no JAX: the launcher imports it. The step that uses `Member` is
-`jaxdp.step.train_step.make_elastic_step`.
+`jaxdp.step.elastic.make_elastic_step`.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     from jaxdp.metrics import Diverged, MetricsWriter, check_finite, peak_tflops, write_text_atomically
     from jaxdp.step import local_sgd, rounds as paced, zero
     from jaxdp.step.state import init_state
-    from jaxdp.step.train_step import make_elastic_step, make_eval_step, make_train_step
+    from jaxdp.step.elastic import make_elastic_step
+    from jaxdp.step.train_step import make_eval_step, make_train_step
     from jaxdp.sync import controller as controller_lib, exchange, spec as syncspec
     from jaxdp.sync.codecs.base import bytes_sent, uncompressed_bytes
     from jaxdp.sync.controller import GUARD_BATCHES
@@ -436,7 +437,7 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
     whether it came from a live process)."""
     from jaxdp.cluster import elastic as elastic_lib
     from jaxdp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
-    from jaxdp.step.train_step import state_from_arrays
+    from jaxdp.step.elastic import state_from_arrays
 
     train_step.warm_up(state, batch_at(0))  # joining stalls the others until this process's first step
     try:
