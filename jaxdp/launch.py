@@ -231,9 +231,10 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
     """An elastic run (jaxdp/cluster/elastic.py): this launcher is the hub; a lost process is started again
     alone, up to --max-restarts times in all, while the others train on."""
     from jaxdp.cluster import elastic
+    from jaxdp.launcher.hub import Hub
 
     size = args.nproc_per_node
-    hub = elastic.Hub(size)
+    hub = Hub(size)
     selector = selectors.DefaultSelector()
     hub.watch(selector)
     run_id = f"launch-{launcher.launch_id}-elastic"

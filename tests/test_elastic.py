@@ -21,6 +21,7 @@ import pytest
 from helpers import ROOT, cli_env
 from jaxdp.bench.goodput import training_processes
 from jaxdp.cluster import elastic
+from jaxdp.launcher.hub import Hub
 
 PY = sys.executable
 
@@ -29,7 +30,7 @@ class HubThread:
     """A Hub driven by its own selector loop, as the launcher drives it."""
 
     def __init__(self, size: int):
-        self.hub = elastic.Hub(size)
+        self.hub = Hub(size)
         self.selector = selectors.DefaultSelector()
         self.hub.watch(self.selector)
         self.lock = threading.Lock()
