@@ -254,3 +254,19 @@ def test_a_step_built_with_another_optimizer_than_the_state_is_refused(devices):
     same = jaxdp.make_train_step(loss_fn, tx, mesh)
     state, _ = same(jaxdp.init_state(params, tx, mesh), batch)
     assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("loss_fn, stateful, words", [
+    (lambda p, s, b, rng: (jnp.sum(p["w"] * b["x"]), {}), True,
+     "a stateful loss_fn(params, model_state, batch, rng) returns (loss, aux, new_model_state); got a tuple of 2"),
+    (lambda p, b: (jnp.sum(p["w"] * b["x"]), {}, {}), False, "returns a scalar loss or (loss, aux); got a tuple of 3"),
+    (lambda p, b: p["w"] * b["x"], False, "loss must be a scalar (the mean over the batch); got shape (1, 4)"),
+], ids=["stateful-two", "plain-three", "not-scalar"])
+def test_a_loss_of_the_wrong_shape_is_one_sentence(devices, loss_fn, stateful, words):
+    mesh = jaxdp.make_mesh(devices)
+    params = {"w": jnp.ones((4,))}
+    batch = jaxdp.shard_batch({"x": np.ones((len(devices), 4), np.float32)}, mesh)
+    tx = optax.sgd(0.1)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, stateful=stateful)
+    with pytest.raises(jaxdp.InputError, match=re.escape(words)):
+        step(jaxdp.init_state(params, tx, mesh), batch)

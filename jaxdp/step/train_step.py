@@ -45,6 +45,7 @@ from jaxdp.step import delayed, local_sgd, zero
 from jaxdp.sync import host
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
+from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, replicate, state_specs  # (state_specs: importable from here too)
 from jaxdp.step.state import SyncState, TrainState
 from jaxdp.sync.collectives import Collective
@@ -342,19 +343,37 @@ def _local_grads_fn(loss_fn: Callable, stateful: bool, axis: str) -> Callable:
                 rng = jax.random.fold_in(rng, micro)
 
             def objective(params):
-                loss, aux, model_state = loss_fn(params, state.model_state, batch, rng)
-                return loss, (aux, model_state)
+                out = loss_fn(params, state.model_state, batch, rng)
+                if not isinstance(out, tuple) or len(out) != 3:
+                    raise InputError(f"a stateful loss_fn(params, model_state, batch, rng) returns (loss, aux, "
+                                     f"new_model_state); got {_shape_of(out)}", argument="loss_fn")
+                loss, aux, model_state = out
+                return _scalar(loss), (aux, model_state)
         else:
             def objective(params):
                 out = loss_fn(params, batch)
+                if isinstance(out, tuple) and len(out) != 2:
+                    raise InputError(f"loss_fn(params, batch) returns a scalar loss or (loss, aux); got "
+                                     f"{_shape_of(out)}", argument="loss_fn")
                 loss, aux = out if isinstance(out, tuple) else (out, {})
-                return loss, (aux, state.model_state)
+                return _scalar(loss), (aux, state.model_state)
 
         (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         metrics = {name: jnp.asarray(value, jnp.float32) for name, value in {"loss": loss, **aux}.items()}
         return metrics, model_state, grads
 
     return local_grads
+
+
+def _shape_of(out: Any) -> str:
+    return f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
+
+
+def _scalar(loss: Any) -> Any:
+    if jnp.ndim(loss) != 0:
+        raise InputError(f"loss_fn's loss must be a scalar (the mean over the batch); got shape {jnp.shape(loss)}",
+                         argument="loss_fn")
+    return loss
 
 
 def _accumulated(local_grads: Callable, k: int) -> Callable:
