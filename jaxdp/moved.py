@@ -79,7 +79,7 @@ def install_old_module_paths() -> None:
         sys.meta_path.append(_OldModulePaths())
 
 
-def package(name: str, former: str | None = None, warn: bool = True) -> Callable[[str], Any]:
+def package(name: str, former: str | tuple[str, ...] | None = None, warn: bool = True) -> Callable[[str], Any]:
     """A subpackage's lazy `__getattr__` (PEP 562): its submodules load on first use, so importing
     the package imports nothing. `former` is the module that held the package's name before the
     wave-4 layout (jaxdp/sync.py -> jaxdp.sync.collectives): its names still resolve from the package,
@@ -94,11 +94,11 @@ def package(name: str, former: str | None = None, warn: bool = True) -> Callable
         except ModuleNotFoundError as e:
             if e.name != f"{name}.{attr}":
                 raise
-        if former is not None:
-            module = importlib.import_module(former)
+        for home in (former,) if isinstance(former, str) else former or ():
+            module = importlib.import_module(home)
             if hasattr(module, attr):
                 if warn:
-                    warnings.warn(f"{name}.{attr} moved to {former}.{attr}; the old path goes in the next release",
+                    warnings.warn(f"{name}.{attr} moved to {home}.{attr}; the old path goes in the next release",
                                   DeprecationWarning, stacklevel=2)
                 return getattr(module, attr)
         raise AttributeError(f"module {name!r} has no attribute {attr!r}")

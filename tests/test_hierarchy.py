@@ -18,7 +18,8 @@ import jaxdp
 from helpers import mlp_batches, mlp_problem
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
 from jaxdp.sync import codecs as C
-from jaxdp.sync.collectives import as_collective, hierarchical
+from jaxdp.sync.collectives import as_collective
+from jaxdp.sync.hierarchy import hierarchical
 
 TWO = ("hosts", "local")
 

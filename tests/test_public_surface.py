@@ -71,7 +71,7 @@ CONSOLE_SCRIPTS = {"jaxdp-train": "jaxdp.train:cli", "jaxdp-launch": "jaxdp.laun
 OLD_PATHS = [
     ("jaxdp.sync", "ring_mean", "jaxdp.sync.collectives"), ("jaxdp.sync", "ring_allreduce", "jaxdp.sync.collectives"),
     ("jaxdp.sync", "ring_reduce_scatter", "jaxdp.sync.collectives"), ("jaxdp.sync", "psum_mean", "jaxdp.sync.collectives"),
-    ("jaxdp.sync", "hierarchical", "jaxdp.sync.collectives"), ("jaxdp.sync", "on_host", "jaxdp.sync.collectives"),
+    ("jaxdp.sync", "hierarchical", "jaxdp.sync.hierarchy"), ("jaxdp.sync", "on_host", "jaxdp.sync.collectives"),
     ("jaxdp.sync", "send", "jaxdp.sync.collectives"),
     ("jaxdp.step", "make_train_step", "jaxdp.step.train_step"), ("jaxdp.step", "make_eval_step", "jaxdp.step.train_step"),
     ("jaxdp.loop", "fit", "jaxdp.loop.trainer"),

@@ -7,4 +7,4 @@ Submodules load on first use (PEP 562): importing the package imports nothing el
 
 from jaxdp import moved
 
-__getattr__ = moved.package(__name__, 'jaxdp.sync.collectives')
+__getattr__ = moved.package(__name__, ('jaxdp.sync.collectives', 'jaxdp.sync.hierarchy'))

@@ -189,12 +189,3 @@ def as_collective(strategy: Any) -> Collective:
     if strategy is ring_mean:
         return RING
     return Collective(name, mean=strategy, sum=getattr(strategy, "sum", None), halves=getattr(strategy, "halves", None))
-
-
-def __getattr__(name: str) -> Any:
-    """`hierarchical` lives in jaxdp/sync/hierarchy.py (it builds on this module); found here too."""
-    if name == "hierarchical":
-        from jaxdp.sync.hierarchy import hierarchical
-
-        return hierarchical
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

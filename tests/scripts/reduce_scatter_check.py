@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxdp.mesh import DATA_AXIS, make_mesh  # noqa: E402
-from jaxdp.sync.collectives import PSUM, hierarchical  # noqa: E402
+from jaxdp.sync.collectives import PSUM  # noqa: E402
+from jaxdp.sync.hierarchy import hierarchical  # noqa: E402
 
 n = jax.device_count()
 chunk = int(chunk_mib * 2 ** 20) // 4  # float32 values per device's chunk
