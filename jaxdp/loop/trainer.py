@@ -100,16 +100,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         raise
     finally:
         close(loop, finished=bool(summary))
-    # ---- finish ----
+    # ---- the result (a stopped run's checkpoint is on disk only now) ----
     if loop.stop:
-        if plan.is_main and plan.checkpointer:  # only now: the checkpoint is on disk
-            from jaxdp.errors import EXIT_PREEMPTED
-
-            print(f"jaxdp: preempted ({loop.preemption.reason}): saved step {loop.done} to "
-                  f"{plan.checkpointer.directory}, exit code {EXIT_PREEMPTED}; run the same command to resume",
-                  file=sys.stderr)
-        return Result(state=loop.state, history=loop.history, summary={"event": "preempted", "step": loop.done},
-                      preempted=True)
+        return stopped(loop)
     timings = {"startup_s": loop.startup_s, "compile_s": loop.writer.compile_s or 0.0, "decided_s": loop.decided_s}
     return Result(state=loop.state, history=loop.history, summary=summary, timings=timings)
 
@@ -199,6 +192,18 @@ def finish(loop: Loop, evaluation: EvalOptions) -> dict[str, Any]:
                "processes": plan.n_processes, "startup_s": loop.startup_s, "compile_s": loop.writer.compile_s,
                "compile_cache_hits": plan.cache_hits.hits}
     return loop.writer.done(loop.done, summary)
+
+
+def stopped(loop: Loop) -> Result:
+    """A run a stop signal ended: one console line (process 0), the Result that says so."""
+    plan = loop.plan
+    if plan.is_main and plan.checkpointer:
+        from jaxdp.errors import EXIT_PREEMPTED
+
+        print(f"jaxdp: preempted ({loop.preemption.reason}): saved step {loop.done} to {plan.checkpointer.directory}, "
+              f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
+    return Result(state=loop.state, history=loop.history, summary={"event": "preempted", "step": loop.done},
+                  preempted=True)
 
 
 def close(loop: Loop, finished: bool) -> None:
