@@ -136,10 +136,8 @@ def periodic(loop: Loop, log: Hook) -> Hooks:
         hooks.add(save_now, at=("stop",))
     if loop.preemption:
         hooks.add(stop_on_signal, at=TICKS)
-    if plan.begun.controller and not plan.rounds_run:
-        if not plan.begun.decided:  # (--sync-every auto decided compression already)
-            hooks.add(redecide, at=("start",))
-        hooks.add(redecide, every=loop.options["sync"].compression_every)
+    if plan.begun.controller and not plan.rounds_run:  # (at the start unless --sync-every auto decided it already)
+        hooks.add(redecide, every=loop.options["sync"].compression_every, at=() if plan.begun.decided else ("start",))
     return hooks
 
 
