@@ -5,7 +5,8 @@
     state = jaxdp.init_state(params, tx, mesh)
     step  = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring")
     state, metrics = step(state, jaxdp.shard_batch(host_batch, mesh))
-    result = jaxdp.fit(loss_fn, params, tx, batch_at, steps=1000, checkpoint_dir="/tmp/run")  # the whole loop
+    result = jaxdp.fit(loss_fn, params, tx, batch_at, steps=1000,     # the whole loop
+                       checkpoint=jaxdp.CheckpointOptions(directory="/tmp/run"))
     params = jaxdp.load_params("/tmp/run")                  # numpy, no template
     with jaxdp.Checkpointer("/tmp/run") as ckpt:   # orbax: ckpt.save(state), ckpt.restore(state)
         state = ckpt.restore(state)
@@ -26,6 +27,11 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "Checkpointer": "jaxdp.checkpoint.checkpointer",
+    "CheckpointOptions": "jaxdp.loop.options",
+    "EvalOptions": "jaxdp.loop.options",
+    "LogOptions": "jaxdp.loop.options",
+    "RunOptions": "jaxdp.loop.options",
+    "SyncOptions": "jaxdp.loop.options",
     "Collective": "jaxdp.sync.collectives",
     "SyncSpec": "jaxdp.sync.spec",
     "DATA_AXIS": "jaxdp.mesh",

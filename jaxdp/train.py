@@ -77,6 +77,7 @@ def train(config: Config) -> Any:
 
     from jaxdp.cluster import agreement, distributed, elastic, heartbeat
     from jaxdp.data import datasets as data
+    from jaxdp.loop.options import CheckpointOptions, EvalOptions, LogOptions, RunOptions, SyncOptions
     from jaxdp.loop.trainer import fit
     from jaxdp.mesh import axis_name
     from jaxdp.models import usermodel
@@ -159,19 +160,22 @@ def train(config: Config) -> Any:
     tokens_per_step = rows_per_step * config.seq_len if tokens else None
     flops = getattr(model, "flops_per_token", None)
     result = fit(
-        task.loss_fn, params, tx, shard_at if member else batch_at, steps=config.steps, mesh=mesh, strategy=strategy, stateful=True,
-        model_state=model_state, eval_fn=task.eval_fn, eval_data=held_out, summarize=task.summarize,
-        eval_every=config.eval_every, compression=config.compression, sync_every=config.sync_every,
-        outer_tx=None if config.sync_every == 1 and not config.sync_seconds else outer_tx,
-        sync_fragments=config.sync_fragments, sync_seconds=config.sync_seconds or None, overlap=config.overlap,
-        shard_optimizer=config.shard_optimizer, grad_accum=config.grad_accum, comm_target=config.comm_target,
-        compression_every=config.compression_every, checkpoint_dir=config.checkpoint_dir,
-        save_every=config.save_every, keep=config.keep, metrics_file=config.metrics_file, log_dir=config.log_dir,
-        wandb_project=config.wandb_project, log_every=config.log_every, progress=config.progress, schedule=schedule, seed=config.seed,
-        prefetch=config.prefetch, config=config, checkpoint_meta={"num_outputs": num_outputs, "schedule_steps": horizon},
-        resume_note=horizon_note, run_info={"compile_cache": cache_dir}, watch=beat, elastic=member,
-        examples_per_step=rows_per_step, tokens_per_step=tokens_per_step,
-        flops_per_step=flops(params) * tokens_per_step if tokens and flops else None, started=STARTED)
+        task.loss_fn, params, tx, shard_at if member else batch_at, steps=config.steps, mesh=mesh, stateful=True,
+        model_state=model_state, seed=config.seed,
+        sync=SyncOptions(strategy=strategy, compression=config.compression, sync_every=config.sync_every,
+                         outer_tx=None if config.sync_every == 1 and not config.sync_seconds else outer_tx,
+                         sync_fragments=config.sync_fragments, sync_seconds=config.sync_seconds or None,
+                         overlap=config.overlap, shard_optimizer=config.shard_optimizer, grad_accum=config.grad_accum,
+                         comm_target=config.comm_target, compression_every=config.compression_every),
+        evaluation=EvalOptions(fn=task.eval_fn, data=held_out, summarize=task.summarize, every=config.eval_every),
+        checkpoint=CheckpointOptions(directory=config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
+                                     meta={"num_outputs": num_outputs, "schedule_steps": horizon}),
+        logging=LogOptions(every=config.log_every, metrics_file=config.metrics_file, log_dir=config.log_dir,
+                           wandb_project=config.wandb_project, progress=config.progress, schedule=schedule),
+        run=RunOptions(config=config, resume_note=horizon_note, run_info={"compile_cache": cache_dir}, watch=beat,
+                       elastic=member, prefetch=config.prefetch, examples_per_step=rows_per_step,
+                       tokens_per_step=tokens_per_step, started=STARTED,
+                       flops_per_step=flops(params) * tokens_per_step if tokens and flops else None))
     if (member.lead if member else jax.process_index() == 0) and not result.preempted:
         summary, timings = result.summary, result.timings
         held = " ".join(f"{k}={v:.4f}" for k, v in summary.items() if k.startswith("eval_"))

@@ -1,8 +1,8 @@
 """Host-driven rounds of local steps: workers at their own pace (`--sync-seconds S`), and rounds of
 H steps whose average overlaps the next round (`--overlap`, `Overlapped`, at the end).
 
-    result = jaxdp.fit(loss_fn, params, tx, batch_at, steps=2000, sync_seconds=2.0,
-                       outer_tx=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    result = jaxdp.fit(loss_fn, params, tx, batch_at, steps=2000, sync=jaxdp.SyncOptions(
+                       sync_seconds=2.0, outer_tx=optax.sgd(0.7, momentum=0.9, nesterov=True)))
 
 With lockstep local steps (`--sync-every H`, jaxdp/step/local_sgd.py) every process takes H inner steps
 per round, so a process with half the compute keeps the others idle for half of every round: the
@@ -64,7 +64,6 @@ average. Why a thread works, and what it needs of the CPU backend: docs/slow-lin
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Any, Callable
 
@@ -236,12 +235,13 @@ def make_sync(mesh: Mesh, strategy: Any, compression: Any, outer_tx: optax.Gradi
 
 
 # ---------------------------------------------------------------------------------------------
-# The rounds (what jaxdp.fit runs with sync_seconds)
+# The rounds (what jaxdp.fit's round loop, jaxdp/loop/rounds.py, runs with sync_seconds)
 # ---------------------------------------------------------------------------------------------
 
 
 class Rounds:
-    """The inner and sync programs of one run, and the host loop that alternates them."""
+    """The inner and sync programs of one run, and one round of them (`round`); the loop that
+    runs them round after round is jaxdp/loop/rounds.py."""
 
     def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
                  compression: Any, outer_tx: Any, pace: Pace, data: Callable[[int], Any], rows_per_step: int | None):
@@ -311,77 +311,6 @@ class Rounds:
     def by_process(self, steps_by_device: Any) -> list[int]:
         values = np.asarray(steps_by_device)
         return [int(values[row]) for row in self.first_row.values()]
-
-
-def train(rounds: Rounds, state: TrainState, *, steps: int, writer: Any, history: list, beat: Any,
-          checkpointer: Any, preemption: Any, evaluate: Callable | None, eval_every: int,
-          is_main: bool) -> tuple[TrainState, int, bool]:
-    """Rounds until `state.step` reaches `steps` (or a preemption): log every round, save and
-    evaluate when a round passes a multiple of `save_every` / `eval_every`. Returns (state, the
-    step reached, preempted)."""
-    done = int(jax.device_get(state.step))
-    round_index = int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
-    first, last = True, None  # the steps each process took in the last round
-    while done < steps:
-        before = done
-        dispatch = time.perf_counter()
-        state, metrics, taken, seconds = rounds.round(state, round_index, warm=not first,
-                                                      limit=rounds.last_round_limit(last, steps - done))
-        host = jax.device_get(metrics)  # host sync point: one per round
-        round_index, done = int(host["round"]), int(jax.device_get(state.step))
-        beat.dispatched(round_index, state.step, waited_s=time.perf_counter() - dispatch)
-        if first:
-            writer.first_step_done(done)
-            first = False
-        else:
-            writer.step(done - before)
-        landed = host.get("landed", True)  # (--overlap: a round's figures arrive with the next round)
-        state, done, stop = _after_round(rounds, state, host if landed else None, before, done, steps, seconds,
-                                         round_index, writer, history, checkpointer, preemption, evaluate, eval_every,
-                                         beat, is_main)
-        last = rounds.by_process(host["steps_by_device"]) if landed else last
-        if stop:
-            return state, done, True
-    if isinstance(rounds, Overlapped):
-        state = rounds.flush(state)  # the last round's average, applied: every replica equals the global
-    return state, done, False
-
-
-def _after_round(rounds: Rounds, state: TrainState, host: dict | None, before: int, done: int, steps: int,
-                 seconds: float, round_index: int, writer: Any, history: list, checkpointer: Any, preemption: Any,
-                 evaluate: Callable | None, eval_every: int, beat: Any, is_main: bool) -> tuple[TrainState, int, bool]:
-    """A round's log line (`host`: its metrics on the host; None: nothing landed yet), then the
-    evaluation, save and stop check due after it. Returns (state, done, stopped)."""
-    from jaxdp.metrics import check_finite
-
-    if host is not None:
-        check_finite(done, {"loss": host["loss"]})
-        by_process = rounds.by_process(host["steps_by_device"])
-        extra = {"round": round_index, "round_s": seconds, "round_steps_by_process": by_process}
-        if rounds.local_rows:
-            extra["examples_per_sec_by_process"] = [k * rounds.local_rows / seconds for k in by_process]
-        history.append(writer.log(done, {"loss": host["loss"], **{k: v for k, v in host.items() if k in (
-            "comm_bytes", "compression_ratio")}}, extra))
-        idle = [p for p, k in enumerate(by_process) if k == 0]
-        if idle:
-            writer.event("no_progress", done, round=round_index, processes=idle)
-            if is_main:
-                who = f"process {idle[0]}" if len(idle) == 1 else f"processes {idle}"
-                print(f"jaxdp: --sync-seconds: {who} took no step in round {round_index} (weight 0 in its average); "
-                      f"steps by process: {by_process}", file=sys.stderr)
-    if evaluate is not None and eval_every and done // eval_every > before // eval_every and done < steps:
-        beat.phase(f"the evaluation after round {round_index}")
-        evaluated = time.perf_counter()
-        writer.eval(done, {**evaluate(state), "eval_s": time.perf_counter() - evaluated})
-    if checkpointer:
-        checkpointer.poll()
-        if checkpointer.due(before, done):
-            checkpointer.save(state)
-            checkpointer.report_decision(writer, done)  # --save-every auto: the measuring save chose
-        if preemption and done < steps and preemption.should_stop(state):
-            checkpointer.save(state)
-            return state, done, True
-    return state, done, False
 
 
 # ---------------------------------------------------------------------------------------------

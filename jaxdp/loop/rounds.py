@@ -1,0 +1,102 @@
+"""The round loop: host-driven rounds of local steps (`sync_seconds`, or `overlap` with `sync_every`
+H >= 2), then the hooks (jaxdp/loop/hooks.py), the same as the step loop's.
+
+The rounds themselves, their programs and what they average, are jaxdp/step/rounds.py's `Rounds`
+and `Overlapped`; this module drives them: one host sync point per round, a record per round
+(the steps each process took, its seconds), and at the end the overlapped average still in flight.
+`state.step` counts global batches, so `eval_every` and `save_every` fire at the round that reaches
+or passes a multiple (`Hooks`' `every=`), and a run ends at the first round that reaches `steps`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from jaxdp.loop.hooks import Hook, Loop, periodic
+
+
+def make_rounds(loop: Loop) -> Any:
+    """The plan's rounds: `Overlapped` (overlap, H steps) or `Rounds` (sync_seconds)."""
+    from jaxdp.step import rounds as paced
+
+    plan, sync, run = loop.plan, loop.options["sync"], loop.options["run"]
+    args = (loop.train_step.local_grads, plan.tx, plan.mesh, loop.spec.strategy, loop.spec.compression, plan.outer_tx)
+    if plan.overlap:
+        return paced.Overlapped(*args, loop.spec.sync_every, plan.data, run.examples_per_step)
+    return paced.Rounds(*args, sync.sync_seconds, plan.data, run.examples_per_step)
+
+
+def run_rounds(loop: Loop) -> None:
+    """Rounds until `state.step` reaches the plan's `steps`, or until a hook stops the loop."""
+    import jax
+
+    from jaxdp.step.rounds import PACE_NAME, Overlapped
+
+    plan, rounds = loop.plan, make_rounds(loop)
+    landed: dict[str, Any] = {}  # the last round's figures on the host (empty: none landed yet, --overlap)
+
+    def log_round(loop: Loop) -> None:
+        if landed:
+            _log_round(loop, rounds, landed)
+
+    def flush(loop: Loop) -> None:  # the last round's average, applied: every replica equals the global
+        loop.state = rounds.flush(loop.state)
+
+    hooks = periodic(loop, Hook(log_round, at=("round",)))
+    if isinstance(rounds, Overlapped):
+        hooks.add(flush, at=("end",))
+    try:
+        hooks.run(loop, "start")
+        state = loop.state
+        done = int(jax.device_get(state.step))
+        round_index = int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
+        first, last = True, None  # the steps each process took in the last round
+        while done < plan.steps:
+            before = done
+            dispatch = time.perf_counter()
+            state, metrics, taken, seconds = rounds.round(state, round_index, warm=not first,
+                                                          limit=rounds.last_round_limit(last, plan.steps - done))
+            host = jax.device_get(metrics)  # host sync point: one per round
+            round_index, done = int(host["round"]), int(jax.device_get(state.step))
+            plan.beat.dispatched(round_index, state.step, waited_s=time.perf_counter() - dispatch)
+            if first:
+                loop.writer.first_step_done(done)
+                first = False
+            else:
+                loop.writer.step(done - before)
+            landed.clear()
+            if host.get("landed", True):  # (--overlap: a round's figures arrive with the next round)
+                landed.update(host, round_s=seconds, round_index=round_index)
+                loop.window.add(done, {"loss": host["loss"]})
+            loop.state, loop.before, loop.done, loop.where = state, before, done, f"round {round_index}"
+            hooks.run(loop, "round")
+            if loop.stop:
+                hooks.run(loop, "stop")
+                return
+            last = rounds.by_process(host["steps_by_device"]) if landed else last
+        hooks.run(loop, "end")
+    finally:
+        if isinstance(rounds, Overlapped):
+            rounds.close()
+
+
+def _log_round(loop: Loop, rounds: Any, host: dict) -> None:
+    """A round's record: its loss, the steps each process took and its seconds; a process that took
+    no step is named (weight 0 in the average)."""
+    loop.window.check()
+    done, round_index, seconds = loop.done, host["round_index"], host["round_s"]
+    by_process = rounds.by_process(host["steps_by_device"])
+    extra = {"round": round_index, "round_s": seconds, "round_steps_by_process": by_process}
+    if rounds.local_rows:
+        extra["examples_per_sec_by_process"] = [k * rounds.local_rows / seconds for k in by_process]
+    loop.history.append(loop.writer.log(done, {"loss": host["loss"], **{k: v for k, v in host.items() if k in (
+        "comm_bytes", "compression_ratio")}}, extra))
+    idle = [p for p, k in enumerate(by_process) if k == 0]
+    if idle:
+        loop.writer.event("no_progress", done, round=round_index, processes=idle)
+        if loop.plan.is_main:
+            who = f"process {idle[0]}" if len(idle) == 1 else f"processes {idle}"
+            print(f"jaxdp: --sync-seconds: {who} took no step in round {round_index} (weight 0 in its average); "
+                  f"steps by process: {by_process}", file=sys.stderr)

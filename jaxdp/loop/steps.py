@@ -1,0 +1,63 @@
+"""The step loop: one compiled step per global batch, then the hooks (jaxdp/loop/hooks.py).
+
+Every sync mode but the host-driven rounds runs here (those: jaxdp/loop/rounds.py): the strategy,
+compression (the controller's re-decisions are a hook), local steps, ZeRO-1, gradient accumulation,
+every-step overlap (the last step applies its own gradient too: nothing is left in flight).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from jaxdp.loop.hooks import Hook, Loop, log_step, periodic
+
+
+class _NeverRaised(Exception):
+    """(What the loop catches for an elastic run's HubGone in a run that is not elastic.)"""
+
+
+def run_steps(loop: Loop) -> None:
+    """Train from `loop.start` to the plan's `steps`, or until a hook stops the loop."""
+    import jax
+
+    from jaxdp.data.prefetch import Prefetcher
+
+    plan = loop.plan
+    hooks = periodic(loop, Hook(log_step, every=loop.options["logging"].every, at=("last",)))
+    hooks.run(loop, "start")
+    batches = Prefetcher(plan.batch_at, loop.start, plan.steps, depth=loop.options["run"].prefetch)
+    hub_gone = _NeverRaised
+    if plan.elastic is not None:
+        from jaxdp.cluster.elastic import HubGone as hub_gone
+    try:
+        for step, batch in batches:
+            train_step = loop.train_step
+            dispatch = time.perf_counter()
+            try:
+                state, metrics = train_step(loop.state, batch)
+            except hub_gone as gone:  # an elastic run whose launcher went away: stop with the state held
+                if not (plan.is_main and plan.checkpointer):  # (rank 0 says what it saved: fit's stopped())
+                    print(f"jaxdp: {gone}: stopping after step {loop.done}, exit code 75", file=sys.stderr)
+                loop.preemption.gone, loop.stop = True, True
+                hooks.run(loop, "stop")  # rank 0 saves the state it holds
+                return
+            done = step + 1
+            if loop.spec.overlap and done == plan.steps:  # the last step: apply its own gradient too, nothing in flight
+                loop.window.pending.append((done, metrics))
+                state, metrics = train_step.flush(state)
+            plan.beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
+            loop.window.add(done, metrics)
+            if step == loop.start:  # the first step compiles: time it apart, then start the clock
+                jax.block_until_ready(metrics)  # host sync point (once)
+                loop.writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted
+            else:
+                loop.writer.step()
+            loop.state, loop.before, loop.done, loop.where = state, step, done, f"step {done}"
+            hooks.run(loop, "step", *(("last",) if done == plan.steps else ()))
+            if loop.stop:
+                hooks.run(loop, "stop")
+                return
+        hooks.run(loop, "end")
+    finally:
+        batches.close()

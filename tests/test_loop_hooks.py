@@ -1,0 +1,79 @@
+"""fit's periodic work as hooks (jaxdp/loop/hooks.py) and its grouped options (jaxdp/loop/options.py):
+`every=` counts steps, so a round that passes a multiple fires once; events run their hooks in
+order, and a hook that stops the loop skips the rest; the flat keywords of before warn with the new
+spelling and train exactly as the grouped ones."""
+
+import types
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import mlp_batches, mlp_problem
+
+import jaxdp
+from jaxdp.loop.hooks import Hooks
+
+
+def _ticks(hooks, spans, *events):
+    """Run `hooks` after each (before, done) span; returns the loop."""
+    loop = types.SimpleNamespace(stop=False, before=0, done=0, ran=[])
+    for before, done in spans:
+        loop.before, loop.done = before, done
+        hooks.run(loop, *events)
+    return loop
+
+
+def test_every_fires_at_each_step_or_round_that_reaches_or_passes_a_multiple():
+    hooks = Hooks()
+    hooks.add(lambda loop: loop.ran.append(("every 3", loop.done)), every=3)
+    hooks.add(lambda loop: loop.ran.append(("each", loop.done)), at=("round",))
+    loop = _ticks(hooks, [(0, 2), (2, 5), (5, 6), (6, 13), (13, 14)], "round")
+    assert loop.ran == [("each", 2), ("every 3", 5), ("each", 5), ("every 3", 6), ("each", 6),
+                        ("every 3", 13), ("each", 13), ("each", 14)]
+    steps = _ticks(hooks, [(k, k + 1) for k in range(7)], "step")  # the step loop: multiples of 3 only
+    assert steps.ran == [("every 3", 3), ("every 3", 6)]
+
+
+def test_events_run_only_their_hooks_and_a_stop_skips_the_rest_of_the_tick():
+    hooks = Hooks()
+    hooks.add(lambda loop: loop.ran.append("log"), every=10, at=("last",))
+    hooks.add(lambda loop: setattr(loop, "stop", loop.done == 4), at=("step",))
+    hooks.add(lambda loop: loop.ran.append(f"after {loop.done}"), at=("step",))
+    hooks.add(lambda loop: loop.ran.append("save"), at=("stop",))
+    assert _ticks(hooks, [(4, 5)], "step", "last").ran == ["log", "after 5"]
+    stopped = _ticks(hooks, [(3, 4)], "step")
+    assert stopped.stop and stopped.ran == []
+    hooks.run(stopped, "stop")
+    assert stopped.ran == ["save"]
+
+
+def test_flat_keywords_warn_with_the_new_spelling_and_train_the_same(devices, tmp_path):
+    params, loss_fn = mlp_problem()
+    data = list(mlp_batches(6))
+    tx = optax.adam(1e-2)
+    with pytest.warns(DeprecationWarning) as caught:
+        flat = jaxdp.fit(loss_fn, params, tx, lambda k: data[k], steps=6, strategy="ring", log_every=2,
+                         checkpoint_dir=str(tmp_path / "flat"), progress=False)
+    message = str(caught[0].message)
+    assert "fit(strategy=..., log_every=..., checkpoint_dir=..., progress=...) is deprecated" in message
+    assert ("use fit(..., sync=SyncOptions(strategy=...), checkpoint=CheckpointOptions(directory=...), "
+            "logging=LogOptions(every=..., progress=...))") in message
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", DeprecationWarning)
+        grouped = jaxdp.fit(loss_fn, params, tx, lambda k: data[k], steps=6, sync=jaxdp.SyncOptions(strategy="ring"),
+                            checkpoint=jaxdp.CheckpointOptions(directory=str(tmp_path / "grouped")),
+                            logging=jaxdp.LogOptions(every=2, progress=False))
+    assert not [w for w in seen if "fit(" in str(w.message)]  # the grouped spelling does not warn
+    assert [r["step"] for r in flat.history] == [r["step"] for r in grouped.history] == [2, 4, 6]
+    assert [r["loss"] for r in flat.history] == [r["loss"] for r in grouped.history]
+    for a, b in zip(jax.tree.leaves(flat.state.params), jax.tree.leaves(grouped.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sorted(p.name for p in (tmp_path / "grouped").iterdir() if p.name.isdigit()) == ["6"]
+
+
+def test_a_keyword_fit_never_took_is_a_type_error(devices):
+    params, loss_fn = mlp_problem()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'eval_evry'"):
+        jaxdp.fit(loss_fn, params, optax.sgd(0.1), lambda k: None, steps=1, eval_evry=2)
