@@ -93,7 +93,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     """
     import jax
 
-    from jaxdp import controller as controller_lib, exchange, heartbeat, local_sgd, paced, runtime, syncspec, zero
+    import numpy as np
+
+    from jaxdp import controller as controller_lib, delayed, exchange, heartbeat, local_sgd, paced, runtime, syncspec, zero
     from jaxdp.checkpoint import Checkpointer
     from jaxdp.compression import bytes_sent, uncompressed_bytes
     from jaxdp.config import config_toml
@@ -287,6 +289,17 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
             last_checked.update(host[-1][1])
         return dict(last_checked)
 
+    def saveable() -> None:
+        """checked(), and what a checkpoint holds beyond the step's metrics: every-step overlap's gradient
+        in flight (a resume applies it at once). Diverged instead of a non-finite save."""
+        checked()
+        if spec.overlap:
+            delayed.check_in_flight(state, done)
+
+    # every-step overlap: with no gradient held at the start (a new run, or one extended after its
+    # flush), the first step applies nothing and its metrics are zeros: neither logged nor checked
+    made_up = spec.overlap and not int(np.asarray(
+        state.sync.per_device[delayed.DELAYED_NAME]["held"].addressable_shards[0].data)[0])
     preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     if elastic is not None:  # every rank stops after the same step (the launcher says which)
         preemption = _ElasticStop(preemption or Preemption(), elastic)
@@ -323,11 +336,15 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 dispatch = time.perf_counter()
                 state, metrics = train_step(state, batch)
                 done = step + 1
+                phantom = made_up and step == start_step  # (every-step overlap: nothing applied yet)
                 if spec.overlap and done == steps:  # the last step: apply its own gradient too, nothing in flight
-                    pending.append((done, metrics))
+                    if not phantom:
+                        pending.append((done, metrics))
                     state, metrics = train_step.flush(state)
+                    phantom = False
                 beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
-                pending.append((done, metrics))
+                if not phantom:
+                    pending.append((done, metrics))
                 if len(pending) >= MAX_PENDING_STEPS:  # a large log_every: memory stays bounded, the check exact
                     checked()
                 if step == start_step:  # the first step compiles: time it apart, then start the clock
@@ -338,8 +355,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 if done % log_every == 0 or done == steps:
                     latest = checked()
                     extra = {"lr": float(schedule(done - 1))} if schedule is not None else {}
-                    history.append(writer.log(done, latest, {**extra, **beat.stragglers(),
-                                                             **({} if "comm_bytes" in latest else plain_comm)}))
+                    if latest:  # (none yet: every-step overlap's first step applied nothing)
+                        history.append(writer.log(done, latest, {**extra, **beat.stragglers(),
+                                                                 **({} if "comm_bytes" in latest else plain_comm)}))
                 if eval_step is not None and eval_every and done % eval_every == 0 and done < steps:
                     checked()
                     beat.phase(f"the evaluation after step {done}")
@@ -348,18 +366,18 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 if checkpointer:
                     checkpointer.poll()  # a background save that failed stops the run here (exit 73)
                 if checkpointer and checkpointer.should_save(done):
-                    checked()  # never write a non-finite state over a good checkpoint
+                    saveable()  # never write a non-finite state over a good checkpoint
                     checkpointer.save(state)
                     checkpointer.report_decision(writer, done)  # --save-every auto: the measuring save chose
                 # Multi-process: a tiny all-reduce, so every process stops after the same step.
                 if preemption and done < steps and preemption.should_stop(state):
-                    checked()
+                    saveable()
                     if checkpointer:  # (an elastic run's other ranks have none)
                         checkpointer.save(state)  # no-op if this step was just saved
                     preempted = True
                     break
         if not preempted:
-            checked()
+            saveable()
             beat.phase("the final save and evaluation")
             if checkpointer:  # the final state, before evaluating: bad held-out input loses no training
                 checkpointer.save(state)  # (a no-op if the last step was just saved)

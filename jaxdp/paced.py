@@ -252,6 +252,8 @@ class Rounds:
         owners = [d.process_index for d in mesh.devices.flat]
         self.first_row = {p: owners.index(p) for p in sorted(set(owners))}  # a device row of each process
         self.local_rows = rows_per_step // len(self.first_row) if rows_per_step else None
+        self.steps: int | None = None  # --steps: no process's position goes past it (`train` sets it)
+        self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived: end a time-bound round now
 
     def _batch(self, position: int) -> Any:
         sharding = NamedSharding(self.local, P(data_axes(self.local)))
@@ -273,14 +275,21 @@ class Rounds:
         started = time.perf_counter()
         budget = None if callable(self.pace) else float(self.pace)
         planned = int(self.pace(round_index, self.process)) if callable(self.pace) else None
+        if planned is not None and not any(self.pace(round_index, p) for p in self.first_row):
+            raise InputError(f"the sync_seconds schedule gives no process a step in round {round_index}: such a "
+                             f"round trains nothing, and a run of them never ends; give some process a step",
+                             setting="sync_seconds")
         if limit is not None and planned is None:  # (a schedule is followed as it is: it replays a run)
             planned, budget = limit, None
+        room = None if self.steps is None else max(self.steps - at, 0)  # never past --steps
         taken, previous = 0, None
         while True:
+            if room is not None and taken >= room:
+                break
             if planned is not None:
                 if taken >= planned:
                     break
-            elif budget is not None and time.perf_counter() - started >= budget:
+            elif taken and (time.perf_counter() - started >= budget or self.stopping()):  # (at least 1 step)
                 break
             rows, position, loss_sum = self.inner(rows, view, position, loss_sum, self._batch(at + taken))
             taken += 1
@@ -319,6 +328,9 @@ def train(rounds: Rounds, state: TrainState, *, steps: int, writer: Any, history
     step reached, preempted)."""
     done = int(jax.device_get(state.step))
     round_index = int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
+    rounds.steps = steps
+    if preemption is not None:  # SIGTERM ends a time-bound round at once: what was trained is averaged, saved
+        rounds.stopping = lambda: getattr(preemption, "signal", None) is not None
     first, last = True, None  # the steps each process took in the last round
     while done < steps:
         before = done
@@ -361,6 +373,9 @@ def _after_round(rounds: Rounds, state: TrainState, host: dict | None, before: i
         history.append(writer.log(done, {"loss": host["loss"], **{k: v for k, v in host.items() if k in (
             "comm_bytes", "compression_ratio")}}, extra))
         idle = [p for p, k in enumerate(by_process) if k == 0]
+        if idle:  # (a process whose position reached `steps` is done, not idle)
+            positions = rounds.by_process(jax.device_get(state.sync.per_device[PACE_NAME]["position"]))
+            idle = [p for p in idle if positions[p] < steps]
         if idle:
             writer.event("no_progress", done, round=round_index, processes=idle)
             if is_main:
@@ -374,12 +389,27 @@ def _after_round(rounds: Rounds, state: TrainState, host: dict | None, before: i
     if checkpointer:
         checkpointer.poll()
         if checkpointer.due(before, done):
+            check_in_flight(state, done)
             checkpointer.save(state)
             checkpointer.report_decision(writer, done)  # --save-every auto: the measuring save chose
         if preemption and done < steps and preemption.should_stop(state):
+            check_in_flight(state, done)
             checkpointer.save(state)
             return state, done, True
     return state, done, False
+
+
+def check_in_flight(state: TrainState, step: int) -> None:
+    """Raise jaxdp.metrics.Diverged if the replicas, or (--overlap) the delta in flight, hold NaN or
+    infinite values. The guard checks the loss of a round that landed; a checkpoint also holds what
+    has not landed yet, and a resume would average it at once. So before every save."""
+    from jaxdp.delayed import non_finite
+    from jaxdp.metrics import Diverged
+
+    held = {k: v for k, v in state.sync.per_device.items() if k in (STATE_NAME, OVERLAP_NAME)}
+    value = float(jax.device_get(non_finite(held)))  # host sync point
+    if value:
+        raise Diverged(step, "the parameters in flight (the replicas of the round)", value)
 
 
 # ---------------------------------------------------------------------------------------------
