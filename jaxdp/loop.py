@@ -300,7 +300,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     # flush), the first step applies nothing and its metrics are zeros: neither logged nor checked
     made_up = spec.overlap and not int(np.asarray(
         state.sync.per_device[delayed.DELAYED_NAME]["held"].addressable_shards[0].data)[0])
-    preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
+    preemption = Preemption() if checkpointer else None  # from here on SIGTERM / SIGUSR1 / a first Ctrl-C: save and stop
     if elastic is not None:  # every rank stops after the same step (the launcher says which)
         preemption = _ElasticStop(preemption or Preemption(), elastic)
     batches = Prefetcher(batch_at, start_step, steps, depth=prefetch) if not rounds_run else None
@@ -411,12 +411,15 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         # --kill-on-bad-exit stopping the other tasks, a scheduler's grace-period kill) cannot cut
         # its shutdown short and turn exit code 75 into 143.
     if preempted:
+        interrupted = getattr(preemption, "interrupted", False)  # Ctrl-C: saved as for SIGTERM, exit code 130
         if is_main and checkpointer:  # only now: the checkpoint is on disk
-            from jaxdp.errors import EXIT_PREEMPTED
+            from jaxdp.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
-            print(f"jaxdp: preempted ({preemption.reason}): saved step {done} to {checkpointer.directory}, "
-                  f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
-        return Result(state=state, history=history, summary={"event": "preempted", "step": done}, preempted=True)
+            print(f"jaxdp: {'interrupted' if interrupted else 'preempted'} ({preemption.reason}): saved step {done} "
+                  f"to {checkpointer.directory}, exit code {EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED}; run "
+                  f"the same command to resume", file=sys.stderr)
+        return Result(state=state, history=history, summary={"event": "preempted", "step": done, **(
+            {"signal": "SIGINT"} if interrupted else {})}, preempted=True)
     timings = {"startup_s": startup_s, "compile_s": writer.compile_s or 0.0, "decided_s": decided_s}
     return Result(state=state, history=history, summary=summary, timings=timings)
 

@@ -222,7 +222,8 @@ def make_sync(mesh: Mesh, strategy: Any, compression: Any, outer_tx: optax.Gradi
         summed = jax.lax.psum(position[0], axis) * processes // n  # the positions' sum over processes
         done = (summed // processes).astype(jnp.int32)
         metrics = {"loss": out["loss_sum"] * n / jnp.maximum(total, 1.0), "round": rounds,
-                   "steps_by_device": jax.lax.all_gather(steps[0], axis), **extra}
+                   "steps_by_device": jax.lax.all_gather(steps[0], axis),
+                   "positions_by_device": jax.lax.all_gather(position[0], axis), **extra}
         return state.replace(step=done, params=params, model_state=model_state, sync=sync), metrics
 
     def mapped(state: TrainState, steps: jax.Array, loss_sum: jax.Array) -> tuple[TrainState, dict]:
@@ -373,8 +374,8 @@ def _after_round(rounds: Rounds, state: TrainState, host: dict | None, before: i
         history.append(writer.log(done, {"loss": host["loss"], **{k: v for k, v in host.items() if k in (
             "comm_bytes", "compression_ratio")}}, extra))
         idle = [p for p, k in enumerate(by_process) if k == 0]
-        if idle:  # (a process whose position reached `steps` is done, not idle)
-            positions = rounds.by_process(jax.device_get(state.sync.per_device[PACE_NAME]["position"]))
+        if idle and "positions_by_device" in host:  # (a process whose position reached `steps` is done, not idle)
+            positions = rounds.by_process(host["positions_by_device"])
             idle = [p for p in idle if positions[p] < steps]
         if idle:
             writer.event("no_progress", done, round=round_index, processes=idle)
