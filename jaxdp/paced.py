@@ -40,11 +40,17 @@ its recorded position, so resume is exact given the positions (and, with a time 
 the timing allows). `shared["paced"]["round"]` counts the outer syncs. `state.step` is the training
 done so far in global batches: floor(sum of the positions / processes), so `steps`, `save_every`,
 `eval_every` and the logs count examples as a lockstep run does; a run ends at the first sync where
-it reaches `steps` (the last round may go past it).
+it reaches `steps`. No round takes a process's position past `steps` (`Rounds.steps`), so neither
+does `state.step`. A time-bound round takes at least one step per process, however short, and ends
+early, after the step in flight, at a stop signal (`Rounds.stopping`): SIGTERM's save comes within
+a step, not at the end of the round.
 
-A process that takes no inner step in a round (it was stopped, or its round's time went elsewhere)
-has weight 0 and is named on the console and in the metrics file ("no_progress"); the others do not
-wait for its steps, only for it to reach the sync. One that never reaches the sync is named by the
+A process that takes no inner step in a round (a schedule's 0) has weight 0 and is named on the
+console and in the metrics file ("no_progress") unless it has reached `steps`; the others do not
+wait for its steps, only for it to reach the sync. A schedule round that gives no process a step
+is refused (InputError): it would train nothing. Before every save the replicas (and, with
+overlap, the delta in flight) are checked for NaN / Inf (`check_in_flight`): the guard's loss is
+a round late, and a checkpoint holds them. One that never reaches the sync is named by the
 heartbeat (jaxdp/heartbeat.py, which counts rounds here, not steps) after `--stall-timeout`.
 
 Scope: an in-graph strategy (psum, ring) and its compression (not "auto"), one fragment, no ZeRO-1,
