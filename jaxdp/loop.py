@@ -291,10 +291,12 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
     def saveable() -> None:
         """checked(), and what a checkpoint holds beyond the step's metrics: every-step overlap's gradient
-        in flight (a resume applies it at once). Diverged instead of a non-finite save."""
+        in flight (a resume applies it at once), the rounds' replicas. Diverged instead of a non-finite save."""
         checked()
         if spec.overlap:
             delayed.check_in_flight(state, done)
+        elif rounds_run:  # (paced.train checks its own saves; this is the final one, after the last average)
+            paced.check_in_flight(state, done)
 
     # every-step overlap: with no gradient held at the start (a new run, or one extended after its
     # flush), the first step applies nothing and its metrics are zeros: neither logged nor checked
