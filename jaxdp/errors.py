@@ -28,7 +28,7 @@ EXIT_CODES = {
     EXIT_PEER_LOST: "a peer process died, never arrived or stopped answering",
     EXIT_CANNOT_SAVE: "a checkpoint could not be written (disk full, permissions); the earlier ones are intact",
     EXIT_PREEMPTED: "preempted: a checkpoint was saved; rerun the same command to resume",
-    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C); with a checkpoint directory, the first Ctrl-C saves first: rerun to resume",
 }
 
 

@@ -22,7 +22,7 @@ Like torchrun's standalone mode (the processes themselves: jaxdp/launcher/worker
   in the child before it starts, so XLA sizes its thread pools to them; N processes that each size
   their pools to the whole machine fight over it; README "Launcher" has the figures). `--no-bind`
   leaves them unbound. Hosts with accelerators are not bound (the work is on the devices);
-* SIGINT, SIGTERM and SIGUSR1 are forwarded to every child (SIGTERM / SIGUSR1: save and exit 75);
+* SIGINT, SIGTERM and SIGUSR1 are forwarded to every child (save and exit 75, 130 for SIGINT);
   one that arrives while the children are being restarted stops the launcher instead (exit 75, or
   130 for SIGINT): no new attempt starts;
 * the children die with the launcher: each gets SIGTERM (save and exit 75) when the launcher ends,

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 STARTED = time.perf_counter()  # this module loads first (before JAX): the run's start-up starts here
 
 from jaxdp.config import Config, ConfigError, parse_args  # noqa: E402
-from jaxdp.errors import (EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED,  # noqa: E402
+from jaxdp.errors import (EXIT_CANNOT_SAVE, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED,  # noqa: E402
                           CheckpointWriteError, InputError, run_tool)
 from jaxdp.loop.trainer import MAX_PENDING_STEPS, Result  # noqa: E402,F401  (their home is jaxdp.loop.trainer; older code imports them here)
 from jaxdp.metrics import Diverged  # noqa: E402
@@ -256,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         try:
             result = train(parse_args(argv))
-            return EXIT_PREEMPTED if result.preempted else EXIT_OK
+            if result.preempted:  # (a first Ctrl-C saves as SIGTERM does, and exits as Ctrl-C does)
+                return EXIT_INTERRUPTED if result.summary.get("signal") == "SIGINT" else EXIT_PREEMPTED
+            return EXIT_OK
         except Diverged as err:
             last, unverified = getattr(err, "last_checkpoint", None), getattr(err, "restored_unverified", None)
             kept = f"; the last checkpoint (step {last}) is intact" if last and last != unverified else ""

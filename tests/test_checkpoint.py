@@ -22,7 +22,7 @@ import pytest
 import jaxdp
 from helpers import ROOT, cli_env, records, saved
 from jaxdp.config import parse_args
-from jaxdp.errors import EXIT_PREEMPTED
+from jaxdp.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from jaxdp.models.builtin import MLP
 from jaxdp.train import main, train
 
@@ -290,6 +290,36 @@ def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_p
     never_stopped = tmp_path / "reference.jsonl"
     run("--steps", stopped + 3, "--metrics-file", never_stopped)
     assert step_records(metrics) == step_records(never_stopped)  # every step once, bit-identical losses
+
+
+def test_a_first_ctrl_c_saves_and_exits_130_a_second_aborts_at_once(tmp_path):
+    """--save-every defaults to saving only at the end: Ctrl-C lost the whole run (exit 130, nothing saved)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = start_cli("--checkpoint-dir", ckpt, "--metrics-file", metrics, "--log-every", "1", "--no-progress",
+                     "--steps", 100_000)
+    wait_for_records(metrics, proc, n=3)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)  # a hang guard, not a timing
+    assert proc.returncode == EXIT_INTERRUPTED == 130, stderr
+    stopped = records(metrics)[-1]["step"]
+    assert saved(ckpt) == [str(stopped)]
+    assert f"interrupted (SIGINT): saved step {stopped}" in stderr.strip().splitlines()[-1]
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    """After the first SIGINT the next one is Python's own KeyboardInterrupt (a stuck save can be aborted)."""
+    from jaxdp.cluster.preemption import Preemption
+
+    stop = Preemption()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.should_stop(None) and stop.interrupted and stop.reason == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # (the handler runs here)
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.slow

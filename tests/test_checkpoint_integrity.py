@@ -5,6 +5,8 @@ exit code, and one directory takes one run at a time."""
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxdp
-from helpers import records, run_cli
+from helpers import ROOT, cli_env, records, run_cli
 from jaxdp.checkpoint.checkpointer import CHECKSUMS_FILE
 from jaxdp.config import parse_args
 from jaxdp.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED
@@ -97,6 +99,31 @@ def test_a_full_disk_stops_the_run_with_its_own_exit_code_and_one_line(tmp_path)
         assert {"5", "10"} <= set(os.listdir(disk / "ckpt"))  # the earlier checkpoints are intact
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_background_save_that_fails_exits_73_at_once(tmp_path):
+    """The checkpoint directory replaced by a file mid-run (as a read-only remount after a disk error
+    does): exit 73 comes with its message, not 300 s later (orbax's threads of the failed save
+    waited for a signal that never came, and Python waited for them at exit)."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdp.train", "--checkpoint-dir", str(ckpt), "--steps", "1000000",
+                             "--save-every", "200", "--log-every", "1000", "--no-progress"],
+                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (ckpt / "200").is_dir() and proc.poll() is None:
+            time.sleep(0.01)
+        shutil.move(ckpt, tmp_path / "moved")
+        ckpt.write_text("")
+        try:
+            _, err = proc.communicate(timeout=60)  # (300 s before the fix)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"no exit 60 s after the failed save: {proc.communicate()[1][-3000:]}")
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_CANNOT_SAVE, err[-3000:]
+    lines = err.strip().splitlines()  # one line, as for a full disk
+    assert len(lines) == 1 and lines[0].startswith("jaxdp: error: cannot write checkpoint step"), err[-3000:]
 
 
 def test_a_second_run_on_the_same_directory_exits_2(tmp_path, capsys):

@@ -3,6 +3,7 @@ step computes its gradients, and lands one step late. Against a reference delaye
 one device written out here; exact resume with a gradient in flight; across real processes like
 one process; the errors."""
 
+import re
 import shutil
 
 import flax.linen as nn
@@ -10,16 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from helpers import records
 
 import jaxdp
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.sync.rules import check_config
-from jaxdp.errors import InputError
+from jaxdp.errors import EXIT_DIVERGED, InputError
 from jaxdp.mesh import make_mesh, shard_batch
 from jaxdp.models.builtin import MLP
 from jaxdp.step.state import init_state
 from jaxdp.step.train_step import make_train_step
+from jaxdp.train import main
 
 STEPS, ROWS = 9, 16
 MODEL = MLP(hidden=(8,), num_classes=3)
@@ -81,9 +85,39 @@ def test_overlapped_steps_equal_the_reference_delayed_update_loop(devices, strat
                            np.asarray(state.params["Dense_0"]["kernel"]), atol=1e-4)
 
 
-def overlapped_fit(mesh, **kwargs):
-    return jaxdp.fit(loss_fn, PARAMS, TX, data, steps=STEPS, mesh=mesh, strategy="ring", overlap=True,
-                     progress=False, log_every=1, **kwargs)
+def overlapped_fit(mesh, steps=STEPS, **kwargs):
+    return jaxdp.fit(loss_fn, PARAMS, TX, lambda k: data(k % STEPS), steps=steps, mesh=mesh, strategy="ring",
+                     overlap=True, progress=False, log_every=1, **kwargs)
+
+
+def test_a_step_that_applied_nothing_logs_nothing(devices, tmp_path):
+    """The first step of a run, and the first after extending a finished one (flushed: nothing in
+    flight), apply no gradient; they logged loss, accuracy and grad_norm 0.0 to every sink."""
+    mesh, metrics = make_mesh(devices[:4]), tmp_path / "m.jsonl"
+    overlapped_fit(mesh, steps=4, checkpoint_dir=str(tmp_path / "c"), metrics_file=str(metrics))
+    extended = overlapped_fit(mesh, steps=7, checkpoint_dir=str(tmp_path / "c"), metrics_file=str(metrics))
+    logged = [r for r in records(metrics) if "event" not in r]
+    assert [r["step"] for r in logged] == [2, 3, 4, 6, 7]
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in logged), logged
+    assert [r["step"] for r in extended.history] == [6, 7]
+
+
+@pytest.mark.parametrize("flags", [["--overlap"], ["--sync-every", "4", "--overlap"]])
+def test_no_checkpoint_holds_non_finite_values_in_flight(flags, tmp_path, capsys):
+    """SGD at lr 1e9: the values in flight (every-step: the gradient; rounds: the replicas) become
+    NaN before the applied gradient does. They were saved, and the exit-65 message called that
+    checkpoint intact."""
+    ckpt = tmp_path / "ckpt"
+    code = main(["--checkpoint-dir", str(ckpt), "--optimizer", "sgd", "--lr", "1e9", "--save-every", "1", "--steps",
+                 "40", "--no-progress", *flags])
+    err = capsys.readouterr().err
+    assert code == EXIT_DIVERGED, err
+    for step in [d for d in ckpt.iterdir() if d.name.isdigit()]:
+        state = ocp.PyTreeCheckpointer().restore(str(step / "state"))
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state) if np.issubdtype(np.asarray(x).dtype,
+                                                                                              np.floating)), step.name
+    intact = re.search(r"the last checkpoint \(step (\d+)\) is intact", err)
+    assert intact is None or (ckpt / intact.group(1)).is_dir(), err
 
 
 def test_fit_with_overlap_is_the_reference_and_resumes_bit_identically_with_a_gradient_in_flight(devices, tmp_path):
@@ -93,9 +127,10 @@ def test_fit_with_overlap_is_the_reference_and_resumes_bit_identically_with_a_gr
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
                  whole.state.params, expected)
     # Each logged loss is the step before's (its average landed during this step); the last step's
-    # own lands with the flush that ends the run.
+    # own lands with the flush that ends the run. The first step applied nothing: no record.
+    assert [r["step"] for r in whole.history] == list(range(2, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in whole.history],
-                               expected_losses[:STEPS - 1] + expected_losses[STEPS:], rtol=1e-5)
+                               expected_losses[1:STEPS - 1] + expected_losses[STEPS:], rtol=1e-5)
     shutil.rmtree(tmp_path / str(STEPS))  # back to step 8: step 7's gradient was in flight when saved
     resumed = overlapped_fit(mesh, checkpoint_dir=str(tmp_path), save_every=4)
     assert [r["step"] for r in resumed.history] == [STEPS]

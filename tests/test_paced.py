@@ -3,8 +3,10 @@ lockstep local steps; the example-weighted average equals a reference; resume is
 recorded positions; a process with no step in a round is named; two processes with different
 step counts equal a plain reference loop."""
 
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -75,25 +77,70 @@ def test_resume_is_exact_given_the_recorded_positions(devices, tmp_path):
     schedule = lambda r, p: [3, 5, 2, 4, 1, 6, 3][r]  # noqa: E731
     common = dict(strategy="psum", outer_tx=optax.sgd(0.7, momentum=0.9), sync_seconds=schedule, progress=False)
     whole = jaxdp.fit(loss_fn, params, tx, lambda k: data[k], steps=20, **common)
-    first = jaxdp.fit(loss_fn, params, tx, lambda k: data[k], steps=9, checkpoint_dir=str(tmp_path / "c"),
+    first = jaxdp.fit(loss_fn, params, tx, lambda k: data[k], steps=10, checkpoint_dir=str(tmp_path / "c"),
                       save_every=1, **common)
-    assert int(first.state.step) == 10  # rounds of 3, 5 and 2 steps: the run ends at the sync that passes 9
+    assert int(first.state.step) == 10  # rounds of 3, 5 and 2 steps
     resumed = jaxdp.fit(loss_fn, params, tx, lambda k: data[k], steps=20, checkpoint_dir=str(tmp_path / "c"),
                         save_every=1, **common)
-    assert int(resumed.state.step) == int(whole.state.step) == 21
+    assert int(resumed.state.step) == int(whole.state.step) == 20  # the last round's 6 steps cut to 5: never past steps
     assert _max_diff(resumed.state.params, whole.state.params) == 0
     assert [r["round"] for r in resumed.history] == [4, 5, 6]
 
 
-def test_a_process_with_no_step_in_a_round_is_named(devices, capsys, tmp_path):
+@pytest.mark.timeout(60)  # (such a schedule used to run for ever)
+def test_a_schedule_that_gives_no_process_a_step_is_refused(devices):
+    """A round where nobody steps trains nothing; a schedule of them never ended. (A process with no
+    step in a round while others step is named: test_two_processes_at_different_paces_...)"""
     params, loss_fn = mlp_problem()
     data = list(mlp_batches(10))
+    with pytest.raises(InputError, match="gives no process a step in round 1"):
+        jaxdp.fit(loss_fn, params, optax.sgd(0.1), lambda k: data[k], steps=4, sync_seconds=lambda r, p: [2, 0, 2][r],
+                  progress=False)
+
+
+@pytest.mark.timeout(60)  # (every round used to take no step, for ever)
+def test_a_round_shorter_than_a_step_still_takes_one_step_per_process(devices, tmp_path):
+    params, loss_fn = mlp_problem()
+    data = list(mlp_batches(5))
     metrics = tmp_path / "m.jsonl"
-    result = jaxdp.fit(loss_fn, params, optax.sgd(0.1), lambda k: data[k], steps=4, sync_seconds=lambda r, p: [2, 0, 2][r],
-                       progress=False, metrics_file=str(metrics))
-    assert "jaxdp: --sync-seconds: process 0 took no step in round 2" in capsys.readouterr().err
-    assert '"event": "no_progress"' in metrics.read_text()
-    assert int(result.state.step) == 4
+    result = jaxdp.fit(loss_fn, params, optax.sgd(0.1), lambda k: data[k], steps=5, sync_seconds=1e-9, progress=False,
+                       metrics_file=str(metrics), log_every=1)
+    assert int(result.state.step) == 5
+    assert [r["round_steps_by_process"] for r in result.history] == [[1]] * 5
+    assert "no_progress" not in metrics.read_text()
+
+
+def test_a_time_bound_round_never_goes_past_steps(devices, tmp_path):
+    """The first round used to train for its whole time bound (hundreds of steps past steps=10, and
+    the same call again refused the checkpoint as past steps)."""
+    params, loss_fn = mlp_problem()
+    data = list(mlp_batches(64))
+    common = dict(steps=10, sync_seconds=0.5, progress=False, checkpoint_dir=str(tmp_path / "c"))
+    result = jaxdp.fit(loss_fn, params, optax.sgd(0.1), lambda k: data[k % 64], **common)
+    assert int(result.state.step) == 10
+    assert [r["round_steps_by_process"] for r in result.history] == [[10]]
+    again = jaxdp.fit(loss_fn, params, optax.sgd(0.1), lambda k: data[k % 64], **common)
+    assert int(again.state.step) == 10 and again.history == []
+
+
+def test_sigterm_ends_a_time_bound_round_early_saves_and_exits_75(tmp_path):
+    """With --sync-seconds 60, SIGTERM was acted on when the round's 60 s ended, past the 30 s grace
+    of SLURM and Kubernetes."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdp.train", "--sync-seconds", "60", "--steps", "1000000",
+                             "--checkpoint-dir", str(ckpt), "--metrics-file", str(metrics), "--no-progress"],
+                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (metrics.exists() and '"start"' in metrics.read_text()) and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1.0)  # into the first round
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)  # (the round's 60 s before the fix)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err[-2000:]
+    saved = [int(d.name) for d in ckpt.iterdir() if d.name.isdigit()]
+    assert len(saved) == 1 and saved[0] > 0 and f"saved step {saved[0]}" in err, err[-2000:]
 
 
 def test_time_bounded_rounds_train(devices):
@@ -163,10 +210,11 @@ def test_two_processes_at_different_paces_equal_the_reference(tmp_path):
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     printed = [dict(kv.split("=") for kv in o.splitlines()[-1].split()) for o, _ in outs]
     assert "process 1 took no step in round 2" in outs[0][1]
+    assert "process 0 took no step" not in outs[0][1]  # (in round 3 it had reached steps: done, not idle)
     params, loss_fn = mlp_problem()
     expected, position = _reference(params, loss_fn, optax.sgd(0.1, momentum=0.9), list(mlp_batches(12, batch=64)),
-                                    [[3, 1], [2, 0], [1, 4]])
-    assert [int(p["position"]) for p in printed] == position == [6, 5]
-    assert [int(p["step"]) for p in printed] == [5, 5]  # (6 + 5) // 2 global batches
+                                    [[3, 1], [2, 0], [0, 4]])  # (process 0's 1 step in round 3 would pass steps=5)
+    assert [int(p["position"]) for p in printed] == position == [5, 5]
+    assert [int(p["step"]) for p in printed] == [5, 5]
     flat = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(expected)])
     assert np.max(np.abs(np.load(out) - flat)) < 1e-5

@@ -56,6 +56,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -469,6 +470,7 @@ def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWri
     exiting. So once a save has failed, asyncio's logger stays quiet for the rest of the process
     (--debug keeps it)."""
     quiet.silence_asyncio()
+    _release_waiting_writers()
     cause = err
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -482,6 +484,23 @@ def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWri
         why = quiet.first_line(err)
     return CheckpointWriteError(f"cannot write checkpoint step {step} to {directory}: {why}; the earlier "
                                 f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
+
+
+def _release_waiting_writers() -> None:
+    """Let the failed save's remaining orbax threads end now.
+
+    Hazard: each stage of an orbax save runs on a non-daemon thread that first waits (up to orbax's
+    300 s coordination timeout) for a key-value signal from the stage before, e.g. "step directory
+    created". After a failure that signal never comes, and Python waits for those threads at exit:
+    exit code 73 would come 300 s after its message. So every such thread still alive is cancelled
+    and its awaited signals are set: it wakes, sees the cancellation and returns without writing."""
+    from orbax.checkpoint._src.futures import future as orbax_future
+
+    for thread in threading.enumerate():
+        if isinstance(thread, orbax_future._SignalingThread) and thread.is_alive():
+            thread.cancel()
+            with contextlib.suppress(Exception):  # (a signal already set, or the client gone: nothing waits)
+                orbax_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
 
 
 def _process_and_client() -> tuple[int, int, Any]:

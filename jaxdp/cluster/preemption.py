@@ -1,7 +1,9 @@
 """Stopping cleanly when the job is preempted: the same step on every process.
 
 `Preemption` turns SIGTERM and SIGUSR1 (what SLURM's `--signal` sends) into "finish the current
-step, save, stop". The stop agreement is JAX's own `multihost_utils.process_allgather`.
+step, save, stop", and so a first Ctrl-C (SIGINT): the run saves at the next step boundary and
+exits 130; a second Ctrl-C interrupts at once (Python's KeyboardInterrupt, the saving included).
+The stop agreement is JAX's own `multihost_utils.process_allgather`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preemption:
@@ -37,7 +39,15 @@ class Preemption:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.signal = signum  # only set a flag: the loop decides at the end of the step
+        if self.signal is None or signum != signal.SIGINT:
+            self.signal = signum  # only set a flag: the loop decides at the end of the step
+        if signum == signal.SIGINT:  # the next Ctrl-C is Python's own: it interrupts at once
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped by Ctrl-C (SIGINT) here: exit code 130 rather than 75."""
+        return self.signal == signal.SIGINT
 
     def should_stop(self, state: Any) -> bool:
         """True on every process once any process has received a preemption signal.

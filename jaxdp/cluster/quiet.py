@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from typing import Any, Callable
 
 
@@ -39,9 +40,11 @@ _DROP_ALL = _DropAll()
 
 def silence_asyncio() -> None:
     """Drop every asyncio log record from now on (not with --debug). A filter, not a level:
-    `quiet` puts levels back when its block ends, which would undo a level."""
+    `quiet` puts levels back when its block ends, which would undo a level. So too Python's
+    "coroutine ... was never awaited" warnings at exit: the stages of a failed save that never ran."""
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger("asyncio").addFilter(_DROP_ALL)
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
 
 
 _NOISY_LOGGERS = ("absl", "asyncio", "orbax", "jax._src.distributed")

@@ -23,7 +23,9 @@ evaluation (`every=eval_every`), the save (the checkpointer's plan: every N step
 `--save-every auto`'s measured interval), the stop check (preemption signals, every step or
 round), and the compression controller's re-decision (`every=compression_every`, and at "start").
 Before any of them reads or saves a state, the NaN window (`NanWindow`) checks every step's metrics
-not checked yet: nothing non-finite is ever saved.
+not checked yet, and before a save `Loop.saveable` checks what the checkpoint holds beyond them too
+(the gradient or the round's replicas in flight, which a resume would apply at once): nothing
+non-finite is ever saved.
 """
 
 from __future__ import annotations
@@ -114,6 +116,13 @@ class Loop:
     spec: Any = None                    # the sync choices now (compression "auto" switches)
     decided_s: float = 0.0              # the controller's own time
     startup_s: float = 0.0              # from the process's start to the loop's
+    in_flight: Callable[[Any, int], None] | None = None  # (state, step) -> Diverged if what is in flight is not finite
+
+    def saveable(self) -> None:
+        """Before a save: the pending metrics, then what is in flight (Diverged instead of a non-finite save)."""
+        self.window.check()
+        if self.in_flight is not None:
+            self.in_flight(self.state, self.done)
 
     @property
     def steps(self) -> int:
@@ -144,6 +153,8 @@ def periodic(loop: Loop, log: Hook) -> Hooks:
 def log_step(loop: Loop) -> None:
     """The step loop's record: the latest step's metrics (and lr, stragglers, what plain averaging sends)."""
     latest = loop.window.check()
+    if not latest:  # (none yet: every-step overlap's first step applied nothing)
+        return
     schedule = loop.options["logging"].schedule
     extra = {"lr": float(schedule(loop.done - 1))} if schedule is not None else {}
     loop.history.append(loop.writer.log(loop.done, latest, {**extra, **loop.plan.beat.stragglers(),
@@ -170,21 +181,20 @@ def save_when_due(loop: Loop) -> None:
     checkpointer = loop.plan.checkpointer
     checkpointer.poll()  # a background save that failed stops the run here (exit 73)
     if checkpointer.due(loop.before, loop.done):
-        loop.window.check()  # never write a non-finite state over a good checkpoint
+        loop.saveable()  # never write a non-finite state over a good checkpoint
         checkpointer.save(loop.state)
         checkpointer.report_decision(loop.writer, loop.done)  # --save-every auto: the measuring save chose
 
 
 def save_now(loop: Loop) -> None:
-    """A stop signal: save the state reached (a no-op if it was just saved)."""
-    loop.window.check()
+    """A stop signal: save the state reached (a no-op if it was just saved; `stop_on_signal` checked it)."""
     loop.plan.checkpointer.save(loop.state)
 
 
 def stop_on_signal(loop: Loop) -> None:
     """Multi-process: a tiny all-reduce, so every process stops after the same step."""
     if loop.done < loop.steps and loop.preemption.should_stop(loop.state):
-        loop.window.check()
+        loop.saveable()
         loop.stop = True
 
 

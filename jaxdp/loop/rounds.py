@@ -32,9 +32,13 @@ def run_rounds(loop: Loop) -> None:
     """Rounds until `state.step` reaches the plan's `steps`, or until a hook stops the loop."""
     import jax
 
-    from jaxdp.step.rounds import PACE_NAME, Overlapped
+    from jaxdp.step.rounds import PACE_NAME, Overlapped, check_in_flight
 
     plan, rounds = loop.plan, make_rounds(loop)
+    rounds.steps = plan.steps  # no process's position goes past --steps
+    if loop.preemption is not None:  # SIGTERM ends a time-bound round at once: what was trained is averaged, saved
+        rounds.stopping = lambda: getattr(loop.preemption, "signal", None) is not None
+    loop.in_flight = check_in_flight  # the replicas (and the delta) in flight: the loss lands a round late
     landed: dict[str, Any] = {}  # the last round's figures on the host (empty: none landed yet, --overlap)
 
     def log_round(loop: Loop) -> None:
@@ -94,6 +98,9 @@ def _log_round(loop: Loop, rounds: Any, host: dict) -> None:
     loop.history.append(loop.writer.log(done, {"loss": host["loss"], **{k: v for k, v in host.items() if k in (
         "comm_bytes", "compression_ratio")}}, extra))
     idle = [p for p, k in enumerate(by_process) if k == 0]
+    if idle and "positions_by_device" in host:  # (a process whose position reached `steps` is done, not idle)
+        positions = rounds.by_process(host["positions_by_device"])
+        idle = [p for p in idle if positions[p] < loop.steps]
     if idle:
         loop.writer.event("no_progress", done, round=round_index, processes=idle)
         if loop.plan.is_main:

@@ -2,7 +2,9 @@
 
 Every sync mode but the host-driven rounds runs here (those: jaxdp/loop/rounds.py): the strategy,
 compression (the controller's re-decisions are a hook), local steps, ZeRO-1, gradient accumulation,
-every-step overlap (the last step applies its own gradient too: nothing is left in flight).
+every-step overlap (the last step applies its own gradient too: nothing is left in flight; a step
+that applied nothing, the first with no gradient held, is neither logged nor checked; before every
+save the gradient in flight is checked too).
 """
 
 from __future__ import annotations
@@ -20,10 +22,18 @@ class _NeverRaised(Exception):
 def run_steps(loop: Loop) -> None:
     """Train from `loop.start` to the plan's `steps`, or until a hook stops the loop."""
     import jax
+    import numpy as np
 
     from jaxdp.data.prefetch import Prefetcher
+    from jaxdp.step import delayed
 
     plan = loop.plan
+    # every-step overlap: with no gradient held at the start (a new run, or one extended after its
+    # flush), the first step applies nothing and its metrics are zeros: neither logged nor checked
+    made_up = loop.spec.overlap and not int(np.asarray(
+        loop.state.sync.per_device[delayed.DELAYED_NAME]["held"].addressable_shards[0].data)[0])
+    if loop.spec.overlap:
+        loop.in_flight = delayed.check_in_flight
     hooks = periodic(loop, Hook(log_step, every=loop.options["logging"].every, at=("last",)))
     hooks.run(loop, "start")
     batches = Prefetcher(plan.batch_at, loop.start, plan.steps, depth=loop.options["run"].prefetch)
@@ -40,14 +50,19 @@ def run_steps(loop: Loop) -> None:
                 if not (plan.is_main and plan.checkpointer):  # (rank 0 says what it saved: fit's stopped())
                     print(f"jaxdp: {gone}: stopping after step {loop.done}, exit code 75", file=sys.stderr)
                 loop.preemption.gone, loop.stop = True, True
+                loop.saveable()
                 hooks.run(loop, "stop")  # rank 0 saves the state it holds
                 return
             done = step + 1
+            phantom = made_up and step == loop.start  # (every-step overlap: nothing applied yet)
             if loop.spec.overlap and done == plan.steps:  # the last step: apply its own gradient too, nothing in flight
-                loop.window.pending.append((done, metrics))
+                if not phantom:
+                    loop.window.pending.append((done, metrics))
                 state, metrics = train_step.flush(state)
+                phantom = False
             plan.beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
-            loop.window.add(done, metrics)
+            if not phantom:
+                loop.window.add(done, metrics)
             if step == loop.start:  # the first step compiles: time it apart, then start the clock
                 jax.block_until_ready(metrics)  # host sync point (once)
                 loop.writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted

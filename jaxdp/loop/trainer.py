@@ -180,7 +180,7 @@ def finish(loop: Loop, evaluation: EvalOptions) -> dict[str, Any]:
     from jaxdp.sync import spec as syncspec
 
     plan = loop.plan
-    loop.window.check()
+    loop.saveable()
     plan.beat.phase("the final save and evaluation")
     if plan.checkpointer:  # the final state, before evaluating: bad held-out input loses no training
         plan.checkpointer.save(loop.state)  # (a no-op if the last step was just saved)
@@ -194,13 +194,15 @@ def finish(loop: Loop, evaluation: EvalOptions) -> dict[str, Any]:
 def stopped(loop: Loop) -> Result:
     """A run a stop signal ended: one console line (process 0), the Result that says so."""
     plan = loop.plan
+    interrupted = getattr(loop.preemption, "interrupted", False)  # Ctrl-C: saved as for SIGTERM, exit code 130
     if plan.is_main and plan.checkpointer:
-        from jaxdp.errors import EXIT_PREEMPTED
+        from jaxdp.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
-        print(f"jaxdp: preempted ({loop.preemption.reason}): saved step {loop.done} to {plan.checkpointer.directory}, "
-              f"exit code {EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
-    return Result(state=loop.state, history=loop.history, summary={"event": "preempted", "step": loop.done},
-                  preempted=True)
+        print(f"jaxdp: {'interrupted' if interrupted else 'preempted'} ({loop.preemption.reason}): saved step "
+              f"{loop.done} to {plan.checkpointer.directory}, exit code "
+              f"{EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED}; run the same command to resume", file=sys.stderr)
+    return Result(state=loop.state, history=loop.history, summary={"event": "preempted", "step": loop.done, **(
+        {"signal": "SIGINT"} if interrupted else {})}, preempted=True)
 
 
 def close(loop: Loop, finished: bool) -> None:

@@ -39,7 +39,8 @@ resumes bit-identically): the gradient in flight and its metrics, one row per de
 (`TrainStep.prepare(state, batch)`, or on the first call); `jaxdp.fit` does so before it restores.
 
 Metrics: the step's metrics are those of the gradient it applied, the step before's (the loss is
-averaged in the same exchange); the first call's are zeros. Scope: an in-graph strategy (psum,
+averaged in the same exchange); the first call's are zeros (nothing was applied: `jaxdp.fit` logs
+none for it). A checkpoint holds the gradient in flight too: `check_in_flight` before every save. Scope: an in-graph strategy (psum,
 ring) with any fixed compression; no local steps (those overlap their rounds: jaxdp/step/rounds.py), no
 ZeRO-1, no float model state (BatchNorm statistics would be one step stale and per device).
 """
@@ -67,6 +68,29 @@ def is_delayed(state: Any) -> bool:
 
 def _without_slot(sync: Any) -> Any:
     return sync.replace(per_device={k: v for k, v in sync.per_device.items() if k != DELAYED_NAME})
+
+
+@jax.jit
+def non_finite(tree: Any) -> jax.Array:
+    """NaN if any value of `tree` is NaN, else inf if any is infinite, else 0 (one program, one scalar)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    nan = jnp.any(jnp.stack([jnp.any(jnp.isnan(x)) for x in leaves]))
+    inf = jnp.any(jnp.stack([jnp.any(jnp.isinf(x)) for x in leaves]))
+    return jnp.where(nan, jnp.nan, jnp.where(inf, jnp.inf, 0.0))
+
+
+def check_in_flight(state: Any, step: int) -> None:
+    """Raise jaxdp.metrics.Diverged if the gradient in flight (or its loss) is NaN or infinite.
+
+    The NaN guard checks the gradient a step applied; a checkpoint also holds the one in flight, and
+    a resume would apply it at once. So before every save (a host sync point; with several
+    processes, every process calls it at the same steps)."""
+    from jaxdp.metrics import Diverged
+
+    held = state.sync.per_device[DELAYED_NAME]
+    value = float(jax.device_get(non_finite((held["grads"], held["metrics"]))))  # host sync point
+    if value:
+        raise Diverged(step, "the gradient in flight", value)
 
 
 class Delayed:

@@ -40,11 +40,17 @@ its recorded position, so resume is exact given the positions (and, with a time 
 the timing allows). `shared["paced"]["round"]` counts the outer syncs. `state.step` is the training
 done so far in global batches: floor(sum of the positions / processes), so `steps`, `save_every`,
 `eval_every` and the logs count examples as a lockstep run does; a run ends at the first sync where
-it reaches `steps` (the last round may go past it).
+it reaches `steps`. No round takes a process's position past `steps` (`Rounds.steps`), so neither
+does `state.step`. A time-bound round takes at least one step per process, however short, and ends
+early, after the step in flight, at a stop signal (`Rounds.stopping`): SIGTERM's save comes within
+a step, not at the end of the round.
 
-A process that takes no inner step in a round (it was stopped, or its round's time went elsewhere)
-has weight 0 and is named on the console and in the metrics file ("no_progress"); the others do not
-wait for its steps, only for it to reach the sync. One that never reaches the sync is named by the
+A process that takes no inner step in a round (a schedule's 0) has weight 0 and is named on the
+console and in the metrics file ("no_progress") unless it has reached `steps`; the others do not
+wait for its steps, only for it to reach the sync. A schedule round that gives no process a step
+is refused (InputError): it would train nothing. Before every save the replicas (and, with
+overlap, the delta in flight) are checked for NaN / Inf (`check_in_flight`): the guard's loss is
+a round late, and a checkpoint holds them. One that never reaches the sync is named by the
 heartbeat (jaxdp/cluster/heartbeat.py, which counts rounds here, not steps) after `--stall-timeout`.
 
 Scope: an in-graph strategy (psum, ring) and its compression (not "auto"), one fragment, no ZeRO-1,
@@ -223,7 +229,8 @@ def make_sync(mesh: Mesh, strategy: Any, compression: Any, outer_tx: optax.Gradi
         summed = jax.lax.psum(position[0], axis) * processes // n  # the positions' sum over processes
         done = (summed // processes).astype(jnp.int32)
         metrics = {"loss": out["loss_sum"] * n / jnp.maximum(total, 1.0), "round": rounds,
-                   "steps_by_device": jax.lax.all_gather(steps[0], axis), **extra}
+                   "steps_by_device": jax.lax.all_gather(steps[0], axis),
+                   "positions_by_device": jax.lax.all_gather(position[0], axis), **extra}
         return state.replace(step=done, params=params, model_state=model_state, sync=sync), metrics
 
     def mapped(state: TrainState, steps: jax.Array, loss_sum: jax.Array) -> tuple[TrainState, dict]:
@@ -254,6 +261,8 @@ class Rounds:
         owners = [d.process_index for d in mesh.devices.flat]
         self.first_row = {p: owners.index(p) for p in sorted(set(owners))}  # a device row of each process
         self.local_rows = rows_per_step // len(self.first_row) if rows_per_step else None
+        self.steps: int | None = None  # --steps: no process's position goes past it (`train` sets it)
+        self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived: end a time-bound round now
 
     def _batch(self, position: int) -> Any:
         sharding = NamedSharding(self.local, P(data_axes(self.local)))
@@ -275,14 +284,21 @@ class Rounds:
         started = time.perf_counter()
         budget = None if callable(self.pace) else float(self.pace)
         planned = int(self.pace(round_index, self.process)) if callable(self.pace) else None
+        if planned is not None and not any(self.pace(round_index, p) for p in self.first_row):
+            raise InputError(f"the sync_seconds schedule gives no process a step in round {round_index}: such a "
+                             f"round trains nothing, and a run of them never ends; give some process a step",
+                             setting="sync_seconds")
         if limit is not None and planned is None:  # (a schedule is followed as it is: it replays a run)
             planned, budget = limit, None
+        room = None if self.steps is None else max(self.steps - at, 0)  # never past --steps
         taken, previous = 0, None
         while True:
+            if room is not None and taken >= room:
+                break
             if planned is not None:
                 if taken >= planned:
                     break
-            elif budget is not None and time.perf_counter() - started >= budget:
+            elif taken and (time.perf_counter() - started >= budget or self.stopping()):  # (at least 1 step)
                 break
             rows, position, loss_sum = self.inner(rows, view, position, loss_sum, self._batch(at + taken))
             taken += 1
