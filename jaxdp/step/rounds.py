@@ -329,6 +329,19 @@ class Rounds:
         return [int(values[row]) for row in self.first_row.values()]
 
 
+def check_in_flight(state: TrainState, step: int) -> None:
+    """Raise jaxdp.metrics.Diverged if the replicas, or (--overlap) the delta in flight, hold NaN or
+    infinite values. The guard checks the loss of a round that landed; a checkpoint also holds what
+    has not landed yet, and a resume would average it at once. So before every save."""
+    from jaxdp.metrics import Diverged
+    from jaxdp.step.delayed import non_finite
+
+    held = {k: v for k, v in state.sync.per_device.items() if k in (STATE_NAME, OVERLAP_NAME)}
+    value = float(jax.device_get(non_finite(held)))  # host sync point
+    if value:
+        raise Diverged(step, "the parameters in flight (the replicas of the round)", value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Overlap (--overlap with --sync-every H): round k's average runs while round k + 1 trains
 # ---------------------------------------------------------------------------------------------
