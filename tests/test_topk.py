@@ -100,7 +100,7 @@ def test_specs_parse_round_trip_and_bad_ones_are_one_line():
 
 def run_mlp(mesh, compression, steps=60):
     params, loss_fn = mlp_problem()
-    tx = optax.sgd(0.1, momentum=0.9)
+    tx = optax.sgd(0.1)  # with momentum 0.9 the delayed values come back in bursts it amplifies (docs/slow-links.md)
     state = jaxdp.init_state(params, tx, mesh, compression=compression)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", compression=compression)
     losses = []
@@ -110,12 +110,14 @@ def run_mlp(mesh, compression, steps=60):
     return state, losses, metrics
 
 
+@pytest.mark.slow
 def test_training_with_topk_tracks_dense(devices):
+    """Measured: the last 10 of 60 steps' mean loss 1.575 (topk:0.1) against 1.539 (dense), 2.3 % apart."""
     mesh = jaxdp.make_mesh(devices)
     _, dense, _ = run_mlp(mesh, None)
     state, sparse, metrics = run_mlp(mesh, "topk:0.1")
-    assert sparse[-1] < 0.6 * sparse[0]
-    assert np.mean(sparse[-10:]) < 1.25 * np.mean(dense[-10:]), (np.mean(sparse[-10:]), np.mean(dense[-10:]))
+    assert sparse[-1] < 0.8 * sparse[0]
+    assert np.mean(sparse[-10:]) < 1.05 * np.mean(dense[-10:]), (np.mean(sparse[-10:]), np.mean(dense[-10:]))
     assert float(metrics["compression_ratio"]) == pytest.approx(4 / 8 / 0.1, rel=0.05)
     for leaf in jax.tree.leaves(state.params):  # every device holds the same bits
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
