@@ -11,7 +11,7 @@ import jaxdp
 from helpers import mlp_batches, mlp_problem, records
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.sync import codecs, rules
-from jaxdp.sync.codecs.topk import CHUNK, TopK
+from jaxdp.sync.codecs.topk import CHUNK, TopK, lead
 from jaxdp.train import train
 
 N = 8
@@ -34,6 +34,24 @@ def linear_problem(mesh, compression, strategy, steps, seed=0):
     return grads, state, history
 
 
+def leader(step, n):
+    """The sum of step's base-n digits, mod n."""
+    digits = 0
+    while step and n > 1:
+        digits, step = digits + step % n, step // n
+    return digits % n
+
+
+def test_every_device_leads_in_turn_also_when_syncing_every_h_steps():
+    for n in (1, 2, 3, 4, 8):
+        for steps in ([*range(5 * n)], [*range(3, 200, 4)], [*range(15, 2000, 16)], [*range(7, 500, 8)]):
+            got = [int(lead(s, n)) for s in steps]
+            assert got == [leader(s, n) for s in steps]
+            assert set(got) == set(range(n)), (n, steps[:3])
+        assert all(sorted(int(lead(s, n)) for s in range(b * n, b * n + n)) == [*range(n)] for b in range(20))
+    assert int(lead(jnp.int32(2 ** 31 - 1), 8)) == leader(2 ** 31 - 1, 8)
+
+
 def reference(grads, density, steps):
     """numpy: x_d = (g_d + e_d) / N in chunks of CHUNK; the leader (step mod N) picks each chunk's k
     largest |x|; the mean is the sum of every device's x there, scattered; e_d = N * (x_d off the set)."""
@@ -46,7 +64,7 @@ def reference(grads, density, steps):
     for s in range(steps):
         x = (np.pad(grads.reshape(n, size), ((0, 0), (0, chunks * chunk - size))) + errors) * np.float32(1 / n)
         x = x.reshape(n, chunks, chunk)
-        index = np.argsort(-np.abs(x[s % n]), axis=1, kind="stable")[:, :k]
+        index = np.argsort(-np.abs(x[leader(s, n)]), axis=1, kind="stable")[:, :k]
         rows = np.arange(chunks)[:, None]
         mean = np.zeros((chunks, chunk), np.float32)
         mean[rows, index] = x[:, rows, index].sum(0)
@@ -140,3 +158,24 @@ def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
     assert resumed.history[0]["step"] == 5
     assert losses(tmp_path / "cut.jsonl") == losses(tmp_path / "whole.jsonl")
     assert len(losses(tmp_path / "whole.jsonl")) == 8
+
+
+def test_local_steps_send_their_pseudo_gradient_through_topk(devices):
+    """--sync-every 4 --compression topk:0.1: the every-step form on the pseudo-gradient (docs/slow-links.md)."""
+    mesh = jaxdp.make_mesh(devices)
+    params, loss_fn = mlp_problem()
+    local = dict(sync_every=4, outer_tx=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    tx = optax.sgd(0.1)
+    state = jaxdp.init_state(params, tx, mesh, compression="topk:0.1", **local)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="psum", compression="topk:0.1", **local)
+    history = []
+    for batch in mlp_batches(8):
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        history.append(jax.device_get(metrics))
+    assert [float(m["synced"]) for m in history][3::4] == [1, 1]
+    assert float(history[3]["compression_ratio"]) == pytest.approx(5, rel=0.05)
+    errors = jax.tree.leaves(state.sync.per_device["compression"])
+    assert all(e.shape[0] == 8 for e in errors) and any(np.any(np.asarray(e) != 0) for e in errors)
+    replicas = state.sync.per_device["local_sgd"]["params"]  # after a sync every replica is the global params
+    jax.tree.map(lambda r, g: np.testing.assert_array_equal(np.asarray(r), np.broadcast_to(np.asarray(g), r.shape)),
+                 replicas, state.params)

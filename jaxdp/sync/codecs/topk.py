@@ -33,7 +33,7 @@ class TopK(Compressor):
     """`topk:DENSITY[:BITS]`. Per device x = (g + e) / N (e: its error feedback), fused into one
     float32 buffer cut into chunks of CHUNK values (the last padded with zeros).
 
-    1. The leader, device `step mod N` (so every device leads in turn), takes the k = round(DENSITY *
+    1. The leader, device `lead(step, N)` (every device in turn), takes the k = round(DENSITY *
        chunk) largest |x| of each chunk (jax.lax.top_k); every other device sends zeros, and one
        all-reduce of those (chunks, k) indices (as float32: exact) gives every device the same set.
     2. Every device sends its own x at those positions, a dense (chunks, k) buffer: through the
@@ -119,7 +119,7 @@ class TopK(Compressor):
         chunks, chunk, k = self.shape(size)
         x = jnp.pad(flat, (0, chunks * chunk - size)).reshape(chunks, chunk)
         mine = jax.lax.top_k(jnp.abs(x), k)[1]
-        leader = jnp.asarray(step, jnp.int32) % n == jnp.asarray(device, jnp.int32)
+        leader = lead(jnp.asarray(step, jnp.int32), n) == jnp.asarray(device, jnp.int32)
         proposal = jnp.where(leader, mine, 0).astype(jnp.float32).ravel()
         index = self._sum(reduce, proposal, n, exact=True)[0].astype(jnp.int32).reshape(chunks, k)
         rows = jnp.arange(chunks)[:, None]
@@ -147,6 +147,17 @@ class TopK(Compressor):
             wire = codec.wire(chunk, block)
         total, left = reduce(jnp.pad(buffer, (0, chunk * n - size)), wire)
         return total[:size], left[:size]
+
+
+def lead(step: Any, n: int) -> Any:
+    """The leader of `step` among `n` devices: the sum of step's base-n digits, mod n. Over any n
+    consecutive steps every device leads once (as step mod n), and it still reaches every device
+    when the codec runs every H steps only (local steps sync at steps H - 1, 2H - 1, ...), where
+    step mod n would return to the same n / gcd(H, n) devices."""
+    total, place = step * 0, 1
+    while n > 1 and place < 2 ** 31:  # every digit of an int32
+        total, place = total + step // place % n, place * n
+    return total % n
 
 
 def _exact_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
