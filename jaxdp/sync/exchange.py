@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicate
 from jaxdp.registry import AUTO
-from jaxdp.sync import codecs
+from jaxdp.sync import codecs, rules
 from jaxdp.sync.codecs.base import SLOT, CompressionState, Compressor, bytes_sent, entries, leaf_key, store, stored, \
     uncompressed_bytes
 from jaxdp.sync.collectives import Collective
@@ -181,11 +181,7 @@ def make_exchange(collective: Collective, axis: Any, n: int, codec: Compressor |
     pre-scaled by 1/n, which is how local steps average their pseudo-gradients)."""
     if codec is None:
         return Plain(collective, axis, n)
-    if collective.sum is None:
-        raise ValueError(f"compression needs an in-graph sum over devices; strategy {collective.name!r} has none")
-    if codec.needs == "coded_sum" and collective.coded_sum is None:
-        raise ValueError(f"compression {codec.name} requantizes at every hop of a ring; strategy {collective.name!r} "
-                         f"has no such hops (jaxdp.sync.collectives.Collective.coded_sum); use ring")
+    rules.check(rules.Choices(collective.name, rules.abilities(collective), compression=codec.name, needs=codec.needs))
     return Coded(collective, codec, axis, n)
 
 

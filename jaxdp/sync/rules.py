@@ -72,7 +72,7 @@ class Choices:
     def of(cls, spec: Any, **more: Any) -> "Choices":
         """The choices of a `jaxdp.sync.spec.SyncSpec`, plus those fit alone knows (`more`)."""
         name = spec.codec_name()
-        return cls(strategy=strategy_name(spec.strategy), abilities=abilities(spec.strategy), compression=name,
+        return cls(strategy=strategy_name(spec.strategy), abilities=spec.abilities, compression=name,
                    needs="sum" if name in (None, AUTO) else codecs.needs(spec.compression),
                    sync_every=spec.sync_every, sync_fragments=spec.sync_fragments, outer=spec.outer_tx is not None,
                    shard_optimizer=spec.shard_optimizer, overlap=spec.overlap, **more)

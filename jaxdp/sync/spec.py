@@ -107,7 +107,7 @@ class SyncSpec:
     def rule(self) -> str:
         """The update rule: "host" (an on-host strategy), "local" (local steps), "sharded" (ZeRO-1)
         or "replicated" (every device applies the same update to replicated state)."""
-        if "host" in abilities(self.strategy):
+        if "host" in self.abilities:
             return "host"
         if self.local:
             return "local"
@@ -123,6 +123,11 @@ class SyncSpec:
             check_sync_every(self.sync_every, self.sync_fragments)
         rules.check(rules.Choices.of(self, **more))
         return self
+
+    @functools.cached_property
+    def abilities(self) -> frozenset[str]:
+        """What the strategy can do (jaxdp.sync.rules.abilities), asked once."""
+        return abilities(self.strategy)
 
     @functools.cached_property
     def collective(self) -> Any:

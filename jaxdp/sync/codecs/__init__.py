@@ -18,6 +18,7 @@ keeps state), plus one line in TABLE.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 from typing import Any
@@ -104,12 +105,18 @@ def row(spec: str) -> Row:
 
 def parse(spec: str) -> Any:
     """The codec `spec` names ("none" | "bf16" | "int8" | "int4" | "powersgd:RANK[...]"), a
-    `Compressor`; ValueError (one line) otherwise. Imports only the module of its row."""
+    `Compressor`; ValueError (one line) otherwise. Imports only the module of its row; a spec is
+    parsed once per process (codecs are frozen values)."""
     found = row(spec)
     try:
-        return found.load().from_spec(spec.strip().lower())
+        return _parsed(found, spec.strip().lower())
     except ValueError as err:
         raise ValueError(f"compression {spec!r}: {err}; use {SPEC_HELP}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(found: Row, text: str) -> Any:
+    return found.load().from_spec(text)
 
 
 def ladder_rows() -> list[Row]:
