@@ -179,3 +179,14 @@ def test_local_steps_send_their_pseudo_gradient_through_topk(devices):
     replicas = state.sync.per_device["local_sgd"]["params"]  # after a sync every replica is the global params
     jax.tree.map(lambda r, g: np.testing.assert_array_equal(np.asarray(r), np.broadcast_to(np.asarray(g), r.shape)),
                  replicas, state.params)
+
+
+def test_payload_counts_indices_values_and_scales():
+    params = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32)}
+    k = round(0.05 * CHUNK)  # 205 a chunk, 2 chunks: 410 values
+    assert TopK(0.05).payload_bytes(params, 8) == TopK(0.05).payload_bytes(params) == 410 * 8
+    # ring: 410 indices padded to 8 chunks of 52 (float32), 8 messages of one block of 52 int8 and its scale
+    assert TopK(0.05, 8).payload_bytes(params, 8) == 416 * 4 + 8 * (4 + 52)
+    assert TopK(0.05, 2).payload_bytes(params, 8) == 416 * 4 + 8 * (4 + 52 // 4)
+    assert TopK(0.05, 4).payload_bytes(params) == 410 * 4 + 205 + 4
+    assert 2 * k == 410

@@ -101,8 +101,8 @@ class TopK(Compressor):
             return values * 8
         if num_devices is None:
             return values * 4 + -(-values * self.bits // 8) + -(-values // QUANT_BLOCK) * 4
-        codec, chunk, block = self._wire(values, num_devices)
-        return values * 4 + num_devices * codec.message_bytes(chunk, block)
+        codec, chunk, block = self._wire(values, num_devices)  # the indices: float32, padded to the ring's chunks
+        return -(-values // num_devices) * num_devices * 4 + num_devices * codec.message_bytes(chunk, block)
 
     def mean(self, grads: Tree, state: CompressionState, reduce: Callable, num_devices: int, step: Any,
              device: Any = 0) -> tuple[Tree, CompressionState, dict]:
