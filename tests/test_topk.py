@@ -142,6 +142,7 @@ def test_training_with_topk_tracks_dense(devices):
         assert all(np.array_equal(s, shards[0]) for s in shards)
 
 
+@pytest.mark.slow
 def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
     flags = ["--log-every", "1", "--no-progress", "--compression", "topk:0.1"]
 
