@@ -84,7 +84,7 @@ SCHEDULES = Registry("schedule", {"constant": "jaxdp.step.optim:constant_schedul
 
 # optax optimizers: `build(learning_rate, momentum, weight_decay) -> optax.GradientTransformation`.
 OPTIMIZERS = Registry("optimizer", {"adam": "jaxdp.step.optim:adam", "adamw": "jaxdp.step.optim:adamw", "sgd": "jaxdp.step.optim:sgd",
-                                    "momentum": "jaxdp.step.optim:momentum"})
+                                    "momentum": "jaxdp.step.optim:momentum", "muon": "jaxdp.step.optim:muon"})
 
 # Outer optimizers of local steps (--sync-every, jaxdp/step/local_sgd.py): `build(lr, momentum) -> optax.GradientTransformation`.
 OUTER_OPTIMIZERS = Registry("outer optimizer", {"nesterov": "jaxdp.step.optim:nesterov_outer", "sgd": "jaxdp.step.optim:sgd_outer"})

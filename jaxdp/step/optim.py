@@ -42,6 +42,14 @@ def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTra
     return optax.sgd(lr, momentum=momentum)
 
 
+def muon(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
+    """Muon (optax.contrib.muon): momentum orthogonalised by Newton-Schulz for the 2-D weight
+    matrices, Adam (its usual fallback, the same lr) for every other leaf (biases, norms, 3-D kernels)."""
+    from optax import contrib
+
+    return contrib.muon(lr)
+
+
 def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: float = 1e-4, *,
                    clip_norm: float = 0.0, decay_matrices_only: bool = False) -> optax.GradientTransformation:
     """The optax optimizer called `name` in `jaxdp.registry.OPTIMIZERS`; `lr` may be a schedule.

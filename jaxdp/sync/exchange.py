@@ -154,7 +154,8 @@ class Coded:
             reduce = coded_with_riders
         else:
             reduce = (lambda t: total(t, axis)) if separate else sum_with_riders
-        mean, new, scalars = codec.mean(tree, codec.read(slot, tree), reduce, n, step)
+        where = {"device": jax.lax.axis_index(axis)} if getattr(codec, "needs_device", False) else {}  # top-k's leader
+        mean, new, scalars = codec.mean(tree, codec.read(slot, tree), reduce, n, step, **where)
         metrics, floats = self.collective.mean(riders, axis) if separate and n > 1 else (
             riding[0] if riding else riders)
         sync = store(sync, codec.write(slot, new))

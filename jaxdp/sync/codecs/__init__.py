@@ -69,6 +69,7 @@ class Row:
 
 
 _PSGD_OPTIONS = r"(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*"
+_TOPK = r"topk:(0?\.\d*[1-9]\d*|1(\.0*)?)"  # DENSITY in (0, 1]
 _QUANT_BYTES = 4 / 512  # one float32 scale per block of QUANT_BLOCK (codecs/quantized.py) values
 
 TABLE: tuple[Row, ...] = (
@@ -81,6 +82,9 @@ TABLE: tuple[Row, ...] = (
     Row("powersgd", r"powersgd:[1-9]\d*" + _PSGD_OPTIONS, "powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]",
         "jaxdp.sync.codecs.powersgd:PowerSGD", ladder=2, fewer_bytes=True, guarded=True,
         keeps_state=True, example="powersgd:4:start=2"),
+    Row("topk", _TOPK + "(:32)?", "topk:DENSITY[:BITS]", "jaxdp.sync.codecs.topk:TopK", keeps_state=True, example="topk:0.1"),
+    Row("topk", _TOPK + ":[842]", "topk:DENSITY:BITS (BITS 8, 4, 2: the ring)", "jaxdp.sync.codecs.topk:TopK", needs="coded_sum",
+        keeps_state=True, example="topk:0.1:8"),
 )
 
 SPEC_HELP = ", ".join(r.usage for r in TABLE[:-1]) + f" or {TABLE[-1].usage}"
@@ -132,7 +136,7 @@ def __getattr__(attr: str) -> Any:
     homes = {"Compressor": "base", "CompressionState": "base", "Wire": "base", "bytes_sent": "base",
              "uncompressed_bytes": "base", "leaf_key": "base", "SLOT": "base", "auto_slot": "base",
              "NoCompression": "plain", "Bf16": "plain", "Quantized": "quantized", "QUANT_BLOCK": "quantized",
-             "PowerSGD": "powersgd", "orthonormalize": "powersgd", "matrix_view": "powersgd",
+             "PowerSGD": "powersgd", "TopK": "topk", "orthonormalize": "powersgd", "matrix_view": "powersgd",
              "DEFAULT_MIN_RATE": "powersgd", "ORTHO_EPS": "powersgd"}
     if attr not in homes:
         raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
