@@ -520,9 +520,12 @@ class Member:
             self.sock = None
 
 
-def from_env(environ: dict | None = None) -> Member | None:
+def from_env(environ: dict | None = None) -> Any:
     """The Member `jaxdp.launch --elastic` set up in this process's environment, or None."""
     environ = os.environ if environ is None else environ
+    from jaxdp.cluster import ft
+    if environ.get(ft.ENV_LIGHTHOUSE):  # an elastic run on torchft (jaxdp/cluster/ft.py)
+        return ft.from_env(environ)
     address = environ.get(ENV_ADDRESS)
     if not address:
         return None

@@ -175,8 +175,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
         def step_for(spec: Any) -> Any:  # one compiled step per choice (compression "auto" switches)
             if spec not in steps_by_spec and elastic is not None:
-                steps_by_spec[spec] = make_elastic_step(loss_fn, tx, mesh, elastic, shard_data, stateful=stateful,
-                                                        grad_accum=grad_accum, grad_norm=True)
+                make = getattr(elastic, "make_step", make_elastic_step)  # (torchft's: jaxdp/cluster/ft.py)
+                steps_by_spec[spec] = make(loss_fn, tx, mesh, elastic, shard_data, stateful=stateful,
+                                           grad_accum=grad_accum, grad_norm=True)
             if spec not in steps_by_spec:
                 steps_by_spec[spec] = make_train_step(
                     loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
@@ -467,7 +468,8 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
               f"{EXIT_PEER_LOST}", file=sys.stderr)
         raise SystemExit(EXIT_PEER_LOST) from None
     if received is None:
-        return (checkpointer.restore(state) if checkpointer else state), False
+        state = checkpointer.restore(state) if checkpointer else state
+        return member.settle(state) if hasattr(member, "settle") else (state, False)  # (torchft: jaxdp/cluster/ft.py)
     return state_from_arrays(state, received[1]), True
 
 
