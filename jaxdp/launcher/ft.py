@@ -81,7 +81,8 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                     ended[rank] = code
             if len(ended) == size:
                 codes = list(ended.values())
-                code = 0 if 0 in codes else next((shell_code(c) for c in codes if c), 0)
+                code = 0 if 0 in codes else EXIT_PREEMPTED if EXIT_PREEMPTED in codes else \
+                    next((shell_code(c) for c in codes if c), 0)  # (75: the live ones saved; the lost ones' codes are not the run's)
                 if launcher.stop is not None and code in (0, EXIT_PREEMPTED):
                     code = stop_code(launcher.stop) if code else 0
                 say(f"all {size} workers ended ({restarts} restart{'s' if restarts != 1 else ''}); exit code {code}")
