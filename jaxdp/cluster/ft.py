@@ -60,7 +60,7 @@ def require_torchft() -> Any:
         import torchft.process_group
     except ImportError:
         raise InputError(INSTALL) from None
-    logging.getLogger("torchft").setLevel(logging.ERROR)
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)  # (a lost peer is one jaxdp line, not a traceback)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # (torch's, reading a healed state)
     return torchft
 
@@ -234,8 +234,9 @@ class FtMember:
         if received is None:
             return state, False
         state = state_from_arrays(state, received)
-        print(f"jaxdp: rank {self.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
-              f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
+        if not self.lead:  # (the loop says it for rank 0)
+            print(f"jaxdp: rank {self.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
+                  f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
         return state, True
 
     def make_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -52,6 +52,7 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
             if not start(rank):
                 launcher.kill_all()
                 return EXIT_BAD_INPUT if launcher.stop is None else stop_code(launcher.stop)
+        launcher.start_zygote()  # restarts fork from it, with JAX and the rest imported
         say(f"started {size} workers (elastic on torchft: a lost one restarts alone and heals from a live one), "
             f"Lighthouse {address}")
         restarts, ended = 0, {}

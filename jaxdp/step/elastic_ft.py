@@ -10,6 +10,7 @@ is the hub's (jaxdp/cluster/elastic.py) to the bit, whoever computed what.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import jax
@@ -65,9 +66,12 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                             return new, layout["metrics"]
                         state = new
                         at = int(jax.device_get(state.step))
-            except ft.QuorumLost as err:
-                raise elastic.HubGone(f"rank {rank}: fewer than --min-workers={member.min_workers} live workers "
-                                      f"at step {at} ({err})") from None
+            except ft.QuorumLost as err:  # the loop stops with `state` (the lead saves it), exit 75
+                why = (f"rank {rank}: fewer than --min-workers={member.min_workers} live workers for "
+                       f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at}")
+                if member.lead:  # (the loop names only the other ranks' reason)
+                    print(f"jaxdp: {why}; saving and stopping", file=sys.stderr, flush=True)
+                raise elastic.HubGone(f"{why} ({err})") from None
             live, stop = member.engine.alive(member.stop_asked)
             if not live:
                 member.engine.commit()
