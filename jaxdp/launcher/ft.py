@@ -78,7 +78,8 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                 launcher.failures.append(time.time())
                 say(f"worker {rank} {describe(code)}; restarting it alone ({restarts} of {args.max_restarts}), "
                     f"the others train on")
-                if not start(rank, restart=True):
+                others = any(c.poll() is None for r, c in enumerate(launcher.children) if r != rank)
+                if not start(rank, restart=others):  # (none live: it starts as at the start, rank 0 restoring)
                     ended[rank] = code
             if len(ended) == size:
                 codes = list(ended.values())
