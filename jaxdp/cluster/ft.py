@@ -184,6 +184,7 @@ class FtMember:
         self.engine: TorchftEngine | None = None
         self.fresh_quorum = False   # the join's quorum is also the first step's
         self.live: list[int] = list(range(size))
+        self.restarted = False      # started again by the launcher while other workers were live
 
     @property
     def lead(self) -> bool:
@@ -231,6 +232,12 @@ class FtMember:
             self.close()
             raise SystemExit(EXIT_PREEMPTED) from None
         self.fresh_quorum = True  # this quorum's collectives are the first step's
+        if received is None and self.restarted and self.engine.manager.num_participants() <= 1:
+            # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted)
+            print(f"jaxdp: rank {self.rank}: restarted, but no live worker to take the state from; exit code "
+                  f"{EXIT_PREEMPTED}", file=sys.stderr)
+            self.close()
+            raise SystemExit(EXIT_PREEMPTED)
         if received is None:
             return state, False
         state = state_from_arrays(state, received)
@@ -267,6 +274,7 @@ def from_env(environ: dict | None = None) -> FtMember | None:
     require_torchft()
     member = FtMember(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
                       float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
-    if not environ.get(ENV_RESTART):  # the start: heartbeat now, so the first quorum waits for every worker
+    member.restarted = bool(environ.get(ENV_RESTART))
+    if not member.restarted:  # the start: heartbeat now, so the first quorum waits for every worker
         member.start()
     return member
