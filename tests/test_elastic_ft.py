@@ -125,3 +125,31 @@ def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_pa
     assert "fewer than --min-workers=2 live workers" in text and "all 2 workers ended (0 restarts); exit code 75" in text, text
     saved = [int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit()]
     assert saved and max(saved) >= 20, (saved, text)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_runs_again(tmp_path):
+    steps = 700
+    run = Run(tmp_path, steps, "--max-restarts", "0")
+    # (jaxdp.train's --stall-timeout, default 20 s: the all-reduce in flight with the stopped worker fails after it)
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        stopped = next(p for p in training_processes(run.proc.pid) if _rank(p) == 1)
+        os.kill(stopped, signal.SIGSTOP)
+        run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps without rank 1")
+        os.kill(stopped, signal.SIGCONT)
+        run.wait_for(lambda: "rank 1 healed from step" in run.text(), "rank 1's heal")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "all 2 workers ended (0 restarts); exit code 0" in text, text
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
+                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
+                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    assert final[0] == final[1]

@@ -129,6 +129,8 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     wall = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(f"jaxdp.bench: goodput: the run failed (exit code {proc.returncode}):\n{output[-4000:]}")
+    if not os.path.exists(os.path.join(directory, str(steps), CHECKSUMS_FILE)):
+        raise SystemExit(f"jaxdp.bench: goodput: the run saved no step {steps}:\n{output[-4000:]}")
     with open(os.path.join(directory, str(steps), CHECKSUMS_FILE)) as f:
         checksums = {k: v for k, v in json.load(f).items() if k.startswith("params")}
     chosen = []  # --save-every auto's intervals, in the order the (re)started processes chose them

@@ -232,8 +232,9 @@ class FtMember:
             self.close()
             raise SystemExit(EXIT_PREEMPTED) from None
         self.fresh_quorum = True  # this quorum's collectives are the first step's
-        if received is None and self.restarted and self.engine.manager.num_participants() <= 1:
-            # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted)
+        if received is None and self.restarted and not self.lead and self.engine.manager.num_participants() <= 1:
+            # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
+            # rank 0 goes on from the checkpoint it restored instead (it saves the run's end)
             print(f"jaxdp: rank {self.rank}: restarted, but no live worker to take the state from; exit code "
                   f"{EXIT_PREEMPTED}", file=sys.stderr)
             self.close()

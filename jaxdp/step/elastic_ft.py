@@ -50,6 +50,9 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         return host.device_sum(to_host(state, batch))
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        if layout.get("skip"):  # healed past these steps: the state already holds them
+            layout["skip"] -= 1
+            return state, layout["metrics"]
         at = int(jax.device_get(state.step))
         batch_of = lambda shard: batch if shard == rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
         while True:
@@ -62,10 +65,13 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                         from jaxdp.step.train_step import state_from_arrays
 
                         new = state_from_arrays(state, healed)
-                        if int(jax.device_get(new.step)) == at + 1 and "metrics" in layout:
+                        further = int(jax.device_get(new.step))
+                        if further > at and "metrics" in layout:  # (a stalled worker that runs again)
+                            layout["skip"] = further - at - 1  # the loop's next calls catch up with the state
+                            print(f"jaxdp: rank {rank} healed from step {at} to {further} with a live worker's state",
+                                  file=sys.stderr, flush=True)
                             return new, layout["metrics"]
-                        state = new
-                        at = int(jax.device_get(state.step))
+                        state, at = new, further
             except ft.QuorumLost as err:  # the loop stops with `state` (the lead saves it), exit 75
                 why = (f"rank {rank}: fewer than --min-workers={member.min_workers} live workers for "
                        f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at}")
