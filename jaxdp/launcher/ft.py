@@ -62,7 +62,7 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                 code = child.poll()
                 if rank in ended or code is None:
                     continue
-                if code in (0, EXIT_PREEMPTED) or launcher.stop is not None or 0 in ended.values():
+                if code in (0, EXIT_PREEMPTED) or launcher.stop is not None or ended.get(0) == 0:  # (rank 0 saves the end)
                     ended[rank] = code
                     continue
                 if not launcher.lost(code):  # bad input, divergence, a failed save: not transient
@@ -83,7 +83,7 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                     ended[rank] = code
             if len(ended) == size:
                 codes = list(ended.values())
-                code = 0 if 0 in codes else EXIT_PREEMPTED if EXIT_PREEMPTED in codes else \
+                code = 0 if ended.get(0) == 0 else EXIT_PREEMPTED if EXIT_PREEMPTED in codes else \
                     next((shell_code(c) for c in codes if c), 0)  # (75: the live ones saved; the lost ones' codes are not the run's)
                 if launcher.stop is not None and code in (0, EXIT_PREEMPTED):
                     code = stop_code(launcher.stop) if code else 0
