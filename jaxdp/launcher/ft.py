@@ -31,7 +31,7 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
             address = args.lighthouse if args.lighthouse.startswith("http") else f"http://{args.lighthouse}"
         else:
             lighthouse = ft.start_lighthouse("127.0.0.1", 0, args.min_workers, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S)
-            address = lighthouse.address()
+            address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"  # (address() names the host, not the bind)
     except InputError as err:
         say(f"error: {err}")
         return EXIT_BAD_INPUT
