@@ -153,3 +153,20 @@ def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_
     assert reference.returncode == 0, reference.stderr
     final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
     assert final[0] == final[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_lighthouse_elsewhere_is_used_and_none_starts_in_the_launcher(tmp_path):
+    lighthouse = ft.start_lighthouse("127.0.0.1", 0, 1, 2.0, 60.0)  # "elsewhere": this test's process
+    port = lighthouse.address().rsplit(":", 1)[1]
+    try:
+        run = Run(tmp_path, 20, "--lighthouse", f"127.0.0.1:{port}")
+        try:
+            assert run.proc.wait(timeout=120) == 0, run.text()
+        finally:
+            run.close()
+    finally:
+        lighthouse.shutdown()
+    assert f"Lighthouse http://127.0.0.1:{port}" in run.text(), run.text()
+    assert (tmp_path / "ckpt" / "20").is_dir()
