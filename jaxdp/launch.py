@@ -135,6 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("error: --elastic runs on one node (its launcher is the hub every process sends its gradients to); "
             "drop --nnodes or --elastic")
         return EXIT_BAD_INPUT
+    torchft = args.elastic and args.elastic_engine == "torchft"
+    if not torchft and (args.lighthouse or args.min_workers != 1 or args.quorum_timeout != 60.0):
+        say("error: --lighthouse, --min-workers and --quorum-timeout need --elastic --elastic-engine torchft")
+        return EXIT_BAD_INPUT
+    if torchft and not (1 <= args.min_workers <= args.nproc_per_node and args.quorum_timeout > 0):
+        say(f"error: need 1 <= --min-workers <= --nproc-per-node ({args.nproc_per_node}) and --quorum-timeout > 0")
+        return EXIT_BAD_INPUT
     launcher = Launcher(command, args.nproc_per_node, args.bind and not has_accelerator())
     for signum in FORWARDED:
         signal.signal(signum, launcher.forward)

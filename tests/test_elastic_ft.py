@@ -39,6 +39,17 @@ def test_without_torchft_one_line_says_how_to_install_it(tmp_path):
     assert proc.stderr.strip().splitlines() == ["jaxdp.launch: error: " + ft.INSTALL], proc.stderr
 
 
+def test_torchft_flags_are_checked():
+    def launch(*args):
+        return subprocess.run([PY, "-m", "jaxdp.launch", *args, "--", PY, "-c", "pass"], cwd=ROOT, env=cli_env(),
+                              capture_output=True, text=True, timeout=60)
+
+    proc = launch("--nproc-per-node", "2", "--min-workers", "2")  # without the engine it would be ignored
+    assert proc.returncode == 2 and "need --elastic --elastic-engine torchft" in proc.stderr, proc.stderr
+    proc = launch("--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", "--min-workers", "3")
+    assert proc.returncode == 2 and "1 <= --min-workers <= --nproc-per-node (2)" in proc.stderr, proc.stderr
+
+
 def _rank(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
