@@ -83,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-restarts", type=int, default=0, help="restart all processes up to R times when one is lost")
     parser.add_argument("--elastic", action="store_true", help="restart a lost process alone while the others train "
                         "on (jaxdp/cluster/elastic.py: --strategy host, one node); up to --max-restarts times in all")
+    parser.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="an elastic run's engine: "
+                        "hub (this launcher sums the gradients) or torchft (a Lighthouse and gloo; pip install "
+                        "'jaxdp[elastic]'; jaxdp/cluster/ft.py)")
+    parser.add_argument("--lighthouse", metavar="HOST:PORT", help="torchft: the Lighthouse to use (default: start one "
+                        "here, on 127.0.0.1)")
+    parser.add_argument("--min-workers", type=int, default=1, help="torchft: fewer live workers than this for "
+                        "--quorum-timeout seconds: save and exit 75 (default 1)")
+    parser.add_argument("--quorum-timeout", type=float, default=60.0, help="torchft: seconds to wait for --min-workers "
+                        "(default 60)")
     parser.add_argument("--no-bind", dest="bind", action="store_false", help="do not bind each process to its own cores")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the run, each with its own launcher (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1; its processes "
@@ -126,9 +135,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("error: --elastic runs on one node (its launcher is the hub every process sends its gradients to); "
             "drop --nnodes or --elastic")
         return EXIT_BAD_INPUT
+    torchft = args.elastic and args.elastic_engine == "torchft"
+    if not torchft and (args.lighthouse or args.min_workers != 1 or args.quorum_timeout != 60.0):
+        say("error: --lighthouse, --min-workers and --quorum-timeout need --elastic --elastic-engine torchft")
+        return EXIT_BAD_INPUT
+    if torchft and not (1 <= args.min_workers <= args.nproc_per_node and args.quorum_timeout > 0):
+        say(f"error: need 1 <= --min-workers <= --nproc-per-node ({args.nproc_per_node}) and --quorum-timeout > 0")
+        return EXIT_BAD_INPUT
     launcher = Launcher(command, args.nproc_per_node, args.bind and not has_accelerator())
     for signum in FORWARDED:
         signal.signal(signum, launcher.forward)
+    if args.elastic and args.elastic_engine == "torchft":
+        from jaxdp.launcher.ft import lead_torchft
+        return lead_torchft(launcher, args)
     if args.elastic:
         return lead_elastic(launcher, args)
     if args.node_rank > 0:

@@ -44,6 +44,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="of the choice of worker to kill")
     p.add_argument("--elastic", action="store_true", help="`jaxdp.launch --elastic` (--strategy host): a lost process "
                    "restarts alone; the plain run's undisturbed time is measured too")
+    p.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="with --elastic: the launcher's "
+                   "engine (torchft: pip install 'jaxdp[elastic]'; jaxdp/cluster/ft.py)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--json")
     p.set_defaults(run=run)
@@ -91,7 +93,8 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     import shlex
 
     steps = args.steps if steps is None else steps
-    command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2", *(["--elastic"] if elastic else []),
+    engine = ["--elastic", "--elastic-engine", args.elastic_engine] if elastic else []
+    command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2", *engine,
                *(["--max-restarts", "1000"] if kill_every else []), "--", sys.executable, "-m", "jaxdp.train",
                "--devices", "1", "--no-progress", "--steps", str(steps), "--checkpoint-dir", directory,
                "--save-every", str(args.save_every), "--metrics-file", os.path.join(directory, "metrics.jsonl"),
@@ -126,6 +129,8 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     wall = time.perf_counter() - started
     if proc.returncode:
         raise SystemExit(f"jaxdp.bench: goodput: the run failed (exit code {proc.returncode}):\n{output[-4000:]}")
+    if not os.path.exists(os.path.join(directory, str(steps), CHECKSUMS_FILE)):
+        raise SystemExit(f"jaxdp.bench: goodput: the run saved no step {steps}:\n{output[-4000:]}")
     with open(os.path.join(directory, str(steps), CHECKSUMS_FILE)) as f:
         checksums = {k: v for k, v in json.load(f).items() if k.startswith("params")}
     chosen = []  # --save-every auto's intervals, in the order the (re)started processes chose them
@@ -144,7 +149,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             plain = _run(args, os.path.join(scratch, "plain"), None)
         calm = _run(args, os.path.join(scratch, "calm"), None, elastic=args.elastic)
         killed = _run(args, os.path.join(scratch, "killed"), args.kill_every, elastic=args.elastic)
-    row = {"mode": "elastic" if args.elastic else "restart all", "steps": args.steps, "save_every": args.save_every,
+    row = {"mode": f"elastic ({args.elastic_engine})" if args.elastic else "restart all", "steps": args.steps,
+           "save_every": args.save_every,
            "kill_every_s": args.kill_every,
            "undisturbed_s": calm["wall_s"], "disturbed_s": killed["wall_s"], "kills": killed["kills"],
            "goodput": calm["wall_s"] / killed["wall_s"],
@@ -153,7 +159,8 @@ def run(args: argparse.Namespace) -> list[dict]:
            **({"auto_undisturbed": calm["chosen"], "auto_with_kills": killed["chosen"]} if args.save_every == "auto" else {})}
     if args.elastic:  # what the elastic mode costs when nothing fails, and goodput against the plain run
         row.update(plain_undisturbed_s=plain["wall_s"], goodput_vs_plain=plain["wall_s"] / killed["wall_s"])
-    print(f"2 processes x 1 device under `python -m jaxdp.launch{' --elastic' if args.elastic else ''}`, "
+    engine = f" --elastic --elastic-engine {args.elastic_engine}" if args.elastic else ""
+    print(f"2 processes x 1 device under `python -m jaxdp.launch{engine}`, "
           f"`python -m jaxdp.train --steps {args.steps} "
           f"--save-every {args.save_every} {args.train_args}`; a random worker killed every {args.kill_every:g} s "
           f"(the compile cache warmed by a first run)")

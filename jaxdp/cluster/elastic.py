@@ -222,9 +222,13 @@ class Member:
             self.sock = None
 
 
-def from_env(environ: dict | None = None) -> Member | None:
+def from_env(environ: dict | None = None) -> Any:
     """The Member `jaxdp.launch --elastic` set up in this process's environment, or None."""
     environ = os.environ if environ is None else environ
+    from jaxdp.cluster.ft_env import ENV_LIGHTHOUSE
+
+    if environ.get(ENV_LIGHTHOUSE):  # an elastic run on torchft: jaxdp.cluster.ft.from_env (train.py asks it)
+        return None
     address = environ.get(ENV_ADDRESS)
     if not address:
         return None

@@ -249,5 +249,6 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
               f"{EXIT_PEER_LOST}", file=sys.stderr)
         raise SystemExit(EXIT_PEER_LOST) from None
     if received is None:
-        return (checkpointer.restore(state) if checkpointer else state), False
+        state = checkpointer.restore(state) if checkpointer else state
+        return member.settle(state) if hasattr(member, "settle") else (state, False)  # (torchft: jaxdp/cluster/ft.py)
     return state_from_arrays(state, received[1]), True

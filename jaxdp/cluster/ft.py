@@ -1,0 +1,239 @@
+"""Elastic runs on torchft: membership, transport and state transfer behind a small seam.
+
+    python -m jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2 --max-restarts 100 -- \\
+        python -m jaxdp.train --strategy host --devices 1 --checkpoint-dir ckpt --save-every 100
+
+A worker is one process with its own devices (a one-process JAX program, as in jaxdp/cluster/elastic.py).
+Across workers everything goes through an `Engine`:
+
+* `quorum(step, state_fn)`: agree on who takes part in this step (torchft's Lighthouse); a worker that is
+  behind (a new or restarted one) gets the live state from a peer here (`state_fn` of the peer: never a
+  checkpoint). Returns the received state's bytes, or None.
+* `alive(stop)`: the live ranks of this step (and whether any asked to stop), through the same process group.
+* `allreduce(rows)`: the sum of every worker's `rows` (host buffers, gloo on CPU).
+* `commit()`: whether this step's exchanges all went through (else the step is done again, over the new quorum).
+
+`TorchftEngine` is the first (and only) implementation: `torchft.Manager` with `ProcessGroupGloo`, a
+Lighthouse in the launcher (jaxdp/launcher/ft.py). JAX's own `live_devices` could take its place once a
+process can rejoin on CPU (docs/multihost.md, "Elastic runs on torchft").
+
+Bit-equal sums whatever the membership: gloo's sum order changes with the members, so each worker
+writes the gradient sums of the shards it computes as raw bytes into its own rows of a `size` x N
+uint8 buffer (zeros elsewhere); the all-reduce adds one non-zero term per byte (exact), and every worker
+then adds the `size` shards in shard order on the host, as the hub does (jaxdp/cluster/elastic.py).
+That costs `size` times the bytes of one sum: fine for a few workers, not for many.
+
+`FtMember` speaks the Member interface the training loop knows (connect, receive_state, close, ...),
+and `make_step` builds its step (jaxdp/step/elastic_ft.py). This module imports torchft (and torch)
+only when a run uses it: without it, one line says `pip install 'jaxdp[elastic]'`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxdp.cluster.ft_env import (  # noqa: F401 (the run's variables and the Lighthouse: importable from here too)
+    ENV_LIGHTHOUSE, ENV_MIN, ENV_QUORUM_TIMEOUT, ENV_RANK, ENV_RESTART, ENV_SIZE, INSTALL, assign, require_torchft,
+    start_lighthouse,
+)
+
+
+class QuorumLost(Exception):
+    """No quorum of --min-workers workers within the quorum timeout (or the Lighthouse is gone)."""
+
+
+class TorchftEngine:
+    """The Engine on torchft: a Manager (its own one-process replica group) over ProcessGroupGloo."""
+
+    def __init__(self, lighthouse: str, rank: int, size: int, min_workers: int, timeout_s: float, quorum_timeout_s: float):
+        require_torchft()
+        import torch
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.torch, self.rank, self.size = torch, rank, size
+        self._received: bytes | None = None
+        self._state_fn: Callable[[], bytes] | None = None
+        host = "127.0.0.1" if any(h in lighthouse for h in ("127.0.0.1", "localhost")) else None
+        self.store = TCPStore(host or "0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        timeout = timedelta(seconds=timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._save,
+            min_replica_size=min_workers, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timedelta(seconds=30),
+            rank=0, world_size=1, store_addr=host or "127.0.0.1", store_port=self.store.port,
+            lighthouse_addr=lighthouse, replica_id=f"jaxdp_{rank}", init_sync=False,
+            **({"hostname": host} if host else {}))
+
+    def _save(self) -> dict:
+        data = self._state_fn() if self._state_fn is not None else b""
+        return {"state": self.torch.from_numpy(np.frombuffer(data, np.uint8).copy())}
+
+    def _load(self, state: dict) -> None:
+        self._received = state["state"].numpy().tobytes()
+
+    def quorum(self, step: int, state_fn: Callable[[], bytes] | None) -> bytes | None:
+        """Start this step's quorum; the state's bytes if this worker was behind and got them from a peer."""
+        self._state_fn, self._received = state_fn, None
+        if self.manager.current_step() != step:  # (the source after restoring a checkpoint)
+            self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        try:
+            self.manager.start_quorum(allow_heal=True)
+        except Exception as err:  # torchft raises RuntimeError / TimeoutError from its quorum thread
+            raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+        return self._received
+
+    def alive(self, stop: bool) -> tuple[list[int], bool]:
+        """The ranks taking part in this step, and whether one of them asked to stop."""
+        flags = np.zeros(self.size + 1, np.float32)
+        if self.manager.is_participating():
+            flags[self.rank] = 1.0
+            flags[self.size] = float(stop)
+        out = self.allreduce(flags)
+        return [r for r in range(self.size) if out[r] > 0], bool(out[self.size] > 0)
+
+    def allreduce(self, host: np.ndarray) -> np.ndarray:
+        """The sum over the quorum of `host` (a fresh array; garbage if this step fails to commit)."""
+        from torch.distributed import ReduceOp
+
+        tensor = self.torch.from_numpy(np.array(host, copy=True))
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return tensor.numpy()
+
+    def set_timeout(self, seconds: float) -> None:
+        """The collectives' timeout (a stalled worker is left out after it): from the next quorum on."""
+        self.manager._timeout = timedelta(seconds=seconds)
+        self.manager._pg.set_timeout(timedelta(seconds=seconds))
+
+    def commit(self) -> bool:
+        try:
+            return bool(self.manager.should_commit())
+        except Exception:
+            return False
+
+    def step(self) -> int:
+        return self.manager.current_step()
+
+    def close(self) -> None:
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:
+            pass
+
+
+class FtMember:
+    """One worker of an elastic run on torchft, as the training loop sees a member (jaxdp/loop/trainer.py)."""
+
+    def __init__(self, lighthouse: str, rank: int, size: int, min_workers: int = 1, quorum_timeout_s: float = 60.0):
+        self.lighthouse, self.rank, self.size = lighthouse, rank, size
+        self.address = lighthouse
+        self.min_workers, self.quorum_timeout_s = min_workers, quorum_timeout_s
+        self.stall_timeout: float | None = None
+        self.shards: list[int] = [rank]
+        self.stop = False
+        self.stop_asked = False
+        self.sock = None            # (the loop's test for "had joined" when a join fails)
+        self.engine: TorchftEngine | None = None
+        self.fresh_quorum = False   # the join's quorum is also the first step's
+        self.live: list[int] = list(range(size))
+        self.restarted = False      # started again by the launcher while other workers were live
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def start(self) -> None:
+        """Create the engine: from here on the Lighthouse sees this worker's heartbeats (and a quorum at
+        the start waits for it, up to the Lighthouse's join timeout)."""
+        if self.engine is None:
+            self.engine = TorchftEngine(self.lighthouse, self.rank, self.size, self.min_workers,
+                                        self.stall_timeout or 20.0, self.quorum_timeout_s)
+
+    def connect(self) -> bool:
+        """True: every worker starts from its own state (rank 0 restores the checkpoint), and `settle`
+        then takes the live peers' state if theirs is further on."""
+        from jaxdp.cluster.elastic import Lost
+
+        try:
+            self.start()
+            if self.stall_timeout:
+                self.engine.set_timeout(self.stall_timeout)
+        except RuntimeError as err:
+            raise Lost(f"cannot reach the Lighthouse at {self.lighthouse}: {err}") from None
+        return True
+
+    def receive_state(self) -> None:
+        return None  # (connect says True: never asked)
+
+    def settle(self, state: Any) -> tuple[Any, bool]:
+        """The first quorum: (the state to start from, whether it came from a live peer). A worker behind
+        the furthest one in the quorum (a new or restarted one, or every worker but rank 0 when rank 0
+        restored a checkpoint) gets that worker's state; no checkpoint is read for it."""
+        from jaxdp.errors import EXIT_PREEMPTED
+        from jaxdp.step.elastic_ft import to_bytes
+        from jaxdp.step.elastic import state_arrays, state_from_arrays
+
+        import jax
+
+        at = int(jax.device_get(state.step))
+        try:
+            received = self.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
+        except QuorumLost as err:
+            print(f"jaxdp: rank {self.rank}: no quorum of --min-workers={self.min_workers} ({err}); exit code "
+                  f"{EXIT_PREEMPTED}", file=sys.stderr)
+            self.close()
+            raise SystemExit(EXIT_PREEMPTED) from None
+        self.fresh_quorum = True  # this quorum's collectives are the first step's
+        if received is None and self.restarted and not self.lead and self.engine.manager.num_participants() <= 1:
+            # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
+            # rank 0 goes on from the checkpoint it restored instead (it saves the run's end)
+            print(f"jaxdp: rank {self.rank}: restarted, but no live worker to take the state from; exit code "
+                  f"{EXIT_PREEMPTED}", file=sys.stderr)
+            self.close()
+            raise SystemExit(EXIT_PREEMPTED)
+        if received is None:
+            return state, False
+        state = state_from_arrays(state, received)
+        if not self.lead:  # (the loop says it for rank 0)
+            print(f"jaxdp: rank {self.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
+                  f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
+        return state, True
+
+    def make_step(self, *args: Any, **kwargs: Any) -> Any:
+        from jaxdp.step.elastic_ft import make_ft_step
+
+        return make_ft_step(*args, **kwargs)
+
+    def say(self, line: str) -> None:
+        """One line from the lowest live rank."""
+        if self.live and self.rank == min(self.live):
+            print(f"jaxdp: {line}", file=sys.stderr, flush=True)
+
+    def ask_stop(self) -> None:
+        self.stop_asked = True
+
+    def close(self, finished: bool = False) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def from_env(environ: dict | None = None) -> FtMember | None:
+    """The worker `jaxdp.launch --elastic --elastic-engine torchft` set up in this environment, or None."""
+    environ = os.environ if environ is None else environ
+    lighthouse = environ.get(ENV_LIGHTHOUSE)
+    if not lighthouse:
+        return None
+    require_torchft()
+    member = FtMember(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
+                      float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
+    member.restarted = bool(environ.get(ENV_RESTART))
+    if not member.restarted:  # the start: heartbeat now, so the first quorum waits for every worker
+        member.start()
+    return member

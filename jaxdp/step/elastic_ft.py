@@ -1,0 +1,127 @@
+"""The step of an elastic run on torchft (jaxdp/cluster/ft.py): the hub's host path with a torchft transport.
+
+Each call: the quorum (who takes part; a behind worker is healed there), the live ranks and who computes
+which shard (`ft.assign`), this worker's shard sums over its devices as raw bytes in its rows, one
+all-reduce, torchft's commit. A failed commit (a worker died or stalled mid-step) does the same step
+again over the new quorum, from the same state: a lost worker's shard of that step is computed by a
+survivor, and no shard is counted twice. The total is added in shard order on the host, so the result
+is the hub's (jaxdp/cluster/elastic.py) to the bit, whoever computed what.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jaxdp.mesh import data_axes, replicate, shard_batch
+from jaxdp.step.state import TrainState
+from jaxdp.step.train_step import (TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn,
+                                   state_arrays)
+from jaxdp.sync import host
+from jaxdp.sync.spec import SyncSpec
+
+Batch = Any
+Metrics = dict
+
+
+def to_bytes(arrays: list[np.ndarray]) -> bytes:
+    return b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+
+
+def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+                 shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
+                 grad_norm: bool = False) -> TrainStep:
+    from jaxdp.cluster import elastic, ft
+
+    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, data_axes(mesh)), grad_accum)
+    spec = SyncSpec(strategy="host").validate()
+    grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
+    devices = member.size * mesh.size
+    size, rank = member.size, member.rank
+    layout: dict[str, Any] = {}
+
+    def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
+        return host.device_sum(to_host(state, batch))
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        if layout.get("skip"):  # healed past these steps: the state already holds them
+            layout["skip"] -= 1
+            return state, layout["metrics"]
+        at = int(jax.device_get(state.step))
+        batch_of = lambda shard: batch if shard == rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
+        while True:
+            try:
+                if member.fresh_quorum:
+                    member.fresh_quorum = False
+                else:
+                    healed = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
+                    if healed is not None:  # behind after a commit only the others made: their state
+                        from jaxdp.step.train_step import state_from_arrays
+
+                        new = state_from_arrays(state, healed)
+                        further = int(jax.device_get(new.step))
+                        if further > at and "metrics" in layout:  # (a stalled worker that runs again)
+                            layout["skip"] = further - at - 1  # the loop's next calls catch up with the state
+                            print(f"jaxdp: rank {rank} healed from step {at} to {further} with a live worker's state",
+                                  file=sys.stderr, flush=True)
+                            return new, layout["metrics"]
+                        state, at = new, further
+            except ft.QuorumLost as err:  # the loop stops with `state` (the lead saves it), exit 75
+                why = (f"rank {rank}: fewer than --min-workers={member.min_workers} live workers for "
+                       f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at}")
+                if member.lead:  # (the loop names only the other ranks' reason)
+                    print(f"jaxdp: {why}; saving and stopping", file=sys.stderr, flush=True)
+                raise elastic.HubGone(f"{why} ({err})") from None
+            live, stop = member.engine.alive(member.stop_asked)
+            if not live:
+                member.engine.commit()
+                continue
+            owner = ft.assign(live, size)
+            mine = [s for s in range(size) if owner[s] == rank]
+            if "like" not in layout:
+                treedef, like = shard_sum(state, batch)
+                layout.update(treedef=treedef, like=[(a.shape, a.dtype) for a in like],
+                              nbytes=sum(a.nbytes for a in like))
+            rows = np.zeros((size, layout["nbytes"]), np.uint8)
+            for shard in mine:
+                rows[shard] = np.frombuffer(to_bytes(shard_sum(state, batch_of(shard))[1]), np.uint8)
+            rows = member.engine.allreduce(rows)
+            if not member.engine.commit():  # someone failed mid-step: again, over the new quorum
+                continue
+            break
+        if live != member.live:
+            gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
+            member.live = live
+            moved = {s: o for s, o in owner.items() if o != s}
+            member.say(f"step {at}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
+                       if gone else "") + (f"; back {back}" if back else "") + (f"; shards computed elsewhere {moved}"
+                       if moved else ""))
+        member.shards, member.stop = mine, member.stop or stop
+        totals = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype) for shape, dtype in layout["like"]]
+        for shard in range(size):  # in shard order, as the hub adds them: the same bits whoever computed each
+            for acc, part in zip(totals, elastic.unpack(rows[shard].tobytes(), [((a.size,), a.dtype) for a in totals])):
+                acc += part
+        totals = [t.reshape(shape) for t, (shape, _) in zip(totals, layout["like"])]
+        means = [(t / devices).astype(t.dtype, copy=False) for t in totals]
+        metrics, model_state, grads = jax.tree.unflatten(layout["treedef"], means)
+        metrics = _host_metrics(dict(metrics), grads, grad_norm)
+        grads, model_state = replicate((grads, model_state), mesh)
+        state = update_fn(state, grads, model_state)
+        layout["metrics"] = metrics
+        return state, metrics
+
+    def warm_up(state: TrainState, batch: Batch) -> None:
+        treedef, sums = shard_sum(state, batch)
+        copy = jax.tree.map(jnp.copy, state)
+        _, model_state, grads = jax.tree.unflatten(treedef, sums)
+        jax.block_until_ready(update_fn(copy, *replicate((grads, model_state), mesh)))
+
+    made = TrainStep(step, grads_fn, tx, spec, local_grads)
+    made.warm_up = warm_up
+    return made

@@ -1,0 +1,183 @@
+"""Elastic runs on torchft (`jaxdp.launch --elastic --elastic-engine torchft`, jaxdp/cluster/ft.py): real
+worker processes and a real Lighthouse. A worker killed with -9 is left out and its shard computed by the
+other; restarted, it heals from the live worker (no checkpoint read); losing rank 0 does not stop the run;
+the final parameters equal, to the bit, those of a one-process run of the same global batch (the shard
+sums are added in shard order). Too few workers for the quorum timeout: the run saves and exits 75."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, cli_env
+from jaxdp.bench.goodput import training_processes
+from jaxdp.cluster import ft
+
+PY = sys.executable
+pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+
+
+def test_shards_of_lost_ranks_go_to_the_live_rank_with_the_fewest():
+    assert ft.assign([0, 1, 2], 3) == {0: 0, 1: 1, 2: 2}
+    assert ft.assign([1], 3) == {0: 1, 1: 1, 2: 1}
+    assert ft.assign([0, 2], 4) == {0: 0, 2: 2, 1: 0, 3: 2}  # one each, the lowest rank first
+    assert ft.assign([2, 3], 4) == {2: 2, 3: 3, 0: 2, 1: 3}
+
+
+def test_without_torchft_one_line_says_how_to_install_it(tmp_path):
+    shadow = tmp_path / "shadow" / "torchft"  # an import of torchft that fails, as where it is not installed
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no torchft here')\n")
+    proc = subprocess.run([PY, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2",
+                           "--", PY, "-c", "pass"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=cli_env(PYTHONPATH=os.pathsep.join([str(shadow.parent), str(ROOT)])))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["jaxdp.launch: error: " + ft.INSTALL], proc.stderr
+
+
+def test_torchft_flags_are_checked():
+    def launch(*args):
+        return subprocess.run([PY, "-m", "jaxdp.launch", *args, "--", PY, "-c", "pass"], cwd=ROOT, env=cli_env(),
+                              capture_output=True, text=True, timeout=60)
+
+    proc = launch("--nproc-per-node", "2", "--min-workers", "2")  # without the engine it would be ignored
+    assert proc.returncode == 2 and "need --elastic --elastic-engine torchft" in proc.stderr, proc.stderr
+    proc = launch("--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", "--min-workers", "3")
+    assert proc.returncode == 2 and "1 <= --min-workers <= --nproc-per-node (2)" in proc.stderr, proc.stderr
+
+
+def _rank(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    rank = env.get(ft.ENV_RANK.encode())
+    return None if rank is None else int(rank)
+
+
+class Run:
+    """`jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2` of jaxdp.train, stderr in a file."""
+
+    def __init__(self, tmp_path, steps: int, *launch_args: str):
+        self.log, self.metrics = tmp_path / "launch.log", tmp_path / "m.jsonl"
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen(
+                [PY, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2",
+                 *launch_args, "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", str(steps),
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(steps), "--no-progress", "--log-every", "1",
+                 "--metrics-file", str(self.metrics)], cwd=ROOT, env=cli_env(), stderr=err, stdout=subprocess.DEVNULL)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def reached(self) -> int:
+        try:
+            lines = self.metrics.read_text().splitlines()
+        except OSError:
+            return 0
+        return max((json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")), default=0)
+
+    def wait_for(self, condition, what: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.text()}"
+            time.sleep(0.01)
+
+    def kill(self, rank: int) -> None:
+        os.kill(next(p for p in training_processes(self.proc.pid) if _rank(p) == rank), signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_with_a_one_process_runs_parameters(tmp_path):
+    steps = 800  # each restart takes ~15 s here (rank 0 rejoins by step ~460); the rest is margin for a loaded machine
+    run = Run(tmp_path, steps, "--max-restarts", "10")
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.kill(1)  # rank 0 trains on, computing shard 1 too
+        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
+        run.kill(0)  # rank 0, which writes the metrics and checkpoints: the run goes on without it
+        run.wait_for(lambda: "rank 0 joined the run at step" in run.text(), "rank 0's rejoin")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
+    assert "left out [1]" in text and "left out [0]" in text, text  # each time the other computed both shards
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
+                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
+                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_path):
+    run = Run(tmp_path, 100000, "--min-workers", "2", "--quorum-timeout", "5")  # no restarts
+    try:
+        run.wait_for(lambda: run.reached() >= 20, "step 20")
+        run.kill(1)
+        assert run.proc.wait(timeout=90) == 75, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "fewer than --min-workers=2 live workers" in text and "all 2 workers ended (0 restarts); exit code 75" in text, text
+    saved = [int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit()]
+    assert saved and max(saved) >= 20, (saved, text)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_runs_again(tmp_path):
+    steps = 700
+    run = Run(tmp_path, steps, "--max-restarts", "0")
+    # (jaxdp.train's --stall-timeout, default 20 s: the all-reduce in flight with the stopped worker fails after it)
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        stopped = next(p for p in training_processes(run.proc.pid) if _rank(p) == 1)
+        os.kill(stopped, signal.SIGSTOP)
+        run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps without rank 1")
+        os.kill(stopped, signal.SIGCONT)
+        run.wait_for(lambda: "rank 1 healed from step" in run.text(), "rank 1's heal")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "all 2 workers ended (0 restarts); exit code 0" in text, text
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
+                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
+                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    assert final[0] == final[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_lighthouse_elsewhere_is_used_and_none_starts_in_the_launcher(tmp_path):
+    lighthouse = ft.start_lighthouse("127.0.0.1", 0, 1, 2.0, 60.0)  # "elsewhere": this test's process
+    port = lighthouse.address().rsplit(":", 1)[1]
+    try:
+        run = Run(tmp_path, 20, "--lighthouse", f"127.0.0.1:{port}")
+        try:
+            assert run.proc.wait(timeout=120) == 0, run.text()
+        finally:
+            run.close()
+    finally:
+        lighthouse.shutdown()
+    assert f"Lighthouse http://127.0.0.1:{port}" in run.text(), run.text()
+    assert (tmp_path / "ckpt" / "20").is_dir()
