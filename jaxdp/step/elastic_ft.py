@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 
 from jaxdp.mesh import data_axes, replicate, shard_batch
 from jaxdp.step.state import TrainState
-from jaxdp.step.train_step import (TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn,
-                                   state_arrays)
+from jaxdp.step.elastic import state_arrays
+from jaxdp.step.train_step import TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn
 from jaxdp.sync import host
 from jaxdp.sync.spec import SyncSpec
 
