@@ -62,7 +62,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 else:
                     healed = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
                     if healed is not None:  # behind after a commit only the others made: their state
-                        from jaxdp.step.train_step import state_from_arrays
+                        from jaxdp.step.elastic import state_from_arrays
 
                         new = state_from_arrays(state, healed)
                         further = int(jax.device_get(new.step))
