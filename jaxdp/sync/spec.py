@@ -14,6 +14,7 @@ Five axes, each with one owner:
 | sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/step/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/step/zero.py |
 | overlap | every step's all-reduce overlapped with the next step (with local steps: step/rounds.py's rounds) | step/delayed.py |
+| shard_params | ZeRO-3 / FSDP: parameters, gradients, optimizer state sharded; XLA's collectives | jaxdp/step/fsdp.py |
 
 The compatibility table (`incompatible`) is here and only here: `init_state`, `make_train_step`
 and the command line's validation (jaxdp/config.py) all ask it. Nothing here imports JAX: the
@@ -33,7 +34,7 @@ from jaxdp.errors import InputError
 
 AUTO = "auto"  # --compression auto, --sync-every auto: decided by the controller while training
 
-RULES = ("replicated", "local", "sharded", "host", "delayed")
+RULES = ("replicated", "local", "sharded", "host", "delayed", "fsdp")
 
 
 def check_sync_every(sync_every: Any, sync_fragments: Any = 1) -> int:
@@ -99,6 +100,24 @@ def incompatible(strategy_abilities: frozenset[str], *, compression: bool, local
     return None
 
 
+# ---- shard_params (ZeRO-3 / FSDP, jaxdp/step/fsdp.py): what it does not combine with, yet ----------------------
+SHARD_PARAMS_CLASHES = (  # (the other choice, why); the first that applies is the message
+    ("shard_optimizer", "shard_params already shards the optimizer state (it includes ZeRO-1)"),
+    ("strategy", "XLA inserts shard_params' all-gathers and reduce-scatters itself, so the strategy must be psum"),
+    ("compression", "compression needs the whole averaged gradient on every device"),
+    ("local", "local steps keep a whole replica of the parameters on every device"),
+    ("overlap", "overlap applies each whole averaged gradient one step late"),
+)
+
+
+def shard_params_clash(strategy: Any, *, shard_optimizer: bool, compression: bool, local: bool,
+                       overlap: bool) -> tuple[str, str] | None:
+    """None if shard_params combines with these choices, else (the other choice, why)."""
+    others = {"shard_optimizer": shard_optimizer, "strategy": strategy_name(strategy) != "psum",
+              "compression": compression, "local": local, "overlap": overlap}
+    return next(((name, why) for name, why in SHARD_PARAMS_CLASHES if others[name]), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """What a TrainState holds besides params, as the step compares it (a static tag of the state).
@@ -118,8 +137,9 @@ class StateLayout:
         differs, in words that say which argument to pass to both init_state and make_train_step."""
         if self.rule != wanted.rule:
             names = {"local": "local steps (sync_every > 1 or an outer_tx)", "sharded": "shard_optimizer=True",
-                     "replicated": "neither local steps nor shard_optimizer"}
-            what = "shard_optimizer" if "sharded" in (self.rule, wanted.rule) else "sync_every and outer_tx"
+                     "replicated": "neither local steps nor shard_optimizer", "fsdp": "shard_params=True"}
+            what = "shard_optimizer" if "sharded" in (self.rule, wanted.rule) else \
+                "shard_params" if "fsdp" in (self.rule, wanted.rule) else "sync_every and outer_tx"
             return (f"this state was made by init_state for {names[self.rule]} but the step for {names[wanted.rule]}; "
                     f"pass the same {what} to init_state and make_train_step")
         if self.fragments != wanted.fragments:
@@ -143,6 +163,7 @@ class SyncSpec:
     outer_tx: Any = None
     shard_optimizer: bool = False
     overlap: bool = False  # every-step training: the all-reduce overlaps the next step (jaxdp/step/delayed.py)
+    shard_params: bool = False  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
 
     def replace(self, **changes: Any) -> "SyncSpec":
         return dataclasses.replace(self, **changes)
@@ -166,6 +187,8 @@ class SyncSpec:
             return "local"
         if self.overlap:
             return "delayed"
+        if self.shard_params:
+            return "fsdp"
         return "sharded" if self.shard_optimizer else "replicated"
 
     def validate(self) -> "SyncSpec":
@@ -173,6 +196,12 @@ class SyncSpec:
         for a bad sync_every / sync_fragments)."""
         if self.sync_every != AUTO:
             check_sync_every(self.sync_every, self.sync_fragments)
+        if self.shard_params:
+            clash = shard_params_clash(self.strategy, shard_optimizer=self.shard_optimizer, compression=self.compressed,
+                                       local=self.local, overlap=self.overlap)
+            if clash:
+                raise InputError(f"shard_params does not combine with {clash[0]}: {clash[1]}; drop one of them",
+                                 argument=clash[0] if clash[0] != "local" else "sync_every")
         needs = codec_needs(self.compression) if self.compressed else "sum"
         clash = incompatible(abilities(self.strategy), compression=self.compressed, local=self.local,
                              shard_optimizer=self.shard_optimizer, needs=needs)
@@ -221,7 +250,8 @@ def from_config(config: Any, outer_tx: Any = None) -> SyncSpec:
     is the outer optimizer, used only with local steps (the CLI's H = 1 is plain synchronous training)."""
     return SyncSpec(strategy=config.strategy, compression=None if config.compression == "none" else config.compression,
                     sync_every=config.sync_every, sync_fragments=config.sync_fragments,
-                    outer_tx=None if config.sync_every == 1 else outer_tx, shard_optimizer=config.shard_optimizer)
+                    outer_tx=None if config.sync_every == 1 else outer_tx, shard_optimizer=config.shard_optimizer,
+                    shard_params=getattr(config, "shard_params", False))
 
 
 def strategy_name(strategy: Any) -> str:
