@@ -77,6 +77,7 @@ class Config:
     final_lr_fraction: float = _field(0.1, "optimisation", "the cosine schedules end at this fraction of --lr")
     clip_norm: float = _field(0.0, "optimisation", "clip the global gradient norm to this value (0: no clipping)")
     shard_optimizer: bool = _field(False, "optimisation", "ZeRO-1: each device keeps and updates 1/N of the optimizer state (psum, ring); the same numbers, 1/N of the optimizer memory")
+    shard_params: bool = _field(False, "optimisation", "ZeRO-3 / FSDP: parameters, gradients and optimizer state cut over the devices of the process, gathered by XLA for the forward and backward passes (psum, one process); the same numbers, about 1/N of the model's memory per device")
     sync_every: int | str = _field(1, "optimisation", "local steps (DiLoCo): every device trains its own replica and the replicas are averaged every N steps through --outer-optimizer (psum, ring); 1: synchronous training, gradients averaged every step; auto: measure the step's compute and all-reduce time at the start and average every step if the link keeps up, else every H steps, H a power of two up to 16 (a resumed run keeps the H its checkpoint recorded)", metavar="{N,auto}")
     outer_optimizer: str = _field("nesterov", "optimisation", "with --sync-every > 1: the optimizer that applies the averaged pseudo-gradient (params before - after the local steps) to the global params; sgd with --outer-lr 1 --outer-momentum 0 is plain averaging", registry=registry.OUTER_OPTIMIZERS)
     sync_fragments: int = _field(1, "optimisation", "with --sync-every > 1: Streaming DiLoCo, the parameter arrays cut into N fragments of about equal bytes, one synchronised every --sync-every / N steps in turn (N must divide --sync-every)")
@@ -281,6 +282,13 @@ def _check_inputs(config: Config) -> None:
                               f"--compression (auto only with --sync-every auto), with the next step's compute; change "
                               f"one of them")
     _check_combinations(config, local=auto_sync or config.sync_every > 1 or paced)  # auto may choose local steps
+    if config.shard_params:  # ZeRO-3 / FSDP: the sync spec's table (jaxdp/sync/spec.py), in flag terms
+        clash = syncspec.shard_params_clash(config.strategy, shard_optimizer=config.shard_optimizer, overlap=config.overlap,
+                                            compression=config.compression != "none", local=auto_sync or config.sync_every > 1)
+        clash = clash or (("sync_seconds", "every device keeps whole parameters in rounds of local steps") if paced else None)
+        if clash:
+            flag = {"local": "--sync-every", "strategy": f"--strategy={config.strategy}"}.get(clash[0], "--" + _flag(clash[0]))
+            raise ConfigError(f"--shard-params does not combine with {flag}: {clash[1]}; drop one of them")
     if auto_sync or config.sync_every > 1 or paced:
         if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
             raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")

@@ -160,6 +160,7 @@ def train(config: Config) -> Any:
         outer_tx=None if config.sync_every == 1 and not config.sync_seconds else outer_tx,
         sync_fragments=config.sync_fragments, sync_seconds=config.sync_seconds or None, overlap=config.overlap,
         shard_optimizer=config.shard_optimizer, grad_accum=config.grad_accum, comm_target=config.comm_target,
+        shard_params=config.shard_params,
         compression_every=config.compression_every, checkpoint_dir=config.checkpoint_dir,
         save_every=config.save_every, keep=config.keep, metrics_file=config.metrics_file, log_dir=config.log_dir,
         wandb_project=config.wandb_project, log_every=config.log_every, progress=config.progress, schedule=schedule, seed=config.seed,

@@ -78,6 +78,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         log_every: int = 10, progress: bool = True, schedule: Callable[[int], Any] | None = None,
         seed: int = 0, prefetch: int = 2, stall_timeout: int = 20,
         config: Any = None, checkpoint_meta: dict | None = None, resume_note: str = "", run_info: dict | None = None,
+        shard_params: bool = False,
         watch: Any = None, elastic: Any = None,
         examples_per_step: int | None = None, tokens_per_step: int | None = None,
         flops_per_step: float | None = None, started: float | None = None) -> Result:
@@ -101,7 +102,7 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
     from jaxdp.errors import InputError
     from jaxdp.mesh import make_mesh, pad_batch, shard_batch
     from jaxdp.metrics import Diverged, MetricsWriter, check_finite, peak_tflops, write_text_atomically
-    from jaxdp.step import local_sgd, rounds as paced, zero
+    from jaxdp.step import fsdp, local_sgd, rounds as paced, zero
     from jaxdp.step.state import init_state
     from jaxdp.step.train_step import make_elastic_step, make_eval_step, make_train_step
     from jaxdp.sync import controller as controller_lib, exchange, spec as syncspec
@@ -153,14 +154,17 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
         # ---- update step: the sync choices as one value; "auto" ones the controller resolves ----
         requested = syncspec.SyncSpec(strategy=strategy, compression=None if compression == "none" else compression,
                                       sync_every=sync_every, sync_fragments=sync_fragments, outer_tx=outer_tx,
-                                      shard_optimizer=shard_optimizer, overlap=every_step_overlap)
+                                      shard_optimizer=shard_optimizer, overlap=every_step_overlap, shard_params=shard_params)
+        if shard_params:  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py): its refusals, before anything is built
+            fsdp.check_run(requested, mesh, paced=sync_seconds is not None, elastic=elastic is not None)
         if every_step_overlap:
             requested.validate()  # (InputError naming the clash: strategy, shard_optimizer, compression auto)
 
         def new_state(spec: Any) -> Any:
             made = init_state(params, tx, mesh, model_state=model_state, rng=seed,
                               shard_optimizer=spec.shard_optimizer, compression=spec.compression,
-                              sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments)
+                              sync_every=spec.sync_every, outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments,
+                              shard_params=spec.shard_params)
             if spec.overlap:  # the slot for the gradient in flight (its shapes come from a batch)
                 return step_for(spec).prepare(made, batch_at(0))
             if not rounds_run or (overlap and spec.sync_every == 1):  # (sync_every auto's measuring state)
@@ -181,7 +185,8 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                 steps_by_spec[spec] = make_train_step(
                     loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
                     shard_optimizer=spec.shard_optimizer, compression=spec.compression, sync_every=spec.sync_every,
-                    outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments, overlap=spec.overlap)
+                    outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments, overlap=spec.overlap,
+                    shard_params=spec.shard_params)
             return steps_by_spec[spec]
 
         if (rounds_run and not sync_auto) or elastic is not None:  # nothing "auto" to resolve (_check_paced, ...)
@@ -249,6 +254,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
 
     # ---- the loop ------------------------------------------------------------------------------
     device_kind = mesh.devices.flat[0].device_kind
+    memory = fsdp.memory(train_step, state, batch_at(start_step)) if spec.shard_params else {}  # (one more compile)
+    if memory and is_main:
+        print(fsdp.describe(memory), file=sys.stderr)
     peak = peak_tflops(device_kind, getattr(config, "precision", "fp32"))
     writer = MetricsWriter(
         is_main=is_main, total_steps=steps, start_step=start_step, metrics_file=metrics_file, log_dir=log_dir,
@@ -260,9 +268,9 @@ def fit(loss_fn: Callable, params: Any, tx: Any, data: Callable[[int], Any] | It
                  config=config.to_dict() if config is not None else None, processes=n_processes,
                  devices=devices, device_kind=device_kind, jax=jax.__version__,
                  malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
-                 **(run_info or {}), param_bytes_per_device=zero.bytes_per_device(state.params),
-                 optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
-                 **({"sync_every_auto": True} if sync_auto else {}))
+                 **(run_info or {}), **{"param_bytes_per_device": zero.bytes_per_device(state.params),
+                 "optimizer_bytes_per_device": zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
+                 **memory}, **({"sync_every_auto": True} if sync_auto else {}))
     for name, record in early:  # --sync-every auto's decisions, taken before the loop
         writer.event(name, start_step, **record)
     if start_step and is_main and joined:

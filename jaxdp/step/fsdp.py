@@ -40,6 +40,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes
 
 GATHERED = "jaxdp_fsdp_gathered"  # the name of the whole parameters inside the step (not saved for backward)
@@ -81,6 +82,7 @@ def init_opt_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) ->
 def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *, stateful: bool,
               grad_accum: int, grad_norm: bool) -> Callable:
     """The jitted step `(state, batch) -> (state, metrics)` (the old state donated)."""
+    check_mesh(mesh)
     axis = data_axes(mesh)
     n = mesh.size
     whole = NamedSharding(mesh, P())
@@ -146,3 +148,44 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
 
     return jax.jit(step, donate_argnums=0)
 
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """InputError unless `mesh` is one process's devices on one axis (what shard_params runs on, yet)."""
+    if len(mesh.axis_names) > 1 or jax.process_count() > 1:
+        raise InputError("shard_params runs on one process's devices, on a one-axis mesh, for now (sharded inside a "
+                         "worker, data-parallel across workers is not built yet); run one process, or drop shard_params",
+                         argument="mesh")
+
+
+def check_run(spec: Any, mesh: Mesh, *, paced: bool, elastic: bool) -> None:
+    """fit's refusals for shard_params: the sync spec's table, then what only fit knows."""
+    spec.validate()
+    if paced or elastic:
+        what = "sync_seconds (rounds of local steps)" if paced else "an elastic run (gradients averaged on the host)"
+        raise InputError(f"shard_params does not combine with {what}: every device keeps whole parameters there; "
+                         f"drop one of them", argument="sync_seconds" if paced else "elastic")
+    check_mesh(mesh)
+
+
+def memory(step: Any, state: Any, batch: Any) -> dict[str, int]:
+    """Bytes per device (the first local one) of the parameters, the gradients (shaped and cut like
+    them), the optimizer state, and XLA's compiled peak of the step (arguments + outputs - donated
+    + temporaries; one extra compile)."""
+    from jaxdp.step import local_sgd, zero
+
+    params = zero.bytes_per_device(state.params)
+    stats = step.lower(state, batch).compile().memory_analysis()
+    peak = None if stats is None else int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                           - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    return {"param_bytes_per_device": params, "grad_bytes_per_device": params,
+            "optimizer_bytes_per_device": zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
+            "compiled_peak_bytes_per_device": peak}
+
+
+def describe(memory: dict[str, Any]) -> str:
+    """The console line of `memory`'s figures."""
+    mib = lambda key: "?" if memory.get(key) is None else f"{memory[key] / 2**20:.1f} MiB"  # noqa: E731
+    return (f"jaxdp: --shard-params: per device {mib('param_bytes_per_device')} of parameters, "
+            f"{mib('grad_bytes_per_device')} of gradients, {mib('optimizer_bytes_per_device')} of optimizer state; "
+            f"XLA's compiled peak {mib('compiled_peak_bytes_per_device')}")
