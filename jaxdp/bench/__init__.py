@@ -9,6 +9,7 @@
     python -m jaxdp.bench slowlink --json s.json   # 2 processes over a 1gbit, 100mbit, 10mbit link (root, iproute2)
     python -m jaxdp.bench hierarchy --rate 100mbit --devices 4   # 2 processes x 4 devices: --hierarchy auto vs flat
     python -m jaxdp.bench localsgd --json l.json --plot l.png   # time to a held-out loss at 10mbit: sync vs --sync-every 16
+    python -m jaxdp.bench memory --budget-mib 64 --layers 2   # the largest GPT per device: replicated, ZeRO-1, --shard-params
 
 One module per benchmark (collectives, train, gpt, ddp, slowlink, hierarchy, localsgd; torch_gpt is gpt's PyTorch side,
 testbed the network namespaces slowlink runs in) says what it measures; `python -m jaxdp.bench <command> --help` lists its flags.
