@@ -10,6 +10,7 @@
     python -m jaxdp.bench hierarchy --rate 100mbit --devices 4   # 2 processes x 4 devices: --hierarchy auto vs flat
     python -m jaxdp.bench localsgd --json l.json --plot l.png   # time to a held-out loss at 10mbit: sync vs --sync-every 16
     python -m jaxdp.bench data --size 2GB --json d.json   # a JSONL corpus tokenized once and trained on: peak memory
+    python -m jaxdp.bench memory --budget-mib 64 --layers 2   # the largest GPT per device: replicated, ZeRO-1, --shard-params
 
 One module per benchmark (collectives, train, gpt, ddp, slowlink, hierarchy, localsgd; torch_gpt is gpt's PyTorch side,
 testbed the network namespaces slowlink runs in) says what it measures; `python -m jaxdp.bench <command> --help` lists its flags.

@@ -33,7 +33,7 @@ from jaxdp.config import Config, is_corpus
 # from another directory with `--config DIR/config.toml`, which stores absolute paths) may resume.
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "schedule_steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
-                         "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
+                         "shard_params", "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
                          "attention")
 
 

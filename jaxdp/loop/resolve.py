@@ -136,12 +136,16 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     requested = syncspec.SyncSpec(strategy=sync.strategy, compression=None if compression == "none" else compression,
                                   sync_every=sync.sync_every, sync_fragments=sync.sync_fragments,
                                   outer_tx=plan.outer_tx, shard_optimizer=sync.shard_optimizer,
-                                  overlap=sync.overlap and sync.sync_every == 1)
+                                  overlap=sync.overlap and sync.sync_every == 1, shard_params=sync.shard_params)
+    if sync.shard_params:  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py): its refusals, before anything is built
+        from jaxdp.step import fsdp
+
+        fsdp.check_run(requested, mesh, paced=sync.sync_seconds is not None, elastic=elastic is not None)
 
     def new_state(spec: Any) -> Any:
         made = init_state(params, tx, mesh, model_state=model_state, rng=seed, shard_optimizer=spec.shard_optimizer,
                           compression=spec.compression, sync_every=spec.sync_every, outer_tx=spec.outer_tx,
-                          sync_fragments=spec.sync_fragments)
+                          sync_fragments=spec.sync_fragments, shard_params=spec.shard_params)
         if spec.overlap:  # the slot for the gradient in flight (its shapes come from a batch)
             return step_for(spec).prepare(made, plan.batch_at(0))
         if not plan.rounds_run or (plan.overlap and spec.sync_every == 1):  # (sync_every auto's measuring state)
@@ -161,7 +165,8 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             plan.steps_by_spec[spec] = make_train_step(
                 loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=sync.grad_accum, grad_norm=True,
                 shard_optimizer=spec.shard_optimizer, compression=spec.compression, sync_every=spec.sync_every,
-                outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments, overlap=spec.overlap)
+                outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments, overlap=spec.overlap,
+                shard_params=spec.shard_params)
         return plan.steps_by_spec[spec]
 
     plan.step_for = step_for

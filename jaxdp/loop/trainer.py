@@ -149,14 +149,22 @@ def begin(plan: Plan, options: dict[str, Any], joined: bool) -> Loop:
         peak_flops=peak * 1e12 * mesh.size if peak and run.flops_per_step else None,
         **({"wandb_project": logging.wandb_project, "wandb_id_dir": options["checkpoint"].directory}
            if logging.wandb_project else {}))
+    memory = {}
+    if plan.spec.shard_params:  # bytes per device and XLA's compiled peak (one more compile: jaxdp/step/fsdp.py)
+        from jaxdp.step import fsdp
+
+        memory = fsdp.memory(plan.step_for(plan.spec), state, plan.batch_at(start_step))
+        if plan.is_main:
+            print(fsdp.describe(memory), file=sys.stderr)
     startup_s = time.perf_counter() - plan.started
     early = plan.begun.records
     writer.event("start", start_step, resumed_from=start_step or None,
                  config=plan.config.to_dict() if plan.config is not None else None, processes=plan.n_processes,
                  devices=plan.devices, device_kind=device_kind, jax=jax.__version__,
                  malloc_env=os.environ.get("JAXDP_MALLOC_ENV"), startup_s=startup_s,
-                 **(run.run_info or {}), param_bytes_per_device=zero.bytes_per_device(state.params),
-                 optimizer_bytes_per_device=zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
+                 **(run.run_info or {}), **{"param_bytes_per_device": zero.bytes_per_device(state.params),
+                 "optimizer_bytes_per_device": zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
+                 **memory},
                  **({"sync_every_auto": True} if plan.sync_auto else {}))
     for name, record in early:  # --sync-every auto's decisions, taken before the loop
         writer.event(name, start_step, **record)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxdp.mesh import replicate, replicated_sharding
 from jaxdp.moved import forwarder
-from jaxdp.step import local_sgd, zero
+from jaxdp.step import fsdp, local_sgd, zero
 from jaxdp.sync import exchange
 from jaxdp.sync.spec import StateLayout, SyncSpec
 
@@ -99,7 +99,8 @@ class TrainState:
 def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
                model_state: Any = None, rng: Any = 0, shard_optimizer: bool = False,
                compression: Any = None, sync_every: int = 1,
-               outer_tx: optax.GradientTransformation | None = None, sync_fragments: int = 1) -> TrainState:
+               outer_tx: optax.GradientTransformation | None = None, sync_fragments: int = 1,
+               shard_params: bool = False) -> TrainState:
     """A TrainState with `params` (and `model_state`) replicated over `mesh` and a fresh `tx` state.
 
     `params` may be host or device values; in a multi-process run every process must pass the
@@ -120,23 +121,29 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     `outer_tx` state (default `optax.sgd(1.0)`: plain averaging) into `state.sync.shared["outer"]`;
     `state.opt_state` is `()`. Pass the same `sync_every`, `outer_tx` and `sync_fragments` (Streaming
     DiLoCo: the outer state is one per fragment) to `make_train_step`.
+
+    `shard_params=True` (ZeRO-3 / FSDP, jaxdp/step/fsdp.py): `params` and the optimizer state cut
+    over the devices, each leaf along its largest dimension the device count divides.
     """
     # The state does not depend on the strategy: check the other choices against the in-graph one
     # that can do everything (ring; int8 / int4 need its hops), make_train_step checks the strategy.
-    spec = SyncSpec(strategy="ring", compression=compression, sync_every=sync_every, sync_fragments=sync_fragments,
-                    outer_tx=outer_tx, shard_optimizer=shard_optimizer)
+    spec = SyncSpec(strategy="psum" if shard_params else "ring", compression=compression, sync_every=sync_every,
+                    sync_fragments=sync_fragments, outer_tx=outer_tx, shard_optimizer=shard_optimizer,
+                    shard_params=shard_params)  # (shard_params: psum, XLA's collectives)
     spec.validate()  # the one table (jaxdp/sync/rules.py): local steps and shard_optimizer do not combine, ...
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
     elif jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
 
-    params = replicate(params, mesh)
+    params = fsdp.place(params, mesh) if shard_params else replicate(params, mesh)
     per_device, shared = exchange.init_slot(compression, params, mesh)
     if spec.local:
         rows, outer = local_sgd.init_sync(params, tx, mesh, outer_tx, sync_fragments)
         per_device, shared = {**per_device, **rows}, {**shared, **outer}
         opt_state = ()
+    elif shard_params:
+        opt_state = fsdp.init_opt_state(params, tx, mesh)
     elif shard_optimizer:
         opt_state = zero.init(params, tx, mesh)
     else:

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp.step import delayed, local_sgd, zero
+from jaxdp.step import delayed, fsdp, local_sgd, zero
 from jaxdp.sync import host
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
@@ -118,7 +118,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
                     strategy: str | Callable = "psum", *, stateful: bool = False, grad_accum: int = 1,
                     grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None,
                     sync_every: int = 1, outer_tx: optax.GradientTransformation | None = None,
-                    sync_fragments: int = 1, schedule: Callable | None = None, overlap: bool = False) -> TrainStep:
+                    sync_fragments: int = 1, schedule: Callable | None = None, overlap: bool = False,
+                    shard_params: bool = False) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -159,13 +160,18 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
         raise ValueError(f"make_train_step: grad_accum must be a positive integer, got {grad_accum!r}")
     codec = codec_of(compression)  # ValueError for "auto": the controller decides it while training
     spec = SyncSpec(strategy=strategy, compression=codec, sync_every=sync_every, sync_fragments=sync_fragments,
-                    outer_tx=outer_tx, shard_optimizer=shard_optimizer, overlap=overlap).validate()
+                    outer_tx=outer_tx, shard_optimizer=shard_optimizer, overlap=overlap,
+                    shard_params=shard_params).validate()
     if spec.rule == "local" and overlap:
         raise ValueError("make_train_step: overlap=True is every-step training; local steps overlap their rounds "
                          "through jaxdp.fit(..., sync_every=H, overlap=True)")
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    step = RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)
+    if spec.rule == "fsdp":  # (jaxdp/step/fsdp.py: one jit over sharded global arrays, from loss_fn itself)
+        jitted = fsdp.make_step(loss_fn, tx, mesh, stateful=stateful, grad_accum=grad_accum, grad_norm=grad_norm)
+        step = TrainStep(_bounded(jitted, mesh), jitted, tx, spec, local_grads)
+    else:
+        step = RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)
     step.schedule = schedule
     return step
 

@@ -60,6 +60,7 @@ class Choices:
     overlap: bool = False
     elastic: bool = False
     float_state: bool = False          # the model keeps float state (BatchNorm statistics)
+    shard_params: bool = False         # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
 
     @property
     def local(self) -> bool:
@@ -76,7 +77,8 @@ class Choices:
         return cls(strategy=strategy_name(spec.strategy), abilities=spec.abilities, compression=name,
                    needs="sum" if name in (None, AUTO) else codecs.needs(spec.compression),
                    sync_every=spec.sync_every, sync_fragments=spec.sync_fragments, outer=spec.outer_tx is not None,
-                   shard_optimizer=spec.shard_optimizer, overlap=spec.overlap, **more)
+                   shard_optimizer=spec.shard_optimizer, overlap=spec.overlap,
+                   shard_params=getattr(spec, "shard_params", False), **more)
 
     @classmethod
     def from_config(cls, config: Any, environ: Any = None) -> "Choices":
@@ -97,7 +99,8 @@ class Choices:
                    needs="sum" if text in ("none", AUTO) else codecs.row(text).needs,
                    sync_every=config.sync_every, sync_fragments=config.sync_fragments,
                    sync_seconds=config.sync_seconds or None, shard_optimizer=config.shard_optimizer,
-                   overlap=config.overlap, elastic=bool((os.environ if environ is None else environ).get(ELASTIC_ENV)))
+                   overlap=config.overlap, shard_params=getattr(config, "shard_params", False),
+                   elastic=bool((os.environ if environ is None else environ).get(ELASTIC_ENV)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +222,36 @@ RULES: tuple[Rule, ...] = (
          f"--shard-optimizer needs an in-graph strategy (--strategy psum or ring): --strategy={{strategy}} does not "
          f"qualify ({_NO_HALVES})",
          f"shard_optimizer does not apply to strategy {{strategy!r}}: {_NO_HALVES}; use psum or ring", "strategy"),
+    # -- shard_params (ZeRO-3 / FSDP, jaxdp/step/fsdp.py): what it does not combine with, yet
+    Rule("params-zero", lambda c: c.shard_params and c.shard_optimizer,
+         "--shard-params does not combine with --shard-optimizer: shard_params already shards the optimizer state "
+         "(it includes ZeRO-1); drop one of them",
+         "shard_params and shard_optimizer do not combine: shard_params already shards the optimizer state (it "
+         "includes ZeRO-1); drop one of them", "shard_optimizer"),
+    Rule("params-strategy", lambda c: c.shard_params and c.strategy != "psum",
+         "--shard-params does not combine with --strategy={strategy}: XLA inserts shard_params' all-gathers and "
+         "reduce-scatters itself, so the strategy must be psum; drop one of them",
+         "shard_params needs strategy 'psum', not {strategy!r}: XLA inserts its all-gathers and reduce-scatters "
+         "itself", "strategy"),
+    Rule("params-compression", lambda c: c.shard_params and c.compression is not None,
+         "--shard-params does not combine with --compression: compression needs the whole averaged gradient on every "
+         "device; drop one of them",
+         "shard_params and compression do not combine: compression needs the whole averaged gradient on every "
+         "device", "compression"),
+    Rule("params-local", lambda c: c.shard_params and c.local,
+         "--shard-params does not combine with --sync-every or --sync-seconds: local steps keep a whole replica of "
+         "the parameters on every device; drop one of them",
+         "shard_params and local steps (sync_every, sync_seconds) do not combine: local steps keep a whole replica of "
+         "the parameters on every device", "sync_every"),
+    Rule("params-overlap", lambda c: c.shard_params and c.overlap,
+         "--shard-params does not combine with --overlap: overlap applies each whole averaged gradient one step late; "
+         "drop one of them",
+         "shard_params and overlap do not combine: overlap applies each whole averaged gradient one step late",
+         "overlap"),
+    Rule("params-elastic", lambda c: c.shard_params and c.elastic,
+         "--shard-params does not combine with an elastic run (jaxdp.launch --elastic): gradients are averaged on the "
+         "host there",
+         "shard_params does not combine with an elastic run: gradients are averaged on the host there", "strategy"),
     # -- Streaming DiLoCo's fragments (jaxdp/step/local_sgd.py)
     Rule("fragments-auto", lambda c: c.sync_every == AUTO and c.sync_fragments > 1,
          "--sync-fragments={sync_fragments} needs a fixed --sync-every that it divides, not auto (which may choose 1, "

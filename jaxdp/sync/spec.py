@@ -15,6 +15,7 @@ Five axes, each with one owner:
 | sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/step/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/step/zero.py |
 | overlap | every step's all-reduce overlapped with the next step (with local steps: step/rounds.py's rounds) | step/delayed.py |
+| shard_params | ZeRO-3 / FSDP: parameters, gradients, optimizer state sharded; XLA's collectives | jaxdp/step/fsdp.py |
 
 Which choices combine is jaxdp/sync/rules.py's table, and only there: `validate` asks it in keyword
 terms, the command line (`rules.check_config`) in flag terms. Nothing here imports JAX until a
@@ -34,7 +35,7 @@ from jaxdp.registry import AUTO  # (older code imports it here)
 from jaxdp.sync import rules
 from jaxdp.sync.rules import abilities, strategy_name  # noqa: F401  (their home is rules.py; older code imports them here)
 
-RULES = ("replicated", "local", "sharded", "host", "delayed")
+RULES = ("replicated", "local", "sharded", "host", "delayed", "fsdp")
 
 
 def check_sync_every(sync_every: Any, sync_fragments: Any = 1) -> int:
@@ -65,8 +66,9 @@ class StateLayout:
         differs, in words that say which argument to pass to both init_state and make_train_step."""
         if self.rule != wanted.rule:
             names = {"local": "local steps (sync_every > 1 or an outer_tx)", "sharded": "shard_optimizer=True",
-                     "replicated": "neither local steps nor shard_optimizer"}
-            what = "shard_optimizer" if "sharded" in (self.rule, wanted.rule) else "sync_every and outer_tx"
+                     "replicated": "neither local steps nor shard_optimizer", "fsdp": "shard_params=True"}
+            what = "shard_optimizer" if "sharded" in (self.rule, wanted.rule) else \
+                "shard_params" if "fsdp" in (self.rule, wanted.rule) else "sync_every and outer_tx"
             return (f"this state was made by init_state for {names[self.rule]} but the step for {names[wanted.rule]}; "
                     f"pass the same {what} to init_state and make_train_step")
         if self.fragments != wanted.fragments:
@@ -90,6 +92,7 @@ class SyncSpec:
     outer_tx: Any = None
     shard_optimizer: bool = False
     overlap: bool = False  # every-step training: the all-reduce overlaps the next step (jaxdp/step/delayed.py)
+    shard_params: bool = False  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
 
     def replace(self, **changes: Any) -> "SyncSpec":
         return dataclasses.replace(self, **changes)
@@ -113,6 +116,8 @@ class SyncSpec:
             return "local"
         if self.overlap:
             return "delayed"
+        if self.shard_params:
+            return "fsdp"
         return "sharded" if self.shard_optimizer else "replicated"
 
     def validate(self, **more: Any) -> "SyncSpec":
@@ -164,5 +169,6 @@ def from_config(config: Any, outer_tx: Any = None) -> SyncSpec:
     is the outer optimizer, used only with local steps (the CLI's H = 1 is plain synchronous training)."""
     return SyncSpec(strategy=config.strategy, compression=None if config.compression == "none" else config.compression,
                     sync_every=config.sync_every, sync_fragments=config.sync_fragments,
-                    outer_tx=None if config.sync_every == 1 else outer_tx, shard_optimizer=config.shard_optimizer)
+                    outer_tx=None if config.sync_every == 1 else outer_tx, shard_optimizer=config.shard_optimizer,
+                    shard_params=getattr(config, "shard_params", False))
 

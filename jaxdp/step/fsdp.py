@@ -1,0 +1,187 @@
+"""`shard_params=True` (`--shard-params`, ZeRO-3 / FSDP): parameters, gradients and optimizer
+state sharded over the worker's devices.
+
+    state = init_state(params, tx, mesh, shard_params=True)
+    step = make_train_step(loss_fn, tx, mesh, shard_params=True)
+
+Every leaf of the parameters, of the gradients and of the optimizer state is stored with a
+`NamedSharding` that cuts it along its largest dimension divisible by the device count (`spec_for`;
+replicated if none divides: biases of odd sizes, scalars such as Adam's count). The step is one
+`jax.jit` over global arrays with those shardings as constraints, and XLA's SPMD partitioner
+inserts the collectives: an all-gather of each parameter where the forward pass uses it, again in
+the backward pass (the gathered copies are not kept between the two: `jax.checkpoint` with a policy
+that saves everything but them), and a reduce-scatter of each gradient into its owner's slice.
+The optimizer update then runs elementwise on the slices; a global reduction inside it
+(`clip_by_global_norm`) is an all-reduce of a scalar. Any optax optimizer works, on the parameter
+tree itself (no flat buffers as in ZeRO-1, jaxdp/step/zero.py).
+
+XLA rather than hand-written gathers: the partitioner places each gather next to its use and the
+scheduler frees it after, so at most a few layers' whole parameters live at a time, with no change
+to the model; measured in docs/performance.md ("Models bigger than one device").
+
+Per-device semantics are the replicated step's: the batch is viewed as [devices, rows per device]
+and the loss runs under `jax.vmap(..., axis_name=<the mesh's axis>)`, so each row block's loss is
+the device's own mean, `jax.lax.axis_index` gives dropout the same per-device key as today
+(`fold_in(fold_in(rng, step), device)`), and `nn.BatchNorm(axis_name=<axis>)` averages its
+statistics over the global batch. The gradient is that of the mean of the per-device losses
+(= the mean of the per-device gradients), metrics and floating model state are averaged over devices.
+
+Checkpoints need nothing special: they hold whole arrays on the host (jaxdp/checkpoint/portable.py),
+and a restore places them into the target state's shardings, whatever its device count or mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp.errors import InputError
+from jaxdp.mesh import data_axes
+
+GATHERED = "jaxdp_fsdp_gathered"  # the name of the whole parameters inside the step (not saved for backward)
+
+
+def spec_for(shape: tuple[int, ...], n: int, axis: Any) -> P:
+    """Cut along the largest dimension that `n` divides (the first of equals); replicated if none."""
+    dims = [d for d, size in enumerate(shape) if size >= n and size % n == 0]
+    if n == 1 or not dims:
+        return P()
+    d = max(dims, key=lambda d: (shape[d], -d))
+    return P(*([None] * d), axis)
+
+
+def shardings(tree: Any, mesh: Mesh) -> Any:
+    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs), by `spec_for`."""
+    axis = data_axes(mesh)
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec_for(tuple(x.shape), mesh.size, axis)), tree)
+
+
+def place(tree: Any, mesh: Mesh) -> Any:
+    """Host values (or whole device values) -> global arrays cut by `shardings`. Every process
+    passes the same values; each device receives only its slice."""
+    def put(x: Any, sharding: NamedSharding) -> jax.Array:
+        host = x if not isinstance(x, jax.Array) or not x.is_fully_addressable else jax.device_get(x)
+        if isinstance(host, jax.Array):  # a replicated multi-process array: its local copy is whole
+            host = host.addressable_data(0)
+        host = jnp.asarray(host) if not hasattr(host, "shape") else host
+        return jax.make_array_from_callback(tuple(host.shape), sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings(tree, mesh))
+
+
+def init_opt_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) -> Any:
+    """`tx.init(params)`, every leaf cut by `spec_for` (moments like their parameters)."""
+    return jax.jit(tx.init, out_shardings=shardings(jax.eval_shape(tx.init, params), mesh))(params)
+
+
+def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *, stateful: bool,
+              grad_accum: int, grad_norm: bool) -> Callable:
+    """The jitted step `(state, batch) -> (state, metrics)` (the old state donated)."""
+    check_mesh(mesh)
+    axis = data_axes(mesh)
+    n = mesh.size
+    whole = NamedSharding(mesh, P())
+    rows_sharding = NamedSharding(mesh, P(axis))
+
+    def device_loss(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, micro: Any) -> tuple[Any, Any]:
+        """One device's loss on its rows, under vmap over the devices (as train_step's local_grads)."""
+        if stateful:
+            key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(axis))
+            if grad_accum > 1:  # with grad_accum, every micro-batch draws its own keys (as today)
+                key = jax.random.fold_in(key, micro)
+            loss, aux, model_state = loss_fn(params, model_state, rows, key)
+        else:
+            out = loss_fn(params, rows)
+            loss, aux = out if isinstance(out, tuple) else (out, {})
+        metrics = {name: jnp.asarray(value, jnp.float32) for name, value in {"loss": loss, **aux}.items()}
+        return loss, (metrics, model_state)
+
+    def objective(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, micro: Any) -> tuple[Any, Any]:
+        gathered = checkpoint_name(jax.lax.with_sharding_constraint(params, whole), GATHERED)
+        losses, (metrics, model_state) = jax.vmap(
+            device_loss, in_axes=(None, 0, 0, None, None, None), axis_name=axis)(gathered, model_state, rows, rng, step, micro)
+        return jnp.mean(losses), (metrics, model_state)
+
+    objective = jax.checkpoint(objective, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def step(state: Any, batch: Any) -> tuple[Any, dict]:
+        param_shardings = shardings(state.params, mesh)
+        rows = jax.tree.map(lambda x: x.reshape(n, grad_accum, x.shape[0] // (n * grad_accum), *x.shape[1:]), batch)
+        rows = jax.lax.with_sharding_constraint(rows, jax.tree.map(lambda _: rows_sharding, rows))
+        per_device_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), state.model_state)
+        if grad_accum == 1:
+            (_, (metrics, model_state)), grads = grad_fn(state.params, per_device_state, jax.tree.map(lambda x: x[:, 0], rows),
+                                                         state.rng, state.step, jnp.int32(0))
+        else:
+            def body(carry: Any, i: Any) -> tuple[Any, None]:
+                (metric_sum, grad_sum), model_state = carry
+                micro = jax.tree.map(lambda x: x[:, i], rows)
+                (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, micro, state.rng, state.step, i)
+                grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+                return (jax.tree.map(jnp.add, (metric_sum, grad_sum), (metrics, grads)), model_state), None
+
+            first = jax.tree.map(lambda x: x[:, 0], rows)
+            (_, (metrics, _)), grads = jax.eval_shape(grad_fn, state.params, per_device_state, first, state.rng,
+                                                      state.step, jnp.int32(0))
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metrics, grads))
+            zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], param_shardings))
+            ((metric_sum, grad_sum), model_state), _ = jax.lax.scan(body, (zeros, per_device_state),
+                                                                    jnp.arange(grad_accum))
+            metrics, grads = jax.tree.map(lambda total: total / grad_accum, (metric_sum, grad_sum))
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), metrics)
+        model_state = jax.tree.map(lambda x: jnp.mean(x, axis=0, dtype=x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact)
+                                   else x[0], model_state)
+        if grad_norm:
+            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), param_shardings)
+        opt_state = jax.lax.with_sharding_constraint(opt_state, shardings(opt_state, mesh))
+        model_state = jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state), metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """InputError unless `mesh` is one process's devices on one axis (what shard_params runs on, yet)."""
+    if len(mesh.axis_names) > 1 or jax.process_count() > 1:
+        raise InputError("shard_params runs on one process's devices, on a one-axis mesh, for now (sharded inside a "
+                         "worker, data-parallel across workers is not built yet); run one process, or drop shard_params",
+                         argument="mesh")
+
+
+def check_run(spec: Any, mesh: Mesh, *, paced: bool, elastic: bool) -> None:
+    """fit's refusals for shard_params: the sync spec's table, then what only fit knows."""
+    spec.validate(sync_seconds=1.0 if paced else None, elastic=elastic)  # (the one table: jaxdp/sync/rules.py)
+    check_mesh(mesh)
+
+
+def memory(step: Any, state: Any, batch: Any) -> dict[str, int]:
+    """Bytes per device (the first local one) of the parameters, the gradients (shaped and cut like
+    them), the optimizer state, and XLA's compiled peak of the step (arguments + outputs - donated
+    + temporaries; one extra compile)."""
+    from jaxdp.step import local_sgd, zero
+
+    params = zero.bytes_per_device(state.params)
+    stats = step.lower(state, batch).compile().memory_analysis()
+    peak = None if stats is None else int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                           - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    return {"param_bytes_per_device": params, "grad_bytes_per_device": params,
+            "optimizer_bytes_per_device": zero.bytes_per_device((state.opt_state, local_sgd.optimizer_states(state))),
+            "compiled_peak_bytes_per_device": peak}
+
+
+def describe(memory: dict[str, Any]) -> str:
+    """The console line of `memory`'s figures."""
+    mib = lambda key: "?" if memory.get(key) is None else f"{memory[key] / 2**20:.1f} MiB"  # noqa: E731
+    return (f"jaxdp: --shard-params: per device {mib('param_bytes_per_device')} of parameters, "
+            f"{mib('grad_bytes_per_device')} of gradients, {mib('optimizer_bytes_per_device')} of optimizer state; "
+            f"XLA's compiled peak {mib('compiled_peak_bytes_per_device')}")

@@ -1,0 +1,245 @@
+"""shard_params=True (ZeRO-3 / FSDP, jaxdp/step/fsdp.py): the replicated step's numbers with
+parameters, gradients and optimizer state cut over the devices; checkpoints that resume on any
+device count and mode; clear refusals."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+from helpers import records, run_cli, step_records, write_corpus
+from jaxdp.config import ConfigError, parse_args
+from jaxdp.errors import InputError
+from jaxdp.models.builtin import CNN, GPT
+from jaxdp.step import fsdp, zero
+
+GPT_MODEL = GPT(vocab_size=64, seq_len=16, layers=2, d_model=64, heads=4, head_bias=True)  # head bias [64]; LN [64]
+GPT_PARAMS = GPT_MODEL.init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))["params"]
+
+
+def gpt_loss(params, batch):
+    logits = GPT_MODEL.apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {"logit_mean": logits.mean()}
+
+
+def gpt_batches(n, batch=16, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, 64, (batch, 17)).astype(np.int32)
+        out.append({"x": tokens[:, :-1], "y": tokens[:, 1:]})
+    return out
+
+
+def adamw_clip():  # clipping at 0.5 binds: the global norm spans every device's slice
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(3e-3, weight_decay=0.1))
+
+
+def train(mesh, tx, shard_params, batches, loss_fn=gpt_loss, params=GPT_PARAMS, state=None, stateful=False,
+          model_state=None, grad_accum=1):
+    state = state or jaxdp.init_state(params, tx, mesh, shard_params=shard_params, model_state=model_state, rng=3)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, shard_params=shard_params, grad_norm=True, stateful=stateful,
+                                 grad_accum=grad_accum)
+    history = []
+    for batch in batches:
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        history.append(jax.device_get(metrics))
+    return state, history
+
+
+def without_key_bias(tree):
+    """The attention's key bias gets no gradient in exact arithmetic (it adds a constant to every
+    score of a query), only rounding noise, which Adam scales to whole steps: checked finite, not compared."""
+    def blank(path, x):
+        x = np.asarray(x, np.float64)
+        if "qkv_" in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path) and x.shape[:1] == (3,):
+            assert np.all(np.isfinite(x[1]))
+            x = x.copy()
+            x[1] = 0.0
+        return x
+    return jax.tree_util.tree_map_with_path(blank, jax.device_get(tree))
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=0.0):
+    """Every leaf within rtol of the leaf's largest value (Adam turns a gradient of rounding noise,
+    which another summation order changes, into a whole step of a few elements)."""
+    for x, y in zip(jax.tree.leaves(without_key_bias(a)), jax.tree.leaves(without_key_bias(b)), strict=True):
+        assert x.shape == y.shape
+        assert np.max(np.abs(x - y), initial=0) <= rtol * np.max(np.abs(y), initial=0) + atol, \
+            np.max(np.abs(x - y)) / np.max(np.abs(y))
+
+
+def test_spec_for_cuts_the_largest_dimension_that_divides():
+    assert fsdp.spec_for((13, 64), 8, "data") == jax.sharding.PartitionSpec(None, "data")
+    assert fsdp.spec_for((64, 3, 4, 16), 8, "data") == jax.sharding.PartitionSpec("data")
+    assert fsdp.spec_for((16, 16), 8, "data") == jax.sharding.PartitionSpec("data")  # the first of equals
+    assert fsdp.spec_for((37,), 8, "data") == jax.sharding.PartitionSpec()  # none divides: replicated
+    assert fsdp.spec_for((), 8, "data") == jax.sharding.PartitionSpec()
+
+
+@pytest.mark.parametrize("grad_accum", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_gpt_trains_like_the_replicated_step_with_one_eighth_of_the_bytes(devices, grad_accum):
+    mesh = jaxdp.make_mesh(devices)
+    tx = adamw_clip()
+    batches = gpt_batches(6)
+    replicated, want = train(mesh, tx, False, batches, grad_accum=grad_accum)
+    sharded, got = train(mesh, tx, True, batches, grad_accum=grad_accum)
+    assert set(got[0]) == set(want[0]) == {"loss", "logit_mean", "grad_norm"}
+    for a, b in zip(got, want):
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_trees_close(sharded.params, replicated.params, rtol=1e-4)
+    assert_trees_close(sharded.opt_state, replicated.opt_state, rtol=1e-4)
+    moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+             zip(jax.tree.leaves(jax.device_get(sharded.params)), jax.tree.leaves(GPT_PARAMS))]
+    assert min(moved) > 1e-3  # the comparison has teeth: every leaf moved
+    # Every leaf this GPT has is cut (64 divides all its widths), so each device holds 1/8 of the bytes.
+    for tree in (sharded.params, sharded.opt_state):
+        leaves = [x for x in jax.tree.leaves(tree) if x.ndim]
+        assert all(len({repr(s.index) for s in x.addressable_shards}) == 8 for x in leaves)
+    assert zero.bytes_per_device(sharded.params) * 8 == zero.bytes_per_device(replicated.params)
+    assert zero.bytes_per_device(sharded.opt_state) <= 1.15 / 8 * zero.bytes_per_device(replicated.opt_state)
+
+
+def test_batchnorm_statistics_and_metrics_are_the_replicated_ones(devices):
+    mesh = jaxdp.make_mesh(devices)
+    model = CNN(features=(8, 16), axis_name=jaxdp.DATA_AXIS)  # conv kernels [3, 3, 1, 8]: cut; bias [8]: cut
+    variables = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 8, 8, 1)))
+    params, model_state = variables.pop("params"), dict(variables)
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def loss_fn(params, model_state, batch, rng):
+        logits, new_state = model.apply({"params": params, **model_state}, batch["x"], train=True, mutable=list(model_state))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}, new_state
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((32, 8, 8, 1)).astype(np.float32), "y": rng.integers(0, 10, 32).astype(np.int32)}
+               for _ in range(4)]
+    (ref, want), (got, have) = (train(mesh, tx, sharded, batches, loss_fn, params, stateful=True, model_state=model_state)
+                                for sharded in (False, True))
+    np.testing.assert_allclose([h["loss"] for h in have], [w["loss"] for w in want], rtol=1e-5)
+    assert_trees_close(got.model_state, ref.model_state)
+    assert_trees_close(got.params, ref.params, atol=1e-7)
+
+
+class Noisy(nn.Module):
+    """Dropout before a linear layer: the gradient depends on every device's own key."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(16)(nn.Dropout(0.5, deterministic=not train)(x))
+
+
+def test_dropout_draws_the_replicated_steps_keys(devices):
+    mesh = jaxdp.make_mesh(devices)
+    model, tx = Noisy(), optax.sgd(0.1)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 24)))["params"]
+
+    def loss_fn(p, model_state, batch, rng):
+        logits = model.apply({"params": p}, batch["x"], train=True, rngs={"dropout": rng})
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}, model_state
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((64, 24)).astype(np.float32), "y": rng.integers(0, 16, 64).astype(np.int32)}
+               for _ in range(3)]
+    (ref, want), (got, have) = (train(mesh, tx, sharded, batches, loss_fn, params, stateful=True)
+                                for sharded in (False, True))
+    np.testing.assert_allclose([h["loss"] for h in have], [w["loss"] for w in want], rtol=1e-5)
+    assert_trees_close(got.params, ref.params)
+
+
+@pytest.mark.slow  # (about 160 s on a loaded 2-core machine: five runs of two compiled steps)
+def test_checkpoints_resume_on_any_device_count_and_mode_and_load_whole(devices, tmp_path):
+    tx = adamw_clip()
+    batches = gpt_batches(8)
+    mesh8 = jaxdp.make_mesh(devices)
+    uninterrupted, want = train(mesh8, tx, False, batches)
+    half, _ = train(mesh8, tx, True, batches[:4])
+    with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(half)
+    loaded = jaxdp.load_params(str(tmp_path))
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(loaded))
+    assert_trees_close(loaded, half.params, rtol=0, atol=0)  # whole parameters, bit for bit
+    for n, sharded in ((4, True), (2, False)):  # another device count sharded, and replicated
+        mesh = jaxdp.make_mesh(devices[:n])
+        with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
+            state = ckpt.restore(jaxdp.init_state(GPT_PARAMS, tx, mesh, shard_params=sharded, rng=3))
+        assert int(state.step) == 4 and state.layout.rule == ("fsdp" if sharded else "replicated")
+        resumed, got = train(mesh, tx, sharded, batches[4:], state=state)
+        np.testing.assert_allclose([g["loss"] for g in got], [w["loss"] for w in want[4:]], rtol=1e-5)
+        assert_trees_close(resumed.params, uninterrupted.params, rtol=1e-4)
+    mesh = jaxdp.make_mesh(devices[:2])  # and the other way: a replicated run's checkpoint resumes sharded
+    replicated_half, _ = train(mesh, tx, False, batches[:4])
+    with jaxdp.Checkpointer(str(tmp_path / "replicated")) as ckpt:
+        ckpt.save(replicated_half)
+        state = ckpt.restore(jaxdp.init_state(GPT_PARAMS, tx, mesh8, shard_params=True, rng=3))
+    resumed, _ = train(mesh8, tx, True, batches[4:], state=state)
+    assert_trees_close(resumed.params, uninterrupted.params, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs, culprit", [
+    ({"shard_optimizer": True}, "shard_optimizer"),
+    ({"strategy": "ring"}, "strategy"),
+    ({"strategy": "host"}, "strategy"),
+    ({"compression": "bf16"}, "compression"),
+    ({"sync_every": 4}, "local"),
+    ({"overlap": True}, "overlap"),
+])
+def test_what_it_does_not_combine_with_is_refused_in_one_line(devices, kwargs, culprit):
+    mesh = jaxdp.make_mesh(devices)
+    strategy = kwargs.pop("strategy", "psum")
+    with pytest.raises(InputError, match=f"shard_params does not combine with {culprit}") as err:
+        jaxdp.make_train_step(gpt_loss, optax.sgd(0.1), mesh, strategy, shard_params=True, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_states_of_another_mode_and_two_axis_meshes_are_refused(devices):
+    mesh = jaxdp.make_mesh(devices)
+    tx = optax.sgd(0.1)
+    step = jaxdp.make_train_step(gpt_loss, tx, mesh, shard_params=True)
+    with pytest.raises(ValueError, match="pass the same shard_params"):
+        step(jaxdp.init_state(GPT_PARAMS, tx, mesh), jaxdp.shard_batch(gpt_batches(1)[0], mesh))
+    two_axes = jaxdp.make_mesh(devices, axis_name=("hosts", "local"))
+    with pytest.raises(InputError, match="one-axis mesh"):
+        jaxdp.make_train_step(gpt_loss, tx, two_axes, shard_params=True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shard-optimizer"], "--shard-params does not combine with --shard-optimizer"),
+    (["--strategy", "ring"], "--shard-params does not combine with --strategy=ring"),
+    (["--compression", "bf16"], "--shard-params does not combine with --compression"),
+    (["--sync-every", "4"], "--shard-params does not combine with --sync-every"),
+    (["--overlap"], "--shard-params does not combine with --overlap"),
+    (["--sync-seconds", "2"], "--shard-params does not combine with --sync-seconds"),
+])
+def test_cli_refusals(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--shard-params", *flags])
+
+
+@pytest.mark.slow
+def test_cli_gpt_reports_its_memory_and_resumes_without_shard_params(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    run = ["--dataset", str(corpus), "--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4",
+           "--seq-len", "32", "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1"]
+    ref = run_cli(*run, "--steps", "6", "--metrics-file", str(tmp_path / "ref.jsonl"))
+    assert ref.returncode == 0, ref.stderr
+    first = run_cli(*run, "--steps", "3", "--shard-params", "--checkpoint-dir", str(tmp_path / "ck"),
+                    "--metrics-file", str(tmp_path / "a.jsonl"))
+    assert first.returncode == 0, first.stderr
+    assert "jaxdp: --shard-params: per device" in first.stderr and "XLA's compiled peak" in first.stderr
+    second = run_cli(*run, "--steps", "6", "--devices", "4", "--checkpoint-dir", str(tmp_path / "ck"),
+                     "--metrics-file", str(tmp_path / "b.jsonl"))
+    assert second.returncode == 0, second.stderr
+    got = step_records(tmp_path / "a.jsonl") + step_records(tmp_path / "b.jsonl")
+    want = step_records(tmp_path / "ref.jsonl")
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+    start = [r for r in records(tmp_path / "a.jsonl") if r.get("event") == "start"][0]
+    ref_start = [r for r in records(tmp_path / "ref.jsonl") if r.get("event") == "start"][0]
+    assert start["param_bytes_per_device"] <= 1.15 / 8 * ref_start["param_bytes_per_device"]
+    assert start["grad_bytes_per_device"] == start["param_bytes_per_device"]
+    assert start["optimizer_bytes_per_device"] <= 1.15 / 8 * ref_start["optimizer_bytes_per_device"]
+    assert start["compiled_peak_bytes_per_device"] > start["param_bytes_per_device"]
