@@ -12,6 +12,7 @@ import pytest
 import jaxdp
 from helpers import records, run_cli, step_records, write_corpus
 from jaxdp.config import ConfigError, parse_args
+from jaxdp.sync.rules import check_config
 from jaxdp.errors import InputError
 from jaxdp.models.builtin import CNN, GPT
 from jaxdp.step import fsdp, zero
@@ -217,7 +218,7 @@ def test_states_of_another_mode_and_two_axis_meshes_are_refused(devices):
 ])
 def test_cli_refusals(flags, message):
     with pytest.raises(ConfigError, match=message):
-        parse_args(["--shard-params", *flags])
+        check_config(parse_args(["--shard-params", *flags]))
 
 
 @pytest.mark.slow

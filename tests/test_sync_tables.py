@@ -105,6 +105,12 @@ EXAMPLES = {
     "local-zero": dict(sync_every=2, shard_optimizer=True),
     "zero-host": dict(strategy="host", shard_optimizer=True),
     "zero-halves": dict(strategy=lambda tree, axis: jax.lax.psum(tree, axis), shard_optimizer=True),
+    "params-zero": dict(shard_params=True, shard_optimizer=True),
+    "params-strategy": dict(strategy="ring", shard_params=True),
+    "params-compression": dict(shard_params=True, compression="bf16"),
+    "params-paced": dict(shard_params=True, sync_seconds=2.0),
+    "params-local": dict(shard_params=True, sync_every=4),
+    "params-overlap": dict(shard_params=True, overlap=True),
     "fragments-auto": dict(sync_every="auto", sync_fragments=2),
     "fragments-divide": dict(sync_every=4, sync_fragments=3),
 }

@@ -226,32 +226,33 @@ RULES: tuple[Rule, ...] = (
     Rule("params-zero", lambda c: c.shard_params and c.shard_optimizer,
          "--shard-params does not combine with --shard-optimizer: shard_params already shards the optimizer state "
          "(it includes ZeRO-1); drop one of them",
-         "shard_params and shard_optimizer do not combine: shard_params already shards the optimizer state (it "
+         "shard_params does not combine with shard_optimizer: shard_params already shards the optimizer state (it "
          "includes ZeRO-1); drop one of them", "shard_optimizer"),
     Rule("params-strategy", lambda c: c.shard_params and c.strategy != "psum",
          "--shard-params does not combine with --strategy={strategy}: XLA inserts shard_params' all-gathers and "
          "reduce-scatters itself, so the strategy must be psum; drop one of them",
-         "shard_params needs strategy 'psum', not {strategy!r}: XLA inserts its all-gathers and reduce-scatters "
-         "itself", "strategy"),
+         "shard_params does not combine with strategy {strategy!r}: XLA inserts its all-gathers and reduce-scatters "
+         "itself, so the strategy must be psum", "strategy"),
     Rule("params-compression", lambda c: c.shard_params and c.compression is not None,
          "--shard-params does not combine with --compression: compression needs the whole averaged gradient on every "
          "device; drop one of them",
-         "shard_params and compression do not combine: compression needs the whole averaged gradient on every "
+         "shard_params does not combine with compression: compression needs the whole averaged gradient on every "
          "device", "compression"),
+    Rule("params-paced", lambda c: c.shard_params and c.sync_seconds is not None,
+         "--shard-params does not combine with --sync-seconds: every device keeps whole parameters in its rounds of "
+         "local steps; drop one of them",
+         "shard_params does not combine with sync_seconds: every device keeps whole parameters in its rounds of "
+         "local steps", "sync_seconds"),
     Rule("params-local", lambda c: c.shard_params and c.local,
-         "--shard-params does not combine with --sync-every or --sync-seconds: local steps keep a whole replica of "
-         "the parameters on every device; drop one of them",
-         "shard_params and local steps (sync_every, sync_seconds) do not combine: local steps keep a whole replica of "
-         "the parameters on every device", "sync_every"),
+         "--shard-params does not combine with --sync-every: local steps keep a whole replica of the parameters on "
+         "every device; drop one of them",
+         "shard_params does not combine with local steps (sync_every): each keeps a whole replica of the parameters "
+         "on every device", "sync_every"),
     Rule("params-overlap", lambda c: c.shard_params and c.overlap,
          "--shard-params does not combine with --overlap: overlap applies each whole averaged gradient one step late; "
          "drop one of them",
-         "shard_params and overlap do not combine: overlap applies each whole averaged gradient one step late",
+         "shard_params does not combine with overlap: it applies each whole averaged gradient one step late",
          "overlap"),
-    Rule("params-elastic", lambda c: c.shard_params and c.elastic,
-         "--shard-params does not combine with an elastic run (jaxdp.launch --elastic): gradients are averaged on the "
-         "host there",
-         "shard_params does not combine with an elastic run: gradients are averaged on the host there", "strategy"),
     # -- Streaming DiLoCo's fragments (jaxdp/step/local_sgd.py)
     Rule("fragments-auto", lambda c: c.sync_every == AUTO and c.sync_fragments > 1,
          "--sync-fragments={sync_fragments} needs a fixed --sync-every that it divides, not auto (which may choose 1, "
