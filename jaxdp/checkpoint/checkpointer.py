@@ -50,13 +50,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import itertools
 import json
 import logging
 import os
-import socket
-import threading
 import time
 from typing import Any, Callable
 
@@ -66,9 +63,10 @@ import orbax.checkpoint as ocp
 
 from jaxdp.checkpoint import portable, resume, saveplan
 from jaxdp.checkpoint.dirlock import DirectoryLock
+from jaxdp.checkpoint.orbax_io import check_writable, handlers, unused_name, write_error
 from jaxdp.cluster import coordination, quiet
 from jaxdp.config import Config
-from jaxdp.errors import CheckpointWriteError, InputError
+from jaxdp.errors import InputError
 from jaxdp.metrics import write_text_atomically
 from jaxdp.step.state import TrainState
 
@@ -101,7 +99,7 @@ class Checkpointer:
         self.data_state: Callable[[int], dict] | None = None  # step -> more meta: a grain iterator's (jaxdp/data/grain.py)
         self.restored_meta: dict | None = None  # the meta of the checkpoint `restore` restored
         self.restored_unverified: int | None = None  # the step `restore` restored without a checksum record
-        _check_writable(self.directory)
+        check_writable(self.directory)
         self._lock = DirectoryLock(self.directory, *_process_and_client())  # InputError: in use, or not shared
         # Orbax logs a failed background write from its own threads, with tracebacks; jaxdp reports
         # it in one line (CheckpointWriteError). Quiet while this checkpointer lives (--debug: not).
@@ -115,7 +113,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_background_delete=True,
                                                enable_async_checkpointing=async_save)
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handlers())
+            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=handlers())
         except BaseException:
             self._lock.release()
             self._quiet.close()
@@ -278,7 +276,7 @@ class Checkpointer:
             return
         for step, err in unreadable:
             source = os.path.join(self.directory, str(step))
-            target = _unused_name(source + UNREADABLE_SUFFIX)
+            target = unused_name(source + UNREADABLE_SUFFIX)
             resumed = f"resuming from step {restored_step}" if restored_step else "starting from step 0"
             _warn(f"checkpoint {source} could not be read ({quiet.first_line(err)}); moved it to {target}, {resumed}")
             if jax.process_index() == 0:
@@ -355,7 +353,7 @@ class Checkpointer:
             with quiet.quiet():
                 saved = self._manager.save(step, args=args, force=True)
         except Exception as err:  # noqa: BLE001 - could not even start writing: say so now
-            raise _write_error(step, self.directory, err) from None
+            raise write_error(step, self.directory, err) from None
         if saved:
             self._pending = (step, self._checksums.submit(portable.checksums, host_state))
         return saved
@@ -376,14 +374,14 @@ class Checkpointer:
             with quiet.quiet():
                 self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - the background write failed
-            raise _write_error(step, self.directory, err) from None
+            raise write_error(step, self.directory, err) from None
         step_dir = os.path.join(self.directory, str(step))
         if jax.process_index() == 0 and os.path.isdir(step_dir):
             target = os.path.join(step_dir, CHECKSUMS_FILE)
             try:
                 write_text_atomically(target, json.dumps(checksums.result(), indent=0))
             except OSError as err:
-                raise _write_error(step, self.directory, err) from None
+                raise write_error(step, self.directory, err) from None
 
     def wait(self) -> None:
         """Block until every save has been written and committed (CheckpointWriteError if one failed)."""
@@ -427,80 +425,6 @@ def _with_feedback(restored: TrainState, fresh: TrainState, owed: list[str]) -> 
 
     slot = migration(fresh.layout.compression).refill(restored.sync.per_device[SLOT], fresh.sync.per_device[SLOT], owed)
     return restored.replace(sync=restored.sync.replace(per_device={**restored.sync.per_device, SLOT: slot}))
-
-
-def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
-    """Two items per step: "state" (arrays, orbax's standard handler) and "meta" (JSON)."""
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
-        registry.add("state", args)
-    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
-        registry.add("meta", args)
-    return registry
-
-
-def _check_writable(directory: str) -> None:
-    """InputError now, before training, if checkpoints could not be written to `directory`."""
-    probe = os.path.join(directory, f".jaxdp-write-test-{socket.gethostname()}-{os.getpid()}")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as err:
-        raise InputError(f"checkpoint directory {directory!r} is not a writable directory ({err.strerror or err}); "
-                         f"point it at one you can write to", argument="directory") from None
-
-
-def _unused_name(path: str) -> str:
-    """`path`, or `path.2`, `path.3`, ... : the first that does not exist yet."""
-    candidate, n = path, 1
-    while os.path.exists(candidate):
-        n += 1
-        candidate = f"{path}.{n}"
-    return candidate
-
-
-def _write_error(step: int, directory: str, err: BaseException) -> CheckpointWriteError:
-    """One line: which save failed, why, and what is left.
-
-    Hazard: orbax's other writes of the failed save end later, as asyncio futures that nobody
-    awaits; asyncio logs each one ("Future exception was never retrieved", with a traceback) when
-    it is garbage-collected, which can be after this checkpointer has closed and the run is
-    exiting. So once a save has failed, asyncio's logger stays quiet for the rest of the process
-    (--debug keeps it)."""
-    quiet.silence_asyncio()
-    _release_waiting_writers()
-    cause = err
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        why = "no space left on the device"
-    elif isinstance(cause, OSError):
-        why = cause.strerror or quiet.first_line(cause)
-    elif "No space left" in str(err):
-        why = "no space left on the device"
-    else:
-        why = quiet.first_line(err)
-    return CheckpointWriteError(f"cannot write checkpoint step {step} to {directory}: {why}; the earlier "
-                                f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
-
-
-def _release_waiting_writers() -> None:
-    """Let the failed save's remaining orbax threads end now.
-
-    Hazard: each stage of an orbax save runs on a non-daemon thread that first waits (up to orbax's
-    300 s coordination timeout) for a key-value signal from the stage before, e.g. "step directory
-    created". After a failure that signal never comes, and Python waits for those threads at exit:
-    exit code 73 would come 300 s after its message. So every such thread still alive is cancelled
-    and its awaited signals are set: it wakes, sees the cancellation and returns without writing."""
-    from orbax.checkpoint._src.futures import future as orbax_future
-
-    for thread in threading.enumerate():
-        if isinstance(thread, orbax_future._SignalingThread) and thread.is_alive():
-            thread.cancel()
-            with contextlib.suppress(Exception):  # (a signal already set, or the client gone: nothing waits)
-                orbax_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
 
 
 def _process_and_client() -> tuple[int, int, Any]:

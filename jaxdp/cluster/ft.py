@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -170,45 +170,6 @@ class FtMember:
 
     def receive_state(self) -> None:
         return None  # (connect says True: never asked)
-
-    def settle(self, state: Any) -> tuple[Any, bool]:
-        """The first quorum: (the state to start from, whether it came from a live peer). A worker behind
-        the furthest one in the quorum (a new or restarted one, or every worker but rank 0 when rank 0
-        restored a checkpoint) gets that worker's state; no checkpoint is read for it."""
-        from jaxdp.errors import EXIT_PREEMPTED
-        from jaxdp.step.elastic_ft import to_bytes
-        from jaxdp.step.elastic import state_arrays, state_from_arrays
-
-        import jax
-
-        at = int(jax.device_get(state.step))
-        try:
-            received = self.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
-        except QuorumLost as err:
-            print(f"jaxdp: rank {self.rank}: no quorum of --min-workers={self.min_workers} ({err}); exit code "
-                  f"{EXIT_PREEMPTED}", file=sys.stderr)
-            self.close()
-            raise SystemExit(EXIT_PREEMPTED) from None
-        self.fresh_quorum = True  # this quorum's collectives are the first step's
-        if received is None and self.restarted and not self.lead and self.engine.manager.num_participants() <= 1:
-            # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
-            # rank 0 goes on from the checkpoint it restored instead (it saves the run's end)
-            print(f"jaxdp: rank {self.rank}: restarted, but no live worker to take the state from; exit code "
-                  f"{EXIT_PREEMPTED}", file=sys.stderr)
-            self.close()
-            raise SystemExit(EXIT_PREEMPTED)
-        if received is None:
-            return state, False
-        state = state_from_arrays(state, received)
-        if not self.lead:  # (the loop says it for rank 0)
-            print(f"jaxdp: rank {self.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
-                  f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
-        return state, True
-
-    def make_step(self, *args: Any, **kwargs: Any) -> Any:
-        from jaxdp.step.elastic_ft import make_ft_step
-
-        return make_ft_step(*args, **kwargs)
 
     def say(self, line: str) -> None:
         """One line from the lowest live rank."""

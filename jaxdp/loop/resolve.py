@@ -158,7 +158,9 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
 
     def step_for(spec: Any) -> Any:  # one compiled step per choice (compression "auto" switches)
         if spec not in plan.steps_by_spec and elastic is not None:
-            make = getattr(elastic, "make_step", make_elastic_step)  # (torchft's: jaxdp/cluster/ft.py)
+            make = make_elastic_step
+            if hasattr(elastic, "engine"):  # an elastic run on torchft (jaxdp/cluster/ft.py)
+                from jaxdp.step.elastic_ft import make_ft_step as make
             plan.steps_by_spec[spec] = make(loss_fn, tx, mesh, elastic, plan.shard_data, stateful=stateful,
                                             grad_accum=sync.grad_accum, grad_norm=True)
         if spec not in plan.steps_by_spec:

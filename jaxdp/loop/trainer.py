@@ -258,5 +258,9 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
         raise SystemExit(EXIT_PEER_LOST) from None
     if received is None:
         state = checkpointer.restore(state) if checkpointer else state
-        return member.settle(state) if hasattr(member, "settle") else (state, False)  # (torchft: jaxdp/cluster/ft.py)
+        if hasattr(member, "engine"):  # an elastic run on torchft: its first quorum (jaxdp/step/elastic_ft.py)
+            from jaxdp.step.elastic_ft import settle
+
+            return settle(member, state)
+        return state, False
     return state_from_arrays(state, received[1]), True

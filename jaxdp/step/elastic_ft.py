@@ -125,3 +125,36 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
     made = TrainStep(step, grads_fn, tx, spec, local_grads)
     made.warm_up = warm_up
     return made
+
+
+def settle(member: Any, state: Any) -> tuple[Any, bool]:
+    """The first quorum: (the state to start from, whether it came from a live peer). A worker behind
+    the furthest one in the quorum (a new or restarted one, or every worker but rank 0 when rank 0
+    restored a checkpoint) gets that worker's state; no checkpoint is read for it."""
+    from jaxdp.cluster import ft
+    from jaxdp.errors import EXIT_PREEMPTED
+    from jaxdp.step.elastic import state_from_arrays
+
+    at = int(jax.device_get(state.step))
+    try:
+        received = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
+    except ft.QuorumLost as err:
+        print(f"jaxdp: rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err}); exit code "
+              f"{EXIT_PREEMPTED}", file=sys.stderr)
+        member.close()
+        raise SystemExit(EXIT_PREEMPTED) from None
+    member.fresh_quorum = True  # this quorum's collectives are the first step's
+    if received is None and member.restarted and not member.lead and member.engine.manager.num_participants() <= 1:
+        # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
+        # rank 0 goes on from the checkpoint it restored instead (it saves the run's end)
+        print(f"jaxdp: rank {member.rank}: restarted, but no live worker to take the state from; exit code "
+              f"{EXIT_PREEMPTED}", file=sys.stderr)
+        member.close()
+        raise SystemExit(EXIT_PREEMPTED)
+    if received is None:
+        return state, False
+    state = state_from_arrays(state, received)
+    if not member.lead:  # (the loop says it for rank 0)
+        print(f"jaxdp: rank {member.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
+              f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
+    return state, True
