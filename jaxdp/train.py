@@ -140,7 +140,11 @@ def train(config: Config) -> Any:
                               f"{horizon} steps (recorded by the checkpoint); give --schedule-steps")
         schedule = make_schedule(config.schedule, config.lr, horizon, config.warmup_steps, config.final_lr_fraction)
         tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm,
-                            decay_matrices_only=config.weight_decay_on == "matrices")
+                            decay_matrices_only=config.weight_decay_on == "matrices" and not config.shard_optimizer)
+        if config.optimizer == "adamw" and config.weight_decay_on == "matrices" and config.shard_optimizer \
+                and jax.process_index() == 0:
+            print("jaxdp: --shard-optimizer: adamw decays every parameter (ZeRO-1's flat buffers cannot tell matrices "
+                  "from biases)", file=sys.stderr)
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
     except BaseException:
         beat.stop()

@@ -386,7 +386,9 @@ def test_a_killed_launcher_leaves_rank_0_saving_the_state_and_every_member_exiti
     step = run.saved()  # rank 0 saved the step it held (no checkpoint before: --save-every 100000)
     assert step >= 20 and "jaxdp: preempted (the launcher is gone)" in text, text
     assert f"saved step {step} to {run.ckpt}, exit code 75" in text, text
-    assert "rank 1 lost the launcher" in text and "exit code 75" in text.split("rank 1 lost the launcher", 1)[1], text
+    # rank 1 lost the launcher while training, or (a slow join under load) while it was still joining
+    said = "rank 1 lost the launcher" if "rank 1 lost the launcher" in text else "rank 1: the launcher went away"
+    assert said in text and "exit code 75" in text.split(said, 1)[1], text
     assert "exit code 69" not in text and "Traceback" not in text, text
 
 
