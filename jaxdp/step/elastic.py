@@ -66,16 +66,22 @@ def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh:
                 pass  # the launcher is gone: the next step finds out, and the loop stops with this state
         return state, metrics
 
+    made = TrainStep(step, grads_fn, tx, spec, local_grads)
+    made.warm_up = warm_up_fn(shard_sum, update_fn, mesh)
+    return made
+
+
+def warm_up_fn(shard_sum: Callable, update_fn: Callable, mesh: Mesh) -> Callable[[TrainState, Batch], None]:
+    """`warm_up(state, batch)`: compile an elastic step's two programs (a shard's sums, the update) on a
+    copy of `state`; a process that joins a run does this first (the hub's and torchft's steps alike)."""
+
     def warm_up(state: TrainState, batch: Batch) -> None:
-        """Compile both programs on a copy of `state` (a process that joins a run does this first)."""
         treedef, sums = shard_sum(state, batch)
         copy = jax.tree.map(jnp.copy, state)
         _, model_state, grads = jax.tree.unflatten(treedef, sums)
         jax.block_until_ready(update_fn(copy, *replicate((grads, model_state), mesh)))
 
-    made = TrainStep(step, grads_fn, tx, spec, local_grads)
-    made.warm_up = warm_up
-    return made
+    return warm_up
 
 
 def state_arrays(state: TrainState) -> list[np.ndarray]:

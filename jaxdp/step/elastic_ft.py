@@ -14,14 +14,13 @@ import sys
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from jaxdp.mesh import data_axes, replicate, shard_batch
 from jaxdp.step.state import TrainState
-from jaxdp.step.elastic import state_arrays
+from jaxdp.step.elastic import state_arrays, warm_up_fn
 from jaxdp.step.train_step import TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn
 from jaxdp.sync import host
 from jaxdp.sync.spec import SyncSpec
@@ -116,14 +115,8 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         layout["metrics"] = metrics
         return state, metrics
 
-    def warm_up(state: TrainState, batch: Batch) -> None:
-        treedef, sums = shard_sum(state, batch)
-        copy = jax.tree.map(jnp.copy, state)
-        _, model_state, grads = jax.tree.unflatten(treedef, sums)
-        jax.block_until_ready(update_fn(copy, *replicate((grads, model_state), mesh)))
-
     made = TrainStep(step, grads_fn, tx, spec, local_grads)
-    made.warm_up = warm_up
+    made.warm_up = warm_up_fn(shard_sum, update_fn, mesh)
     return made
 
 
