@@ -46,6 +46,7 @@ class Plan:
     plain_comm: dict = dataclasses.field(default_factory=dict)  # what plain averaging sends per step
     evaluate: Callable | None = None  # state -> held-out metrics (None: no eval_fn, or not the evaluating rank)
     elastic: Any = None             # this process's member of an elastic run
+    preemption: Any = None          # an elastic run's stop signals, caught from before it joins
 
     def abandon(self) -> None:
         """Bad input before the loop: stop the watch, close the checkpointer (nothing was written: the
@@ -55,6 +56,8 @@ class Plan:
             self.checkpointer.close()
         if self.elastic is not None:
             self.elastic.close()
+        if self.preemption is not None:
+            self.preemption.close()
 
 
 def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, mesh: Any, stateful: bool,

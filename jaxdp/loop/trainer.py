@@ -116,7 +116,11 @@ def restore(plan: Plan) -> bool:
 
     joined, checkpointer = False, plan.checkpointer
     if plan.elastic is not None:  # the state of the live processes, or (rank 0, none live) the checkpoint's
-        plan.state, joined = _join(plan.elastic, plan.state, checkpointer, plan.step_for(plan.spec), plan.batch_at)
+        from jaxdp.cluster.preemption import Preemption
+
+        plan.preemption = Preemption()  # a SIGTERM while joining (compiling can take a minute) stops it with 75
+        plan.state, joined = _join(plan.elastic, plan.state, checkpointer, plan.step_for(plan.spec), plan.batch_at,
+                                   plan.preemption)
     elif checkpointer:
         plan.state = checkpointer.restore(plan.state)  # the latest complete checkpoint, or `state` if none
         if int(plan.state.step) > plan.steps:
@@ -174,9 +178,10 @@ def begin(plan: Plan, options: dict[str, Any], joined: bool) -> Loop:
     elif start_step and plan.is_main:
         print(f"jaxdp: resumed from step {start_step} ({plan.checkpointer.directory}){run.resume_note}",
               file=sys.stderr)
-    preemption = Preemption() if plan.checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     if plan.elastic is not None:  # every rank stops after the same step (the launcher says which)
-        preemption = ElasticStop(preemption or Preemption(), plan.elastic)
+        preemption = ElasticStop(plan.preemption, plan.elastic)  # (caught since before it joined: restore())
+    else:
+        preemption = Preemption() if plan.checkpointer else None  # from here on SIGTERM / SIGUSR1: save and stop
     loop = Loop(plan=plan, writer=writer, state=state, start=start_step, preemption=preemption, options=options,
                 done=start_step, before=start_step, spec=plan.spec, startup_s=startup_s,
                 decided_s=sum(sum(r.get("cost_s", {}).values()) for _, r in early))  # the controller's own time
@@ -232,24 +237,31 @@ def close(loop: Loop, finished: bool) -> None:
     # its shutdown short and turn exit code 75 into 143.
 
 
-def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at: Callable[[int], Any]
-          ) -> tuple[Any, bool]:
+def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at: Callable[[int], Any],
+          preemption: Any) -> tuple[Any, bool]:
     """An elastic run's start in this process: compile, join the launcher's hub, then take the live
     processes' state (or, as the source, the latest checkpoint's or the new one). Returns (state,
-    whether it came from a live process)."""
+    whether it came from a live process). A stop signal that arrives while it compiles ends it with
+    exit code 75 before it joins (the launcher going away sends one: PR_SET_PDEATHSIG)."""
     from jaxdp.cluster import elastic as elastic_lib
     from jaxdp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
     from jaxdp.step.elastic import state_from_arrays
 
     train_step.warm_up(state, batch_at(0))  # joining stalls the others until this process's first step
+    if preemption.signal is not None:
+        member.close()
+        print(f"jaxdp: rank {member.rank}: {preemption.reason} before this process joined; exit code "
+              f"{EXIT_PREEMPTED}", file=sys.stderr)
+        raise SystemExit(EXIT_PREEMPTED)
     try:
         source = member.connect()
         received = None if source else member.receive_state()
     except (elastic_lib.Lost, OSError) as err:
         connected = member.sock is not None
         member.close()
-        if member.stop or connected:  # told to stop, or the launcher went away while this process waited
-            why = "the run stopped" if member.stop else f"the launcher went away ({err})"
+        if member.stop or connected or preemption.signal is not None:  # told to stop, or the launcher went away
+            why = ("the run stopped" if member.stop else f"the launcher went away ({err})" if connected
+                   else f"{preemption.reason}, and the launcher is gone ({err})")
             print(f"jaxdp: rank {member.rank}: {why} before this process joined; exit code "
                   f"{EXIT_PREEMPTED}", file=sys.stderr)
             raise SystemExit(EXIT_PREEMPTED) from None
