@@ -64,6 +64,7 @@ class Config:
 
     # -- model ----------------------------------------------------------------------------------
     model: str = _field("mlp", "model", f"a built-in model ({', '.join(registry.MODELS)}) or your own as MODULE:ATTR: a flax Module class or a factory f(config) in MODULE.py, importable from the current directory (docs/models.md)", builtin=registry.MODELS, metavar="MODEL")
+    model_path: str | None = _field(None, "model", "the directory a --model MODULE:ATTR is imported from first (default: the current directory, which config.toml and checkpoints record, so a rerun or an export from elsewhere finds the same module)", metavar="DIR")
     layers: int = _field(4, "model", "transformer blocks (gpt)")
     d_model: int = _field(256, "model", "model width (gpt)")
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
@@ -156,6 +157,9 @@ class Config:
                 raise ConfigError(f"--model={self.model!r} is neither a built-in model ({', '.join(registry.MODELS)}) "
                                   f"nor MODULE:ATTR (e.g. my_models:Classifier, with my_models.py in the current "
                                   f"directory)") from None
+        if self.model_path is not None and self.model in registry.MODELS:
+            raise ConfigError(f"--model-path is where a --model MODULE:ATTR is imported from; --model={self.model} is "
+                              f"built in: drop --model-path")
         for name in ("warmup_steps", "eval_every", "eval_batches", "prefetch", "schedule_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
@@ -404,13 +408,16 @@ def read_config_file(path: str) -> dict[str, Any]:
 def absolute_paths(config: Config) -> Config:
     """`config` with its file and directory paths made absolute, as read from the working directory
     now: --dataset (unless a built-in name), --tokenizer, --checkpoint-dir, --metrics-file, --log-dir,
-    --init-from and a --compile-cache directory. A relative path in a file read from elsewhere would
+    --init-from, a --compile-cache directory, and --model-path (the current directory, for a --model
+    MODULE:ATTR). A relative path in a file read from elsewhere would
     name another file, and a rerun would quietly start a fresh run in a new directory."""
     changes = {name: os.path.abspath(getattr(config, name)) for name in ("checkpoint_dir", "metrics_file", "log_dir",
                                                                          "tokenizer", "init_from")
                if getattr(config, name) is not None}
     if config.dataset not in registry.DATASETS:
         changes["dataset"] = os.path.abspath(config.dataset)
+    if config.model not in registry.MODELS:  # MODULE:ATTR: where `python -m` found it, the current directory
+        changes["model_path"] = os.path.abspath(os.path.expanduser(config.model_path or "."))
     if config.compile_cache not in ("auto", "off"):
         changes["compile_cache"] = os.path.abspath(os.path.expanduser(config.compile_cache))
     return config.replace(**changes)

@@ -19,6 +19,7 @@ then `jaxdp.fit` (jaxdp/loop/trainer.py) runs the update step, checkpoints, the 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
@@ -70,6 +71,10 @@ def train(config: Config) -> Any:
     from jaxdp.sync import rules
 
     rules.check_config(config)
+    from jaxdp.models.usermodel import is_user_model
+
+    if is_user_model(config.model) and config.model_path is None:  # recorded: found again from anywhere
+        config = config.replace(model_path=os.getcwd())
     from jaxdp.cluster import runtime
 
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them

@@ -5,6 +5,8 @@ The runs call `jaxdp.train.train` in this process (8 simulated devices, a few se
 user's modules are real files in a temporary working directory, imported as the CLI imports them.
 """
 
+import os
+import subprocess
 import sys
 
 import jax
@@ -124,6 +126,32 @@ def test_own_lm_trains_resumes_exactly_and_samples_the_period(user_models, tmp_p
     assert sample.main(["--checkpoint-dir", str(ckpt), "--prompt", "cde", "--max-new-tokens", "12",
                         "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip() == "fghabcdefgha"
+
+
+def test_a_rerun_resume_and_load_from_another_directory_find_the_users_module(user_models, tmp_path, capsys):
+    """config.toml and the checkpoint record where MODULE:ATTR was imported from (--model-path, by
+    default the current directory): `--config DIR/config.toml` resumes, and `load_model` loads, from
+    another directory, where `my_models` is not importable."""
+    ckpt = tmp_path / "ckpt"
+    assert main([*FAST, "--model", f"{user_models}:Classifier", "--steps", "2", "--checkpoint-dir", str(ckpt)]) == 0
+    capsys.readouterr()
+    assert f'model-path = "{tmp_path}"' in (ckpt / "config.toml").read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = ("import sys, jaxdp; from jaxdp.train import main; "
+              f"assert main(['--config', {str(ckpt / 'config.toml')!r}, '--steps', '4', '--no-progress']) == 0; "
+              f"module, params = jaxdp.load_model({str(ckpt)!r}); print(type(module).__name__)")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=elsewhere, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "Classifier", done.stderr[-3000:]
+    assert f"resumed from step 2 ({ckpt})" in done.stderr and (ckpt / "4").is_dir(), done.stderr
+    # a --model-path that does not hold the module: one line naming both places searched
+    assert main([*FAST, "--model", "no_such_models:Net", "--model-path", str(elsewhere), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"no module named 'no_such_models' in --model-path ({elsewhere}), the current directory" in err, err
+    assert main([*FAST, "--model-path", str(elsewhere), "--steps", "1"]) == 2
+    assert "--model=mlp is built in: drop --model-path" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # over 5 s on 2 cores

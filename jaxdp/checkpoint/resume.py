@@ -26,7 +26,8 @@ from jaxdp.config import Config, is_corpus
 # multiple of the new value; between 1 and more, the states differ: `_check_compatible` says so) and
 # --outer-lr. `--sync-every auto` resumes with the H its checkpoint recorded (`recorded_meta`).
 # Neither do --prefetch (when batches are made, never which) and --attention (the same attention by
-# another kernel, like --strategy). Options of a choice the run did not take cannot matter either
+# another kernel, like --strategy), nor --model-path (where MODULE is found, not what it is).
+# Options of a choice the run did not take cannot matter either
 # (`_unused`): --momentum unless --optimizer momentum, --weight-decay unless adamw, the GPT's sizes
 # and token options for the other models, the outer optimizer's with synchronous training.
 # --dataset compares the file, not the spelling: the same file by another relative path (a rerun
@@ -34,7 +35,7 @@ from jaxdp.config import Config, is_corpus
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "schedule_steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
                          "shard_params", "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
-                         "attention")
+                         "attention", "model_path")
 
 
 def resume_fields(config: Config) -> dict[str, Any]:

@@ -40,7 +40,7 @@ _INPUTS_KEY = "jaxdp/inputs/"
 INPUTS_WAIT_S = 3600.0  # a process slow to load (a large file on a slow disk) is waited for this long; a
                         # process that dies or stops meanwhile is reported by the peer watch and the heartbeat
 PER_PROCESS = ("process_id", "coordinator_address", "num_processes", "gloo_interface", "metrics_file", "log_dir",
-               "wandb_project", "tokenizer", "progress", "debug")
+               "wandb_project", "tokenizer", "progress", "debug", "model_path")
 
 
 def agreed_fields(config: Config) -> dict[str, Any]:

@@ -3,8 +3,10 @@
     python -m jaxdp.train --model my_models:Classifier --dataset data.npz
     python -m jaxdp.train --model my_models:make_lm --dataset book.txt --strategy ring --shard-optimizer
 
-MODULE is imported as `python -m` would import it: from the current directory first, then the
-installed packages. ATTR (dotted for nested names) is one of:
+MODULE is imported as `python -m` would import it: from the current directory first (or the
+directory --model-path names), then the installed packages. config.toml and the checkpoints record
+that directory, so a rerun with --config, a resume or an export from elsewhere imports the same file.
+ATTR (dotted for nested names) is one of:
 
 * a `flax.linen.Module` class. It is constructed with the keyword arguments among its fields that
   the run knows: `num_classes` (classification) or `vocab_size` (language modelling), the
@@ -55,19 +57,25 @@ def check_spec(name: str) -> None:
                          f"with my_models.py in the current directory)", setting="model")
 
 
-def resolve(name: str) -> Any:
-    """The object `MODULE:ATTR` names, imported as `python -m` would (current directory first)."""
+def resolve(name: str, path: str | None = None) -> Any:
+    """The object `MODULE:ATTR` names, imported from `path` first (--model-path), then as `python -m`
+    would (the current directory first, then the installed packages)."""
     check_spec(name)
     module_name, attribute = name.split(":")
+    where = os.path.abspath(os.path.expanduser(path)) if path else os.getcwd()
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if path and where not in sys.path:  # before the current directory (a recorded path may be gone: then it)
+        sys.path.insert(0, where)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
-            raise InputError(f"--model={name!r}: no module named {module_name!r} in the current directory "
-                             f"({os.getcwd()}) or the installed packages; run from the directory that holds "
-                             f"{module_name.replace('.', '/')}.py", setting="model") from None
+            searched = f"--model-path ({where}), " if path else ""
+            raise InputError(f"--model={name!r}: no module named {module_name!r} in {searched}the current directory "
+                             f"({os.getcwd()}) or the installed packages; give the directory that holds "
+                             f"{module_name.replace('.', '/')}.py as --model-path, or run from it",
+                             setting="model") from None
         raise InputError(f"--model={name!r}: importing {module_name} failed: {err}", setting="model") from None
     except Exception as err:  # noqa: BLE001 - the user's module raised while importing: name it, in one line
         raise InputError(f"--model={name!r}: importing {module_name} raised {type(err).__name__}: {err}",
@@ -90,7 +98,7 @@ def build(config: Any, num_outputs: int, axis_name: Any, task: str) -> Any:
     import flax.linen as nn
     from flax import nnx
 
-    obj = resolve(config.model)
+    obj = resolve(config.model, getattr(config, "model_path", None))
     known = {"num_outputs": num_outputs, "seq_len": config.seq_len, "axis_name": axis_name,
              ("num_classes" if task == "classification" else "vocab_size"): num_outputs}
     if isinstance(obj, type) and issubclass(obj, nn.Module):
