@@ -275,7 +275,13 @@ def test_docs_a_gpt_trained_from_scratch_exports_and_transformers_agrees(tmp_pat
     assert int(printed.getvalue()) == torch_model.num_parameters() == sum(x.size for x in jax.tree.leaves(params))
     np.testing.assert_allclose(torch_logits(torch_model, ids), np.asarray(module.apply({"params": params}, ids)),
                                atol=1e-4, rtol=0)
-    assert sorted(os.listdir("scratch-hf")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir("scratch-hf")) == ["config.json", "model.safetensors", "tokenizer.json"]
+    # the byte-level run ships its tokenizer: transformers encodes any text to its UTF-8 bytes, and back
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained("scratch-hf")
+    text = "The trainer's gradients: e\u0301t\u00e9, \u00fcber, \u4e2d\u6587, \U0001f642\n\tend  "
+    assert tokenizer.encode(text) == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
 
 
 def test_a_gpt_checkpoint_of_an_older_jaxdp_loads_with_its_head_bias():

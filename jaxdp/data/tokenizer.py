@@ -97,6 +97,33 @@ def train_bpe(text_path: str, vocab_size: int, out_path: str) -> Any:
     return tokenizer
 
 
+def byte_level_json() -> str:
+    """A `tokenizers` tokenizer.json whose ids are the text's UTF-8 bytes, what a .txt --dataset
+    without --tokenizer trains on: GPT-2's byte-level pre-tokenizer and decoder (each byte a printable
+    stand-in character: `_byte_chars`) over a vocabulary of the 256 bytes, with no merges. It is what
+    `python -m jaxdp.export` ships beside a byte-level model, so `AutoTokenizer.from_pretrained(OUT)`
+    encodes as the run did. Written out as JSON: no `tokenizers` needed to write it."""
+    import json
+
+    chars = _byte_chars()
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {chars[b]: b for b in range(256)}, "merges": []}}, ensure_ascii=False, indent=1)
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character table: printable bytes stand for themselves, the other 68 for the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
 def _last_cut(text: str) -> int:
     """The last cut point in `text`, or 0 if it has none."""
     for window in (1 << 16, len(text)):
