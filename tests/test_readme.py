@@ -271,6 +271,17 @@ def test_links_and_anchors_resolve():
     assert not problems, "\n".join(problems)
 
 
+def test_every_source_path_the_docs_name_exists():
+    """A path like tests/test_x.py, jaxdp/sync/ring.py or examples/x.py in the text of README.md and
+    docs/*.md names a file of the repository (a renamed or deleted one is docs drift)."""
+    named = {(page, path) for page in pages()
+             for path in re.findall(r"(?<![\w/.-])((?:tests|jaxdp|examples|docker)/[\w/.-]*\w\.(?:py|md|toml|yaml|sh))",
+                                    page.read_text())}
+    missing = sorted(f"{page.relative_to(ROOT)}: {path}" for page, path in named
+                     if not (ROOT / path).exists() and path != "tests/FILE.py")  # (a placeholder)
+    assert not missing, "\n".join(missing)
+
+
 def test_exit_code_table_is_jaxdp_errors():
     from jaxdp.errors import EXIT_CODES
 
