@@ -87,10 +87,13 @@ def test_a_process_stopped_during_the_final_evaluation_is_named(tmp_path):
         reap(procs)
     for rank in range(2):
         err = (tmp_path / f"p{rank}.err").read_text().strip().splitlines()
-        assert err[-1].startswith("jaxdp: error: process 1 (of 2) stalled during "), err[-3:]
+        assert err[-1].startswith("jaxdp: error: process 1 (of 2) stalled"), err[-3:]
         # the phase it published last: the final one, or training if it was stopped before it got there (never
-        # start-up: entering training is published at once, a run of 5 steps can end within one beat)
-        assert "during the final save and evaluation" in err[-1] or "during training, at step " in err[-1], err[-1]
+        # start-up: entering training is published at once, a run of 5 steps can end within one beat); or, when
+        # its beats lagged its steps under load, the last step it said it finished
+        assert any(why in err[-1] for why in ("stalled during the final save and evaluation",
+                                              "stalled during training, at step ", "stalled: not done with step ")), \
+            err[-1]
     assert records(metrics)[-1].get("event") != "done"
 
 
