@@ -151,6 +151,7 @@ def check_ddp(results, stdout, tmp_path):
 CHECKS = {"collectives": check_collectives, "train": check_train, "ddp": check_ddp}
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_cli_reexecs_itself_once_with_the_malloc_env(tmp_path):
     from jaxdp.cluster.malloc_env import MALLOC_ENV
 
@@ -200,6 +201,7 @@ def test_parser_and_benchmark_modules_import_no_jax():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_plan_predicts_and_says_what_auto_would_choose(tmp_path):
     out = tmp_path / "p.json"
     proc = run_cli("plan", "--nodes", "2", "--link", "10mbit", "--compute-ms", "15", "--json", str(out),

@@ -122,6 +122,7 @@ def tear_latest_save(ckpt: Path, step: int) -> None:
     subprocess.run(["rm", "-r", str(done)], check=True)
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_save_killed_midway_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted, caplog):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     flags = ["--checkpoint-dir", ckpt, "--save-every", 5, "--metrics-file", metrics]
@@ -141,6 +142,7 @@ def test_save_killed_midway_resumes_from_the_previous_checkpoint(tmp_path, unint
     assert saved(ckpt) == ["20", "25", "30"]  # orbax replaced the torn save
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_corrupted_latest_checkpoint_falls_back_and_is_kept_aside(tmp_path, uninterrupted, caplog):
     ckpt = tmp_path / "ckpt"
     flags = ["--checkpoint-dir", ckpt, "--save-every", 5, "--keep", 5]
@@ -292,6 +294,7 @@ def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_p
     assert step_records(metrics) == step_records(never_stopped)  # every step once, bit-identical losses
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_a_first_ctrl_c_saves_and_exits_130_a_second_aborts_at_once(tmp_path):
     """--save-every defaults to saving only at the end: Ctrl-C lost the whole run (exit 130, nothing saved)."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"

@@ -54,6 +54,7 @@ def test_overwritten_bytes_in_an_array_file_are_caught_moved_aside_and_the_run_f
     assert step_records(metrics)[0]["step"] == 6 and all(r["loss"] < 10 for r in step_records(metrics))
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_missing_state_description_is_damage_not_other_flags(tmp_path):
     """state/_METADATA gone: moved aside and resumed from the step before (it used to exit 2 with
     "use the flags it was made with", and fail the same way on every requeue)."""
@@ -101,6 +102,7 @@ def test_a_full_disk_stops_the_run_with_its_own_exit_code_and_one_line(tmp_path)
         subprocess.run(["umount", str(disk)], check=False)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_background_save_that_fails_exits_73_at_once(tmp_path):
     """The checkpoint directory replaced by a file mid-run (as a read-only remount after a disk error
     does): exit 73 comes with its message, not 300 s later (orbax's threads of the failed save
@@ -126,6 +128,7 @@ def test_a_background_save_that_fails_exits_73_at_once(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("jaxdp: error: cannot write checkpoint step"), err[-3000:]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_second_run_on_the_same_directory_exits_2(tmp_path, capsys):
     with jaxdp.Checkpointer(str(tmp_path / "ckpt")):  # a run that holds the directory
         proc = run_cli("--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "2", "--no-progress")

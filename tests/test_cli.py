@@ -97,6 +97,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case):
     assert (tmp_path / "file").read_text() == "not a directory"
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_bad_input_in_a_real_process_has_no_traceback_unless_debug(tmp_path):
     proc = run_cli("--batch-size", "12", "--steps", "1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -200,6 +200,7 @@ def test_fp16_means_of_large_values_do_not_overflow(devices, spec):
 
 
 @pytest.mark.parametrize("reduce", ["psum", "ring"])
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_before_the_start_step_the_mean_is_exact_and_after_it_compressed(devices, reduce):
     n, comp = 4, C.parse("powersgd:1:start=3")
     run = runner(devices, comp, n, reduce)  # one compiled step: the branch is chosen inside jit
@@ -245,6 +246,7 @@ def test_payload_bytes_are_the_bytes_given_to_allreduce_sum(spec):
     assert ratio < 1 if spec in ("bf16", "powersgd:2") else ratio >= 1
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_giving_every_new_device_the_old_mean_error_keeps_the_next_step(devices):
     """A checkpoint resumed on another device count gives every new device the mean of the old
     error rows (jaxdp/checkpoint/checkpointer.py). What the next compressed step adds is then unchanged: at full

@@ -23,6 +23,7 @@ from jaxdp.train import train
 # ---- the measurement ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_a_fixed_compressor_sizes_h_for_its_payload(devices, monkeypatch):
     mesh = jaxdp.make_mesh(devices[:4])
     params = MLP(hidden=(64,)).init(jax.random.PRNGKey(0), jnp.zeros((1, 32)))["params"]
@@ -59,6 +60,7 @@ def far_too_slow_a_link(devices, monkeypatch, *, count=4, strategy=jaxdp.sync.co
     return Controller(lambda state, batch: None, mesh, strategy, params)
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_replace_it(devices, monkeypatch):
     """With --sync-every auto a plan that misses the target means local steps with a plain
     pseudo-gradient: checking PowerSGD's quality then only costs time (on the 10 Mbit/s testbed,

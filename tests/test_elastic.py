@@ -193,6 +193,7 @@ def test_a_member_that_owes_its_part_past_the_stall_timeout_is_left_out_and_its_
     b.close()
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_elastic_flags_are_checked(tmp_path):
     def launch(*args):
         return subprocess.run([PY, "-m", "jaxdp.launch", *args], cwd=ROOT, env=cli_env(), capture_output=True,

@@ -45,6 +45,7 @@ def max_relative(a, b):
 
 
 @pytest.mark.parametrize("strategy", ["psum", "ring"])
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_full_rank_powersgd_trains_like_uncompressed(devices, strategy):
     """At rank = min(n, m) for every matrix (and min_rate=0, so every matrix is compressed) the
     projection is the identity: the same parameters as plain averaging after 15 steps."""
@@ -76,6 +77,7 @@ def test_metrics_report_bytes_sent_and_the_ratio(devices):
     assert history[-1]["comm_bytes"] == pytest.approx(plain_bytes / 2 * 2 * 7 / 8)  # bf16, 2 (N-1)/N per device
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_error_feedback_survives_checkpoint_and_resume_bit_identically(devices, tmp_path):
     mesh, tx = jaxdp.make_mesh(devices), optax.adam(3e-3)
     batches = data(12)

@@ -119,6 +119,7 @@ class StderrLines:
         raise AssertionError(f"the launcher did not say {needle!r} within {timeout} s: {self.lines}")
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_sigterm_while_restarting_stops_the_launcher(tmp_path):
     """The first attempt loses process 1 (exit 69); process 0 ignores SIGTERM, so the launcher waits
     for it. A SIGTERM to the launcher then, mid-restart, must end it (75) without a second attempt."""

@@ -184,6 +184,7 @@ def test_restore_on_another_device_count_gives_each_device_the_mean_replica(devi
 # ---- the command line --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_cli_marks_sync_steps_and_reports_bytes_per_step(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.run([sys.executable, "-m", "jaxdp.train", "--sync-every", "3", "--steps", "6", "--log-every", "1",

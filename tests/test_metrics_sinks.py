@@ -82,6 +82,7 @@ def logged(records: list) -> dict[str, list]:
     return history
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_wandb_gets_the_records_and_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

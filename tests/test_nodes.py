@@ -69,6 +69,7 @@ def script(body: str, tmp_path: Path) -> list[str]:
     return [PY, "-c", head + body]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_process_lost_on_node_1_restarts_every_node(tmp_path):
     body = ("if first and rank == '1': sys.exit(69)\n"
             "if first: time.sleep(60)\n"  # node 0's process waits to be stopped
@@ -103,6 +104,7 @@ def test_a_sigterm_to_any_launcher_reaches_every_process(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("term.*")) == ["term.0", "term.1"]
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_taken_node_rank_is_refused_and_a_vanished_launcher_ends_the_other(tmp_path):
     body = "open(os.path.join(d, 'up.' + rank), 'w').close(); time.sleep(60)"
     port = free_ports()

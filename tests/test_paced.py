@@ -123,6 +123,7 @@ def test_a_time_bound_round_never_goes_past_steps(devices, tmp_path):
     assert int(again.state.step) == 10 and again.history == []
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_sigterm_ends_a_time_bound_round_early_saves_and_exits_75(tmp_path):
     """With --sync-seconds 60, SIGTERM was acted on when the round's 60 s ended, past the 30 s grace
     of SLURM and Kubernetes."""

@@ -145,6 +145,7 @@ def test_psum_refuses_quantized_compression(devices):
     assert proc.stdout.strip() == "False"  # JAX never imported
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
     flags = ["--log-every", "1", "--no-progress", "--compression", "int8", "--strategy", "ring"]
 

@@ -58,6 +58,7 @@ def test_a_bad_save_every_is_one_line(value):
         parse_args(["--save-every", value])
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_auto_run_saves_at_the_probe_and_every_n_then_a_restart_decides_from_the_recorded_cost(tmp_path, monkeypatch):
     (block,) = readme_blocks("tests/test_saveplan.py::"
                              "test_auto_run_saves_at_the_probe_and_every_n_then_a_restart_decides_from_the_recorded_cost")

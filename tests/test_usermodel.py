@@ -128,6 +128,7 @@ def test_own_lm_trains_resumes_exactly_and_samples_the_period(user_models, tmp_p
     assert capsys.readouterr().out.strip() == "fghabcdefgha"
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_a_rerun_resume_and_load_from_another_directory_find_the_users_module(user_models, tmp_path, capsys):
     """config.toml and the checkpoint record where MODULE:ATTR was imported from (--model-path, by
     default the current directory): `--config DIR/config.toml` resumes, and `load_model` loads, from
@@ -347,6 +348,7 @@ def test_make_train_step_reports_the_learning_rate(devices):
 # -- the schedule's horizon on resume ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_raising_steps_on_resume_keeps_the_schedule_unless_asked(tmp_path, capsys):
     flags = [*FAST, "--schedule", "cosine", "--lr", "0.01", "--final-lr-fraction", "0.1"]
     train(parse_args([*flags, "--steps", "10", "--checkpoint-dir", str(tmp_path / "kept")]))

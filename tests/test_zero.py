@@ -93,6 +93,7 @@ def test_each_device_holds_one_nth_of_the_optimizer_state(devices):
             assert len({str(s.index) for s in leaf.addressable_shards}) == 8
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_metrics_and_batchnorm_statistics_are_the_same_as_replicated(devices):
     mesh = jaxdp.make_mesh(devices)
     model = CNN(axis_name=jaxdp.DATA_AXIS)
@@ -126,6 +127,7 @@ def test_metrics_and_batchnorm_statistics_are_the_same_as_replicated(devices):
     assert_params_close(got.params, ref.params, rtol=1e-5, atol=1e-7)  # conv biases before BatchNorm: ~1e-9 noise
 
 
+@pytest.mark.slow  # over 4 s on 2 cores
 def test_checkpoint_resumes_on_another_device_count_and_with_or_without_sharding(devices, tmp_path):
     tx = OPTIMIZERS["adamw+clip"]()
     batches = data(20, batch=48)
