@@ -18,20 +18,24 @@ import numpy as np
 from jaxdp.sync.codecs.base import AllReduce, CompressionState, Compressor, Tree, scaled, uncompressed_bytes
 
 
-@dataclasses.dataclass(frozen=True)
-class NoCompression(Compressor):
-    """Plain averaging: `allreduce_sum(g / N)`."""
-
-    name = "none"
-    collectives = 1
+class _NoOptions(Compressor):
+    """A codec its name alone describes: `--compression NAME` has no options, `auto` one candidate."""
 
     @classmethod
-    def from_spec(cls, text: str) -> "NoCompression":
+    def from_spec(cls, text: str) -> Compressor:
         return cls()
 
     @classmethod
     def candidates(cls, name: str, params: Tree, **options: Any) -> list[Compressor]:
         return [cls()]
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCompression(_NoOptions):
+    """Plain averaging: `allreduce_sum(g / N)`."""
+
+    name = "none"
+    collectives = 1
 
     def mean(self, grads: Tree, state: CompressionState, allreduce_sum: AllReduce, num_devices: int,
              step: Any) -> tuple[Tree, CompressionState, dict]:
@@ -43,20 +47,12 @@ class NoCompression(Compressor):
 
 
 @dataclasses.dataclass(frozen=True)
-class Bf16(Compressor):
+class Bf16(_NoOptions):
     """Pre-scale by 1/N, cast to bfloat16, all-reduce, cast back. Leaves of 2 bytes or fewer
     (bf16, fp16) stay in their own dtype."""
 
     name = "bf16"
     collectives = 1
-
-    @classmethod
-    def from_spec(cls, text: str) -> "Bf16":
-        return cls()
-
-    @classmethod
-    def candidates(cls, name: str, params: Tree, **options: Any) -> list[Compressor]:
-        return [cls()]
 
     def mean(self, grads: Tree, state: CompressionState, allreduce_sum: AllReduce, num_devices: int,
              step: Any) -> tuple[Tree, CompressionState, dict]:
