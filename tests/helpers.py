@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from jaxdp.launcher.workers import free_port  # noqa: F401 - tests take it from here
@@ -197,3 +198,72 @@ def run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float = 240
                           text=True, timeout=timeout)
     assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def elastic_rank(pid: int) -> int | None:
+    """The rank `jaxdp.launch --elastic` gave process `pid` (JAXDP_ELASTIC_RANK, the hub's and torchft's
+    alike), or None: not a member, or gone."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    rank = env.get(b"JAXDP_ELASTIC_RANK")
+    return None if rank is None else int(rank)
+
+
+class LaunchedRun:
+    """`python -m jaxdp.launch ARGS` started by a test: its stderr in `log` (`text()`); `reached()` is
+    the last step in its metrics file; `wait_for` polls a condition while the launcher lives."""
+
+    wait_timeout = 120.0
+
+    def __init__(self, args: list[str], log: Path, metrics: Path, cwd: Path):
+        self.log, self.metrics = log, metrics
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "jaxdp.launch", *args], cwd=cwd, env=cli_env(),
+                                         stderr=err, stdout=subprocess.DEVNULL)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def reached(self) -> int:
+        try:
+            lines = self.metrics.read_text().splitlines()
+        except OSError:
+            return 0
+        return max((json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")), default=0)
+
+    def wait_for(self, condition, what: str, timeout: float | None = None) -> None:
+        timeout = self.wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.text()}"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def stop_at_4_then_resume_to_8(tmp_path: Path, flags: list[str]) -> None:
+    """`jaxdp.train FLAGS` for 8 steps, and again stopped at 4 and resumed to 8 from its checkpoint:
+    the resumed run's logged steps (loss, bytes sent) must equal the uninterrupted run's exactly."""
+    from jaxdp.config import parse_args
+    from jaxdp.train import train
+
+    def run(*more):
+        return train(parse_args(["--log-every", "1", "--no-progress", *flags, *map(str, more)]))
+
+    def losses(path):
+        return [(r["step"], r["loss"], r["comm_bytes"]) for r in records(path) if "event" not in r]
+
+    run("--steps", 8, "--metrics-file", tmp_path / "whole.jsonl")
+    ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 4, "--metrics-file", tmp_path / "cut.jsonl"]
+    run(*ckpt, "--steps", 4)
+    resumed = run(*ckpt, "--steps", 8)
+    assert resumed.history[0]["step"] == 5
+    assert losses(tmp_path / "cut.jsonl") == losses(tmp_path / "whole.jsonl")
+    assert len(losses(tmp_path / "whole.jsonl")) == 8

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env
+from helpers import ROOT, LaunchedRun, cli_env, elastic_rank
 from jaxdp.bench.goodput import training_processes
 from jaxdp.cluster import elastic
 from jaxdp.launcher.hub import Hub
@@ -212,16 +212,6 @@ def test_elastic_flags_are_checked(tmp_path):
     assert rules.ELASTIC_ENV == elastic.ENV_ADDRESS  # the rules table knows an elastic member by the same variable
 
 
-def _elastic_rank(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    rank = env.get(elastic.ENV_RANK.encode())
-    return None if rank is None else int(rank)
-
-
 @pytest.mark.slow
 def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_parameters(tmp_path):
     from helpers import commands, readme_blocks
@@ -251,7 +241,7 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
             time.sleep(0.01)
 
     def kill(rank: int) -> None:
-        victim = next(p for p in training_processes(proc.pid) if _elastic_rank(p) == rank)
+        victim = next(p for p in training_processes(proc.pid) if elastic_rank(p) == rank)
         os.kill(victim, signal.SIGKILL)
 
     try:
@@ -283,36 +273,17 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
 # ---------------------------------------------------------------------------------------------
 
 
-class Run:
+class Run(LaunchedRun):
     """`python -m jaxdp.launch --elastic --nproc-per-node 2` of a long jaxdp.train run, its stderr in a
     file; `reached()` is the last step in its metrics file."""
 
     def __init__(self, tmp_path, *train_flags: str, max_restarts: int = 0):
-        self.log, self.metrics, self.ckpt = tmp_path / "launch.log", tmp_path / "m.jsonl", tmp_path / "ckpt"
-        with open(self.log, "w") as err:
-            self.proc = subprocess.Popen(
-                [PY, "-m", "jaxdp.launch", "--elastic", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
-                 "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", "100000",
-                 "--no-progress", "--log-every", "1", "--metrics-file", str(self.metrics),
-                 "--checkpoint-dir", str(self.ckpt), "--save-every", "100000", *train_flags],
-                cwd=tmp_path, env=cli_env(), stderr=err, stdout=subprocess.DEVNULL)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def reached(self) -> int:
-        try:
-            lines = self.metrics.read_text().splitlines()
-        except OSError:
-            return 0
-        return max((json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")), default=0)
-
-    def wait_for(self, condition, what: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.text()}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.text()}"
-            time.sleep(0.01)
+        self.ckpt = tmp_path / "ckpt"
+        super().__init__(["--elastic", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+                          "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", "100000",
+                          "--no-progress", "--log-every", "1", "--metrics-file", str(tmp_path / "m.jsonl"),
+                          "--checkpoint-dir", str(self.ckpt), "--save-every", "100000", *train_flags],
+                         log=tmp_path / "launch.log", metrics=tmp_path / "m.jsonl", cwd=tmp_path)
 
     def hub(self) -> tuple[str, int]:
         address = self.text().split(", hub ", 1)[1].split()[0].rstrip(",")
@@ -320,7 +291,7 @@ class Run:
         return host, int(port)
 
     def members(self) -> dict[int, int]:
-        return {_elastic_rank(p): p for p in training_processes(self.proc.pid)}
+        return {elastic_rank(p): p for p in training_processes(self.proc.pid)}
 
     def saved(self) -> int:
         """The step rank 0 says it saved when it stopped, which must be the checkpoint directory's latest."""
@@ -330,10 +301,6 @@ class Run:
         assert steps[-1] == step and (self.ckpt / str(step) / "jaxdp_checksums.json").exists(), (steps, line)
         return step
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _gone(pid: int) -> bool:

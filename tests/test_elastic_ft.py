@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import ROOT, cli_env
+from helpers import ROOT, LaunchedRun, cli_env, elastic_rank
 from jaxdp.bench.goodput import training_processes
 from jaxdp.cluster import ft
 
@@ -50,51 +49,20 @@ def test_torchft_flags_are_checked():
     assert proc.returncode == 2 and "1 <= --min-workers <= --nproc-per-node (2)" in proc.stderr, proc.stderr
 
 
-def _rank(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    rank = env.get(ft.ENV_RANK.encode())
-    return None if rank is None else int(rank)
-
-
-class Run:
+class Run(LaunchedRun):
     """`jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2` of jaxdp.train, stderr in a file."""
 
+    wait_timeout = 90.0
+
     def __init__(self, tmp_path, steps: int, *launch_args: str):
-        self.log, self.metrics = tmp_path / "launch.log", tmp_path / "m.jsonl"
-        with open(self.log, "w") as err:
-            self.proc = subprocess.Popen(
-                [PY, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2",
-                 *launch_args, "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", str(steps),
-                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(steps), "--no-progress", "--log-every", "1",
-                 "--metrics-file", str(self.metrics)], cwd=ROOT, env=cli_env(), stderr=err, stdout=subprocess.DEVNULL)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def reached(self) -> int:
-        try:
-            lines = self.metrics.read_text().splitlines()
-        except OSError:
-            return 0
-        return max((json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")), default=0)
-
-    def wait_for(self, condition, what: str, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.text()}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.text()}"
-            time.sleep(0.01)
+        super().__init__(["--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", *launch_args,
+                          "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", str(steps),
+                          "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(steps), "--no-progress",
+                          "--log-every", "1", "--metrics-file", str(tmp_path / "m.jsonl")],
+                         log=tmp_path / "launch.log", metrics=tmp_path / "m.jsonl", cwd=ROOT)
 
     def kill(self, rank: int) -> None:
-        os.kill(next(p for p in training_processes(self.proc.pid) if _rank(p) == rank), signal.SIGKILL)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        os.kill(next(p for p in training_processes(self.proc.pid) if elastic_rank(p) == rank), signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -146,7 +114,7 @@ def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_
     # (jaxdp.train's --stall-timeout, default 20 s: the all-reduce in flight with the stopped worker fails after it)
     try:
         run.wait_for(lambda: run.reached() >= 30, "step 30")
-        stopped = next(p for p in training_processes(run.proc.pid) if _rank(p) == 1)
+        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
         os.kill(stopped, signal.SIGSTOP)
         run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
         at = run.reached()
