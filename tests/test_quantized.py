@@ -12,13 +12,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from helpers import ROOT, cli_env, mlp_batches, mlp_problem, records
-from jaxdp.config import parse_args
+from helpers import ROOT, cli_env, mlp_batches, mlp_problem, stop_at_4_then_resume_to_8
 from jaxdp.errors import InputError
 from jaxdp.mesh import DATA_AXIS, make_mesh, shard_batch
 from jaxdp.sync import codecs as C
 from jaxdp.sync.collectives import ring_coded_allreduce
-from jaxdp.train import train
 
 CODECS = ["int8", "int4"]
 
@@ -147,21 +145,7 @@ def test_psum_refuses_quantized_compression(devices):
 
 @pytest.mark.slow  # over 4 s on 2 cores
 def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
-    flags = ["--log-every", "1", "--no-progress", "--compression", "int8", "--strategy", "ring"]
-
-    def run(*more):
-        return train(parse_args([*flags, *map(str, more)]))
-
-    def losses(path):
-        return [(r["step"], r["loss"], r["comm_bytes"]) for r in records(path) if "event" not in r]
-
-    run("--steps", 8, "--metrics-file", tmp_path / "whole.jsonl")
-    ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 4, "--metrics-file", tmp_path / "cut.jsonl"]
-    run(*ckpt, "--steps", 4)
-    resumed = run(*ckpt, "--steps", 8)
-    assert resumed.history[0]["step"] == 5
-    assert losses(tmp_path / "cut.jsonl") == losses(tmp_path / "whole.jsonl")
-    assert len(losses(tmp_path / "whole.jsonl")) == 8
+    stop_at_4_then_resume_to_8(tmp_path, ["--compression", "int8", "--strategy", "ring"])
 
 
 def test_a_state_without_error_feedback_is_refused_with_the_codec_to_make_it_for(devices):

@@ -8,11 +8,10 @@ import optax
 import pytest
 
 import jaxdp
-from helpers import mlp_batches, mlp_problem, records
+from helpers import mlp_batches, mlp_problem, stop_at_4_then_resume_to_8
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.sync import codecs, rules
 from jaxdp.sync.codecs.topk import CHUNK, TopK, lead
-from jaxdp.train import train
 
 N = 8
 SHAPE = (64, 100)  # 6400 values: a chunk of CHUNK and a padded one
@@ -144,21 +143,7 @@ def test_training_with_topk_tracks_dense(devices):
 
 @pytest.mark.slow
 def test_stop_at_4_then_resume_to_8_is_bit_identical(tmp_path):
-    flags = ["--log-every", "1", "--no-progress", "--compression", "topk:0.1"]
-
-    def run(*more):
-        return train(parse_args([*flags, *map(str, more)]))
-
-    def losses(path):
-        return [(r["step"], r["loss"], r["comm_bytes"]) for r in records(path) if "event" not in r]
-
-    run("--steps", 8, "--metrics-file", tmp_path / "whole.jsonl")
-    ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 4, "--metrics-file", tmp_path / "cut.jsonl"]
-    run(*ckpt, "--steps", 4)
-    resumed = run(*ckpt, "--steps", 8)
-    assert resumed.history[0]["step"] == 5
-    assert losses(tmp_path / "cut.jsonl") == losses(tmp_path / "whole.jsonl")
-    assert len(losses(tmp_path / "whole.jsonl")) == 8
+    stop_at_4_then_resume_to_8(tmp_path, ["--compression", "topk:0.1"])
 
 
 def test_local_steps_send_their_pseudo_gradient_through_topk(devices):
