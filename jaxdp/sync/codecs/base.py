@@ -231,3 +231,25 @@ def uncompressed_bytes(params: Tree) -> int:
 def scaled(tree: Tree, num_devices: int) -> Tree:
     """Every leaf times 1/num_devices, in its own dtype (so fp16 sums cannot overflow)."""
     return jax.tree.map(lambda g: g * jnp.asarray(1.0 / num_devices, g.dtype), tree)
+
+
+def flat_with_feedback(grads: Tree, state: CompressionState, num_devices: int) -> tuple[jax.Array, Callable]:
+    """What an error-feedback codec of one flat buffer sends: every leaf's (g + its error) / N,
+    float32, concatenated in leaf order; and `split(mean, residual)`, which cuts the buffer's mean
+    and this device's residual back into leaves: (the mean tree in the leaves' dtypes, the new
+    CompressionState, the residual times N). `grads` has at least one leaf."""
+    items, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    keys = [jax.tree_util.keystr(p) for p, _ in items]
+    scale = jnp.float32(1.0 / num_devices)
+    flat = jnp.concatenate([jnp.ravel((g.astype(jnp.float32) + state.error[k].astype(jnp.float32)) * scale)
+                            for k, (_, g) in zip(keys, items)])
+
+    def split(mean: jax.Array, residual: jax.Array) -> tuple[Tree, CompressionState]:
+        out, error, offset = [], {}, 0
+        for key, (_, g) in zip(keys, items):
+            out.append(mean[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
+            error[key] = residual[offset:offset + g.size].reshape(g.shape) * jnp.float32(num_devices)
+            offset += g.size
+        return jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error)
+
+    return flat, split

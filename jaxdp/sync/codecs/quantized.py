@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.sync.codecs.base import CompressionState, Compressor, Tree, Wire, _checkpoint_safe
+from jaxdp.sync.codecs.base import CompressionState, Compressor, Tree, Wire, _checkpoint_safe, flat_with_feedback
 
 # The most values that share one float32 scale. Smaller blocks follow the values more closely (an
 # outlier coarsens only its own block) but send more scales: 4 bytes per block is 0.8 % of an int8
@@ -167,22 +167,13 @@ class Quantized(Compressor):
              step: Any) -> tuple[Tree, CompressionState, dict]:
         """`coded_sum(buffer, wire) -> (sum, residual)`: the collective's coded ring (jaxdp/sync/exchange.py)."""
         del step
-        items, treedef = jax.tree_util.tree_flatten_with_path(grads)
-        if not items:
+        if not jax.tree.leaves(grads):
             return grads, state, {}
-        keys = [jax.tree_util.keystr(p) for p, _ in items]
-        scale = jnp.float32(1.0 / num_devices)
-        flat = jnp.concatenate([jnp.ravel((g.astype(jnp.float32) + state.error[k].astype(jnp.float32)) * scale)
-                                for k, (_, g) in zip(keys, items)])
+        flat, split = flat_with_feedback(grads, state, num_devices)
         size = flat.shape[0]
         chunk, block = self.chunking(size, num_devices)
         total, residual = coded_sum(jnp.pad(flat, (0, chunk * num_devices - size)), self.wire(chunk, block))
-        out, error, offset = [], {}, 0
-        for k, (_, g) in zip(keys, items):
-            out.append(total[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
-            error[k] = residual[offset:offset + g.size].reshape(g.shape) * jnp.float32(num_devices)
-            offset += g.size
-        return jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error), {}
+        return *split(total, residual), {}
 
 
 def _dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:

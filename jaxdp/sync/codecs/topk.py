@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp.sync.codecs.base import CompressionState, Compressor, Tree, Wire, _checkpoint_safe
+from jaxdp.sync.codecs.base import CompressionState, Compressor, Tree, Wire, _checkpoint_safe, flat_with_feedback
 from jaxdp.sync.codecs.quantized import QUANT_BLOCK, Quantized
 
 # The values each top-k is chosen among: the fused float32 buffer is cut into chunks of this many
@@ -108,13 +108,10 @@ class TopK(Compressor):
              device: Any = 0) -> tuple[Tree, CompressionState, dict]:
         """`reduce`: the collective's sum of a tree (BITS 32), or its coded ring `(buffer, wire) ->
         (sum, residual)` (jaxdp/sync/exchange.py); `device`: this device's index."""
-        items, treedef = jax.tree_util.tree_flatten_with_path(grads)
-        if not items:
+        if not jax.tree.leaves(grads):
             return grads, state, {}
         n = num_devices
-        keys = [jax.tree_util.keystr(p) for p, _ in items]
-        flat = jnp.concatenate([jnp.ravel((g.astype(jnp.float32) + state.error[k].astype(jnp.float32)) * jnp.float32(1.0 / n))
-                                for k, (_, g) in zip(keys, items)])
+        flat, split = flat_with_feedback(grads, state, n)
         size = flat.shape[0]
         chunks, chunk, k = self.shape(size)
         x = jnp.pad(flat, (0, chunks * chunk - size)).reshape(chunks, chunk)
@@ -127,12 +124,7 @@ class TopK(Compressor):
         total, left = self._sum(reduce, values.ravel(), n)
         mean = jnp.zeros_like(x).at[rows, index].set(total.reshape(chunks, k)).ravel()
         rest = x.at[rows, index].set(left.reshape(chunks, k)).ravel()
-        out, error, offset = [], {}, 0
-        for key, (_, g) in zip(keys, items):
-            out.append(mean[offset:offset + g.size].reshape(g.shape).astype(g.dtype))
-            error[key] = rest[offset:offset + g.size].reshape(g.shape) * jnp.float32(n)
-            offset += g.size
-        return jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error), {}
+        return *split(mean, rest), {}
 
     def _sum(self, reduce: Callable, buffer: jax.Array, n: int, exact: bool = False) -> tuple[jax.Array, jax.Array]:
         """(sum over devices of `buffer`, what this device's encodings left out): the collective's
