@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import selectors
 import signal
-import subprocess
 import sys
 import time
 from typing import Sequence
@@ -259,14 +258,8 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
     run_id = f"launch-{launcher.launch_id}-elastic"
 
     def start(rank: int) -> bool:
-        env = {elastic.ENV_ADDRESS: hub.address, elastic.ENV_RANK: str(rank), elastic.ENV_SIZE: str(size),
-               ENV_RUN_ID: run_id}
-        try:
-            return launcher.start_one(rank, env)
-        except (OSError, subprocess.SubprocessError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-            say(f"error: cannot start {launcher.command[0]!r}: {reason}")
-            return False
+        return launcher.start_one(rank, {elastic.ENV_ADDRESS: hub.address, elastic.ENV_RANK: str(rank),
+                                         elastic.ENV_SIZE: str(size), ENV_RUN_ID: run_id})
 
     try:
         for rank in range(size):

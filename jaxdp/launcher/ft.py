@@ -11,7 +11,6 @@ with none left the others go on without it (they stop themselves, exit 75, when 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 
 from jaxdp.cluster import ft_env as ft
@@ -40,12 +39,7 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
     def start(rank: int, restart: bool = False) -> bool:
         env = {**({ft.ENV_RESTART: "1"} if restart else {}), ft.ENV_LIGHTHOUSE: address, ft.ENV_RANK: str(rank), ft.ENV_SIZE: str(size),
                ft.ENV_MIN: str(args.min_workers), ft.ENV_QUORUM_TIMEOUT: str(args.quorum_timeout), ENV_RUN_ID: run_id}
-        try:
-            return launcher.start_one(rank, env)
-        except (OSError, subprocess.SubprocessError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-            say(f"error: cannot start {launcher.command[0]!r}: {reason}")
-            return False
+        return launcher.start_one(rank, env)
 
     try:
         for rank in range(size):

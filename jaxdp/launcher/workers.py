@@ -206,12 +206,17 @@ class Launcher:
             raise
 
     def start_one(self, rank: int, env: dict[str, str]) -> bool:
-        """(Re)start local process `rank` alone (an elastic run); False if a stop signal came first."""
+        """(Re)start local process `rank` alone (an elastic run); False if a stop signal came first,
+        or the command cannot be started (one line said)."""
         signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
             if self.stop is not None:
                 return False
-            child = self._spawn(rank, env)
+            try:
+                child = self._spawn(rank, env)
+            except (OSError, subprocess.SubprocessError) as err:
+                self._cannot_start(err)
+                return False
             if rank < len(self.children):
                 self.children[rank] = child
             else:
@@ -227,10 +232,13 @@ class Launcher:
             if self.start(attempt, address, run_id, first, world):
                 return None
         except (OSError, subprocess.SubprocessError) as err:
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-            say(f"error: cannot start {self.command[0]!r}: {reason}")
+            self._cannot_start(err)
             return Outcome("bad_input", code=EXIT_BAD_INPUT)
         return Outcome("stopped")
+
+    def _cannot_start(self, err: OSError | subprocess.SubprocessError) -> None:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        say(f"error: cannot start {self.command[0]!r}: {reason}")
 
     def close(self) -> None:
         if self.zygote is not None:
