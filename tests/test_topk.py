@@ -87,27 +87,43 @@ def test_the_exchange_is_select_sum_scatter_exactly_with_one_index_set_everywher
     sent = (got == 0).reshape(N, -1)
     assert all(np.array_equal(sent[d], sent[0]) for d in range(N))
     assert sent[0].sum() == picked[-1].size - (picked[-1][-1] >= 6400 - CHUNK).sum()  # the pad's picks are not values
-    k = round(0.05 * CHUNK)
-    assert float(history[-1]["comm_bytes"]) == pytest.approx(2 * k * 8 * 2 * (N - 1) / N)
+    k = round(0.05 * CHUNK)  # 2 chunks: k indices (two per float32) and k float32 values each
+    assert float(history[-1]["comm_bytes"]) == pytest.approx(2 * k * (2 + 4) * 2 * (N - 1) / N)
 
 
-@pytest.mark.parametrize("spec", ["topk:0.05", "topk:0.05:8", "topk:0.05:4", "topk:0.05:2"])
+@pytest.mark.parametrize("spec", ["topk:0.05", "topk:0.05:8", "topk:0.05:4", "topk:0.05:2", "topk:0.05:gather",
+                                  "topk:0.05:8:gather", "topk:0.05:2:gather"])
 def test_error_feedback_conserves_the_gradient(devices, spec):
-    """sum over devices of (g + e_old) / N == mean + sum of e_new / N, to float32 rounding."""
+    """sum over devices of (g + e_old) / N == mean + sum of e_new / N, to float32 rounding; over two
+    steps with decay=0.5, (g + 0.5 e_old) in place of (g + e_old)."""
     mesh = jaxdp.make_mesh(devices)
     grads, state, _ = linear_problem(mesh, spec, "ring", steps=1)
     mean = -np.asarray(state.params["w"])
     errors = np.asarray(state.sync.per_device["compression"]["w"])
     np.testing.assert_allclose(mean + errors.sum(0) / N, grads.sum(0) / N, rtol=0, atol=1e-6 * np.abs(grads).max())
-    assert np.count_nonzero(mean) <= 2 * round(0.05 * CHUNK)
+    gathered = spec.endswith("gather")  # each device's own k per chunk: up to N times as many positions
+    assert np.count_nonzero(mean) <= 2 * round(0.05 * CHUNK) * (N if gathered else 1)
+    if spec not in ("topk:0.05:2", "topk:0.05:2:gather"):
+        return
+    grads, state, _ = linear_problem(mesh, spec + ":decay=0.5", "ring", steps=2)
+    first = errors  # the same first step: the decay applies to what was owed before it
+    mean = -np.asarray(state.params["w"]) - mean
+    errors = np.asarray(state.sync.per_device["compression"]["w"])
+    np.testing.assert_allclose(mean + errors.sum(0) / N, (grads + 0.5 * first).sum(0) / N, rtol=0,
+                               atol=2e-6 * np.abs(grads).max())
 
 
 def test_specs_parse_round_trip_and_bad_ones_are_one_line():
     assert codecs.parse("topk:0.01") == TopK(0.01) and codecs.parse("topk:.01:8") == TopK(0.01, 8)
-    for c in (TopK(0.01), TopK(0.5, 4), TopK(1.0, 2), TopK(0.01, 32)):
+    assert codecs.parse("topk:0.01:2:gather:decay=0.9") == TopK(0.01, 2, form="gather", decay=0.9)
+    for c in (TopK(0.01), TopK(0.5, 4), TopK(1.0, 2), TopK(0.01, 32), TopK(0.01, 2, "gather"), TopK(0.01, 8, "sum"),
+              TopK(0.02, 32, "gather", 0.95), TopK(0.01, 4, decay=0.5)):
         assert codecs.parse(c.name) == c
     assert codecs.needs("topk:0.01") == "sum" and codecs.needs("topk:0.01:8") == "coded_sum"
-    for bad in ("topk:0", "topk:1.5", "topk:0.1:16", "topk:3"):
+    assert codecs.needs("topk:0.01:2:gather") == codecs.needs("topk:0.01:gather") == "halves"
+    rules.check_config(parse_args(["--compression", "topk:0.1:2:gather", "--strategy", "psum"]))  # psum gathers too
+    for bad in ("topk:0", "topk:1.5", "topk:0.1:16", "topk:3", "topk:0.1:gather:sum", "topk:0.1:decay=0",
+                "topk:0.1:decay=1.5", "topk:0.1:2:gather:8"):
         with pytest.raises(ConfigError) as err:
             rules.check_config(parse_args(["--compression", bad]))
         assert "\n" not in str(err.value) and "topk:DENSITY[:BITS]" in str(err.value)
@@ -135,7 +151,7 @@ def test_training_with_topk_tracks_dense(devices):
     state, sparse, metrics = run_mlp(mesh, "topk:0.1")
     assert sparse[-1] < 0.8 * sparse[0]
     assert np.mean(sparse[-10:]) < 1.05 * np.mean(dense[-10:]), (np.mean(sparse[-10:]), np.mean(dense[-10:]))
-    assert float(metrics["compression_ratio"]) == pytest.approx(4 / 8 / 0.1, rel=0.05)
+    assert float(metrics["compression_ratio"]) == pytest.approx(4 / 6 / 0.1, rel=0.05)
     for leaf in jax.tree.leaves(state.params):  # every device holds the same bits
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
         assert all(np.array_equal(s, shards[0]) for s in shards)
@@ -159,7 +175,7 @@ def test_local_steps_send_their_pseudo_gradient_through_topk(devices):
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
         history.append(jax.device_get(metrics))
     assert [float(m["synced"]) for m in history][3::4] == [1, 1]
-    assert float(history[3]["compression_ratio"]) == pytest.approx(5, rel=0.05)
+    assert float(history[3]["compression_ratio"]) == pytest.approx(4 / 6 / 0.1, rel=0.05)  # the ring-summed form at 8
     errors = jax.tree.leaves(state.sync.per_device["compression"])
     assert all(e.shape[0] == 8 for e in errors) and any(np.any(np.asarray(e) != 0) for e in errors)
     replicas = state.sync.per_device["local_sgd"]["params"]  # after a sync every replica is the global params
@@ -169,10 +185,89 @@ def test_local_steps_send_their_pseudo_gradient_through_topk(devices):
 
 def test_payload_counts_indices_values_and_scales():
     params = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32)}
-    k = round(0.05 * CHUNK)  # 205 a chunk, 2 chunks: 410 values
-    assert TopK(0.05).payload_bytes(params, 8) == TopK(0.05).payload_bytes(params) == 410 * 8
-    # ring: 410 indices padded to 8 chunks of 52 (float32), 8 messages of one block of 52 int8 and its scale
-    assert TopK(0.05, 8).payload_bytes(params, 8) == 416 * 4 + 8 * (4 + 52)
-    assert TopK(0.05, 2).payload_bytes(params, 8) == 416 * 4 + 8 * (4 + 52 // 4)
-    assert TopK(0.05, 4).payload_bytes(params) == 410 * 4 + 205 + 4
+    k = round(0.05 * CHUNK)  # 205 a chunk, 2 chunks: 410 values, 205 float32 of two indices each
     assert 2 * k == 410
+    assert TopK(0.05).payload_bytes(params, 8) == TopK(0.05).payload_bytes(params) == 205 * 4 + 410 * 4
+    # ring: the 205 index pairs padded to 8 chunks of 26 (float32), 8 messages of one block of 52 int8 and its scale
+    assert TopK(0.05, 8).payload_bytes(params, 8) == 208 * 4 + 8 * (4 + 52)
+    assert TopK(0.05, 2).payload_bytes(params, 8) == 208 * 4 + 8 * (4 + 52 // 4)
+    assert TopK(0.05, 4).payload_bytes(params) == 205 * 4 + 205 + 4
+    # all-gathered: each device's own 410 indices in 615 bytes, its values float32 or one block of 2-bit
+    assert TopK(0.05, 32, "gather").sent_bytes(6400, 8) == 7 * (615 + 410 * 4)
+    assert TopK(0.05, 2, "gather").sent_bytes(6400, 2) == 1 * (615 + 4 + 412 // 4)
+    assert TopK(0.05, 2, "gather").payload_bytes(params, 2) == 615 + 4 + 103  # an all-reduce sending as much
+
+
+def gather_reference(grads, density, steps, decay=1.0):
+    """numpy, SparseLoCo's form: x_d = (g_d + decay e_d) / N in chunks of CHUNK; each device its own
+    k largest |x_d| per chunk; the mean adds every device's values at its own positions, device by
+    device; e_d = N * (x_d off its own set)."""
+    n, size = grads.shape[0], grads[0].size
+    chunk = min(CHUNK, size)
+    chunks, k = -(-size // chunk), max(1, round(density * chunk))
+    errors = np.zeros((n, chunks * chunk), np.float32)
+    w = np.zeros(chunks * chunk, np.float32)
+    rows = np.arange(chunks)[:, None]
+    for _ in range(steps):
+        x = (np.pad(grads.reshape(n, size), ((0, 0), (0, chunks * chunk - size))) + np.float32(decay) * errors)
+        x = (x * np.float32(1 / n)).reshape(n, chunks, chunk)
+        mean = np.zeros((chunks, chunk), np.float32)
+        rest = x.copy()
+        for d in range(n):
+            index = np.argsort(-np.abs(x[d]), axis=1, kind="stable")[:, :k]
+            np.add.at(mean, (np.broadcast_to(rows, index.shape), index), x[d][rows, index])
+            rest[d][rows, index] = 0
+        w = w - mean.ravel()
+        errors = rest.reshape(n, -1) * np.float32(n)
+    return w[:size].reshape(grads.shape[1:]), errors[:, :size].reshape(grads.shape)
+
+
+@pytest.mark.parametrize("strategy,decay", [("psum", 1.0), ("ring", 1.0), ("ring", 0.5)])
+def test_the_all_gathered_form_is_each_devices_own_topk_added_exactly(devices, strategy, decay):
+    """topk:0.05:gather against its reference written out above: the same bits, every step."""
+    mesh = jaxdp.make_mesh(devices)
+    spec = "topk:0.05:gather" + ("" if decay == 1.0 else f":decay={decay}")
+    grads, state, history = linear_problem(mesh, spec, strategy, steps=3)
+    w, errors = gather_reference(grads, 0.05, 3, decay)
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), w)
+    np.testing.assert_array_equal(np.asarray(state.sync.per_device["compression"]["w"]), errors)
+    assert float(history[-1]["comm_bytes"]) == (N - 1) * (615 + 410 * 4)  # its own k to each of the others
+    for shard in state.params["w"].addressable_shards:  # every device added the same sets in the same order
+        np.testing.assert_array_equal(np.asarray(shard.data), w)
+
+
+def test_local_steps_take_the_form_that_sends_fewer_bytes_and_gradients_the_ring_summed_one():
+    params = {"w": jax.ShapeDtypeStruct((100_000,), jnp.float32)}
+    auto = TopK(0.01, 2)
+    assert auto.settled(params, 2, pseudo_gradient=True).form == "gather"  # 1 x its own, against indices + values
+    assert auto.settled(params, 8, pseudo_gradient=True).form == "sum"     # 7 x its own grows past the all-reduce
+    assert auto.settled(params, 2, pseudo_gradient=False).form == "sum"    # gradients: always summed
+    assert TopK(0.01, 2, "sum").settled(params, 2, True).form == "sum"     # a form the spec names stays
+    note = auto.settled_note(params, 2, True)
+    assert "all-gathered" in note and "--compression topk:0.01:2:sum" in note and "\n" not in note
+    assert auto.settled_note(params, 2, False) is None
+
+
+def test_cli_local_steps_say_which_form_they_took(tmp_path, capsys):
+    import json
+
+    from jaxdp.train import train
+
+    metrics = tmp_path / "m.jsonl"
+    train(parse_args(["--steps", "8", "--sync-every", "4", "--compression", "topk:0.05:2", "--strategy", "ring",
+                      "--devices", "2", "--no-progress", "--log-every", "4", "--metrics-file", str(metrics)]))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "topk:0.05:2" in line]
+    assert len(lines) == 1 and lines[0].startswith("jaxdp: --compression topk:0.05:2: local steps' pseudo-gradients "
+                                                   "go all-gathered"), err
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (event,) = [r for r in records if r.get("event") == "compression_form"]
+    assert event["chosen"] == "topk:0.05:2:gather"
+    synced = [r for r in records if r.get("synced")]  # 1.5 bytes of index and 0.25 of value (and scales) for 4
+    assert len(synced) == 2 and all(4 / (0.05 * 1.76) > r["compression_ratio"] > 4 / (0.05 * 1.9) for r in synced)
+
+
+@pytest.mark.slow
+def test_the_all_gathered_form_stops_at_4_and_resumes_to_8_bit_identically(tmp_path):
+    stop_at_4_then_resume_to_8(tmp_path, ["--compression", "topk:0.1:2:gather:decay=0.9", "--sync-every", "2",
+                                          "--strategy", "psum"])

@@ -172,6 +172,11 @@ def begin(plan: Plan, options: dict[str, Any], joined: bool) -> Loop:
                  **({"sync_every_auto": True} if plan.sync_auto else {}))
     for name, record in early:  # --sync-every auto's decisions, taken before the loop
         writer.event(name, start_step, **record)
+    codec = plan.spec.codec if plan.spec.codec_name() not in (None, "auto") else None
+    note = codec and codec.settled_note(state.params, mesh.size, plan.spec.local)
+    if note:  # a choice the codec's spec left to the run (top-k's form for pseudo-gradients)
+        settled = codec.settled(state.params, mesh.size, plan.spec.local)
+        writer.decision("compression_form", start_step, note, compression=codec.name, chosen=settled.name)
     if start_step and plan.is_main and joined:
         print(f"jaxdp: rank {plan.elastic.rank} joined the run at step {start_step} with the live processes' state",
               file=sys.stderr)

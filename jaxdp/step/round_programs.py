@@ -108,7 +108,7 @@ def make_sync(mesh: Mesh, strategy: Any, compression: Any, outer_tx: optax.Gradi
     from jaxdp.step.train_step import state_specs
 
     axis, n = data_axes(mesh), mesh.size
-    exchange = make_exchange(as_collective(strategy), axis, n, codec_of(compression) or NoCompression())
+    exchange = make_exchange(as_collective(strategy), axis, n, codec_of(compression) or NoCompression(), pseudo_gradient=True)
     outer_tx = default_outer(outer_tx)
     processes = len({d.process_index for d in mesh.devices.flat})
 

@@ -261,7 +261,7 @@ def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
     the same H steps, so unlike `make_sync` no weights need summing first. `coded` is the codec's
     slot of `state.sync` (a SyncState holding only it), returned updated."""
     axis, n = data_axes(mesh), mesh.size
-    exchange = make_exchange(as_collective(strategy), axis, n, codec_of(compression) or NoCompression())
+    exchange = make_exchange(as_collective(strategy), axis, n, codec_of(compression) or NoCompression(), pseudo_gradient=True)
 
     def device_reduce(coded: Any, delta: Any, steps: jax.Array, loss_sum: jax.Array, step: jax.Array):
         total = steps[0].astype(jnp.float32) * n  # every device took the same steps: all weights are 1

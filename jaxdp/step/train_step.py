@@ -206,7 +206,8 @@ def _local(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, 
            grad_norm: bool) -> TrainStep:
     """Local steps (jaxdp/step/local_sgd.py): the pseudo-gradient averaged every H steps, through the
     collective's sum (pre-scaled by 1/N) and the codec if any."""
-    exchange = make_exchange(spec.collective, data_axes(mesh), mesh.size, spec.codec or NoCompression())
+    exchange = make_exchange(spec.collective, data_axes(mesh), mesh.size, spec.codec or NoCompression(),
+                             pseudo_gradient=True)
     device_step = local_sgd.make_device_step(local_grads, tx, spec.outer_tx, exchange, spec.sync_every,
                                              spec.sync_fragments, grad_norm)
     return _in_graph(device_step, mesh, tx, spec, local_grads)

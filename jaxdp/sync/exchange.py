@@ -108,6 +108,7 @@ class Coded:
     codec: Compressor
     axis: Any
     n: int
+    pseudo_gradient: bool = False  # local steps' (the codec may settle a choice by it: top-k's form)
 
     @property
     def collectives(self) -> int:
@@ -116,12 +117,17 @@ class Coded:
     def riders(self, metrics: dict, model_state: Tree) -> tuple[dict, Tree]:
         return _riders(self.collective, self.axis, self.n, metrics, model_state)
 
+    def settled(self, tree: Tree) -> Compressor:
+        """The codec that averages `tree` here (`Compressor.settled`)."""
+        return self.codec.settled(tree, self.n, self.pseudo_gradient)
+
     def payload_bytes(self, params: Tree) -> int:
-        return self.codec.payload_bytes(params)
+        return self.settled(params).payload_bytes(params)
 
     def mean(self, tree: Tree, metrics: dict, model_state: Tree, sync: Any, step: Any) -> tuple[Tree, dict, Tree, Any, dict]:
-        """The riders go in the codec's first collective (before a PowerSGD start step, in their own)."""
-        codec, axis, n, total = self.codec, self.axis, self.n, self.collective.sum
+        """The riders go in the codec's first collective (before a PowerSGD start step, or where it
+        gathers instead of summing, in their own)."""
+        codec, axis, n, total = self.settled(tree), self.axis, self.n, self.collective.sum
         slot = stored(sync)
         floats, rejoin = float_leaves(model_state)
         riders = (metrics, floats)
@@ -148,9 +154,11 @@ class Coded:
             return summed, residual
 
         start = codec.start
-        separate = n == 1 or start > 0  # lax.cond branches cannot hand values out
+        separate = n == 1 or start > 0 or codec.needs == "halves"  # (lax.cond branches cannot hand values out)
         coded = self.collective.coded_sum
-        if codec.needs == "coded_sum":
+        if codec.needs == "halves":  # an all-gather of one 1-D buffer (top-k's all-gathered form)
+            reduce = lambda buffer: self.collective.halves.all_gather(buffer, axis)  # noqa: E731
+        elif codec.needs == "coded_sum":
             reduce = coded_with_riders
         else:
             reduce = (lambda t: total(t, axis)) if separate else sum_with_riders
@@ -175,14 +183,15 @@ def _riders(collective: Collective, axis: Any, n: int, metrics: dict, model_stat
     return metrics, rejoin(floats)
 
 
-def make_exchange(collective: Collective, axis: Any, n: int, codec: Compressor | None = None) -> Plain | Coded:
+def make_exchange(collective: Collective, axis: Any, n: int, codec: Compressor | None = None,
+                  pseudo_gradient: bool = False) -> Plain | Coded:
     """The exchange of `collective` over the data axis `axis` of `n` devices, through `codec`
     (None: plain averaging with the collective's mean; `NoCompression()`: the same through its sum,
-    pre-scaled by 1/n, which is how local steps average their pseudo-gradients)."""
+    pre-scaled by 1/n, which is how local steps average their pseudo-gradients, `pseudo_gradient`)."""
     if codec is None:
         return Plain(collective, axis, n)
     rules.check(rules.Choices(collective.name, rules.abilities(collective), compression=codec.name, needs=codec.needs))
-    return Coded(collective, codec, axis, n)
+    return Coded(collective, codec, axis, n, pseudo_gradient)
 
 
 # ---------------------------------------------------------------------------------------------

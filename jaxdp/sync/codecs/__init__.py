@@ -32,8 +32,9 @@ class Row:
     grammar:   a regular expression of the whole spec (lower case), checked before anything is imported.
     usage:     the grammar in words, for messages.
     where:     "module:Class" that implements it (the class's `from_spec(text)` builds it).
-    needs:     what it needs of the collective: "sum" (psum and the ring carry it), or "coded_sum"
-               (a ring whose hops it encodes: jaxdp.sync.collectives.Collective.coded_sum).
+    needs:     what it needs of the collective: "sum" (psum and the ring carry it), "coded_sum"
+               (a ring whose hops it encodes: jaxdp.sync.collectives.Collective.coded_sum), or
+               "halves" (its all-gather: top-k's all-gathered form).
     bytes_per_value: what one float32 value costs on the wire, scales included, for a large buffer
                (None: it depends on the shapes, as PowerSGD's factors do; the codec's `payload_bytes`).
     ladder:    its place in --compression auto's ladder (None: never chosen by auto). Place 0 is the
@@ -70,6 +71,7 @@ class Row:
 
 _PSGD_OPTIONS = r"(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*"
 _TOPK = r"topk:(0?\.\d*[1-9]\d*|1(\.0*)?)"  # DENSITY in (0, 1]
+_DECAY = r"(:decay=(0?\.\d*[1-9]\d*|1(\.0*)?))?"  # B in (0, 1]
 _QUANT_BYTES = 4 / 512  # one float32 scale per block of QUANT_BLOCK (codecs/quantized.py) values
 
 TABLE: tuple[Row, ...] = (
@@ -82,12 +84,16 @@ TABLE: tuple[Row, ...] = (
     Row("powersgd", r"powersgd:[1-9]\d*" + _PSGD_OPTIONS, "powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]",
         "jaxdp.sync.codecs.powersgd:PowerSGD", ladder=2, fewer_bytes=True, guarded=True,
         keeps_state=True, example="powersgd:4:start=2"),
-    Row("topk", _TOPK + "(:32)?", "topk:DENSITY[:BITS]", "jaxdp.sync.codecs.topk:TopK", keeps_state=True, example="topk:0.1"),
-    Row("topk", _TOPK + ":[842]", "topk:DENSITY:BITS (BITS 8, 4, 2: the ring)", "jaxdp.sync.codecs.topk:TopK", needs="coded_sum",
-        keeps_state=True, example="topk:0.1:8"),
+    Row("topk", _TOPK + "(:32)?(:sum)?" + _DECAY, "topk:DENSITY[:BITS][:sum|:gather][:decay=B]",
+        "jaxdp.sync.codecs.topk:TopK", keeps_state=True, example="topk:0.1"),
+    Row("topk", _TOPK + ":[842](:sum)?" + _DECAY, "topk:DENSITY:BITS[:sum][:decay=B] (BITS 8, 4, 2: the ring)",
+        "jaxdp.sync.codecs.topk:TopK", needs="coded_sum", keeps_state=True, example="topk:0.1:8"),
+    Row("topk", _TOPK + "(:(32|8|4|2))?:gather" + _DECAY, "topk:DENSITY[:BITS]:gather[:decay=B] (psum or the ring)",
+        "jaxdp.sync.codecs.topk:TopK", needs="halves", keeps_state=True, example="topk:0.1:2:gather"),
 )
 
-SPEC_HELP = ", ".join(r.usage for r in TABLE[:-1]) + f" or {TABLE[-1].usage}"
+_USAGES = list(dict.fromkeys(next(r.usage for r in TABLE if r.name == name) for name in dict.fromkeys(r.name for r in TABLE)))
+SPEC_HELP = ", ".join(_USAGES[:-1]) + f" or {_USAGES[-1]}"
 
 
 def row(spec: str) -> Row:

@@ -87,6 +87,18 @@ class Compressor:
     def payload_bytes(self, params: Tree, num_devices: int | None = None) -> int:
         raise NotImplementedError
 
+    def settled(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> "Compressor":
+        """The codec that averages trees like `params` on `num_devices` devices, every step's
+        gradients or (`pseudo_gradient`) local steps' pseudo-gradients: itself, unless its spec
+        leaves a choice to them (top-k's form, jaxdp/sync/codecs/topk.py). The exchange asks."""
+        del params, num_devices, pseudo_gradient
+        return self
+
+    def settled_note(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> str | None:
+        """The console line that says what `settled` chose and why (None: it chose nothing)."""
+        del params, num_devices, pseudo_gradient
+        return None
+
     def weaker(self, ranks: Sequence[int]) -> "Compressor":
         """The next codec with less compression, outside a ladder (costmodel.weaker): default none."""
         from jaxdp.sync.codecs import parse
@@ -233,16 +245,21 @@ def scaled(tree: Tree, num_devices: int) -> Tree:
     return jax.tree.map(lambda g: g * jnp.asarray(1.0 / num_devices, g.dtype), tree)
 
 
-def flat_with_feedback(grads: Tree, state: CompressionState, num_devices: int) -> tuple[jax.Array, Callable]:
-    """What an error-feedback codec of one flat buffer sends: every leaf's (g + its error) / N,
-    float32, concatenated in leaf order; and `split(mean, residual)`, which cuts the buffer's mean
-    and this device's residual back into leaves: (the mean tree in the leaves' dtypes, the new
+def flat_with_feedback(grads: Tree, state: CompressionState, num_devices: int,
+                       decay: float = 1.0) -> tuple[jax.Array, Callable]:
+    """What an error-feedback codec of one flat buffer sends: every leaf's (g + decay * its error)
+    / N, float32, concatenated in leaf order; and `split(mean, residual)`, which cuts the buffer's
+    mean and this device's residual back into leaves: (the mean tree in the leaves' dtypes, the new
     CompressionState, the residual times N). `grads` has at least one leaf."""
     items, treedef = jax.tree_util.tree_flatten_with_path(grads)
     keys = [jax.tree_util.keystr(p) for p, _ in items]
     scale = jnp.float32(1.0 / num_devices)
-    flat = jnp.concatenate([jnp.ravel((g.astype(jnp.float32) + state.error[k].astype(jnp.float32)) * scale)
-                            for k, (_, g) in zip(keys, items)])
+
+    def owed(k: str) -> jax.Array:
+        e = state.error[k].astype(jnp.float32)
+        return e if decay == 1.0 else e * jnp.float32(decay)
+
+    flat = jnp.concatenate([jnp.ravel((g.astype(jnp.float32) + owed(k)) * scale) for k, (_, g) in zip(keys, items)])
 
     def split(mean: jax.Array, residual: jax.Array) -> tuple[Tree, CompressionState]:
         out, error, offset = [], {}, 0

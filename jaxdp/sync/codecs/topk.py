@@ -1,13 +1,20 @@
-"""top-k: a fraction DENSITY of the gradient's values crosses, the same positions on every device,
-the rest waits in error feedback (`TopK`, its class docstring has the scheme).
+"""top-k: a fraction DENSITY of the gradient's values crosses, the rest waits in error feedback
+(`TopK`, its class docstring has both forms).
 
-    TopK(density=0.01)            # "topk:0.01": 1 % of the values, float32, through psum or the ring
-    TopK(density=0.01, bits=8)    # "topk:0.01:8": those values int8 through the ring's coded hops
+    TopK(density=0.01)                 # "topk:0.01": 1 % of the values, float32, through psum or the ring
+    TopK(density=0.01, bits=8)         # "topk:0.01:8": those values int8 through the ring's coded hops
+    TopK(0.01, 2, form="gather")       # "topk:0.01:2:gather": SparseLoCo's, each device's own top-k
+    TopK(0.01, 2, decay=0.9)           # "topk:0.01:2:decay=0.9": the error feedback decays each time
 
-Reduce-compatible (ScaleCom's cyclic local top-k): every device sends its values at ONE index set,
-the step's leader's local top-k, so the values add up position by position through an all-reduce
-(psum, the ring) and never need an all-gather whose bytes grow with the device count. Its slot
-holds every leaf's error feedback (float32), one row per device, as int8's does.
+Two forms. The ring-summed one (ScaleCom's cyclic local top-k): every device sends its values at
+ONE index set, the step's leader's local top-k, so the values add up position by position through
+an all-reduce (psum, the ring), and what a device sends does not grow with the device count. The
+all-gathered one (SparseLoCo's, DeMo's): every device its own top-k, (index, value) pairs gathered
+by every device, which grows with the device count but keeps each device's largest values and
+sends a 12-bit index once. Gradients every step take the ring-summed form; local steps'
+pseudo-gradients take whichever sends fewer bytes per device at the run's device count (at 2
+devices the all-gathered one), unless the spec names one. The slot holds every leaf's error
+feedback (float32), one row per device, as int8's does, for both.
 """
 
 from __future__ import annotations
@@ -28,39 +35,62 @@ from jaxdp.sync.codecs.quantized import QUANT_BLOCK, Quantized
 CHUNK = 4096
 
 
+FORMS = ("auto", "sum", "gather")
+
+
 @dataclasses.dataclass(frozen=True)
 class TopK(Compressor):
-    """`topk:DENSITY[:BITS]`. Per device x = (g + e) / N (e: its error feedback), fused into one
-    float32 buffer cut into chunks of CHUNK values (the last padded with zeros).
+    """`topk:DENSITY[:BITS][:sum|:gather][:decay=B]`. Per device x = (g + B e) / N (e: its error
+    feedback, B: `decay`, 1 by default), fused into one float32 buffer cut into chunks of CHUNK
+    values (the last padded with zeros); k = round(DENSITY * chunk) values of each chunk cross.
 
-    1. The leader, device `lead(step, N)` (every device in turn), takes the k = round(DENSITY *
-       chunk) largest |x| of each chunk (jax.lax.top_k); every other device sends zeros, and one
-       all-reduce of those (chunks, k) indices (as float32: exact) gives every device the same set.
+    The ring-summed form ("sum"):
+    1. The leader, device `lead(step, N)` (every device in turn), takes the k largest |x| of each
+       chunk (jax.lax.top_k); every other device sends zeros, and one all-reduce of those indices
+       (two 12-bit indices per float32: exact) gives every device the same set.
     2. Every device sends its own x at those positions, a dense (chunks, k) buffer: through the
        collective's sum (BITS 32), or its coded ring with int8 / int4 / 2-bit values and one float32
        scale per block of at most QUANT_BLOCK (quantized.py's wire, requantized at every hop;
        needs the ring). The sum, scattered back to its positions, is the mean; zeros elsewhere.
-    3. Error feedback: e = N * (x - what this device's values contributed), i.e. every value not
-       selected, plus (BITS < 32) what the coded ring's encodings left out at the selected ones. So
-       sum over devices of (g + e_old) / N = mean + sum of e_new / N (to float32 rounding): nothing
-       is lost, only delayed, and a value left out grows until some leader's top-k takes it.
 
-    Bytes per step: the indices (4 bytes each) and the values (4, or BITS / 8 plus the scales), each
-    k per chunk; 2 collectives (the index all-reduce is tiny and carries the riders).
+    The all-gathered form ("gather", SparseLoCo's):
+    1. Every device takes the k largest |x| of each of its own chunks and encodes them: the indices
+       12 bits each, the values float32 or BITS-bit integers with one float32 scale per block.
+    2. One all-gather (the collective's) gives every device every device's message; each adds the
+       N decoded sets into a buffer of zeros in device order, so every device holds the same bits.
+
+    Error feedback, both forms: e = N * (x - what this device's values contributed): every value not
+    selected, plus (BITS < 32) what the encodings left out at the selected ones. So with B = 1 the
+    sum over devices of (g + e_old) / N = mean + sum of e_new / N (to float32 rounding): nothing is
+    lost, only delayed, and a value left out grows until a top-k takes it. With B < 1 (SparseLoCo's
+    decay, in place of outer momentum) what waits fades by B at every exchange.
+
+    Bytes per step: the ring-summed form all-reduces k indices (2 bytes each) and k values (4, or
+    BITS / 8 plus the scales) per chunk, 2 collectives (the index all-reduce carries the riders);
+    the all-gathered form sends each device's own k (1.5 + BITS / 8 bytes, plus scales) to N - 1
+    others, 1 collective (and the riders' own).
     """
 
     density: float
     bits: int = 32
+    form: str = "auto"   # "sum" | "gather" | "auto": sum for gradients, the fewer bytes for pseudo-gradients
+    decay: float = 1.0
 
-    collectives = 2
     needs_device = True  # the exchange passes `device`, this device's index on the data axes
 
     @property
     def name(self) -> str:
-        return f"topk:{self.density!r}" + ("" if self.bits == 32 else f":{self.bits}")
+        return (f"topk:{self.density!r}" + ("" if self.bits == 32 else f":{self.bits}")
+                + ("" if self.form == "auto" else f":{self.form}") + ("" if self.decay == 1.0 else f":decay={self.decay!r}"))
+
+    @property
+    def collectives(self) -> int:  # type: ignore[override]
+        return 1 if self.form == "gather" else 2
 
     @property
     def needs(self) -> str:  # type: ignore[override]
+        if self.form == "gather":
+            return "halves"
         return "sum" if self.bits == 32 else "coded_sum"
 
     @property
@@ -73,7 +103,40 @@ class TopK(Compressor):
         density = float(parts[1])
         if not 0 < density <= 1:
             raise ValueError(f"the density must be in (0, 1], not {density}")
-        return cls(density=density, bits=int(parts[2]) if len(parts) > 2 else 32)
+        bits, form, decay = 32, "auto", 1.0
+        for part in parts[2:]:
+            if part in FORMS:
+                form = part
+            elif part.startswith("decay="):
+                decay = float(part[6:])
+                if not 0 < decay <= 1:
+                    raise ValueError(f"the decay must be in (0, 1], not {decay}")
+            else:
+                bits = int(part)
+        return cls(density=density, bits=bits, form=form, decay=decay)
+
+    def settled(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> "TopK":
+        """"auto" settled: the ring-summed form for gradients (and on one device), for
+        pseudo-gradients the form that sends fewer bytes per device at `num_devices`."""
+        if self.form != "auto":
+            return self
+        if not pseudo_gradient or num_devices < 2:
+            return dataclasses.replace(self, form="sum")
+        size = _size(params)
+        return min((dataclasses.replace(self, form=f) for f in ("sum", "gather")),
+                   key=lambda c: c.sent_bytes(size, num_devices))
+
+    def settled_note(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> str | None:
+        if self.form != "auto" or not pseudo_gradient or num_devices < 2:
+            return None
+        chosen = self.settled(params, num_devices, pseudo_gradient)
+        other = dataclasses.replace(self, form="sum" if chosen.form == "gather" else "gather")
+        words = {"sum": "ring-summed (one index set)", "gather": "all-gathered (each device's own top-k, SparseLoCo's)"}
+        size = _size(params)
+        return (f"--compression {self.name}: local steps' pseudo-gradients go {words[chosen.form]}: "
+                f"{chosen.sent_bytes(size, num_devices):,} bytes sent per device per exchange at {num_devices} devices, "
+                f"against {other.sent_bytes(size, num_devices):,} {words[other.form].split(' (')[0]} "
+                f"(--compression {other.name})")
 
     def init(self, params: Tree) -> CompressionState:
         return CompressionState(error={jax.tree_util.keystr(p): jnp.zeros(x.shape, jnp.float32)
@@ -94,37 +157,90 @@ class TopK(Compressor):
         return (codec, *codec.chunking(values, num_devices))
 
     def payload_bytes(self, params: Tree, num_devices: int | None = None) -> int:
-        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+        """Bytes all-reduced per step (the ring-summed form); for the all-gathered form, the all-reduce
+        payload that sends as many bytes per device: what a device sends, times N / 2."""
+        size = _size(params)
+        if self.form == "gather":
+            n = num_devices or 2
+            return -(-self.sent_bytes(size, n) * n // (2 * (n - 1))) if n > 1 else self._message_bytes(size)
         chunks, _, k = self.shape(size)
         values = chunks * k
+        indices = -(-values // 2) * 4  # two 12-bit indices per float32
         if self.bits == 32:
-            return values * 8
+            return indices + values * 4
         if num_devices is None:
-            return values * 4 + -(-values * self.bits // 8) + -(-values // QUANT_BLOCK) * 4
-        codec, chunk, block = self._wire(values, num_devices)  # the indices: float32, padded to the ring's chunks
-        return -(-values // num_devices) * num_devices * 4 + num_devices * codec.message_bytes(chunk, block)
+            return indices + -(-values * self.bits // 8) + -(-values // QUANT_BLOCK) * 4
+        codec, chunk, block = self._wire(values, num_devices)  # the indices: padded to the ring's chunks
+        pairs = -(-values // 2)
+        return -(-pairs // num_devices) * num_devices * 4 + num_devices * codec.message_bytes(chunk, block)
+
+    def sent_bytes(self, size: int, num_devices: int) -> int:
+        """What one device sends per exchange of a `size`-value buffer over `num_devices`."""
+        n = num_devices
+        if n < 2:
+            return 0
+        if self.form == "gather":
+            return (n - 1) * self._message_bytes(size)
+        return int(self.payload_bytes({"x": jax.ShapeDtypeStruct((size,), jnp.float32)}, n) * 2 * (n - 1) // n)
+
+    def _message_bytes(self, size: int) -> int:
+        """The all-gathered form's message of one device: packed indices, then the values' encoding."""
+        chunks, _, k = self.shape(size)
+        values = chunks * k
+        return -(-values // 2) * 3 + self._values_wire(values)[2]
+
+    def _values_wire(self, values: int) -> tuple[Any, int, int]:
+        """(wire, padded length, message bytes) of the all-gathered form's `values` selected values."""
+        if self.bits == 32:
+            return _EXACT, values, values * 4
+        codec, chunk, block = self._wire(values, 1)
+        return codec.wire(chunk, block), chunk, codec.message_bytes(chunk, block)
 
     def mean(self, grads: Tree, state: CompressionState, reduce: Callable, num_devices: int, step: Any,
              device: Any = 0) -> tuple[Tree, CompressionState, dict]:
-        """`reduce`: the collective's sum of a tree (BITS 32), or its coded ring `(buffer, wire) ->
-        (sum, residual)` (jaxdp/sync/exchange.py); `device`: this device's index."""
+        """`reduce`: the collective's sum of a tree (BITS 32), its coded ring `(buffer, wire) ->
+        (sum, residual)`, or (the all-gathered form) its all-gather of a 1-D buffer
+        (jaxdp/sync/exchange.py); `device`: this device's index."""
         if not jax.tree.leaves(grads):
             return grads, state, {}
         n = num_devices
-        flat, split = flat_with_feedback(grads, state, n)
+        flat, split = flat_with_feedback(grads, state, n, self.decay)
         size = flat.shape[0]
         chunks, chunk, k = self.shape(size)
         x = jnp.pad(flat, (0, chunks * chunk - size)).reshape(chunks, chunk)
+        rows = jnp.arange(chunks)[:, None]
+        if self.form == "gather":
+            return *split(*(v.ravel()[:size] for v in self._gathered(x, reduce, n))), {}
         mine = jax.lax.top_k(jnp.abs(x), k)[1]
         leader = lead(jnp.asarray(step, jnp.int32), n) == jnp.asarray(device, jnp.int32)
-        proposal = jnp.where(leader, mine, 0).astype(jnp.float32).ravel()
-        index = self._sum(reduce, proposal, n, exact=True)[0].astype(jnp.int32).reshape(chunks, k)
-        rows = jnp.arange(chunks)[:, None]
+        pairs = _pairs(jnp.where(leader, mine, 0).ravel())
+        index = _unpair(self._sum(reduce, pairs, n, exact=True)[0], chunks * k).reshape(chunks, k)
         values = x[rows, index]
         total, left = self._sum(reduce, values.ravel(), n)
         mean = jnp.zeros_like(x).at[rows, index].set(total.reshape(chunks, k)).ravel()
         rest = x.at[rows, index].set(left.reshape(chunks, k)).ravel()
-        return *split(mean, rest), {}
+        return *split(mean[:size], rest[:size]), {}
+
+    def _gathered(self, x: jax.Array, gather: Callable, n: int) -> tuple[jax.Array, jax.Array]:
+        """The all-gathered form on this device's (chunks, chunk) x: (the mean, this device's residual)."""
+        chunks, _, k = self.shape(x.size)
+        rows = jnp.arange(chunks)[:, None]
+        index = jax.lax.top_k(jnp.abs(x), k)[1]
+        wire, padded, _ = self._values_wire(chunks * k)
+        values = jnp.pad(x[rows, index].ravel(), (0, padded - chunks * k))
+        message = jnp.concatenate([_pack12(index.ravel()), wire.encode(values)[0]])
+        split_at = -(-(chunks * k) // 2) * 3
+
+        def decoded(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return (_unpack12(m[:split_at], chunks * k).reshape(chunks, k),
+                    wire.decode(m[split_at:])[:chunks * k].reshape(chunks, k))
+
+        total = jnp.zeros_like(x)
+        for message_j in gather(message).reshape(n, -1) if n > 1 else message[None]:
+            index_j, values_j = decoded(message_j)
+            total = total.at[rows, index_j].add(values_j)
+        sent = decoded(message)[1]
+        return total, x.at[rows, index].add(-sent)
 
     def _sum(self, reduce: Callable, buffer: jax.Array, n: int, exact: bool = False) -> tuple[jax.Array, jax.Array]:
         """(sum over devices of `buffer`, what this device's encodings left out): the collective's
@@ -157,6 +273,36 @@ def _exact_encode(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 _EXACT = Wire(_exact_encode, lambda m: jax.lax.bitcast_convert_type(m.reshape(-1, 4), jnp.float32))
+
+
+def _size(tree: Tree) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def _pairs(index: jax.Array) -> jax.Array:
+    """Indices below 4096, two per float32 (a * 4096 + b < 2 ** 24: exact in any float32 sum of one
+    nonzero), padded with a zero to an even count."""
+    i = jnp.pad(index.astype(jnp.int32), (0, index.shape[0] % 2)).reshape(-1, 2)
+    return (i[:, 0] * 4096 + i[:, 1]).astype(jnp.float32)
+
+
+def _unpair(pairs: jax.Array, count: int) -> jax.Array:
+    p = pairs.astype(jnp.int32)
+    return jnp.stack([p // 4096, p % 4096], axis=-1).ravel()[:count]
+
+
+def _pack12(index: jax.Array) -> jax.Array:
+    """Indices below 4096, 12 bits each: two in three bytes, padded with a zero to an even count."""
+    i = jnp.pad(index.astype(jnp.uint32), (0, index.shape[0] % 2)).reshape(-1, 2)
+    a, b = i[:, 0], i[:, 1]
+    return jnp.stack([a & 255, (a >> 8) | ((b & 15) << 4), b >> 4], axis=-1).astype(jnp.uint8).ravel()
+
+
+def _unpack12(packed: jax.Array, count: int) -> jax.Array:
+    u = packed.astype(jnp.int32).reshape(-1, 3)
+    a = u[:, 0] | ((u[:, 1] & 15) << 8)
+    b = (u[:, 1] >> 4) | (u[:, 2] << 4)
+    return jnp.stack([a, b], axis=-1).ravel()[:count]
 
 
 @dataclasses.dataclass(frozen=True)
