@@ -271,3 +271,19 @@ def test_cli_local_steps_say_which_form_they_took(tmp_path, capsys):
 def test_the_all_gathered_form_stops_at_4_and_resumes_to_8_bit_identically(tmp_path):
     stop_at_4_then_resume_to_8(tmp_path, ["--compression", "topk:0.1:2:gather:decay=0.9", "--sync-every", "2",
                                           "--strategy", "psum"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_with_the_all_gathered_form_train_like_one_process(tmp_path):
+    """2 processes x 2 devices (--hierarchy auto: the hierarchical collective's all-gather, through
+    gloo) against 1 process x 4 devices, local steps with topk:0.05:2:gather: the same losses."""
+    from helpers import records, step_records, two_processes_and_one
+
+    two_processes_and_one(tmp_path, ["--steps", "8", "--batch-size", "64", "--log-every", "4", "--no-progress",
+                                     "--sync-every", "4", "--compression", "topk:0.05:2:gather", "--strategy", "ring"])
+    ref, two = step_records(tmp_path / "one.jsonl"), step_records(tmp_path / "two.0.jsonl")
+    assert [r["step"] for r in two] == [r["step"] for r in ref] == [4, 8]
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose(records(tmp_path / "two.0.jsonl")[-1]["eval_loss"],
+                               records(tmp_path / "one.jsonl")[-1]["eval_loss"], rtol=1e-5)
