@@ -134,6 +134,37 @@ def test_testbed_links_its_hosts_shapes_them_and_deletes_everything():
 
 
 @needs_testbed
+def test_the_link_counters_see_what_a_host_sends():
+    """2 MB from host 0 to host 1: host 0's counter grows by the payload and its headers (under 5 %
+    here: segments are large on a veth), host 1's by its acknowledgements only."""
+    with Testbed(num_hosts=2, rate="1gbit") as bed:
+        server = bed.run(1, [sys.executable, "-c", "import socket; s = socket.create_server(('10.77.0.2', 5000)); "
+                             "c, _ = s.accept()\nwhile c.recv(1 << 16): pass"])
+        before = bed.sent_bytes()
+        in_namespace(bed, 0, "import socket, time\n"
+                     "for _ in range(100):\n"
+                     "    try: c = socket.create_connection(('10.77.0.2', 5000)); break\n"
+                     "    except OSError: time.sleep(0.05)\n"
+                     "c.sendall(b'x' * 2_000_000); c.close()")
+        server.wait(timeout=10)
+        after = bed.sent_bytes()
+    sent = [b - a for a, b in zip(before, after)]
+    assert 2_000_000 < sent[0] < 2_100_000 and sent[1] < 100_000, sent
+
+
+def test_wire_bytes_per_step_is_the_counters_between_the_first_and_last_logged_steps():
+    from jaxdp.bench.slowlink import Training
+
+    # (last logged step, bytes each host has sent): start-up traffic before step 10, then 1,000 and
+    # 3,000 bytes a step, the final evaluation's after step 50 (not counted); the first sample of
+    # a step is when its record appeared
+    wire = [(0, [500, 900]), (0, [800, 1200]), (10, [1000, 2000]), (10, [1100, 2100]), (30, [21000, 62000]),
+            (50, [41000, 122000]), (50, [41500, 122500]), (50, [90000, 190000])]
+    assert Training([], 0.0, [0, 0], ["", ""], wire).wire_bytes_per_step() == (1000 + 3000) / 2
+    assert Training([], 0.0, [0, 0], ["", ""], [(0, [1, 1]), (5, [2, 2])]).wire_bytes_per_step() is None
+
+
+@needs_testbed
 def test_testbed_cleans_up_after_an_error_and_says_what_it_cannot_do():
     before = namespaces()
     with pytest.raises(RuntimeError, match="inside"):

@@ -16,6 +16,8 @@ own source as bytes) has 0.55 MB of float32 gradients: about 0.44 s per all-redu
 against a few tens of milliseconds of compute per step on one core, so the link dominates
 synchronous training. The default corpus is the checkout's own source, so its losses move a
 little whenever that source changes; give `--dataset` a fixed file to compare across commits.
+Bytes are as the link's counters saw them (`slowlink.Training.wire_bytes_per_step`: what each host
+sent per step, evaluations included, start-up not), and the ratio against the synchronous run's.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                 "sync_every": chosen[0]["sync_every"] if chosen else None,
                                 "sync_every_why": chosen[0]["why"] if chosen else None,
                                 "comm_bytes_per_step": steps[-1].get("comm_bytes_per_step"),
+                                "wire_bytes_per_step": training.wire_bytes_per_step(),
                                 "steps_per_s": sorted(r["steps_per_sec"] for r in steps if r.get("steps_per_sec"))})
     sync_final = results[0]["curve"][-1][2]
     target = sync_final * (1 + args.margin)
@@ -132,6 +135,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         row["loss_vs_sync"] = row["final_loss"] / sync_final
         row["step_to_target"], row["s_to_target"] = time_to(row["curve"], target)
         row["time_vs_sync"] = None if row["s_to_target"] is None else row["s_to_target"] / sync_time
+        wire, sync_wire = row["wire_bytes_per_step"], results[0]["wire_bytes_per_step"]
+        row["fewer_bytes"] = sync_wire / wire if wire and sync_wire else None
         rates = row["steps_per_s"]
         row["median_steps_per_s"] = rates[len(rates) // 2] if rates else None
     print(f"2 processes x 1 device over a {args.rate} link; jaxdp.train {args.train_args} --steps {args.steps} "
@@ -139,7 +144,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     print_table(results, [("run", "run", "s"), ("sync_every", "auto H", "d"), ("median_steps_per_s", "steps/s", ".2f"),
                           ("train_s", "train s", ".1f"),
                           ("final_loss", "final loss", ".4f"), ("loss_vs_sync", "loss / sync", ".3f"),
-                          ("s_to_target", "s to target", ".1f"), ("time_vs_sync", "time / sync", ".3f")])
+                          ("s_to_target", "s to target", ".1f"), ("time_vs_sync", "time / sync", ".3f"),
+                          ("wire_bytes_per_step", "wire B/step", ".0f"), ("fewer_bytes", "x fewer bytes", ".0f")])
     write_json(args.json, results, rate=args.rate, target=target, margin=args.margin, train_flags=base)
     if args.plot:
         plot(results, target, args.plot, f"2 processes over {args.rate}: held-out loss against training time")

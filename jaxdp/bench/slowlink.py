@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -45,6 +46,19 @@ class Training:
     wall_s: float              # from starting the processes to the last one's exit
     returncodes: list[int]
     outputs: list[str]         # each process's stdout and stderr, interleaved
+    wire: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)  # (last logged step, sent per host)
+
+    def wire_bytes_per_step(self) -> float | None:
+        """What each host sent over the link per step, as the kernel counted it (testbed.sent_bytes),
+        between the first logged step and the last (compilation, start-up and the final evaluation
+        left out), averaged over the hosts; None if the run logged fewer than two steps in time."""
+        first = next(((step, sent) for step, sent in self.wire if step > 0), None)
+        last = next(((step, sent) for step, sent in reversed(self.wire) if step > 0), None)
+        if first is None or last is None or last[0] <= first[0]:
+            return None
+        # each step's first sample: the counters just after its record appeared
+        last = next((step, sent) for step, sent in self.wire if step == last[0])
+        return statistics.fmean((b - a) / (last[0] - first[0]) for a, b in zip(first[1], last[1]))
 
     @property
     def ok(self) -> bool:
@@ -88,11 +102,17 @@ def run_training(bed: testbed.Testbed, flags: Sequence[str], *, devices: int = 1
                                  stdout=log, stderr=log, cpu=process_cpu[i] if process_cpu else None,
                                  preexec_fn=None if core is None else (lambda core=core: os.sched_setaffinity(0, core))))
         deadline = start + timeout
+        wire: list[tuple[int, list[int]]] = []
+        stop = threading.Event()
+        sampler = threading.Thread(target=_sample_wire, args=(bed, metrics, wire, stop), daemon=True)
+        sampler.start()
         for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.perf_counter()))
             except subprocess.TimeoutExpired:
                 pass
+        stop.set()
+        sampler.join()
         wall_s = time.perf_counter() - start
         for proc in procs:
             if proc.poll() is None:
@@ -104,7 +124,35 @@ def run_training(bed: testbed.Testbed, flags: Sequence[str], *, devices: int = 1
             outputs.append(log.read())
             log.close()
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return Training(records, wall_s, [p.returncode for p in procs], outputs)
+    return Training(records, wall_s, [p.returncode for p in procs], outputs, wire)
+
+
+WIRE_SAMPLE_S = 0.05  # how often run_training reads the link's counters (and the last logged step)
+
+
+def _sample_wire(bed: testbed.Testbed, metrics: Path, wire: list, stop: threading.Event) -> None:
+    """Until `stop`: append (the last logged step in `metrics`, the bytes each host has sent) to `wire`."""
+    step, seen = 0, 0
+    while not stop.wait(WIRE_SAMPLE_S):
+        try:
+            with open(metrics, "rb") as f:
+                f.seek(seen)
+                chunk = f.read()
+        except OSError:
+            chunk = b""
+        lines = chunk.split(b"\n")
+        seen += len(chunk) - len(lines[-1])  # a line still being written is read again next time
+        for line in lines[:-1]:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if "event" not in record and isinstance(record.get("step"), int):
+                step = max(step, record["step"])
+        try:
+            wire.append((step, bed.sent_bytes()))
+        except (testbed.TestbedError, ValueError, KeyError):
+            return
 
 
 # ---------------------------------------------------------------------------------------------

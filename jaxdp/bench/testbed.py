@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import re
 import shutil
@@ -196,6 +197,14 @@ class Testbed:
         if not 0 <= host < self.num_hosts:
             raise TestbedError(f"host {host} is not one of 0..{self.num_hosts - 1}")
         return f"{SUBNET}.{host + 1}"
+
+    def sent_bytes(self) -> list[int]:
+        """Bytes each host has sent over the link so far: its bridge port's received-bytes counter
+        (the kernel's, after the host's token bucket: what crossed the wire, headers and
+        acknowledgements included). One `ip` call for every host."""
+        out = _ip("ip", "-j", "-s", "-n", f"{self.tag}-br", "link", "show", "type", "veth").stdout
+        ports = {link["ifname"].split("@")[0]: link for link in json.loads(out)}
+        return [int(ports[f"h{host}"]["stats64"]["rx"]["bytes"]) for host in range(self.num_hosts)]
 
     # -- set-up and teardown ---------------------------------------------------------------------
 

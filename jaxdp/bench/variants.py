@@ -10,8 +10,11 @@ Every variant is one `run_training` (jaxdp/bench/slowlink.py) on the same testbe
 testbed.py, one core per process unless --no-pin), with `--train-args` and then the variant's own flags. The
 figure is the median steps/s over the run's log intervals (compilation left out), as the CLI's
 `steps_per_sec` measures them; the ratio is against the first variant's, measured in the same
-invocation. The held-out accuracy is the run's final evaluation, the bytes the last logged
-`comm_bytes`. One run per variant; run it again to see the spread. Needs root and iproute2.
+invocation. The held-out accuracy is the run's final evaluation; the bytes are the last logged
+`comm_bytes` (the codec's own count of what a device sends per average) and, beside them, what each
+host sent over the link per step as the kernel counted it (`Training.wire_bytes_per_step`: headers
+and acknowledgements included, start-up and the final evaluation not). One run per variant; run
+it again to see the spread. Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def measure(bed: testbed.Testbed, flags: list[str], variant: str, *, devices: in
             "eval_accuracy": final.get("eval_accuracy"), "eval_loss": final.get("eval_loss"),
             "comm_bytes": next((r.get("comm_bytes") for r in reversed(done.steps()) if r.get("comm_bytes") is not None),
                                None),
-            "wall_s": done.wall_s}
+            "wire_bytes": done.wire_bytes_per_step(), "wall_s": done.wall_s}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -73,6 +76,6 @@ def run(args: argparse.Namespace) -> list[dict]:
           f"{args.steps // args.log_every} log intervals of one run per variant")
     print_table(results, [("variant", "variant", "s"), ("steps_per_s", "steps/s", ".1f"), ("vs_first", "vs first", ".2f"),
                           ("eval_accuracy", "held-out accuracy", ".4f"), ("eval_loss", "held-out loss", ".4f"),
-                          ("comm_bytes", "bytes sent per step", ".0f")])
+                          ("comm_bytes", "bytes sent per step", ".0f"), ("wire_bytes", "on the wire", ".0f")])
     write_json(args.json, results, rate=args.rate, devices=args.devices, pinned=args.pin, train_flags=flags)
     return results
