@@ -56,7 +56,9 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     abilities = abilities_of(config.strategy)
     flat = config.hierarchy == "flat" or config.sync_seconds or config.overlap  # rounds: one axis (jaxdp/step/rounds.py)
     if flat or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:
-        return make_mesh(devices), config.strategy
+        with warnings.catch_warnings():  # one CPU device here is --devices 1, asked for (the default simulates 8);
+            warnings.filterwarnings("ignore", "jaxdp.make_mesh: JAX sees one CPU device")  # the hint is a notebook's
+            return make_mesh(devices), config.strategy
     if jax.process_index() == 0:
         print(f"jaxdp: --hierarchy auto: {processes} processes x {local} devices: each process sums its devices' "
               f"gradients exactly first, then --strategy {config.strategy} runs across processes on 1/{local} of "
