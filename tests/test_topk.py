@@ -243,6 +243,14 @@ def test_local_steps_take_the_form_that_sends_fewer_bytes_and_gradients_the_ring
     assert auto.settled(params, 8, pseudo_gradient=True).form == "sum"     # 7 x its own grows past the all-reduce
     assert auto.settled(params, 2, pseudo_gradient=False).form == "sum"    # gradients: always summed
     assert TopK(0.01, 2, "sum").settled(params, 2, True).form == "sum"     # a form the spec names stays
+    # what local steps report (comm_bytes_per_step) is what a device sends: 7 x its own message at 8 devices
+    from jaxdp.sync.codecs.base import bytes_sent
+    from jaxdp.sync.collectives import RING
+    from jaxdp.sync.exchange import make_exchange
+
+    gather = make_exchange(RING, "data", 8, TopK(0.01, 2, "gather"), pseudo_gradient=True)
+    assert bytes_sent(gather.payload_bytes(params), 8) == pytest.approx(TopK(0.01, 2, "gather").sent_bytes(100_000, 8),
+                                                                      rel=1e-3)
     note = auto.settled_note(params, 2, True)
     assert "all-gathered" in note and "--compression topk:0.01:2:sum" in note and "\n" not in note
     assert auto.settled_note(params, 2, False) is None

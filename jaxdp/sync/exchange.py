@@ -122,7 +122,8 @@ class Coded:
         return self.codec.settled(tree, self.n, self.pseudo_gradient)
 
     def payload_bytes(self, params: Tree) -> int:
-        return self.settled(params).payload_bytes(params)
+        """What one average all-reduces here (the codec's count on this exchange's device count)."""
+        return self.settled(params).payload_bytes(params, self.n)
 
     def mean(self, tree: Tree, metrics: dict, model_state: Tree, sync: Any, step: Any) -> tuple[Tree, dict, Tree, Any, dict]:
         """The riders go in the codec's first collective (before a PowerSGD start step, or where it
