@@ -52,13 +52,12 @@ class Training:
         """What each host sent over the link per step, as the kernel counted it (testbed.sent_bytes),
         between the first logged step and the last (compilation, start-up and the final evaluation
         left out), averaged over the hosts; None if the run logged fewer than two steps in time."""
-        first = next(((step, sent) for step, sent in self.wire if step > 0), None)
-        last = next(((step, sent) for step, sent in reversed(self.wire) if step > 0), None)
-        if first is None or last is None or last[0] <= first[0]:
+        logged = [(step, sent) for step, sent in self.wire if step > 0]
+        if not logged or logged[-1][0] <= logged[0][0]:
             return None
         # each step's first sample: the counters just after its record appeared
-        last = next((step, sent) for step, sent in self.wire if step == last[0])
-        return statistics.fmean((b - a) / (last[0] - first[0]) for a, b in zip(first[1], last[1]))
+        (first, before), (last, after) = logged[0], next(s for s in logged if s[0] == logged[-1][0])
+        return statistics.fmean((b - a) / (last - first) for a, b in zip(before, after))
 
     @property
     def ok(self) -> bool:

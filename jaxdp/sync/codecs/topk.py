@@ -159,10 +159,12 @@ class TopK(Compressor):
     def payload_bytes(self, params: Tree, num_devices: int | None = None) -> int:
         """Bytes all-reduced per step (the ring-summed form); for the all-gathered form, the all-reduce
         payload that sends as many bytes per device: what a device sends, times N / 2."""
-        size = _size(params)
+        return self._payload(_size(params), num_devices)
+
+    def _payload(self, size: int, num_devices: int | None) -> int:
+        """`payload_bytes` of a `size`-value buffer."""
         if self.form == "gather":
-            n = num_devices or 2
-            return -(-self.sent_bytes(size, n) * n // (2 * (n - 1))) if n > 1 else self._message_bytes(size)
+            return -(-self._message_bytes(size) * max(num_devices or 2, 2) // 2)
         chunks, _, k = self.shape(size)
         values = chunks * k
         indices = -(-values // 2) * 4  # two 12-bit indices per float32
@@ -181,7 +183,7 @@ class TopK(Compressor):
             return 0
         if self.form == "gather":
             return (n - 1) * self._message_bytes(size)
-        return int(self.payload_bytes({"x": jax.ShapeDtypeStruct((size,), jnp.float32)}, n) * 2 * (n - 1) // n)
+        return self._payload(size, n) * 2 * (n - 1) // n
 
     def _message_bytes(self, size: int) -> int:
         """The all-gathered form's message of one device: packed indices, then the values' encoding."""
@@ -208,9 +210,9 @@ class TopK(Compressor):
         size = flat.shape[0]
         chunks, chunk, k = self.shape(size)
         x = jnp.pad(flat, (0, chunks * chunk - size)).reshape(chunks, chunk)
-        rows = jnp.arange(chunks)[:, None]
         if self.form == "gather":
             return *split(*(v.ravel()[:size] for v in self._gathered(x, reduce, n))), {}
+        rows = jnp.arange(chunks)[:, None]
         mine = jax.lax.top_k(jnp.abs(x), k)[1]
         leader = lead(jnp.asarray(step, jnp.int32), n) == jnp.asarray(device, jnp.int32)
         pairs = _pairs(jnp.where(leader, mine, 0).ravel())
