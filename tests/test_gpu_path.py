@@ -148,3 +148,68 @@ def test_installed_versions_are_inside_the_pins_and_the_cuda_extra_matches_jax()
     assert "0.11.2" in pins["jax"].specifier  # the JAX that current GPU images ship (CUDA 13)
     cuda = [Requirement(r) for r in project["optional-dependencies"]["cuda"]]
     assert cuda[0].name == "jax" and cuda[0].extras == {"cuda13"} and cuda[0].specifier == pins["jax"].specifier
+
+
+def test_token_cross_entropy_is_optax_on_upcast_logits_and_a_float64_reference():
+    """The language model's loss takes bf16 logits as they come and upcasts as it reads: the same
+    value and gradient as optax's cross-entropy on float32 logits, and as numpy in float64."""
+    import optax
+
+    from jaxdp.models.tasks import token_cross_entropy
+
+    rng = np.random.default_rng(0)
+    labels = jnp.asarray(rng.integers(0, 97, (3, 8)), jnp.int32)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        logits = jnp.asarray(rng.normal(size=(3, 8, 97)) * 4, dtype)
+        wide = np.asarray(logits.astype(jnp.float32), np.float64)
+        shifted = wide - wide.max(-1, keepdims=True)
+        softmax = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
+        picked = np.take_along_axis(shifted, np.asarray(labels)[..., None], -1)[..., 0]
+        expected = np.log(np.exp(shifted).sum(-1)) - picked
+        expected_grad = (softmax - np.eye(97)[np.asarray(labels)]) / labels.size
+
+        def mean_loss(x):
+            return token_cross_entropy(x, labels).mean()
+
+        def optax_loss(x):
+            return optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), labels).mean()
+
+        losses = jax.jit(token_cross_entropy)(logits, labels)
+        assert losses.dtype == jnp.float32
+        np.testing.assert_allclose(losses, expected, rtol=1e-6)
+        np.testing.assert_allclose(losses, optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels),
+                                   rtol=1e-6)
+        grad = jax.jit(jax.grad(mean_loss))(logits)
+        assert grad.dtype == dtype  # the gradient is written in the logits' dtype
+        tolerance = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(grad, np.float64), expected_grad, rtol=tolerance, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(grad, np.float64), np.asarray(jax.grad(optax_loss)(logits), np.float64),
+                                   rtol=tolerance, atol=1e-7)
+
+
+def test_the_gpt_hands_the_loss_its_logits_in_the_compute_dtype_on_request_and_on_a_gpu():
+    """language_model(compute_dtype_logits=True) trains the GPT with logits_dtype=None (no float32
+    copy of the logits): the loss of the bf16-rounded logits. The module itself still returns float32
+    logits, and on a CPU (the default there) the loss is optax's on them, bit for bit."""
+    import optax
+
+    from jaxdp.models.tasks import language_model
+
+    model = GPT(vocab_size=61, seq_len=8, layers=1, d_model=16, heads=2, dtype=jnp.bfloat16)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 61, (2, 9)), jnp.int32)
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    params = model.init(jax.random.PRNGKey(0), batch["x"])["params"]
+    assert model.apply({"params": params}, batch["x"]).dtype == jnp.float32
+    rounded = model.clone(logits_dtype=None).apply({"params": params}, batch["x"])
+    assert rounded.dtype == jnp.bfloat16
+
+    def loss(task):
+        return jax.jit(lambda p: task.loss_fn(p, {}, batch, jax.random.PRNGKey(1))[0])(params)
+
+    reference = jax.jit(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply({"params": p}, batch["x"]), batch["y"]).mean())(params)
+    assert loss(language_model(model)) == reference  # CPU: as before
+    expected = optax.softmax_cross_entropy_with_integer_labels(rounded.astype(jnp.float32), batch["y"]).mean()
+    # (to 1e-4, not exactly: under jit XLA:CPU may still take some of its passes from the float32 product)
+    np.testing.assert_allclose(loss(language_model(model, compute_dtype_logits=True)), expected, rtol=1e-4)
+    np.testing.assert_allclose(expected, reference, rtol=1e-2)  # bf16 rounding of the logits, no more

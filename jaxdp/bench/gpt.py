@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     from jaxdp.mesh import make_mesh, shard_batch
     from jaxdp.models.builtin import GPT
+    from jaxdp.models.tasks import language_model
     from jaxdp.step.state import init_state
     from jaxdp.step.train_step import make_train_step
 
@@ -115,9 +116,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     flops_per_token = model.flops_per_token(params)
     tx = optax.adamw(3e-4, weight_decay=0.1)  # torch_gpt.py uses the same lr and weight decay
 
+    task = language_model(model)  # the command line's loss (on a GPU: bf16 logits into token_cross_entropy)
+    no_dropout = jax.random.PRNGKey(0)  # (the GPT has none)
+
     def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return task.loss_fn(params, {}, batch, no_dropout)[0]
 
     step = make_train_step(loss_fn, tx, mesh, args.strategy)
     state = init_state(params, tx, mesh)

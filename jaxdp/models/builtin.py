@@ -98,6 +98,8 @@ class GPT(nn.Module):
     head_bias: bool = True  # the untied head's bias (GPT-2 has none); a tied head has no bias. The CLI's
                             # --model gpt sets it from --head-bias (default False: it exports to GPT-2)
     max_positions: int | None = None  # rows of the position table (GPT-2: n_positions); None: seq_len
+    logits_dtype: Any = jnp.float32  # the returned logits' dtype; None: the compute dtype, for a loss that
+    # upcasts as it reads (jaxdp.models.tasks.token_cross_entropy: no float32 copy of the logits)
     gelu_approximate: bool = True  # the tanh GELU (GPT-2's "gelu_new"); False: the exact erf one
     init_std: float | None = 0.02  # GPT-2's initialisation: weights and embeddings normal(init_std), the residual
     # projections (proj_i, fc_out_i) normal(init_std / sqrt(2 x layers)), biases 0; None: flax's defaults
@@ -147,7 +149,8 @@ class GPT(nn.Module):
             logits = embed.attend(x)
         else:
             logits = nn.Dense(self.vocab_size, use_bias=self.head_bias, dtype=self.dtype, name="head", **weights)(x)
-        logits = logits.astype(jnp.float32)
+        if self.logits_dtype is not None:
+            logits = logits.astype(self.logits_dtype)
         if cache is None:
             return logits
         return logits, KVCache(tuple(keys), tuple(values), cache.length + length)

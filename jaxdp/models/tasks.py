@@ -16,6 +16,7 @@ import math
 from typing import Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -25,6 +26,52 @@ class Task:
     loss_fn: Callable
     eval_fn: Callable
     summarize: Callable[[dict[str, float]], dict[str, float]]
+
+
+def token_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+    """Softmax cross-entropy of integer `labels` (...,) under `logits` (..., V) of any float dtype,
+    in float32: `optax.softmax_cross_entropy_with_integer_labels(logits.astype(float32), labels)`,
+    the same arithmetic, without a float32 copy of the logits in memory.
+
+    For a GPT's bf16 logits that copy was the largest tensor of a step (tokens x vocabulary x 4 bytes:
+    3.3 GB for GPT-2 small at batch 16) and writing it, reading it twice and reading it again for the
+    gradient took a tenth of an H100/H200 step (docs/performance.md). Here the maximum is taken in
+    the logits' own dtype (exact), each pass upcasts as it reads, and the gradient, softmax minus the
+    one-hot labels, is computed from the logits kept as they came and written in their dtype, in the
+    order optax's own gradient takes (the same bits).
+    float32 logits go to optax's function itself (nothing to save; the same bits as before).
+    """
+    if logits.dtype == jnp.float32:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return _low_precision_cross_entropy(logits, labels)
+
+
+@jax.custom_vjp
+def _low_precision_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+    return _cross_entropy_fwd(logits, labels)[0]
+
+
+def _cross_entropy_fwd(logits, labels):
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    shifted = logits.astype(jnp.float32) - top.astype(jnp.float32)
+    total = jnp.sum(jnp.exp(shifted), axis=-1)
+    label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return jnp.log(total) - (label_logit - top[..., 0].astype(jnp.float32)), (logits, labels, top, total)
+
+
+def _cross_entropy_bwd(residuals, g):
+    logits, labels, top, total = residuals
+    # The barrier keeps XLA from merging this upcast with the forward's into one stored float32 copy.
+    logits = jax.lax.optimization_barrier(logits)
+    shifted = logits.astype(jnp.float32) - top.astype(jnp.float32)
+    # In the order reverse-mode differentiation of optax's function takes, so the bits are its bits:
+    # exp(shifted) * (g / total), then g taken off at the label.
+    grad = jnp.exp(shifted) * (g / total)[..., None]
+    one_hot = labels[..., None] == jnp.arange(logits.shape[-1], dtype=labels.dtype)
+    return jnp.where(one_hot, grad - g[..., None], grad).astype(logits.dtype), None
+
+
+_low_precision_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def classification(model: nn.Module, takes_train: bool = True) -> Task:
@@ -52,9 +99,20 @@ def classification(model: nn.Module, takes_train: bool = True) -> Task:
     return Task(loss_fn, eval_fn, summarize)
 
 
-def language_model(model: nn.Module, takes_train: bool = False) -> Task:
+def language_model(model: nn.Module, takes_train: bool = False, compute_dtype_logits: bool | None = None) -> Task:
     """Next-token cross-entropy averaged over every token; held-out loss (nats/token) and perplexity.
-    `takes_train`: the module's `__call__` has a `train` parameter (dropout; the built-in GPT has none)."""
+    `takes_train`: the module's `__call__` has a `train` parameter (dropout; the built-in GPT has none).
+
+    `compute_dtype_logits`: the built-in GPT hands its logits to `token_cross_entropy` in its compute
+    dtype (`logits_dtype=None`) rather than as a float32 copy. None (the default) does so on a GPU,
+    where that copy is a pass of its own over the largest tensor of the step (docs/performance.md,
+    "One GPU, wave 4"). XLA:CPU instead folds the head's bf16 rounding and the upcast away and takes
+    the loss from the float32 product, a little more precise and no slower, so CPU runs keep that:
+    the same numbers as before."""
+    if compute_dtype_logits is None:
+        compute_dtype_logits = jax.default_backend() == "gpu"
+    if compute_dtype_logits and hasattr(model, "logits_dtype"):
+        model = model.clone(logits_dtype=None)
 
     def loss_fn(params, model_state, batch, rng):
         if takes_train:
@@ -62,12 +120,12 @@ def language_model(model: nn.Module, takes_train: bool = False) -> Task:
                                               rngs={"dropout": rng}, mutable=list(model_state))
         else:  # no `train` parameter: a module that drops out always still gets its per-step key
             logits = model.apply({"params": params, **model_state}, batch["x"], rngs={"dropout": rng})
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        loss = token_cross_entropy(logits, batch["y"]).mean()
         return loss, {}, model_state
 
     def eval_fn(params, model_state, batch):
         logits = model.apply({"params": params, **model_state}, batch["x"], **({"train": False} if takes_train else {}))
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])  # (rows, tokens)
+        losses = token_cross_entropy(logits, batch["y"])  # (rows, tokens)
         mask = batch["mask"][:, None]
         return {"loss": jnp.sum(losses * mask), "count": jnp.sum(mask) * losses.shape[1]}
 

@@ -1,0 +1,273 @@
+"""Helpers for docs/perf/gpu_run.sh, run on a lent GPU from the repository root (PYTHONPATH=.).
+
+    python docs/perf/gpu_tools.py trace OUTDIR --skip K -- <jaxdp.train flags>   # the CLI, profiled from step K
+    python docs/perf/gpu_tools.py summarize OUTDIR --steps N             # where a step's time goes
+    python docs/perf/gpu_tools.py ce                                   # the head and the loss alone
+    python docs/perf/gpu_tools.py sample CHECKPOINT_DIR HF_DIR --new-tokens N --json FILE
+
+`trace` runs `python -m jaxdp.train` in this process under `jax.profiler.trace` (a Perfetto trace
+beside TensorBoard's), so what it records is the command line's own path: the step, its metrics
+reads, the preemption check, the prefetch thread. `summarize` reads that trace and prints, per
+training step, the device's busy time (the union of its kernels), the kernels grouped (matrix
+products, attention, fusions of elementwise work and reductions, copies) and the 25 costliest
+kernels. `sample` times `jaxdp.models.generate.generate` (a key/value cache, one compiled loop)
+against Hugging Face transformers' `generate` on the same model exported with `python -m jaxdp.export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def trace(out: str, train_args: list[str], skip: int) -> None:
+    """Run the command line in this process; trace from its step `skip` (past compilation) to its end."""
+    import jax
+
+    from jaxdp.data import prefetch
+    from jaxdp.train import main
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python's frames would swamp the trace (and slow the host)
+    started = []
+    base = prefetch.Prefetcher
+
+    class Traced(base):  # the step loop's batches: start tracing as batch `skip` is handed out
+        def __iter__(self):
+            for i, item in enumerate(super().__iter__()):
+                if i == skip and not started:
+                    jax.profiler.start_trace(out, create_perfetto_trace=True, profiler_options=options)
+                    started.append(True)
+                yield item
+
+    prefetch.Prefetcher = Traced
+    try:
+        code = main(train_args)
+    finally:
+        if started:
+            jax.profiler.stop_trace()  # after main: every traced step has finished on the device
+    if code:
+        raise SystemExit(code)
+
+
+GROUPS = (("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "dot")),
+          ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+          ("copy", ("memcpy", "memset", "copy")),
+          ("reduction fusion", ("reduce", "reduction")),
+          ("other fusion", ("fusion", "triton", "loop", "kernel")))
+
+
+def group(name: str) -> str:
+    low = name.lower()
+    for label, keys in GROUPS:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def summarize(out: str, steps: int) -> dict:
+    paths = sorted(glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        raise SystemExit(f"no perfetto_trace.json.gz under {out}")
+    with gzip.open(paths[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, name in names.items() if "/device:GPU" in name or "/device:TPU" in name}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur")]
+    host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in device_pids and e.get("dur")]
+    result: dict = {"trace": paths[-1], "processes": sorted(set(names.values())), "steps": steps}
+    if kernels:
+        by_module = collections.Counter()
+        for e in kernels:
+            by_module[e.get("args", {}).get("hlo_module", "?")] += e["dur"]
+        # The training step is the module with the most device time; its executions bound the window.
+        train_module = by_module.most_common(1)[0][0]
+        mine = [e for e in kernels if e.get("args", {}).get("hlo_module", "?") == train_module]
+        start, end = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if start <= e["ts"] <= end)
+        busy, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        per_kernel = collections.Counter()
+        counts = collections.Counter()
+        for e in mine:
+            per_kernel[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+        groups = collections.Counter()
+        for name, dur in per_kernel.items():
+            groups[group(name)] += dur
+        total = sum(per_kernel.values())
+        result.update(train_module=train_module, window_ms=(end - start) / 1e3, busy_ms=busy / 1e3,
+                      busy_fraction=busy / (end - start), kernel_ms_per_step=total / 1e3 / steps,
+                      kernels_per_step=sum(counts.values()) / steps,
+                      groups_ms_per_step={k: v / 1e3 / steps for k, v in groups.most_common()},
+                      modules_ms={k: v / 1e3 for k, v in by_module.most_common(8)},
+                      top=[{"name": n[:140], "ms_per_step": d / 1e3 / steps, "calls_per_step": counts[n] / steps,
+                            "share": d / total} for n, d in per_kernel.most_common(25)])
+    hosts = collections.Counter()
+    for e in host:
+        hosts[e["name"][:100]] += e["dur"]
+    result["host_top_ms"] = {k: v / 1e3 for k, v in hosts.most_common(20)}
+    return result
+
+
+def print_summary(s: dict) -> None:
+    print(f"trace {s['trace']}")
+    if "train_module" not in s:
+        print("no device kernels in the trace; processes:", s["processes"])
+    else:
+        print(f"train module {s['train_module']}: window {s['window_ms']:.1f} ms for {s['steps']} steps, device busy "
+              f"{s['busy_fraction']:.3f} of it; kernels {s['kernel_ms_per_step']:.2f} ms/step "
+              f"({s['kernels_per_step']:.0f} launches/step)")
+        for k, v in s["groups_ms_per_step"].items():
+            print(f"  {k:18s} {v:8.2f} ms/step")
+        for row in s["top"]:
+            print(f"  {row['ms_per_step']:7.3f} ms {row['calls_per_step']:5.1f}x {row['share']:6.1%}  {row['name']}")
+    print("host (ms, whole trace):", json.dumps({k: round(v, 1) for k, v in list(s["host_top_ms"].items())[:12]}))
+
+
+def sample(checkpoint_dir: str, hf_dir: str, new_tokens: int, repeats: int) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxdp.checkpoint.artifacts import load_model
+    from jaxdp.models.generate import generate
+
+    module, params = load_model(checkpoint_dir)
+    prompt = np.arange(1, 17, dtype=np.int32)
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        ids = generate(module, params, prompt, new_tokens, temperature=1.0, seed=i)
+        jax.block_until_ready(ids)
+        np.asarray(ids)
+        times.append(time.perf_counter() - t)
+    out = {"jaxdp_first_s": times[0], "jaxdp_s": statistics.median(times[1:]),
+           "jaxdp_tokens_per_s": new_tokens / statistics.median(times[1:])}
+    try:
+        import torch
+        import transformers
+    except ImportError as err:
+        out["hf"] = f"not run: {err}"
+        return out
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).to(device).eval()
+    x = torch.tensor(prompt[None].astype(np.int64), device=device)
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        m = model.to(dtype)
+        times = []
+        for i in range(repeats + 1):
+            torch.manual_seed(i)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                m.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, top_k=0,
+                           pad_token_id=0)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[f"hf_{dtype_name}_s"] = statistics.median(times[1:])
+        out[f"hf_{dtype_name}_tokens_per_s"] = new_tokens / statistics.median(times[1:])
+    out.update(new_tokens=new_tokens, repeats=repeats, transformers=transformers.__version__, torch=torch.__version__,
+               compute_dtype=str(getattr(module, "dtype", "?")))
+    return out
+
+
+def cross_entropy(tokens: int, width: int, vocab: int, repeats: int) -> dict:
+    """The head and the loss alone, as a GPT-2-small step has them (bf16 hidden states and head,
+    float32 loss), forward and backward: optax on float32 logits (the model's old output) against
+    jaxdp.models.tasks.token_cross_entropy on the bf16 logits. Median ms of `repeats` calls each."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxdp.models.tasks import token_cross_entropy
+
+    kx, kw, ky = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (tokens, width), jnp.bfloat16)
+    w = (jax.random.normal(kw, (width, vocab)) * 0.02).astype(jnp.bfloat16)
+    y = jax.random.randint(ky, (tokens,), 0, vocab)
+
+    def old(x, w):
+        return optax.softmax_cross_entropy_with_integer_labels((x @ w).astype(jnp.float32), y).mean()
+
+    def new(x, w):
+        return token_cross_entropy(x @ w, y).mean()
+
+    out = {"tokens": tokens, "width": width, "vocab": vocab}
+    grads = {}
+    for name, f in (("optax_f32", old), ("token_cross_entropy", new)):
+        step = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+        value, grads[name] = jax.block_until_ready(step(x, w))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(step(x, w))
+            times.append(time.perf_counter() - t)
+        out[f"{name}_ms"] = 1e3 * statistics.median(times)
+        out[f"{name}_loss"] = float(value)
+    a, b = grads["optax_f32"], grads["token_cross_entropy"]
+    out["max_grad_diff"] = max(float(jnp.max(jnp.abs(p.astype(jnp.float32) - q.astype(jnp.float32)))) for p, q in zip(a, b))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="docs/perf/gpu_tools.py")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("trace")
+    p.add_argument("out")
+    p.add_argument("--skip", type=int, default=10, help="steps before the trace starts")
+    p = sub.add_parser("summarize")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--json")
+    p = sub.add_parser("ce")
+    p.add_argument("--tokens", type=int, default=16 * 1024)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--repeats", type=int, default=20)
+    p = sub.add_parser("sample")
+    p.add_argument("checkpoint_dir")
+    p.add_argument("hf_dir")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json")
+    argv = sys.argv[1:]
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []  # trace: the command line's flags
+    args = parser.parse_args(argv[:len(argv) - len(train_args) - (1 if "--" in argv else 0)])
+    if args.command == "trace":
+        trace(args.out, train_args, args.skip)
+    elif args.command == "summarize":
+        s = summarize(args.out, args.steps)
+        print_summary(s)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(s, f, indent=1)
+    elif args.command == "ce":
+        print(json.dumps(cross_entropy(args.tokens, args.width, args.vocab, args.repeats)))
+    else:
+        s = sample(args.checkpoint_dir, args.hf_dir, args.new_tokens, args.repeats)
+        print(json.dumps(s))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(s, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
