@@ -1,44 +1,87 @@
 #!/usr/bin/env bash
-# The GPU figures in docs/performance.md ("One GPU"), measured in one run on one GPU. Run from the
-# repository root, with the project importable (PYTHONPATH=. on a machine whose JAX is
-# preinstalled); results go to $OUT (default: docs/perf/gpu).
+# The GPU figures in docs/performance.md ("One GPU"), measured in one call on one lent GPU. Run from
+# the repository root, with the project importable (PYTHONPATH=. on a machine whose JAX is
+# preinstalled); results go to $OUT (default: docs/perf/gpu). Each stage has its own time limit, so
+# a slow stage costs its own figures, not the ones after it.
 #   bash docs/perf/gpu_run.sh
+# GPU_SMALL=1 runs every stage on a tiny GPT (a check of the script on a CPU).
 set -uo pipefail
 OUT=${OUT:-docs/perf/gpu}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 JAXDP_COMPILE_CACHE=/tmp/jaxdp-gpu-cache
-python - <<'PY' | tee "$OUT/versions.txt"
+W=${WORK:-/tmp/jaxdp-gpu}; rm -rf "$W"; mkdir -p "$W"
+export PYTHONUNBUFFERED=1 JAXDP_COMPILE_CACHE=$W/cache
+LOG=$OUT/log.txt
+END=$((SECONDS + ${GPU_DEADLINE:-540} - 25))  # the summary and the archive need the last 25 s
+stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; }
+limit() { local left=$((END - SECONDS)); ((left < $1)) && echo $((left > 1 ? left : 1)) || echo "$1"; }  # a stage's limit
+python - <<'PY' 2>&1 | tee -a "$LOG"
 import importlib.metadata as m, jax
-for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "torch", "numpy"):
+for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "torch", "transformers", "numpy"):
     try: print(p, m.version(p))
     except m.PackageNotFoundError: print(p, "-")
-print(jax.devices())
+print(jax.devices(), [getattr(d, "compute_capability", None) for d in jax.devices()])
 PY
-# A token file of GPT-2's vocabulary size for the CLI (random ids: speed only).
-python -c "import numpy as np; np.random.default_rng(0).integers(0, 50304, 8_000_000, dtype=np.uint16).tofile('/tmp/tokens.bin')"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
 
-# Steps 1 and 2 can run alone: GPU_RUN_STEPS="2" skips the torch comparison.
-# 1. The model step alone, jaxdp against PyTorch at batch 16 and 32 (bench gpt --vs-torch).
-[[ "${GPU_RUN_STEPS:-1 2}" == *1* ]] && python -m jaxdp.bench gpt --vs-torch --batch-sizes 16,32 --steps 20 --repeats 5 --json "$OUT/gpt-vs-torch.json" 2>&1 | tail -8
+if [[ -n "${GPU_SMALL:-}" ]]; then
+  SHAPE=(--vocab-size 512 --seq-len 64 --layers 2 --d-model 64 --heads 2); B16=4; B32=8; VOCAB=512; STEPS=30; TRACED=10
+  BENCH_SHAPE=(--vocab-size 512 --seq-len 64 --layers 2 --d-model 64 --heads 2); NEW=16
+else
+  SHAPE=(--vocab-size 50304 --seq-len 1024 --layers 12 --d-model 768 --heads 12); B16=16; B32=32; VOCAB=50304; STEPS=100
+  TRACED=30; BENCH_SHAPE=(); NEW=256
+fi
+python -c "import numpy as np; np.random.default_rng(0).integers(0, $VOCAB, 8_000_000, dtype=np.uint16).tofile('$W/tokens.bin')"
+GPT=(--model gpt --dataset "$W/tokens.bin" "${SHAPE[@]}" --precision bf16 --optimizer adamw --lr 3e-4
+     --log-every 20 --no-progress --eval-batches 1 --devices 1)
+cli() {  # cli NAME LIMIT_S FLAGS...: one CLI run, its metrics in $W/NAME.jsonl
+  local name=$1 limit=$2; shift 2
+  stage "cli $name"
+  timeout "$(limit "$limit")" python -m jaxdp.train "${GPT[@]}" --metrics-file "$W/$name.jsonl" "$@" 2>&1 | tail -3 | tee -a "$LOG"
+}
 
-# 2. The CLI: steady step with and without prefetch, then start-up with a cold and a warm cache.
-GPT2=(--model gpt --dataset /tmp/tokens.bin --vocab-size 50304 --seq-len 1024 --layers 12 --d-model 768
-      --heads 12 --batch-size 16 --precision bf16 --optimizer adamw --lr 3e-4 --steps 150 --log-every 50
-      --no-progress --eval-batches 2)
-[[ "${GPU_RUN_STEPS:-1 2}" == *2* ]] || exit 0
-rm -rf /tmp/jaxdp-gpu-cache
-for run in cold warm; do
-  python -m jaxdp.train "${GPT2[@]}" --prefetch 2 --metrics-file "$OUT/cli-$run.jsonl" 2>&1 | tail -2
-done
-python -m jaxdp.train "${GPT2[@]}" --prefetch 0 --metrics-file "$OUT/cli-noprefetch.jsonl" 2>&1 | tail -2
-python -m jaxdp.train "${GPT2[@]}" --attention xla --metrics-file "$OUT/cli-xla.jsonl" 2>&1 | tail -2
-python - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-for run in ("cold", "warm", "noprefetch", "xla"):
-    rows = [json.loads(l) for l in open(f"{out}/cli-{run}.jsonl")]
-    steps = [r for r in rows if "event" not in r and r["steps_per_sec"]]
-    done = rows[-1]
-    print(f"cli {run}: steady step {1000 / steps[-1]['steps_per_sec']:.1f} ms, tokens/s {steps[-1]['tokens_per_sec']:.0f}, "
-          f"mfu {steps[-1].get('mfu')}, start-up {done['startup_s']:.1f} s, first step {done['compile_s']:.1f} s, "
-          f"cache hits {done['compile_cache_hits']}")
+# 1. The command line at batch 16: an empty compilation cache, then the same command warm (start-up).
+cli b16-cold 200 --batch-size $B16 --steps $STEPS
+cli b16-warm 60 --batch-size $B16 --steps $STEPS
+# 2. Where a step's time goes: the warm command line again, under JAX's profiler from its step 10.
+stage "trace b16"
+timeout "$(limit 120)" python docs/perf/gpu_tools.py trace "$W/trace" --skip 10 -- "${GPT[@]}" --batch-size $B16 --steps $((TRACED + 10)) \
+  --metrics-file "$W/b16-trace.jsonl" --checkpoint-dir "$W/ckpt" 2>&1 | tail -2 | tee -a "$LOG"
+timeout "$(limit 60)" python docs/perf/gpu_tools.py summarize "$W/trace" --steps $TRACED --json "$W/profile-b16.json" 2>&1 | tee -a "$LOG"
+# 3. The model step against PyTorch (torch.compile), paired, at both batch sizes.
+stage "bench gpt --vs-torch"
+timeout "$(limit 240)" python -m jaxdp.bench gpt --vs-torch "${BENCH_SHAPE[@]}" --batch-sizes $B16,$B32 --steps 10 --repeats 5 \
+  --json "$W/gpt-vs-torch.json" 2>&1 | tail -7 | tee -a "$LOG"
+# 4. Batch 32 through the command line.
+cli b32 150 --batch-size $B32 --steps $STEPS
+# 5. Where a warm start-up's seconds go (cProfile, cumulative; one step).
+stage "start-up profile"
+timeout "$(limit 60)" python -m cProfile -o "$W/startup.prof" -m jaxdp.train "${GPT[@]}" --batch-size $B16 --steps 1 2>&1 | tail -1 | tee -a "$LOG"
+python -c "import pstats; pstats.Stats('$W/startup.prof').sort_stats('cumulative').print_stats(30)" 2>&1 | grep -v "^$" | cut -c1-160 | tail -34 | tee -a "$LOG"
+# 6. Sampling with the key/value cache against Hugging Face's generate on the exported model.
+stage "sample"
+timeout "$(limit 40)" python -m jaxdp.export "$W/hf" --checkpoint-dir "$W/ckpt" --format hf 2>&1 | tail -2 | tee -a "$LOG"
+timeout "$(limit 90)" python docs/perf/gpu_tools.py sample "$W/ckpt" "$W/hf" --new-tokens $NEW --json "$W/sample.json" 2>&1 | tail -3 | tee -a "$LOG"
+
+# 7. Batch 16 with XLA's Triton matrix products off (cuBLAS for every one): a candidate for the profile.
+XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" cli b16-notriton 150 --batch-size $B16 --steps $STEPS
+
+stage "summary"
+python - "$W" <<'PY' 2>&1 | tee -a "$LOG"
+import json, os, sys
+w = sys.argv[1]
+for run in ("b16-cold", "b16-warm", "b16-trace", "b32", "b16-notriton"):
+    path = f"{w}/{run}.jsonl"
+    if not os.path.exists(path):
+        print(f"cli {run}: no metrics"); continue
+    rows = [json.loads(l) for l in open(path)]
+    steps = [r for r in rows if "event" not in r and r.get("steps_per_sec")]
+    done = [r for r in rows if "startup_s" in r]
+    if not steps:
+        print(f"cli {run}: no steady steps"); continue
+    s, d = steps[-1], (done[-1] if done else {})
+    print(f"cli {run}: step {1000 / s['steps_per_sec']:.2f} ms, tokens/s {s.get('tokens_per_sec', 0):.0f}, mfu {s.get('mfu')}, "
+          f"start-up {d.get('startup_s', float('nan')):.2f} s, first step {d.get('compile_s') or float('nan'):.2f} s, "
+          f"cache hits {d.get('compile_cache_hits')}")
 PY
+tar czf "$OUT/results.tgz" -C "$W" $(cd "$W" && ls *.jsonl *.json startup.prof 2>/dev/null)
+cp "$(find "$W/trace" -name perfetto_trace.json.gz | head -1)" "$OUT/trace.json.gz" 2>/dev/null || true
+ls -la "$OUT"
