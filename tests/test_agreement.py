@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env, free_port
+from helpers import ROOT, cli_env, free_port, spawn_cli
 from jaxdp.cluster.agreement import disagreement
 
 RUN = ["--steps", "3", "--batch-size", "32", "--no-progress"]
@@ -20,12 +20,15 @@ def two_processes(tmp_path, flags0, flags1, prefix=((), ())):
     port = free_port()
     procs = []
     for rank, flags in enumerate((flags0, flags1)):
-        argv = [*prefix[rank], sys.executable, "-m", "jaxdp.train", *RUN, *flags, "--coordinator-address",
-                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(rank)]
-        procs.append(subprocess.Popen(argv, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
+        argv = [*RUN, *flags, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(rank)]
+        if prefix[rank]:  # a command in front (a wrapper): a new process
+            procs.append(subprocess.Popen([*prefix[rank], sys.executable, "-m", "jaxdp.train", *argv], cwd=ROOT, env=cli_env(),
+                                          stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"p{rank}.err", "w")))
+        else:
+            procs.append(spawn_cli(*argv, stderr=tmp_path / f"p{rank}.err"))
     try:
-        return [(p.wait(timeout=120), p.stderr.read().strip().splitlines()) for p in procs]
+        return [(p.wait(timeout=120), (tmp_path / f"p{rank}.err").read_text().strip().splitlines())
+                for rank, p in enumerate(procs)]
     finally:
         for p in procs:
             if p.poll() is None:

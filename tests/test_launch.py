@@ -286,3 +286,43 @@ def test_readme_launcher_restarts(tmp_path):
     assert "40" in os.listdir(tmp_path / "ckpt")
     proc = run_shell(script, cwd=tmp_path, env=env, timeout=180)
     assert "started 2 processes" in proc.stderr
+
+
+PROBE = '''
+import json, os, sys, threading, time
+
+def late():  # a non-daemon thread: the interpreter waits for it before exiting, so must a forked child
+    time.sleep(0.3)
+    open("late.txt", "w").write("written")
+
+threading.Thread(target=late).start()
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": os.environ.get("PROBE"),
+                  "other": os.environ.get("ZYGOTE_ONLY"), "path0": sys.path[0]}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+'''
+
+
+def test_a_zygote_child_runs_its_module_in_its_directory_with_its_files_environment_and_exit(tmp_path):
+    """What tests/helpers.run_cli relies on to fork CLI runs: the child runs `module` as `python -m`
+    would in `cwd` (first on sys.path), writes to the files named, sees exactly the environment
+    given, exits with the module's code, and waits for its non-daemon threads first."""
+    from jaxdp.launcher.zygote import Zygote
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    zygote = Zygote([sys.executable, "-m", "jaxdp.train"], {**cli_env(), "ZYGOTE_ONLY": "1"}, None)
+    try:
+        deadline = time.monotonic() + 120
+        while not zygote.usable():
+            assert not zygote.gone() and time.monotonic() < deadline, "the zygote did not start"
+            time.sleep(0.05)
+        out, err = tmp_path / "out", tmp_path / "err"
+        child = zygote.fork(["3", "x"], {"PROBE": "yes", "PATH": os.environ.get("PATH", "")}, None, module="probe",
+                            cwd=str(tmp_path), stdio=(os.devnull, str(out), str(err)), replace_env=True)
+        assert child.wait(60) == 3
+        seen = json.loads(out.read_text())
+        assert seen == {"argv": ["3", "x"], "cwd": str(tmp_path), "env": "yes", "other": None, "path0": str(tmp_path)}
+        assert err.read_text() == "to stderr\n"
+        assert (tmp_path / "late.txt").read_text() == "written"
+    finally:
+        zygote.close()

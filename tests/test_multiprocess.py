@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxdp
-from helpers import ROOT, cli_env, free_port, records, run_cli, step_records
+from helpers import ROOT, cli_env, free_port, records, run_cli, spawn_cli, step_records
 from jaxdp.cluster import detect as cluster
 from jaxdp.cluster.detect import Cluster, detect
 from jaxdp.config import Config, ConfigError
@@ -33,10 +33,7 @@ def start(process_id: int, port: int, out: Path, *args: str, num_processes: int 
     """Start one process of a run on 127.0.0.1; its output goes to files (gloo is chatty)."""
     flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
              "--process-id", str(process_id)]
-    stdout, stderr = (open(out / f"p{process_id}.{name}", "w") for name in ("out", "err"))
-    with stdout, stderr:
-        return subprocess.Popen([sys.executable, "-m", "jaxdp.train", *args, *flags], cwd=ROOT,
-                                env=cli_env(), stdout=stdout, stderr=stderr)
+    return spawn_cli(*args, *flags, stdout=out / f"p{process_id}.out", stderr=out / f"p{process_id}.err")
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:

@@ -27,6 +27,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -95,6 +96,7 @@ class Zygote:
         self._buffer = b""
         self._exits: dict[int, int] = {}
         self._forked: list[int] = []
+        self._lock = threading.Lock()
         self.ready = False
 
     def gone(self) -> bool:
@@ -127,18 +129,24 @@ class Zygote:
         self._read()
         return self._exits.get(pid)
 
-    def fork(self, argv: Sequence[str], env: dict[str, str], cores: set[int] | None, timeout: float = 10.0) -> Forked:
-        """A child running MODULE with `argv` (the command's arguments after the module) and `env`
-        added, bound to `cores`. OSError if the zygote does not answer."""
-        request = {"argv": list(argv), "env": env, "cores": sorted(cores) if cores else None}
-        os.write(self._requests, (json.dumps(request) + "\n").encode())
-        deadline = time.monotonic() + timeout
-        while not self._forked:
-            if self.gone() or time.monotonic() > deadline:
-                raise OSError("the zygote did not fork")
-            select.select([self._replies], [], [], 0.05)
-            self._read()
-        return Forked(self._forked.pop(0), self)
+    def fork(self, argv: Sequence[str], env: dict[str, str], cores: set[int] | None, timeout: float = 10.0, *,
+             module: str | None = None, cwd: str | None = None, stdio: Sequence[str | None] | None = None,
+             replace_env: bool = False) -> Forked:
+        """A child running MODULE (or `module`) with `argv` (the command's arguments after the
+        module) and `env` added (with `replace_env`, `env` is its whole environment), bound to
+        `cores`; in `cwd`, with stdin, stdout and stderr from the files `stdio` names (None: the
+        zygote's). OSError if the zygote does not answer."""
+        request = {"argv": list(argv), "env": env, "cores": sorted(cores) if cores else None, "module": module,
+                   "cwd": cwd, "stdio": list(stdio) if stdio else None, "replace_env": replace_env}
+        with self._lock:  # one request and its reply at a time: the replies name pids in order
+            os.write(self._requests, (json.dumps(request) + "\n").encode())
+            deadline = time.monotonic() + timeout
+            while not self._forked:
+                if self.gone() or time.monotonic() > deadline:
+                    raise OSError("the zygote did not fork")
+                select.select([self._replies], [], [], 0.05)
+                self._read()
+            return Forked(self._forked.pop(0), self)
 
     def close(self) -> None:
         for fd in (self._requests, self._replies):
@@ -158,6 +166,7 @@ class Zygote:
 
 def _child(request: dict, module: str, fds: Sequence[int]) -> None:
     """In the forked child: become the restarted process, run MODULE, exit with its code."""
+    import atexit
     import runpy
     import traceback
 
@@ -172,8 +181,19 @@ def _child(request: dict, module: str, fds: Sequence[int]) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
         if request.get("cores"):
             os.sched_setaffinity(0, set(request["cores"]))
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+            sys.path[0] = os.getcwd()  # as `python -m` puts the working directory first
+        for fd, path in zip((0, 1, 2), request.get("stdio") or ()):
+            if path:
+                opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(opened, fd)
+                os.close(opened)
+        if request.get("replace_env"):
+            os.environ.clear()
         os.environ.update(request["env"])
         os.environ.pop(ENV_FDS, None)
+        module = request.get("module") or module
         sys.argv = [module, *request["argv"]]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exit_:
@@ -184,6 +204,11 @@ def _child(request: dict, module: str, fds: Sequence[int]) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        try:  # as the interpreter's own exit does: wait for non-daemon threads, then the atexit functions
+            threading._shutdown()  # type: ignore[attr-defined]
+            atexit._run_exitfuncs()
+        except BaseException:  # noqa: BLE001 - the exit code stands
+            traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
