@@ -110,7 +110,8 @@ def spawn_cli(*args: str, module: str = "jaxdp.train", cwd: Path | str = ROOT, e
               stdout: Path | str | None = None, stderr: Path | str | None = None):
     """`python -m MODULE ARGS...` started, not waited for: a child of this worker's zygote where the
     environment lets it (see run_cli), else a new process. Its output goes to the files named
-    (None: discarded). What it returns has poll, wait(timeout), kill, send_signal and pid, as Popen."""
+    (None: discarded; the same file twice: both streams into it, as 2>&1). What it returns has
+    poll, wait(timeout), kill, send_signal and pid, as Popen."""
     env = env or cli_env()
     files = (os.devnull, str(stdout or os.devnull), str(stderr or os.devnull))
     child = _fork(module, args, str(cwd), env, files)
@@ -118,7 +119,8 @@ def spawn_cli(*args: str, module: str = "jaxdp.train", cwd: Path | str = ROOT, e
         return child
     with open(files[1], "w") as out, open(files[2], "w") as err:
         return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+                                stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT if files[2] == files[1] != os.devnull else err)
 
 
 def _fork(module: str, args, cwd: str, env: dict[str, str], files):

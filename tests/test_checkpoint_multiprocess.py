@@ -6,14 +6,12 @@ and exit 75. The run then resumes as 2 processes, and finally as 1 process with 
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env, free_port, saved
+from helpers import free_port, saved, spawn_cli
 from jaxdp.config import parse_args
 from jaxdp.errors import EXIT_PREEMPTED
 from jaxdp.train import train
@@ -25,11 +23,9 @@ def start_two_processes(tmp_path, name, *flags):
     port = free_port()
     procs = []
     for i in range(2):
-        log = open(tmp_path / f"{name}-{i}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "jaxdp.train", "--coordinator-address", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(i), "--devices", "4", "--no-progress", *map(str, flags)],
-            cwd=ROOT, env=cli_env(), stdout=log, stderr=subprocess.STDOUT))
+        log = tmp_path / f"{name}-{i}.log"
+        procs.append(spawn_cli("--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                               str(i), "--devices", "4", "--no-progress", *map(str, flags), stdout=log, stderr=log))
     return procs
 
 

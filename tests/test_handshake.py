@@ -11,14 +11,13 @@ from __future__ import annotations
 import ipaddress
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, cli_env, free_port
+from helpers import free_port, spawn_cli
 from jaxdp.cluster import detect as cluster, handshake
 from jaxdp.cluster.detect import detect, handshake_port, slurm_port
 from jaxdp.config import Config, ConfigError
@@ -187,9 +186,7 @@ RUN = ["--dataset", "digits", "--batch-size", "64", "--log-every", "1", "--no-pr
 def start(process_id: int, port: int, out: Path, *args: str) -> subprocess.Popen:
     flags = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
     out.mkdir(exist_ok=True)
-    with open(out / f"p{process_id}.err", "w") as stderr:
-        return subprocess.Popen([sys.executable, "-m", "jaxdp.train", *args, *flags], cwd=ROOT, env=cli_env(),
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+    return spawn_cli(*args, *flags, stderr=out / f"p{process_id}.err")
 
 
 def lines(path: Path) -> int:

@@ -4,25 +4,21 @@ report in the metrics."""
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from helpers import ROOT, cli_env, free_port, records, step_records
+from helpers import free_port, records, spawn_cli, step_records
 from jaxdp.errors import EXIT_PEER_LOST
 
 STALL = 5
 
 
 def start(rank, port, tmp_path, *flags):
-    err = open(tmp_path / f"p{rank}.err", "w")
-    return subprocess.Popen([sys.executable, "-m", "jaxdp.train", "--devices", "2", "--batch-size", "64",
-                             "--log-every", "1", "--no-progress", *map(str, flags), "--coordinator-address",
-                             f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(rank)],
-                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=err)
+    return spawn_cli("--devices", "2", "--batch-size", "64", "--log-every", "1", "--no-progress", *map(str, flags),
+                     "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(rank),
+                     stderr=tmp_path / f"p{rank}.err")
 
 
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxdp
-from helpers import ROOT, cli_env, free_port, records, saved, step_records, write_corpus
+from helpers import ROOT, cli_env, free_port, records, run_cli, saved, spawn_cli, step_records, write_corpus
 from jaxdp.config import parse_args
 from jaxdp.data.tokens import load_tokens, unigram_entropy
 from jaxdp.errors import EXIT_DIVERGED
@@ -44,17 +44,18 @@ def test_gpt_on_text_two_processes_equal_one_and_it_learns(tmp_path, corpus):
     flags = [*TINY_GPT, "--dataset", str(corpus), "--steps", "40", "--log-every", "1", "--schedule", "warmup-cosine",
              "--warmup-steps", "5"]
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxdp.train", *flags, "--devices", "2",
-                               "--metrics-file", str(tmp_path / "two.jsonl"), "--coordinator-address",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = [tmp_path / f"two.{i}.log" for i in range(2)]
+    procs = [spawn_cli(*flags, "--devices", "2", "--metrics-file", str(tmp_path / "two.jsonl"), "--coordinator-address",
+                       f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), stdout=logs[i], stderr=logs[i])
              for i in range(2)]
-    one = subprocess.run([sys.executable, "-m", "jaxdp.train", *flags, "--devices", "4",
-                          "--metrics-file", str(tmp_path / "one.jsonl")], cwd=ROOT, env=cli_env(),
-                         capture_output=True, text=True, timeout=400)
-    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    try:
+        one = run_cli(*flags, "--devices", "4", "--metrics-file", str(tmp_path / "one.jsonl"), timeout=400)
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert one.returncode == 0, one.stderr[-3000:]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:]
+    assert codes == [0, 0], logs[0].read_text()[-3000:]
     two, reference = step_records(tmp_path / "two.jsonl"), step_records(tmp_path / "one.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in reference] == list(range(1, 41))
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in reference], rtol=1e-5)

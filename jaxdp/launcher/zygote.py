@@ -184,8 +184,11 @@ def _child(request: dict, module: str, fds: Sequence[int]) -> None:
         if request.get("cwd"):
             os.chdir(request["cwd"])
             sys.path[0] = os.getcwd()  # as `python -m` puts the working directory first
-        for fd, path in zip((0, 1, 2), request.get("stdio") or ()):
-            if path:
+        stdio = request.get("stdio") or ()
+        for fd, path in zip((0, 1, 2), stdio):
+            if path and fd == 2 and path == stdio[1]:
+                os.dup2(1, 2)  # stderr to the same file as stdout: one descriptor, as 2>&1
+            elif path:
                 opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(opened, fd)
                 os.close(opened)
