@@ -96,13 +96,17 @@ class Zygote:
         self._buffer = b""
         self._exits: dict[int, int] = {}
         self._forked: list[int] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # fork's request and reply, and every read of the replies
         self.ready = False
 
     def gone(self) -> bool:
         return self.proc.poll() is not None
 
     def _read(self) -> None:
+        with self._lock:  # (a caller's threads may wait on several children at once)
+            self._read_unlocked()
+
+    def _read_unlocked(self) -> None:
         try:
             while True:
                 chunk = os.read(self._replies, 65536)
