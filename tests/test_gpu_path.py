@@ -213,3 +213,10 @@ def test_the_gpt_hands_the_loss_its_logits_in_the_compute_dtype_on_request_and_o
     # (to 1e-4, not exactly: under jit XLA:CPU may still take some of its passes from the float32 product)
     np.testing.assert_allclose(loss(language_model(model, compute_dtype_logits=True)), expected, rtol=1e-4)
     np.testing.assert_allclose(expected, reference, rtol=1e-2)  # bf16 rounding of the logits, no more
+
+    def grads(task):  # the whole model's gradient through the loss's own backward pass
+        return jax.jit(jax.grad(lambda p: task.loss_fn(p, {}, batch, jax.random.PRNGKey(1))[0]))(params)
+
+    for got, want in zip(jax.tree.leaves(grads(language_model(model, compute_dtype_logits=True))),
+                         jax.tree.leaves(grads(language_model(model)))):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6)
