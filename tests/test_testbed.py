@@ -289,7 +289,7 @@ def test_cpu_holds_a_process_to_its_fraction_of_a_core():
 def test_plan_validate_predicts_each_variant_from_its_unshaped_run(tmp_path):
     out = tmp_path / "v.json"
     variants = "--strategy ring;--sync-every 4 --outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
-    proc = run_cli("plan", "--validate", "--rate", "100mbit", "--steps", "40", "--log-every", "10", "--variants",
+    proc = run_cli("plan", "--validate", "--rate", "100mbit", "--steps", "20", "--log-every", "5", "--variants",
                    variants, "--json", str(out), module="jaxdp.bench")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]
