@@ -63,8 +63,8 @@ def run_cli(*args: str, module: str = "jaxdp.train", timeout: float = 240, **kwa
     It runs as a child of this worker's zygote (jaxdp/launcher/zygote.py: a process that has
     imported JAX, Flax, optax and orbax once and forks) when the environment lets it, which saves
     each run the 1.5 to 2 s of CPU its imports take; otherwise as a new process."""
-    cwd, env = str(kwargs.pop("cwd", ROOT)), kwargs.pop("env", None) or cli_env()
-    forked = None if kwargs else _forked(module, args, cwd, env, timeout)
+    cwd, env = str(kwargs.pop("cwd", ROOT)), kwargs.pop("env") if "env" in kwargs else cli_env()
+    forked = None if kwargs or env is None else _forked(module, args, cwd, env, timeout)  # (None: inherit, as Popen)
     if forked is not None:
         return forked
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
@@ -79,14 +79,10 @@ _ZYGOTE_LOCK = threading.Lock()
 
 
 def _at_start(env: dict[str, str]) -> dict[str, str]:
+    """`env` as the entry point runs under it: after its malloc re-exec, where it would re-exec."""
     from jaxdp.cluster import malloc_env
 
-    env = dict(env)
-    wanted = (env.get(malloc_env.MARK, "") not in ("0", "1")
-              and not all(env.get(k) == v for k, v in malloc_env.MALLOC_ENV.items()))
-    if wanted:  # what the entry point's re-exec would make of it (jaxdp/cluster/malloc_env.py)
-        env.update(malloc_env.MALLOC_ENV, **{malloc_env.MARK: "1"})
-    return env
+    return malloc_env.tuned(env) if malloc_env.wanted(env) else dict(env)
 
 
 def _zygote():
@@ -112,7 +108,7 @@ def spawn_cli(*args: str, module: str = "jaxdp.train", cwd: Path | str = ROOT, e
     environment lets it (see run_cli), else a new process. Its output goes to the files named
     (None: discarded; the same file twice: both streams into it, as 2>&1). What it returns has
     poll, wait(timeout), kill, send_signal and pid, as Popen."""
-    env = env or cli_env()
+    env = cli_env() if env is None else env
     files = (os.devnull, str(stdout or os.devnull), str(stderr or os.devnull))
     child = _fork(module, args, str(cwd), env, files)
     if child is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from typing import Mapping
 
 MALLOC_ENV = {
     "MALLOC_MMAP_MAX_": "0",                      # never mmap: big buffers come from the heap...
@@ -29,18 +30,25 @@ MALLOC_ENV = {
 MARK = "JAXDP_MALLOC_ENV"  # "1": set by the re-exec (or by hand); "0": never re-exec
 
 
-def wanted() -> bool:
-    """True when this process should re-exec itself with MALLOC_ENV (entry points only ask)."""
-    return (os.environ.get(MARK, "") not in ("0", "1")
-            and not all(os.environ.get(k) == v for k, v in MALLOC_ENV.items())
-            and not any(name in os.environ.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc"))
+def wanted(env: Mapping[str, str] | None = None) -> bool:
+    """True when this process (or one started with `env`) should re-exec itself with MALLOC_ENV
+    (entry points only ask)."""
+    env = os.environ if env is None else env
+    return (env.get(MARK, "") not in ("0", "1")
+            and not all(env.get(k) == v for k, v in MALLOC_ENV.items())
+            and not any(name in env.get("LD_PRELOAD", "") for name in ("tcmalloc", "jemalloc"))
             and sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
+
+
+def tuned(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` as the re-exec leaves it: MALLOC_ENV set and the process marked."""
+    return {**env, **MALLOC_ENV, MARK: "1"}
 
 
 def reexec_if_needed() -> None:
     """Call first thing in a command-line entry point, before JAX is imported."""
     if wanted():
-        env = {**os.environ, **MALLOC_ENV, MARK: "1"}
+        env = tuned(os.environ)
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
