@@ -190,6 +190,9 @@ def test_local_steps_chosen_over_an_unguarded_powersgd_plan_send_their_own_codec
         "--metrics-file", tmp_path / "m.jsonl")
     [record], [compressed] = decisions(tmp_path / "m.jsonl"), decisions(tmp_path / "m.jsonl", "compression")
     assert compressed["choice"].startswith("powersgd") and compressed["applied"] is False
+    # the two records agree: the compression one says local steps replaced it, and proposes no H of its own
+    assert compressed["propose_local_steps"] is None and compressed["why"].startswith("not applied: --sync-every auto")
+    assert compressed["superseded_by"] == {"event": "local_steps", "sync_every": 16, "pseudo_gradient": "bf16"}
     assert compressed["quality_checks"] == [] and record["sync_every"] == 16 and record["pseudo_gradient"] == "bf16"
     assert record["payload_bytes"] == compressed["uncompressed_bytes"] // 2
     assert [r["comm_bytes_per_step"] for r in step_records(tmp_path / "m.jsonl")] == [record["payload_bytes"] * 2 * 3 / 4 / 16] * 3

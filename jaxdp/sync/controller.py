@@ -211,9 +211,16 @@ class Controller:
             allowed = [c for c in self.candidates if costmodel.pseudo_gradient_codec(c)]
             record = costmodel.choose_local_steps(figures, costmodel.options(allowed, self.abstract),
                                                   self.target_fraction, overlap)
-            decision.record["applied"] = False  # the step compresses nothing: local steps instead
+            # The step compresses nothing: local steps replace the plan. The compression record says
+            # so, and carries no proposal of its own (its H was sized for a codec not applied).
+            planned, taken = figures["why"], {"sync_every": record["sync_every"], "pseudo_gradient": record["pseudo_gradient"]}
+            decision.record.update(
+                applied=False, propose_local_steps=None, superseded_by={"event": "local_steps", **taken},
+                why=f"not applied: --sync-every auto trains with local steps instead (every {taken['sync_every']} "
+                    f"steps, the pseudo-gradient through {taken['pseudo_gradient']}: the \"local_steps\" record); "
+                    f"per step, the plan was {planned}")
             return decision, {**record, "why": f"{record['why']}; no compression meets the target at every step "
-                              f"({figures['why']})"}
+                              f"({planned})"}
         figures = self.measure(state, batches[0])
         chosen = compressor or codecs.parse("none")
         return None, costmodel.choose_local_steps(figures, costmodel.options([chosen], self.abstract),
