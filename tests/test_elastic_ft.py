@@ -54,9 +54,9 @@ class Run(LaunchedRun):
 
     wait_timeout = 90.0
 
-    def __init__(self, tmp_path, steps: int, *launch_args: str):
+    def __init__(self, tmp_path, steps: int, *launch_args: str, train_args: tuple[str, ...] = ()):
         super().__init__(["--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", *launch_args,
-                          "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", str(steps),
+                          "--", PY, "-m", "jaxdp.train", *train_args, "--strategy", "host", "--devices", "1", "--steps", str(steps),
                           "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(steps), "--no-progress",
                           "--log-every", "1", "--metrics-file", str(tmp_path / "m.jsonl")],
                          log=tmp_path / "launch.log", metrics=tmp_path / "m.jsonl", cwd=ROOT)
@@ -110,8 +110,9 @@ def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_pa
 @pytest.mark.multiprocess
 def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_runs_again(tmp_path):
     steps = 700
-    run = Run(tmp_path, steps, "--max-restarts", "0")
-    # (jaxdp.train's --stall-timeout, default 20 s: the all-reduce in flight with the stopped worker fails after it)
+    # jaxdp.train's --stall-timeout (default 20 s): the all-reduce in flight with the stopped worker
+    # fails after it. 10 s here: half the test's wait, still far above a step of this run
+    run = Run(tmp_path, steps, "--max-restarts", "0", train_args=("--stall-timeout", "10"))
     try:
         run.wait_for(lambda: run.reached() >= 30, "step 30")
         stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
