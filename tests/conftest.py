@@ -13,6 +13,12 @@ os.environ.setdefault("JAXDP_COMPILE_CACHE", os.path.join(tempfile.gettempdir(),
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxdp.cluster import runtime  # noqa: E402
+
+# The same cache for the tests that train in this process, from the first one on (before, only
+# after a test had run jaxdp.train's main in-process, which enables it for the rest of the worker).
+runtime.enable_compile_cache(os.environ["JAXDP_COMPILE_CACHE"])
+
 
 @pytest.fixture(scope="session")
 def devices():

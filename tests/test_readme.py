@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -177,7 +178,10 @@ def test_python_blocks(block, tmp_path):
     kind = ("nnx-batchnorm" if "BatchNorm" in block.code else "nnx") if "from flax import nnx" in block.code else "linen"
     program = ('import jax\njax.config.update("jax_num_cpu_devices", 8)  # as a CPU-only user would\n'
                + block.code + PYTHON_CHECKS[kind] + 'print("checks passed")\n')
-    env = sandbox(tmp_path)
+    # JAX's own persistent cache, in the session's cache directory: a notebook user's program is
+    # run as shown, and a rerun of the suite loads its compiled steps instead of compiling them again
+    env = {**sandbox(tmp_path), "JAX_COMPILATION_CACHE_DIR": os.environ["JAXDP_COMPILE_CACHE"],
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0 and "checks passed" in proc.stdout, proc.stdout + proc.stderr
