@@ -170,5 +170,8 @@ def _stalled_verdict_from(link: socket.socket, first: bytes, exclude: socket.soc
 def fail(message: str) -> None:
     """Exit at once from any thread: the main thread may be blocked inside a collective."""
     _failing.acquire()  # one line only: a second thread that fails too waits here for the exit
-    print(f"jaxdp: error: {message} (exit code {EXIT_PEER_LOST})", file=sys.stderr, flush=True)
+    # One write with its newline (print writes the line and its end separately): the runtime's own
+    # threads may log to the same stderr as the process goes down, and must not land mid-line.
+    sys.stderr.write(f"jaxdp: error: {message} (exit code {EXIT_PEER_LOST})\n")
+    sys.stderr.flush()
     os._exit(EXIT_PEER_LOST)
