@@ -50,6 +50,14 @@ def mlp_batches(n_steps: int, batch: int = 64, seed: int = 0):
         yield {"x": x, "y": np.argmax(x @ w, axis=1).astype(np.int32)}
 
 
+def jax_cache_env() -> dict[str, str]:
+    """The session's persistent compilation cache as JAX's own environment variables, with the
+    thresholds jaxdp.cluster.runtime.enable_compile_cache sets: for a program that runs through no
+    jaxdp entry point (a docs block, a notebook kernel), so that a rerun loads its compiled steps."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAXDP_COMPILE_CACHE"], "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """Environment for a CLI subprocess: no inherited device-count flag, so the CLI decides."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -19,6 +19,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from helpers import jax_cache_env
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"
 
@@ -30,10 +32,7 @@ def execute(path: Path, cwd: Path) -> nbformat.NotebookNode:
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # timestamps from an older run: noise in diffs
     saved = os.environ.pop("XLA_FLAGS", None)
-    # JAX's own persistent cache in the session's directory (the notebook runs as shown; a rerun of
-    # the suite loads its compiled programs)
-    cache = {"JAX_COMPILATION_CACHE_DIR": os.environ["JAXDP_COMPILE_CACHE"], "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    cache = jax_cache_env()  # the kernel's (the notebook runs as shown; a rerun loads its compiled programs)
     os.environ.update(cache)
     try:
         NotebookClient(nb, timeout=180, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(cwd)}}).execute()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import unicodedata
 import pytest
 
 from helpers import (DOCS, LOOKS_LIKE_A_COMMAND, MARKER, README, REQUIRED_PAGES, ROOT, SHELLS, blocks,  # noqa: F401
-                     commands, pages, readme_blocks, run_shell, sandbox)
+                     commands, jax_cache_env, pages, readme_blocks, run_shell, sandbox)
 
 
 # ---- the markers ------------------------------------------------------------------------------
@@ -178,10 +177,7 @@ def test_python_blocks(block, tmp_path):
     kind = ("nnx-batchnorm" if "BatchNorm" in block.code else "nnx") if "from flax import nnx" in block.code else "linen"
     program = ('import jax\njax.config.update("jax_num_cpu_devices", 8)  # as a CPU-only user would\n'
                + block.code + PYTHON_CHECKS[kind] + 'print("checks passed")\n')
-    # JAX's own persistent cache, in the session's cache directory: a notebook user's program is
-    # run as shown, and a rerun of the suite loads its compiled steps instead of compiling them again
-    env = {**sandbox(tmp_path), "JAX_COMPILATION_CACHE_DIR": os.environ["JAXDP_COMPILE_CACHE"],
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {**sandbox(tmp_path), **jax_cache_env()}  # the program runs as shown; a rerun loads its compiled steps
     proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0 and "checks passed" in proc.stdout, proc.stdout + proc.stderr

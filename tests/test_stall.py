@@ -22,6 +22,12 @@ def start(rank, port, tmp_path, *flags):
 
 
 
+def verdict(path) -> str:
+    """The last line jaxdp wrote to `path`: the runtime's threads may still log after it (the JAX
+    coordination client's "Terminating process ..." as the process goes down)."""
+    return [line for line in path.read_text().splitlines() if line.startswith("jaxdp: ")][-1]
+
+
 def reap(procs) -> None:
     """Continue any stopped process, then kill and wait for every one still running."""
     for p in procs:
@@ -49,17 +55,14 @@ def test_a_stopped_process_is_named_by_the_others_within_the_stall_timeout(tmp_p
         victim_code = procs[victim].wait(timeout=30)
     finally:
         reap(procs)
-    # jaxdp's line is the last of its own; the runtime's threads may still log after it (the JAX
-    # coordination client's "Terminating process ..." as the process goes down)
-    err = (tmp_path / f"p{1 - victim}.err").read_text().strip().splitlines()
-    verdict = [line for line in err if line.startswith("jaxdp: ")][-1]
-    assert verdict.startswith("jaxdp: error:") and f"process {victim}" in verdict, err[-3:]
-    assert "stalled" in verdict or "has not answered" in verdict, err[-3:]
+    err, theirs = (tmp_path / f"p{1 - victim}.err").read_text().strip().splitlines(), verdict(tmp_path / f"p{1 - victim}.err")
+    assert theirs.startswith("jaxdp: error:") and f"process {victim}" in theirs, err[-3:]
+    assert "stalled" in theirs or "has not answered" in theirs, err[-3:]
     assert "Traceback" not in "\n".join(err)
     assert victim_code == EXIT_PEER_LOST
     if victim == 1:  # the verdict waited on its connection: it blames itself, not process 0
-        mine = (tmp_path / "p1.err").read_text().strip().splitlines()
-        assert [line for line in mine if line.startswith("jaxdp: ")][-1].startswith("jaxdp: error: process 1 (of 2) stalled"), mine[-3:]
+        mine = verdict(tmp_path / "p1.err")
+        assert mine.startswith("jaxdp: error: process 1 (of 2) stalled"), mine
 
 
 @pytest.mark.slow
@@ -85,15 +88,13 @@ def test_a_process_stopped_during_the_final_evaluation_is_named(tmp_path):
     finally:
         reap(procs)
     for rank in range(2):
-        err = (tmp_path / f"p{rank}.err").read_text().strip().splitlines()
-        verdict = [line for line in err if line.startswith("jaxdp: ")][-1]  # (the runtime may log after it)
-        assert verdict.startswith("jaxdp: error: process 1 (of 2) stalled"), err[-3:]
+        err, said = (tmp_path / f"p{rank}.err").read_text().strip().splitlines(), verdict(tmp_path / f"p{rank}.err")
+        assert said.startswith("jaxdp: error: process 1 (of 2) stalled"), err[-3:]
         # the phase it published last: the final one, or training if it was stopped before it got there (never
         # start-up: entering training is published at once, a run of 5 steps can end within one beat); or, when
         # its beats lagged its steps under load, the last step it said it finished
-        assert any(why in verdict for why in ("stalled during the final save and evaluation",
-                                              "stalled during training, at step ", "stalled: not done with step ")), \
-            verdict
+        assert any(why in said for why in ("stalled during the final save and evaluation",
+                                           "stalled during training, at step ", "stalled: not done with step ")), said
     assert records(metrics)[-1].get("event") != "done"
 
 
