@@ -4,7 +4,8 @@
 # preinstalled); results go to $OUT (default: docs/perf/gpu). Each stage has its own time limit, so
 # a slow stage costs its own figures, not the ones after it.
 #   bash docs/perf/gpu_run.sh
-# GPU_SMALL=1 runs every stage on a tiny GPT (a check of the script on a CPU).
+# GPU_SMALL=1 runs every stage on a tiny GPT (a check of the script on a CPU). GPU_STAGES="variants cli-b16
+# ..." runs only the stages named (default: all of them, in the order below).
 set -uo pipefail
 OUT=${OUT:-docs/perf/gpu}; mkdir -p "$OUT"
 W=${WORK:-/tmp/jaxdp-gpu}; rm -rf "$W"; mkdir -p "$W"
@@ -12,6 +13,7 @@ export PYTHONUNBUFFERED=1 JAXDP_COMPILE_CACHE=$W/cache
 LOG=$OUT/log.txt
 END=$((SECONDS + ${GPU_DEADLINE:-540} - 25))  # the summary and the archive need the last 25 s
 stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; }
+want() { [[ -z "${GPU_STAGES:-}" || " $GPU_STAGES " == *" $1 "* ]]; }
 limit() { local left=$((END - SECONDS)); ((left < $1)) && echo $((left > 1 ? left : 1)) || echo "$1"; }  # a stage's limit
 python - <<'PY' 2>&1 | tee -a "$LOG"
 import importlib.metadata as m, jax
@@ -38,37 +40,51 @@ cli() {  # cli NAME LIMIT_S FLAGS...: one CLI run, its metrics in $W/NAME.jsonl
   timeout "$(limit "$limit")" python -m jaxdp.train "${GPT[@]}" --metrics-file "$W/$name.jsonl" "$@" 2>&1 | tail -3 | tee -a "$LOG"
 }
 
+# 0. Candidates for the step, side by side in one process: XLA options for the matrix products and LayerNorm.
+#    The fastest one's options go to the command line below.
+if want variants; then
+  stage "variants"
+  timeout "$(limit ${VARIANTS_S:-170})" python docs/perf/gpu_tools.py variants "${VARIANTS:-default;xla_gpu_enable_triton_gemm=false;xla_gpu_enable_cublaslt=true;xla_gpu_cudnn_gemm_fusion_level=2;xla_gpu_enable_cudnn_layer_norm=true}" \
+    --batch $B16 --budget-s $(( ${VARIANTS_S:-170} - 40 )) --json "$W/variants.json" 2>&1 | tail -9 | tee -a "$LOG"
+  BEST=$(python -c "import json, sys; v = json.load(open(sys.argv[1]))['best_options']; print(' '.join(f'--{k}={str(x).lower()}' for k, x in v.items()))" "$W/variants.json" 2>/dev/null)
+  [[ -n "$BEST" ]] && export XLA_FLAGS="${XLA_FLAGS:-} $BEST" && echo "XLA_FLAGS for the command line: $XLA_FLAGS" | tee -a "$LOG"
+fi
 # 1. The command line at batch 16: an empty compilation cache, then the same command warm (start-up).
-cli b16-cold 200 --batch-size $B16 --steps $STEPS
-cli b16-warm 60 --batch-size $B16 --steps $STEPS
+want cli-b16 && cli b16-cold 200 --batch-size $B16 --steps $STEPS
+want cli-b16 && cli b16-warm 60 --batch-size $B16 --steps $STEPS
 # 2. Where a step's time goes: the warm command line again, under JAX's profiler from its step 10.
-stage "trace b16"
-timeout "$(limit 120)" python docs/perf/gpu_tools.py trace "$W/trace" --skip 10 -- "${GPT[@]}" --batch-size $B16 --steps $((TRACED + 10)) \
-  --metrics-file "$W/b16-trace.jsonl" --checkpoint-dir "$W/ckpt" 2>&1 | tail -2 | tee -a "$LOG"
-timeout "$(limit 60)" python docs/perf/gpu_tools.py summarize "$W/trace" --steps $TRACED --json "$W/profile-b16.json" 2>&1 | tee -a "$LOG"
+if want trace; then
+  stage "trace b16"
+  timeout "$(limit 120)" python docs/perf/gpu_tools.py trace "$W/trace" --skip 10 -- "${GPT[@]}" --batch-size $B16 --steps $((TRACED + 10)) \
+    --metrics-file "$W/b16-trace.jsonl" --checkpoint-dir "$W/ckpt" 2>&1 | tail -2 | tee -a "$LOG"
+  timeout "$(limit 60)" python docs/perf/gpu_tools.py summarize "$W/trace" --steps $TRACED --json "$W/profile-b16.json" 2>&1 | tee -a "$LOG"
+fi
 # 3. The model step against PyTorch (torch.compile), paired, at both batch sizes.
-stage "bench gpt --vs-torch"
-timeout "$(limit 240)" python -m jaxdp.bench gpt --vs-torch "${BENCH_SHAPE[@]}" --batch-sizes $B16,$B32 --steps 10 --repeats 5 \
-  --json "$W/gpt-vs-torch.json" 2>&1 | tail -7 | tee -a "$LOG"
+if want vs-torch; then
+  stage "bench gpt --vs-torch"
+  timeout "$(limit 240)" python -m jaxdp.bench gpt --vs-torch "${BENCH_SHAPE[@]}" --batch-sizes $B16,$B32 --steps 10 --repeats 5 \
+    --json "$W/gpt-vs-torch.json" 2>&1 | tail -7 | tee -a "$LOG"
+fi
 # 4. Batch 32 through the command line.
-cli b32 150 --batch-size $B32 --steps $STEPS
+want cli-b32 && cli b32 150 --batch-size $B32 --steps $STEPS
 # 5. Where a warm start-up's seconds go (cProfile, cumulative; one step).
-stage "start-up profile"
-timeout "$(limit 60)" python -m cProfile -o "$W/startup.prof" -m jaxdp.train "${GPT[@]}" --batch-size $B16 --steps 1 2>&1 | tail -1 | tee -a "$LOG"
-python -c "import pstats; pstats.Stats('$W/startup.prof').sort_stats('cumulative').print_stats(30)" 2>&1 | grep -v "^$" | cut -c1-160 | tail -34 | tee -a "$LOG"
+if want startup; then
+  stage "start-up profile"
+  timeout "$(limit 60)" python -m cProfile -o "$W/startup.prof" -m jaxdp.train "${GPT[@]}" --batch-size $B16 --steps 1 2>&1 | tail -1 | tee -a "$LOG"
+  python -c "import pstats; pstats.Stats('$W/startup.prof').sort_stats('cumulative').print_stats(45)" 2>&1 | grep -v "^$" | cut -c1-160 | tail -48 | tee -a "$LOG"
+fi
 # 6. Sampling with the key/value cache against Hugging Face's generate on the exported model.
-stage "sample"
-timeout "$(limit 40)" python -m jaxdp.export "$W/hf" --checkpoint-dir "$W/ckpt" --format hf 2>&1 | tail -2 | tee -a "$LOG"
-timeout "$(limit 90)" python docs/perf/gpu_tools.py sample "$W/ckpt" "$W/hf" --new-tokens $NEW --json "$W/sample.json" 2>&1 | tail -3 | tee -a "$LOG"
-
-# 7. Batch 16 with XLA's Triton matrix products off (cuBLAS for every one): a candidate for the profile.
-XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" cli b16-notriton 150 --batch-size $B16 --steps $STEPS
+if want sample; then
+  stage "sample"
+  timeout "$(limit 40)" python -m jaxdp.export "$W/hf" --checkpoint-dir "$W/ckpt" --format hf 2>&1 | tail -2 | tee -a "$LOG"
+  timeout "$(limit 90)" python docs/perf/gpu_tools.py sample "$W/ckpt" "$W/hf" --new-tokens $NEW --json "$W/sample.json" 2>&1 | tail -3 | tee -a "$LOG"
+fi
 
 stage "summary"
 python - "$W" <<'PY' 2>&1 | tee -a "$LOG"
 import json, os, sys
 w = sys.argv[1]
-for run in ("b16-cold", "b16-warm", "b16-trace", "b32", "b16-notriton"):
+for run in ("b16-cold", "b16-warm", "b16-trace", "b32"):
     path = f"{w}/{run}.jsonl"
     if not os.path.exists(path):
         print(f"cli {run}: no metrics"); continue
@@ -83,5 +99,6 @@ for run in ("b16-cold", "b16-warm", "b16-trace", "b32", "b16-notriton"):
           f"cache hits {d.get('compile_cache_hits')}")
 PY
 tar czf "$OUT/results.tgz" -C "$W" $(cd "$W" && ls *.jsonl *.json startup.prof 2>/dev/null)
+cp "$W"/*.json "$OUT"/ 2>/dev/null || true
 cp "$(find "$W/trace" -name perfetto_trace.json.gz | head -1)" "$OUT/trace.json.gz" 2>/dev/null || true
 ls -la "$OUT"

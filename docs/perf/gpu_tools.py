@@ -4,6 +4,7 @@
     python docs/perf/gpu_tools.py summarize OUTDIR --steps N             # where a step's time goes
     python docs/perf/gpu_tools.py ce                                   # the head and the loss alone
     python docs/perf/gpu_tools.py sample CHECKPOINT_DIR HF_DIR --new-tokens N --json FILE
+    python docs/perf/gpu_tools.py variants "default;xla_gpu_enable_triton_gemm=false" --batch 16
 
 `trace` runs `python -m jaxdp.train` in this process under `jax.profiler.trace` (a Perfetto trace
 beside TensorBoard's), so what it records is the command line's own path: the step, its metrics
@@ -12,6 +13,9 @@ training step, the device's busy time (the union of its kernels), the kernels gr
 products, attention, fusions of elementwise work and reductions, copies) and the 25 costliest
 kernels. `sample` times `jaxdp.models.generate.generate` (a key/value cache, one compiled loop)
 against Hugging Face transformers' `generate` on the same model exported with `python -m jaxdp.export`.
+`variants` compiles the command line's GPT-2-small train step (the bench's: `jaxdp.bench gpt`) once per
+variant, in one process, and times them interleaved: a variant is XLA options as name=value ("default":
+none), passed to that one compilation (`compiler_options`).
 """
 
 from __future__ import annotations
@@ -227,6 +231,80 @@ def cross_entropy(tokens: int, width: int, vocab: int, repeats: int) -> dict:
     return out
 
 
+def option(text: str) -> tuple[str, object]:
+    name, value = text.split("=", 1)
+    low = value.lower()
+    return name, (low == "true") if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() else value
+
+
+def variants(specs: list[str], batch: int, steps: int, repeats: int, budget_s: float) -> dict:
+    """Each variant's step time (median of `repeats` x `steps` steps, interleaved) and its compile time;
+    no variant starts compiling after `budget_s`. "best_options": the options of the fastest variant
+    if it beats "default" by 1 %."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from jaxdp.bench.timing import interleaved, paired_ratio
+    from jaxdp.mesh import make_mesh, shard_batch
+    from jaxdp.models.builtin import GPT
+    from jaxdp.models.tasks import language_model
+    from jaxdp.step.state import init_state
+    from jaxdp.step.train_step import make_train_step
+
+    mesh = make_mesh(jax.devices()[:1])
+    small = {"vocab_size": 512, "seq_len": 64, "layers": 2, "d_model": 64, "heads": 2} if os.environ.get("GPU_SMALL") else {}
+    base = GPT(dtype=jnp.bfloat16, **small)  # GPT-2-small's shape (GPU_SMALL=1: a tiny one, to check this on a CPU)
+    params = jax.jit(base.init)(jax.random.PRNGKey(0), jnp.zeros((1, base.seq_len), jnp.int32))["params"]
+    tokens = np.random.default_rng(0).integers(0, base.vocab_size, (batch, base.seq_len + 1)).astype(np.int32)
+    data = shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]}, mesh)
+    flops = base.flops_per_token(params) * batch * base.seq_len
+    out, cases = {"batch": batch, "device": jax.devices()[0].device_kind, "variants": {}}, {}
+    began = time.perf_counter()
+    for spec in specs:
+        if time.perf_counter() - began > budget_s:
+            print(f"{spec}: not compiled (--budget-s {budget_s:g} spent)", flush=True)
+            continue
+        task = language_model(base)
+        options = dict(option(w) for w in spec.split() if w != "default")
+        tx = optax.adamw(3e-4, weight_decay=0.1)
+        step = make_train_step(lambda p, b, task=task: task.loss_fn(p, {}, b, jax.random.PRNGKey(0))[0], tx, mesh)
+        state = init_state(params, tx, mesh)
+        started = time.perf_counter()
+        try:
+            compiled = step.lower(state, data).compile(compiler_options=options or None)
+        except Exception as e:  # noqa: BLE001 - an option this XLA does not know: say so, go on
+            out["variants"][spec] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(f"{spec}: {out['variants'][spec]['error']}", flush=True)
+            continue
+        out["variants"][spec] = {"compile_s": time.perf_counter() - started}
+        holder = {"state": state}
+
+        def run(compiled=compiled, holder=holder):
+            for _ in range(steps):
+                holder["state"], metrics = compiled(holder["state"], data)
+            jax.block_until_ready(metrics)
+            return float(metrics["loss"])
+
+        out["variants"][spec]["loss_first"] = run()
+        cases[spec] = run
+        print(f"{spec}: compiled in {out['variants'][spec]['compile_s']:.1f} s", flush=True)
+    seconds = interleaved(cases, repeats, warmup=1)
+    first = next(iter(cases), None)
+    for spec, times in seconds.items():
+        ms = statistics.median(times) / steps * 1e3
+        row = out["variants"][spec]
+        row.update(step_ms=ms, mfu=flops / (ms / 1e3) / 989e12, vs_first=paired_ratio(seconds[first], times))
+        print(f"{spec:60s} {ms:7.2f} ms/step  MFU {row['mfu']:.3f}  x first {row['vs_first']:.3f}", flush=True)
+    timed = {spec: out["variants"][spec]["step_ms"] for spec in seconds}
+    best = min(timed, key=timed.get, default=None)
+    out["best_options"] = {}
+    if best and "default" in timed and timed[best] < 0.99 * timed["default"]:
+        out["best_options"] = dict(option(w) for w in best.split() if w != "default")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="docs/perf/gpu_tools.py")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,6 +326,13 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json")
+    p = sub.add_parser("variants")
+    p.add_argument("specs", help="variants separated by ';', each XLA options name=value ('default': none)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=600.0, help="compile no further variant after this long")
+    p.add_argument("--json")
     argv = sys.argv[1:]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []  # trace: the command line's flags
     args = parser.parse_args(argv[:len(argv) - len(train_args) - (1 if "--" in argv else 0)])
@@ -256,6 +341,12 @@ def main() -> None:
     elif args.command == "summarize":
         s = summarize(args.out, args.steps)
         print_summary(s)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(s, f, indent=1)
+    elif args.command == "variants":
+        s = variants([v.strip() for v in args.specs.split(";") if v.strip()], args.batch, args.steps, args.repeats,
+                     args.budget_s)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(s, f, indent=1)
