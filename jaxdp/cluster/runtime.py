@@ -24,7 +24,8 @@ CACHE_ENV = "JAXDP_COMPILE_CACHE"  # the directory `--compile-cache auto` uses, 
 GPU_XLA_FLAGS = {
     # Lets XLA schedule the gradient all-reduce's start early and its end late, so NCCL runs while
     # the rest of the backward pass computes (JAX's GPU performance tips; on by default in
-    # NVIDIA's JAX containers). No effect on one GPU, where there is no collective.
+    # NVIDIA's JAX containers). On one GPU, where there is no collective, the step took the same
+    # time with it and without, within the noise (docs/performance.md, "A second lease").
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
 }
 # Left at XLA's defaults, for want of a measurement that justifies a change: the all-reduce
