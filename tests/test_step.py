@@ -160,6 +160,22 @@ def test_step_traces_once_and_donates_the_old_state(devices, strategy):
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("n", [1, 8])
+def test_the_params_given_to_init_state_survive_the_donating_step(devices, n):
+    # Params already on a device of the mesh: init_state copies them, so the step's donation deletes
+    # its own copy, never the caller's arrays (a notebook inits twice from the same params). JAX's
+    # device_put to a replicated sharding keeps the source device's buffer, may_alias=False or not.
+    mesh = jaxdp.make_mesh(devices[:n])
+    model, tx = MLP(hidden=(16,)), optax.adam(1e-3)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 12)))["params"]
+    step = jaxdp.make_train_step(lambda p, b: xent(model.apply({"params": p}, b["x"]), b["y"]), tx, mesh)
+    batch = jaxdp.shard_batch(next(batches(1, 8, (12,))), mesh)
+    first, _ = step(jaxdp.init_state(params, tx, mesh), batch)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
+    second, _ = step(jaxdp.init_state(params, tx, mesh), batch)
+    chex.assert_trees_all_equal(jax.device_get(first.params), jax.device_get(second.params))
+
+
 def test_works_on_a_mesh_of_any_size(devices):
     # 3 devices: batch 24 -> 8 rows each; ring with a non-power-of-two count inside a real step.
     mesh = jaxdp.make_mesh(devices[:3])
