@@ -1,5 +1,6 @@
-"""One process of a 2-process CPU run that compiles one collective program with the persistent
-compilation cache at argv[3], then prints how many programs it loaded from that cache."""
+"""One process of a 2-process CPU run that compiles one collective program and one on its own device
+with the persistent compilation cache at argv[3], then prints how many programs it loaded from that
+cache."""
 
 import sys
 
@@ -21,4 +22,6 @@ total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x * (1 + jax.lax.axis_index
                               in_specs=P("d"), out_specs=P("d")))
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.full((8,), process_id + 1, np.float32))
 value = float(total(x).addressable_shards[0].data[0])
+local = jax.jit(lambda a: a * 3 + process_id)(np.ones(4, np.float32))  # on this process's device alone
+assert float(local[0]) == 3 + process_id
 print(f"hits={hits.hits} value={value}", flush=True)
