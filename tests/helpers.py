@@ -321,16 +321,10 @@ class LaunchedRun:
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "jaxdp.launch", *args], cwd=cwd, env=cli_env(),
                                          stderr=err, stdout=subprocess.DEVNULL)
+        self.reached = StepWatch(metrics)  # run.reached(): the last step in its metrics file
 
     def text(self) -> str:
         return self.log.read_text()
-
-    def reached(self) -> int:
-        try:
-            lines = self.metrics.read_text().splitlines()
-        except OSError:
-            return 0
-        return max((json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")), default=0)
 
     def wait_for(self, condition, what: str, timeout: float | None = None) -> None:
         timeout = self.wait_timeout if timeout is None else timeout
@@ -338,12 +332,37 @@ class LaunchedRun:
         while not condition():
             assert self.proc.poll() is None, f"the run ended before {what}:\n{self.text()}"
             assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.text()}"
-            time.sleep(0.01)
+            time.sleep(0.05)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class StepWatch:
+    """`watch()`: the highest "step" in a metrics file so far. Each call parses only the lines
+    written since the last one (a test polls it many times a second while a run goes on)."""
+
+    def __init__(self, path: Path):
+        self.path, self.file, self.offset, self.step = Path(path), None, 0, 0
+
+    def __call__(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                file = os.fstat(f.fileno()).st_ino
+                if file != self.file:  # first seen, or replaced (a resume rewrites it): read it whole
+                    self.file, self.offset, self.step = file, 0, 0
+                f.seek(self.offset)
+                new = f.read()
+        except OSError:
+            return self.step
+        end = new.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.offset += end
+        for line in new[:end].decode().splitlines():
+            if line.strip().startswith("{"):
+                self.step = max(self.step, json.loads(line).get("step", 0))
+        return self.step
 
 
 def stop_at_4_then_resume_to_8(tmp_path: Path, flags: list[str]) -> None:

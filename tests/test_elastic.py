@@ -219,45 +219,29 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
     steps = 2000  # rank 0 rejoins by step ~600 here; the rest is margin for a loaded machine
     (block,) = readme_blocks("tests/test_elastic.py::test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_parameters")
     (command,) = commands(block)  # docs/multihost.md's, with a length and a metrics file
-    log = tmp_path / "launch.log"
-    metrics = tmp_path / "m.jsonl"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([PY if word == "python" else word for word in shlex.split(command)]
-                                + ["--steps", str(steps), "--no-progress", "--log-every", "10", "--metrics-file", str(metrics)],
-                                cwd=tmp_path, env=cli_env(), stderr=err, stdout=subprocess.DEVNULL)
-
-    def reached() -> int:
-        try:
-            lines = metrics.read_text().splitlines()
-        except OSError:
-            return 0
-        return max((json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")), default=0)
-
-    def wait_for(condition, what: str) -> None:
-        deadline = time.monotonic() + 120
-        while not condition():
-            assert proc.poll() is None, f"the run ended before {what}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no {what} within 120 s:\n{log.read_text()}"
-            time.sleep(0.01)
+    words = [PY if word == "python" else word for word in shlex.split(command)]
+    assert words[1:3] == ["-m", "jaxdp.launch"], words
+    run = LaunchedRun(words[3:] + ["--steps", str(steps), "--no-progress", "--log-every", "10",
+                                   "--metrics-file", str(tmp_path / "m.jsonl")],
+                      tmp_path / "launch.log", tmp_path / "m.jsonl", cwd=tmp_path)
 
     def kill(rank: int) -> None:
-        victim = next(p for p in training_processes(proc.pid) if elastic_rank(p) == rank)
+        victim = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == rank)
         os.kill(victim, signal.SIGKILL)
 
     try:
-        wait_for(lambda: reached() >= 100, "step 100")
-        joins = log.read_text().count("rank 1 joined")  # (once at the start, unless rank 0 was first to step)
+        run.wait_for(lambda: run.reached() >= 100, "step 100")
+        joins = run.text().count("rank 1 joined")  # (once at the start, unless rank 0 was first to step)
         kill(1)  # the other rank trains on, computing shard 1 too
-        wait_for(lambda: log.read_text().count("rank 1 joined") > joins, "rank 1's rejoin")
-        at = reached()
-        wait_for(lambda: reached() >= at + 50, "50 more steps")
+        run.wait_for(lambda: run.text().count("rank 1 joined") > joins, "rank 1's rejoin")
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 50, "50 more steps")
         kill(0)  # rank 0, which writes the metrics and checkpoints
-        wait_for(lambda: "rank 0 joined" in log.read_text(), "rank 0's rejoin")
-        assert proc.wait(timeout=300) == 0, log.read_text()
+        run.wait_for(lambda: "rank 0 joined" in run.text(), "rank 0's rejoin")
+        assert run.proc.wait(timeout=300) == 0, run.text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
+        run.close()
+    text = run.text()
     assert "restarting it alone (2 of 100)" in text and "all 2 processes ended (2 restarts); exit code 0" in text, text
     assert "no process holds the state" not in text  # each time the other process held it: no checkpoint read
     reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
