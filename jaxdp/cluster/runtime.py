@@ -93,7 +93,8 @@ def share_cpu_cache_keys() -> bool:
     while process 0 loaded it in 6 s and waited. The program is the same SPMD program in every
     process, and an executable serialized by one process runs in another (JAX's own
     `jax_share_binary_between_hosts` ships executables from process 0 the same way); the key still
-    holds every device's id, process and kind, so another device layout gets its own entry.
+    holds every device's id, process and kind, so another device layout gets its own entry. Each
+    process writes the entries of the programs on its own devices alone (_write_process_local_cpu_entries).
     Other platforms keep JAX's key. Returns False where this JAX has no such hook (nothing changes).
     """
     try:
