@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import commands, readme_blocks, run_shell, sandbox
+from helpers import commands, jax_cache_env, readme_blocks, run_shell, sandbox
 import jaxdp
 from jaxdp import sample
 from jaxdp.errors import InputError
@@ -204,8 +204,8 @@ def test_docs_sampling_commands(tmp_path):
     env = sandbox(tmp_path)
     for block in readme_blocks("tests/test_generate.py::test_docs_sampling_commands"):
         if block.lang == "python":
-            proc = subprocess.run([sys.executable, "-c", block.code], cwd=tmp_path, env=env, capture_output=True,
-                                  text=True, timeout=240)
+            proc = subprocess.run([sys.executable, "-c", block.code], cwd=tmp_path, env={**env, **jax_cache_env()},
+                                  capture_output=True, text=True, timeout=240)  # (a rerun loads generate's program)
             assert proc.returncode == 0 and proc.stdout.strip(), proc.stdout + proc.stderr
             continue
         for command in commands(block):
