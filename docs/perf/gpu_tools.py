@@ -232,9 +232,11 @@ def cross_entropy(tokens: int, width: int, vocab: int, repeats: int) -> dict:
 
 
 def option(text: str) -> tuple[str, object]:
+    """"name=value" as an XLA option: a boolean, an integer, or else the string."""
     name, value = text.split("=", 1)
-    low = value.lower()
-    return name, (low == "true") if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() else value
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value
 
 
 def variants(specs: list[str], batch: int, steps: int, repeats: int, budget_s: float) -> dict:
@@ -260,17 +262,17 @@ def variants(specs: list[str], batch: int, steps: int, repeats: int, budget_s: f
     tokens = np.random.default_rng(0).integers(0, base.vocab_size, (batch, base.seq_len + 1)).astype(np.int32)
     data = shard_batch({"x": tokens[:, :-1], "y": tokens[:, 1:]}, mesh)
     flops = base.flops_per_token(params) * batch * base.seq_len
+    task = language_model(base)  # the command line's loss
     out, cases = {"batch": batch, "device": jax.devices()[0].device_kind, "variants": {}}, {}
     began = time.perf_counter()
     for spec in specs:
         if time.perf_counter() - began > budget_s:
             print(f"{spec}: not compiled (--budget-s {budget_s:g} spent)", flush=True)
             continue
-        task = language_model(base)
         options = dict(option(w) for w in spec.split() if w != "default")
         tx = optax.adamw(3e-4, weight_decay=0.1)
-        step = make_train_step(lambda p, b, task=task: task.loss_fn(p, {}, b, jax.random.PRNGKey(0))[0], tx, mesh)
-        state = init_state(params, tx, mesh)
+        step = make_train_step(lambda p, b: task.loss_fn(p, {}, b, jax.random.PRNGKey(0))[0], tx, mesh)
+        state = init_state(params, tx, mesh)  # each variant its own: its step donates it
         started = time.perf_counter()
         try:
             compiled = step.lower(state, data).compile(compiler_options=options or None)
