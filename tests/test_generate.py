@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import commands, jax_cache_env, readme_blocks, run_shell, sandbox
+from helpers import commands, jax_cache_env, readme_blocks, run_shell, sandbox, write_corpus
 import jaxdp
 from jaxdp import sample
 from jaxdp.errors import InputError
@@ -191,6 +191,21 @@ def test_sample_needs_a_run_directory(tmp_path, capsys):
     assert "has no config.toml" in capsys.readouterr().err
     assert sample.main(["--checkpoint-dir", str(tmp_path / "nowhere"), "--prompt", "x", "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err  # --debug shows it
+
+
+def test_load_model_keeps_the_runs_sequence_length(tmp_path, monkeypatch):
+    """A GPT trained with --seq-len 24 comes back from load_model with seq_len 24 and a position
+    table of 24 rows (a new user reported it forgotten; the generation context depends on it)."""
+    from jaxdp import train
+
+    monkeypatch.chdir(tmp_path)
+    corpus = write_corpus(tmp_path / "corpus.txt", sentences=200)
+    code = train.main(["--model", "gpt", "--dataset", str(corpus), "--layers", "1", "--d-model", "32", "--heads", "2",
+                       "--seq-len", "24", "--batch-size", "8", "--steps", "1", "--eval-batches", "1", "--devices", "1",
+                       "--no-progress", "--checkpoint-dir", "lm"])
+    assert code == 0
+    module, params = jaxdp.load_model("lm")
+    assert module.seq_len == 24 and module.context == 24 and params["pos"]["embedding"].shape == (24, 32)
 
 
 # ---- the commands of docs/models.md --------------------------------------------------------------
