@@ -317,7 +317,7 @@ class LaunchedRun:
     wait_timeout = 120.0
 
     def __init__(self, args: list[str], log: Path, metrics: Path, cwd: Path):
-        self.log, self.metrics = log, metrics
+        self.log = log
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "jaxdp.launch", *args], cwd=cwd, env=cli_env(),
                                          stderr=err, stdout=subprocess.DEVNULL)
@@ -341,8 +341,8 @@ class LaunchedRun:
 
 
 class StepWatch:
-    """`watch()`: the highest "step" in a metrics file so far. Each call parses only the lines
-    written since the last one (a test polls it many times a second while a run goes on)."""
+    """`watch = StepWatch(path)`; `watch()`: the highest "step" in the metrics file so far. Each call
+    parses only the lines written since the last one (a test polls it many times a second)."""
 
     def __init__(self, path: Path):
         self.path, self.file, self.offset, self.step = Path(path), None, 0, 0
