@@ -313,16 +313,19 @@ def test_a_second_ctrl_c_interrupts_at_once():
     """After the first SIGINT the next one is Python's own KeyboardInterrupt (a stuck save can be aborted)."""
     from jaxdp.cluster.preemption import Preemption
 
+    # raise_signal: to this (the main) thread, so the handler runs before the next line. os.kill may
+    # land on one of JAX's threads, and the main thread then runs the handler at a later point.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (whatever the worker had)
     stop = Preemption()
     try:
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         assert stop.should_stop(None) and stop.interrupted and stop.reason == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)  # (the handler runs here)
+            signal.raise_signal(signal.SIGINT)
     finally:
         stop.close()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        after = signal.signal(signal.SIGINT, before)
+    assert after is signal.default_int_handler
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ with exactly the parameters of a one-process run of the same global batch."""
 
 import json
 import os
+import re
 import selectors
 import shlex
 import signal
@@ -216,7 +217,7 @@ def test_elastic_flags_are_checked(tmp_path):
 def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_parameters(tmp_path):
     from helpers import commands, readme_blocks
 
-    steps = 2000  # rank 0 rejoins by step ~600 here; the rest is margin for a loaded machine
+    steps = 100_000  # a preemption ends it once each rank has been killed, has rejoined and has trained on
     (block,) = readme_blocks("tests/test_elastic.py::test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_parameters")
     (command,) = commands(block)  # docs/multihost.md's, with a length and a metrics file
     words = [PY if word == "python" else word for word in shlex.split(command)]
@@ -238,12 +239,16 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
         run.wait_for(lambda: run.reached() >= at + 50, "50 more steps")
         kill(0)  # rank 0, which writes the metrics and checkpoints
         run.wait_for(lambda: "rank 0 joined" in run.text(), "rank 0's rejoin")
-        assert run.proc.wait(timeout=300) == 0, run.text()
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 50, "50 more steps with both ranks back")
+        run.proc.send_signal(signal.SIGTERM)  # a preemption: rank 0 saves the step it holds, every process exits 75
+        assert run.proc.wait(timeout=120) == 75, run.text()
     finally:
         run.close()
     text = run.text()
-    assert "restarting it alone (2 of 100)" in text and "all 2 processes ended (2 restarts); exit code 0" in text, text
+    assert "restarting it alone (2 of 100)" in text and "all 2 processes ended (2 restarts); exit code 75" in text, text
     assert "no process holds the state" not in text  # each time the other process held it: no checkpoint read
+    (steps,) = {int(n) for n in re.findall(r"saved step (\d+) to ", text)}  # the preemption's save
     reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
                                 "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", "1000"],
                                cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
