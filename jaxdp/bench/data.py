@@ -50,7 +50,7 @@ class Memory:
 
     def __init__(self) -> None:
         self.name, self.peaks, self.last = "start", {}, {}
-        self._stop = threading.Event()
+        self._stop, self._lock = threading.Event(), threading.Lock()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
@@ -62,17 +62,27 @@ class Memory:
 
     def _sample(self) -> None:
         while not self._stop.wait(INTERVAL_S):
+            self._record()
+
+    def _record(self) -> None:
+        with self._lock:
             self.last = sample = self.now()
             peak = self.peaks.setdefault(self.name, {})
             for key, value in sample.items():
                 peak[key] = max(peak.get(key, 0), value)
 
     def phase(self, name: str) -> None:
-        self.name = name
+        """Sampled as the last phase ends and as `name` begins: a phase shorter than INTERVAL_S
+        (a small corpus tokenized on a busy machine) still has its peaks."""
+        self._record()
+        with self._lock:
+            self.name = name
+        self._record()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        self._record()  # the last phase's end
 
 
 def make_corpus(folder: str, size: int, files: int, source: str) -> tuple[int, int]:
