@@ -188,7 +188,7 @@ def train(config: Config) -> Any:
                            wandb_project=config.wandb_project, progress=config.progress, schedule=schedule),
         run=RunOptions(config=config, resume_note=horizon_note, run_info={"compile_cache": cache_dir}, watch=beat,
                        elastic=member, prefetch=config.prefetch, examples_per_step=rows_per_step,
-                       tokens_per_step=tokens_per_step, started=STARTED,
+                       tokens_per_step=tokens_per_step, started=STARTED, exits_after=True,
                        flops_per_step=flops(params) * tokens_per_step if tokens and flops else None))
     if (member.lead if member else jax.process_index() == 0) and not result.preempted:
         summary, timings = result.summary, result.timings

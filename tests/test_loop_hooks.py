@@ -3,6 +3,7 @@
 order, and a hook that stops the loop skips the rest; the flat keywords of before warn with the new
 spelling and train exactly as the grouped ones."""
 
+import signal
 import types
 import warnings
 
@@ -77,3 +78,25 @@ def test_a_keyword_fit_never_took_is_a_type_error(devices):
     params, loss_fn = mlp_problem()
     with pytest.raises(TypeError, match="unexpected keyword argument 'eval_evry'"):
         jaxdp.fit(loss_fn, params, optax.sgd(0.1), lambda k: None, steps=1, eval_evry=2)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_preempted_fit_in_a_notebook_gives_the_stop_signals_back(devices, tmp_path, signum):
+    """fit with a checkpoint directory catches SIGTERM, SIGUSR1 and SIGINT to save and stop. A
+    notebook's process goes on after a preempted fit, so the handlers must be the notebook's again:
+    its next Ctrl-C interrupts, a SIGTERM ends it (the command line keeps them until it exits)."""
+    params, loss_fn = mlp_problem()
+    data = list(mlp_batches(8))
+
+    def batch(step):
+        if step == 3:
+            signal.raise_signal(signum)  # (from the prefetching thread: the main thread's handler sets the flag)
+        return data[step]
+
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in stop_signals}
+    result = jaxdp.fit(loss_fn, params, optax.sgd(0.1), batch, steps=8,
+                       checkpoint=jaxdp.CheckpointOptions(directory=str(tmp_path / "ckpt")),
+                       logging=jaxdp.LogOptions(progress=False))
+    assert result.preempted and result.summary["step"] < 8, result.summary
+    assert {s: signal.getsignal(s) for s in stop_signals} == before

@@ -83,6 +83,7 @@ class RunOptions:
     tokens_per_step: int | None = None
     flops_per_step: float | None = None
     started: float | None = None        # when the process started (time.perf_counter())
+    exits_after: bool = False           # the process ends when fit returns: a preempted run keeps its stop handlers
 
 
 GROUPS = {"sync": SyncOptions, "evaluation": EvalOptions, "checkpoint": CheckpointOptions, "logging": LogOptions,

@@ -47,6 +47,7 @@ class Plan:
     evaluate: Callable | None = None  # state -> held-out metrics (None: no eval_fn, or not the evaluating rank)
     elastic: Any = None             # this process's member of an elastic run
     preemption: Any = None          # an elastic run's stop signals, caught from before it joins
+    exits_after: bool = False       # the command line: the process ends when fit returns
 
     def abandon(self) -> None:
         """Bad input before the loop: stop the watch, close the checkpointer (nothing was written: the
@@ -109,7 +110,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                 devices=mesh.size * (1 if elastic is None else elastic.size), started=started, beat=beat, data=data,
                 batch_at=batch_function(data, mesh), cache_hits=runtime.CacheHits(), shard_data=shard_data,
                 sync_auto=sync_auto, rounds_run=rounds_run, overlap=overlap, tx=tx, outer_tx=outer_tx,
-                config=run.config, requested_config=run.config, elastic=elastic)
+                config=run.config, requested_config=run.config, elastic=elastic, exits_after=run.exits_after)
     if checkpoint.directory and (elastic is None or plan.is_main):  # an elastic run: rank 0 saves
         plan.checkpointer = Checkpointer(checkpoint.directory, save_every=checkpoint.save_every, keep=checkpoint.keep,
                                          config=run.config)

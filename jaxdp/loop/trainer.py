@@ -235,11 +235,12 @@ def close(loop: Loop, finished: bool) -> None:
         plan.checkpointer.close()  # waits for the last save to be written
     if plan.elastic is not None:
         plan.elastic.close(finished=finished or loop.stop)
-    if loop.preemption and not loop.stop:
+    if loop.preemption and not (loop.stop and plan.exits_after):
         loop.preemption.close()
-    # A preempted process keeps its flag-only handlers until it exits, so a second SIGTERM (srun
-    # --kill-on-bad-exit stopping the other tasks, a scheduler's grace-period kill) cannot cut
-    # its shutdown short and turn exit code 75 into 143.
+    # The command line's preempted process keeps its flag-only handlers until it exits, so a second
+    # SIGTERM (srun --kill-on-bad-exit stopping the other tasks, a scheduler's grace-period kill)
+    # cannot cut its shutdown short and turn exit code 75 into 143. In a notebook the process goes
+    # on: the handlers go back, or the kernel's next Ctrl-C or SIGTERM would set a dead run's flag.
 
 
 def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at: Callable[[int], Any],
