@@ -53,6 +53,12 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
 
     processes = len({d.process_index for d in devices})
     local = len(devices) // processes
+    if config.shard_params and processes > 1:  # cut inside each process, data-parallel across (jaxdp/step/fsdp.py)
+        if jax.process_index() == 0:
+            print(f"jaxdp: --shard-params: {processes} processes x {local} devices: parameters, gradients and optimizer "
+                  f"state cut over each process's {local} devices, a whole copy per process, gradients summed across "
+                  f"processes by XLA's all-reduce", flush=True)
+        return make_mesh(devices, axis_name=("hosts", "local")), config.strategy
     abilities = abilities_of(config.strategy)
     flat = config.hierarchy == "flat" or config.sync_seconds or config.overlap  # rounds: one axis (jaxdp/step/rounds.py)
     if flat or processes == 1 or local == 1 or "sum" not in abilities or "host" in abilities:

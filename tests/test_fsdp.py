@@ -2,6 +2,8 @@
 parameters, gradients and optimizer state cut over the devices; checkpoints that resume on any
 device count and mode; clear refusals."""
 
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -197,15 +199,61 @@ def test_what_it_does_not_combine_with_is_refused_in_one_line(devices, kwargs, c
     assert "\n" not in str(err.value)
 
 
-def test_states_of_another_mode_and_two_axis_meshes_are_refused(devices):
+def test_states_of_another_mode_and_other_meshes_are_refused(devices):
     mesh = jaxdp.make_mesh(devices)
     tx = optax.sgd(0.1)
     step = jaxdp.make_train_step(gpt_loss, tx, mesh, shard_params=True)
     with pytest.raises(ValueError, match="pass the same shard_params"):
         step(jaxdp.init_state(GPT_PARAMS, tx, mesh), jaxdp.shard_batch(gpt_batches(1)[0], mesh))
-    two_axes = jaxdp.make_mesh(devices, axis_name=("hosts", "local"))
-    with pytest.raises(InputError, match="one-axis mesh"):
-        jaxdp.make_train_step(gpt_loss, tx, two_axes, shard_params=True)
+    three_axes = jaxdp.make_mesh(devices, axis_name=("a", "b", "c"), shape=(2, 2, 2))
+    with pytest.raises(InputError, match="one-axis mesh or the two-axis mesh") as err:
+        jaxdp.make_train_step(gpt_loss, tx, three_axes, shard_params=True)
+    assert "\n" not in str(err.value)
+
+
+def test_on_the_hosts_by_local_mesh_each_row_holds_the_state_cut_over_its_local_devices(devices):
+    """make_mesh(axis_name=("hosts", "local")), 2 x 4 here (two processes' worth in one): parameters
+    and optimizer state cut over the 4 "local" devices, a whole copy of them on each "hosts" row
+    (data-parallel across the rows: XLA's all-reduce over "hosts"), and the replicated step's numbers."""
+    flat, two = jaxdp.make_mesh(devices), jaxdp.make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))
+    tx = adamw_clip()
+    batches = gpt_batches(4)
+    replicated, want = train(flat, tx, False, batches)
+    sharded, got = train(two, tx, True, batches)
+    for a, b in zip(got, want):
+        for name in a:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_trees_close(sharded.params, replicated.params, rtol=1e-4)
+    for tree in (sharded.params, sharded.opt_state):
+        for x in (x for x in jax.tree.leaves(tree) if x.ndim):
+            assert len({repr(s.index) for s in x.addressable_shards}) == 4  # 4 slices, each on one device per row
+            assert x.sharding.spec[-1] in ("local", None) and "hosts" not in jax.tree.leaves(tuple(x.sharding.spec))
+    assert zero.bytes_per_device(sharded.params) * 4 == zero.bytes_per_device(replicated.params)
+
+
+def test_batchnorm_on_the_hosts_by_local_mesh_averages_over_every_device(devices):
+    """The CNN's BatchNorm with axis_name ("hosts", "local"): statistics over the whole global batch,
+    as the replicated step's over its one axis."""
+    flat, two = jaxdp.make_mesh(devices), jaxdp.make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((32, 8, 8, 1)).astype(np.float32), "y": rng.integers(0, 10, 32).astype(np.int32)}
+               for _ in range(3)]
+    runs = []
+    for mesh, sharded in ((flat, False), (two, True)):
+        model = CNN(features=(8, 16), axis_name=jaxdp.mesh.data_axes(mesh))
+        variables = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 8, 8, 1)))
+        params, model_state = variables.pop("params"), dict(variables)
+
+        def loss_fn(params, model_state, batch, rng, model=model):
+            logits, new_state = model.apply({"params": params, **model_state}, batch["x"], train=True,
+                                            mutable=list(model_state))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}, new_state
+
+        runs.append(train(mesh, optax.sgd(0.05, momentum=0.9), sharded, batches, loss_fn, params, stateful=True,
+                          model_state=model_state))
+    (ref, want), (got, have) = runs
+    np.testing.assert_allclose([h["loss"] for h in have], [w["loss"] for w in want], rtol=1e-5)
+    assert_trees_close(got.model_state, ref.model_state)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -244,3 +292,30 @@ def test_cli_gpt_reports_its_memory_and_resumes_without_shard_params(tmp_path):
     assert start["grad_bytes_per_device"] == start["param_bytes_per_device"]
     assert start["optimizer_bytes_per_device"] <= 1.15 / 8 * ref_start["optimizer_bytes_per_device"]
     assert start["compiled_peak_bytes_per_device"] > start["param_bytes_per_device"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_cut_inside_each_train_like_one_replicated_process_and_resume_on_it(tmp_path):
+    """jaxdp.launch, 2 processes x 4 devices, --shard-params: each process holds the state cut over its
+    4 devices, the processes are data-parallel replicas (the ("hosts", "local") mesh). Per-step
+    losses equal one process's replicated run on 8 devices, and its checkpoint resumes there."""
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    run = ["--dataset", str(corpus), "--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4",
+           "--seq-len", "32", "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1"]
+    ref = run_cli(*run, "--steps", "6", "--devices", "8", "--metrics-file", str(tmp_path / "ref.jsonl"))
+    assert ref.returncode == 0, ref.stderr
+    two = run_cli("--nproc-per-node", "2", "--", sys.executable, "-m", "jaxdp.train", *run, "--steps", "4",
+                  "--devices", "4", "--shard-params", "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--metrics-file", str(tmp_path / "a.jsonl"), module="jaxdp.launch", timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "jaxdp: --shard-params: 2 processes x 4 devices" in two.stdout + two.stderr
+    starts = [r for path in ("a.jsonl", "ref.jsonl") for r in records(tmp_path / path) if r.get("event") == "start"]
+    assert starts[0]["param_bytes_per_device"] * 4 == starts[1]["param_bytes_per_device"]  # this GPT: every leaf cut
+    one = run_cli(*run, "--steps", "6", "--devices", "8", "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--metrics-file", str(tmp_path / "b.jsonl"))
+    assert one.returncode == 0 and "resumed from step 4" in one.stderr, one.stderr[-3000:]
+    got = step_records(tmp_path / "a.jsonl") + step_records(tmp_path / "b.jsonl")
+    want = step_records(tmp_path / "ref.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)

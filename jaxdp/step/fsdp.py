@@ -15,6 +15,11 @@ The optimizer update then runs elementwise on the slices; a global reduction ins
 (`clip_by_global_norm`) is an all-reduce of a scalar. Any optax optimizer works, on the parameter
 tree itself (no flat buffers as in ZeRO-1, jaxdp/step/zero.py).
 
+Several processes: on the two-axis mesh `make_mesh(axis_name=("hosts", "local"))` (one row of
+devices per process) the leaves are cut over "local" only (`within`), so each process holds a whole
+copy of the state cut over its own devices, the gathers stay inside a process, and XLA sums the
+gradients across "hosts" with its all-reduce: sharded inside a worker, data-parallel (psum) across.
+
 XLA rather than hand-written gathers: the partitioner places each gather next to its use and the
 scheduler frees it after, so at most a few layers' whole parameters live at a time, with no change
 to the model; measured in docs/performance.md ("Models bigger than one device").
@@ -46,6 +51,14 @@ from jaxdp.mesh import data_axes
 GATHERED = "jaxdp_fsdp_gathered"  # the name of the whole parameters inside the step (not saved for backward)
 
 
+def within(mesh: Mesh) -> tuple[str, int]:
+    """The axis parameters are cut over, and its size: the mesh's one axis, or on the two-axis mesh
+    `make_mesh(axis_name=("hosts", "local"))` its last ("local": one process's devices), so that
+    each process holds whole copies of the sharded state and processes are data-parallel replicas."""
+    axis = mesh.axis_names[-1]
+    return axis, mesh.shape[axis]
+
+
 def spec_for(shape: tuple[int, ...], n: int, axis: Any) -> P:
     """Cut along the largest dimension that `n` divides (the first of equals); replicated if none."""
     dims = [d for d, size in enumerate(shape) if size >= n and size % n == 0]
@@ -56,9 +69,9 @@ def spec_for(shape: tuple[int, ...], n: int, axis: Any) -> P:
 
 
 def shardings(tree: Any, mesh: Mesh) -> Any:
-    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs), by `spec_for`."""
-    axis = data_axes(mesh)
-    return jax.tree.map(lambda x: NamedSharding(mesh, spec_for(tuple(x.shape), mesh.size, axis)), tree)
+    """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs), by `spec_for` over `within`'s axis."""
+    axis, n = within(mesh)
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec_for(tuple(x.shape), n, axis)), tree)
 
 
 def place(tree: Any, mesh: Mesh) -> Any:
@@ -101,11 +114,19 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
         metrics = {name: jnp.asarray(value, jnp.float32) for name, value in {"loss": loss, **aux}.items()}
         return loss, (metrics, model_state)
 
+    # One vmap per data axis of the mesh, outermost first: the device index (axis_index over all of
+    # them) and BatchNorm's mean over `axis` are the shard_map step's on either mesh.
+    names = axis if isinstance(axis, tuple) else (axis,)
+    per_device = device_loss
+    for name in reversed(names):
+        per_device = jax.vmap(per_device, in_axes=(None, 0, 0, None, None, None), axis_name=name)
+    grid = tuple(mesh.shape[name] for name in names)
+
     def objective(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, micro: Any) -> tuple[Any, Any]:
         gathered = checkpoint_name(jax.lax.with_sharding_constraint(params, whole), GATHERED)
-        losses, (metrics, model_state) = jax.vmap(
-            device_loss, in_axes=(None, 0, 0, None, None, None), axis_name=axis)(gathered, model_state, rows, rng, step, micro)
-        return jnp.mean(losses), (metrics, model_state)
+        split = lambda x: x.reshape(*grid, *x.shape[1:])  # noqa: E731  [devices, ...] -> [hosts, local, ...]
+        losses, out = per_device(gathered, jax.tree.map(split, model_state), jax.tree.map(split, rows), rng, step, micro)
+        return jnp.mean(losses), jax.tree.map(lambda x: x.reshape(n, *x.shape[len(grid):]), out)
 
     objective = jax.checkpoint(objective, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -151,11 +172,19 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
 
 
 def check_mesh(mesh: Mesh) -> None:
-    """InputError unless `mesh` is one process's devices on one axis (what shard_params runs on, yet)."""
-    if len(mesh.axis_names) > 1 or jax.process_count() > 1:
-        raise InputError("shard_params runs on one process's devices, on a one-axis mesh, for now (sharded inside a "
-                         "worker, data-parallel across workers is not built yet); run one process, or drop shard_params",
-                         argument="mesh")
+    """InputError unless the parameters would be cut over one process's devices: a one-axis mesh of
+    one process, or the two-axis mesh `make_mesh(axis_name=("hosts", "local"))` whose "local" row is
+    each process's devices (data-parallel across processes: XLA's all-reduce over "hosts")."""
+    if len(mesh.axis_names) == 1:
+        if len({d.process_index for d in mesh.devices.flat}) > 1:
+            raise InputError("shard_params cuts parameters over one process's devices, not across processes: with "
+                             "several processes use the mesh make_mesh(axis_name=('hosts', 'local'))", argument="mesh")
+        return
+    rows = mesh.devices.reshape(-1, mesh.devices.shape[-1])
+    if len(mesh.axis_names) != 2 or any(len({d.process_index for d in row}) != 1 for row in rows):
+        raise InputError(f"shard_params needs a one-axis mesh or the two-axis mesh make_mesh(axis_name=('hosts', "
+                         f"'local')) whose last axis is one process's devices; got axes {tuple(mesh.axis_names)} of "
+                         f"shape {tuple(mesh.devices.shape)}", argument="mesh")
 
 
 def check_run(spec: Any, mesh: Mesh, *, paced: bool, elastic: bool) -> None:
