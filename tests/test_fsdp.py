@@ -270,52 +270,37 @@ def test_cli_refusals(flags, message):
 
 
 @pytest.mark.slow
-def test_cli_gpt_reports_its_memory_and_resumes_without_shard_params(tmp_path):
+@pytest.mark.multiprocess
+def test_cli_gpt_reports_its_memory_goes_on_in_two_processes_and_resumes_without_shard_params(tmp_path):
+    """One run in three legs against one process's replicated run on 8 devices (per-step losses to
+    1e-5): steps 1-2 with --shard-params in one process (8 devices: 1/8 of the bytes per device, and
+    the memory line); steps 3-4 in 2 processes x 4 devices (jaxdp.launch: the state cut over each
+    process's 4 devices, the processes data-parallel replicas on the ("hosts", "local") mesh: 1/4);
+    steps 5-6 replicated on 4 devices. Each leg resumes the last one's checkpoint."""
     corpus = write_corpus(tmp_path / "corpus.txt")
     run = ["--dataset", str(corpus), "--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4",
-           "--seq-len", "32", "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1"]
-    ref = run_cli(*run, "--steps", "6", "--metrics-file", str(tmp_path / "ref.jsonl"))
+           "--seq-len", "32", "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1",
+           "--checkpoint-dir", str(tmp_path / "ck")]
+    ref = run_cli(*run[:-2], "--steps", "6", "--metrics-file", str(tmp_path / "ref.jsonl"))
     assert ref.returncode == 0, ref.stderr
-    first = run_cli(*run, "--steps", "3", "--shard-params", "--checkpoint-dir", str(tmp_path / "ck"),
-                    "--metrics-file", str(tmp_path / "a.jsonl"))
+    first = run_cli(*run, "--steps", "2", "--shard-params", "--metrics-file", str(tmp_path / "a.jsonl"))
     assert first.returncode == 0, first.stderr
     assert "jaxdp: --shard-params: per device" in first.stderr and "XLA's compiled peak" in first.stderr
-    second = run_cli(*run, "--steps", "6", "--devices", "4", "--checkpoint-dir", str(tmp_path / "ck"),
-                     "--metrics-file", str(tmp_path / "b.jsonl"))
-    assert second.returncode == 0, second.stderr
-    got = step_records(tmp_path / "a.jsonl") + step_records(tmp_path / "b.jsonl")
-    want = step_records(tmp_path / "ref.jsonl")
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
-    start = [r for r in records(tmp_path / "a.jsonl") if r.get("event") == "start"][0]
-    ref_start = [r for r in records(tmp_path / "ref.jsonl") if r.get("event") == "start"][0]
-    assert start["param_bytes_per_device"] <= 1.15 / 8 * ref_start["param_bytes_per_device"]
-    assert start["grad_bytes_per_device"] == start["param_bytes_per_device"]
-    assert start["optimizer_bytes_per_device"] <= 1.15 / 8 * ref_start["optimizer_bytes_per_device"]
-    assert start["compiled_peak_bytes_per_device"] > start["param_bytes_per_device"]
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_cut_inside_each_train_like_one_replicated_process_and_resume_on_it(tmp_path):
-    """jaxdp.launch, 2 processes x 4 devices, --shard-params: each process holds the state cut over its
-    4 devices, the processes are data-parallel replicas (the ("hosts", "local") mesh). Per-step
-    losses equal one process's replicated run on 8 devices, and its checkpoint resumes there."""
-    corpus = write_corpus(tmp_path / "corpus.txt")
-    run = ["--dataset", str(corpus), "--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4",
-           "--seq-len", "32", "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1"]
-    ref = run_cli(*run, "--steps", "6", "--devices", "8", "--metrics-file", str(tmp_path / "ref.jsonl"))
-    assert ref.returncode == 0, ref.stderr
     two = run_cli("--nproc-per-node", "2", "--", sys.executable, "-m", "jaxdp.train", *run, "--steps", "4",
-                  "--devices", "4", "--shard-params", "--checkpoint-dir", str(tmp_path / "ck"),
-                  "--metrics-file", str(tmp_path / "a.jsonl"), module="jaxdp.launch", timeout=300)
+                  "--devices", "4", "--shard-params", "--metrics-file", str(tmp_path / "b.jsonl"), module="jaxdp.launch",
+                  timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "jaxdp: --shard-params: 2 processes x 4 devices" in two.stdout + two.stderr
-    starts = [r for path in ("a.jsonl", "ref.jsonl") for r in records(tmp_path / path) if r.get("event") == "start"]
-    assert starts[0]["param_bytes_per_device"] * 4 == starts[1]["param_bytes_per_device"]  # this GPT: every leaf cut
-    one = run_cli(*run, "--steps", "6", "--devices", "8", "--checkpoint-dir", str(tmp_path / "ck"),
-                  "--metrics-file", str(tmp_path / "b.jsonl"))
-    assert one.returncode == 0 and "resumed from step 4" in one.stderr, one.stderr[-3000:]
-    got = step_records(tmp_path / "a.jsonl") + step_records(tmp_path / "b.jsonl")
+    third = run_cli(*run, "--steps", "6", "--devices", "4", "--metrics-file", str(tmp_path / "c.jsonl"))
+    assert third.returncode == 0 and "resumed from step 4" in third.stderr, third.stderr[-3000:]
+    got = [r for leg in "abc" for r in step_records(tmp_path / f"{leg}.jsonl")]
     want = step_records(tmp_path / "ref.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+    one, two, ref_start = ([r for r in records(tmp_path / f"{name}.jsonl") if r.get("event") == "start"][-1]
+                           for name in ("a", "b", "ref"))
+    assert one["param_bytes_per_device"] <= 1.15 / 8 * ref_start["param_bytes_per_device"]
+    assert one["grad_bytes_per_device"] == one["param_bytes_per_device"]
+    assert one["optimizer_bytes_per_device"] <= 1.15 / 8 * ref_start["optimizer_bytes_per_device"]
+    assert one["compiled_peak_bytes_per_device"] > one["param_bytes_per_device"]
+    assert two["param_bytes_per_device"] * 4 == ref_start["param_bytes_per_device"]  # this GPT: every leaf cut
