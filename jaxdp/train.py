@@ -44,7 +44,8 @@ FLAG_OF_ARGUMENT = {"tokenizer": "--tokenizer", "directory": "--checkpoint-dir",
 def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     """The mesh and the strategy for `--hierarchy`: with several processes of several devices each
     and an in-graph strategy, `auto` makes the mesh ("hosts", "local") and the strategy
-    hierarchical (jaxdp.sync.hierarchy.hierarchical), and says so in one line; otherwise one flat axis."""
+    hierarchical (jaxdp.sync.hierarchy.hierarchical), and says so in one line; otherwise one flat axis.
+    `--shard-params` in several processes always takes the ("hosts", "local") mesh (jaxdp/step/fsdp.py)."""
     import jax
 
     from jaxdp.mesh import make_mesh

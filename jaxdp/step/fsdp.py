@@ -20,9 +20,11 @@ devices per process) the leaves are cut over "local" only (`within`), so each pr
 copy of the state cut over its own devices, the gathers stay inside a process, and XLA sums the
 gradients across "hosts" with its all-reduce: sharded inside a worker, data-parallel (psum) across.
 
-XLA rather than hand-written gathers: the partitioner places each gather next to its use and the
-scheduler frees it after, so at most a few layers' whole parameters live at a time, with no change
-to the model; measured in docs/performance.md ("Models bigger than one device").
+XLA rather than hand-written gathers: no change to the model, so any Flax model works. The cost,
+measured in docs/performance.md ("Models bigger than one device"): the compiled peak still holds
+about one whole copy of the parameters and whole gradients in flight, about half the replicated
+step's peak rather than 1/N (gathering block by block needs the model's layers in a scan with
+rematerialisation).
 
 Per-device semantics are the replicated step's: the batch is viewed as [devices, rows per device]
 and the loss runs under `jax.vmap(..., axis_name=<the mesh's axis>)`, so each row block's loss is
