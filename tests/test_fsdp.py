@@ -217,7 +217,7 @@ def test_on_the_hosts_by_local_mesh_each_row_holds_the_state_cut_over_its_local_
     (data-parallel across the rows: XLA's all-reduce over "hosts"), and the replicated step's numbers."""
     flat, two = jaxdp.make_mesh(devices), jaxdp.make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))
     tx = adamw_clip()
-    batches = gpt_batches(4)
+    batches = gpt_batches(3)
     replicated, want = train(flat, tx, False, batches)
     sharded, got = train(two, tx, True, batches)
     for a, b in zip(got, want):
