@@ -248,12 +248,12 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
     text = run.text()
     assert "restarting it alone (2 of 100)" in text and "all 2 processes ended (2 restarts); exit code 75" in text, text
     assert "no process holds the state" not in text  # each time the other process held it: no checkpoint read
-    (steps,) = {int(n) for n in re.findall(r"saved step (\d+) to ", text)}  # the preemption's save
-    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
+    (saved,) = {int(n) for n in re.findall(r"saved step (\d+) to ", text)}  # the preemption's save
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(saved),
                                 "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", "1000"],
                                cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr
-    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    final = [json.loads((tmp_path / d / str(saved) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
     assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
 
 

@@ -16,6 +16,7 @@ from helpers import records, run_cli, step_records, write_corpus
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.sync.rules import check_config
 from jaxdp.errors import InputError
+from jaxdp.mesh import data_axes
 from jaxdp.models.builtin import CNN, GPT
 from jaxdp.step import fsdp, zero
 
@@ -83,12 +84,25 @@ def test_spec_for_cuts_the_largest_dimension_that_divides():
     assert fsdp.spec_for((), 8, "data") == jax.sharding.PartitionSpec()
 
 
-@pytest.mark.parametrize("grad_accum", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_gpt_trains_like_the_replicated_step_with_one_eighth_of_the_bytes(devices, grad_accum):
-    mesh = jaxdp.make_mesh(devices)
+HOSTS_BY_LOCAL = ("hosts", "local")  # a 2 x 4 mesh in one process: two processes' worth, cut over "local"
+
+
+def sharded_mesh(devices, axes):
+    """The one-axis mesh (axes None), or the 2 x 4 ("hosts", "local") one."""
+    return jaxdp.make_mesh(devices) if axes is None else jaxdp.make_mesh(devices, axis_name=axes, shape=(2, 4))
+
+
+@pytest.mark.parametrize("grad_accum, axes", [(1, None), pytest.param(2, None, marks=pytest.mark.slow),
+                                              (1, HOSTS_BY_LOCAL)], ids=["one_axis", "one_axis_accum2", "hosts_by_local"])
+def test_gpt_trains_like_the_replicated_step_with_a_slice_of_the_bytes(devices, grad_accum, axes):
+    """Against the replicated step on the one-axis mesh. On ("hosts", "local") every leaf is cut over
+    the 4 "local" devices only, a whole copy of the state on each "hosts" row (data-parallel across
+    the rows: XLA's all-reduce over "hosts")."""
+    flat, mesh = jaxdp.make_mesh(devices), sharded_mesh(devices, axes)
+    axis, cut = fsdp.within(mesh)
     tx = adamw_clip()
     batches = gpt_batches(6)
-    replicated, want = train(mesh, tx, False, batches, grad_accum=grad_accum)
+    replicated, want = train(flat, tx, False, batches, grad_accum=grad_accum)
     sharded, got = train(mesh, tx, True, batches, grad_accum=grad_accum)
     assert set(got[0]) == set(want[0]) == {"loss", "logit_mean", "grad_norm"}
     for a, b in zip(got, want):
@@ -99,30 +113,39 @@ def test_gpt_trains_like_the_replicated_step_with_one_eighth_of_the_bytes(device
     moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
              zip(jax.tree.leaves(jax.device_get(sharded.params)), jax.tree.leaves(GPT_PARAMS))]
     assert min(moved) > 1e-3  # the comparison has teeth: every leaf moved
-    # Every leaf this GPT has is cut (64 divides all its widths), so each device holds 1/8 of the bytes.
+    # Every leaf this GPT has is cut (64 divides all its widths), so each device holds 1/cut of the bytes.
     for tree in (sharded.params, sharded.opt_state):
-        leaves = [x for x in jax.tree.leaves(tree) if x.ndim]
-        assert all(len({repr(s.index) for s in x.addressable_shards}) == 8 for x in leaves)
-    assert zero.bytes_per_device(sharded.params) * 8 == zero.bytes_per_device(replicated.params)
-    assert zero.bytes_per_device(sharded.opt_state) <= 1.15 / 8 * zero.bytes_per_device(replicated.opt_state)
+        for x in (x for x in jax.tree.leaves(tree) if x.ndim):
+            assert len({repr(s.index) for s in x.addressable_shards}) == cut
+            assert set(jax.tree.leaves(tuple(x.sharding.spec))) == {axis}  # (never over "hosts")
+    assert zero.bytes_per_device(sharded.params) * cut == zero.bytes_per_device(replicated.params)
+    assert zero.bytes_per_device(sharded.opt_state) <= 1.15 / cut * zero.bytes_per_device(replicated.opt_state)
 
 
-def test_batchnorm_statistics_and_metrics_are_the_replicated_ones(devices):
-    mesh = jaxdp.make_mesh(devices)
-    model = CNN(features=(8, 16), axis_name=jaxdp.DATA_AXIS)  # conv kernels [3, 3, 1, 8]: cut; bias [8]: cut
-    variables = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 8, 8, 1)))
-    params, model_state = variables.pop("params"), dict(variables)
+@pytest.mark.parametrize("axes", [None, HOSTS_BY_LOCAL], ids=["one_axis", "hosts_by_local"])
+def test_batchnorm_statistics_and_metrics_are_the_replicated_ones(devices, axes):
+    """The CNN's BatchNorm with the mesh's axis name (on ("hosts", "local"), both): statistics over
+    the whole global batch, as the replicated step's over its one axis."""
+    flat, mesh = jaxdp.make_mesh(devices), sharded_mesh(devices, axes)
     tx = optax.sgd(0.05, momentum=0.9)
 
-    def loss_fn(params, model_state, batch, rng):
-        logits, new_state = model.apply({"params": params, **model_state}, batch["x"], train=True, mutable=list(model_state))
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}, new_state
+    def problem(mesh):
+        model = CNN(features=(8, 16), axis_name=data_axes(mesh))  # conv kernels [3, 3, 1, 8]: cut; bias [8]: cut
+        variables = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 8, 8, 1)))
+        params, model_state = variables.pop("params"), dict(variables)
+
+        def loss_fn(params, model_state, batch, rng):
+            logits, new_state = model.apply({"params": params, **model_state}, batch["x"], train=True,
+                                            mutable=list(model_state))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}, new_state
+
+        return {"loss_fn": loss_fn, "params": params, "model_state": model_state}
 
     rng = np.random.default_rng(0)
     batches = [{"x": rng.standard_normal((32, 8, 8, 1)).astype(np.float32), "y": rng.integers(0, 10, 32).astype(np.int32)}
                for _ in range(4)]
-    (ref, want), (got, have) = (train(mesh, tx, sharded, batches, loss_fn, params, stateful=True, model_state=model_state)
-                                for sharded in (False, True))
+    ref, want = train(flat, tx, False, batches, stateful=True, **problem(flat))
+    got, have = train(mesh, tx, True, batches, stateful=True, **problem(mesh))
     np.testing.assert_allclose([h["loss"] for h in have], [w["loss"] for w in want], rtol=1e-5)
     assert_trees_close(got.model_state, ref.model_state)
     assert_trees_close(got.params, ref.params, atol=1e-7)
@@ -209,51 +232,6 @@ def test_states_of_another_mode_and_other_meshes_are_refused(devices):
     with pytest.raises(InputError, match="one-axis mesh or the two-axis mesh") as err:
         jaxdp.make_train_step(gpt_loss, tx, three_axes, shard_params=True)
     assert "\n" not in str(err.value)
-
-
-def test_on_the_hosts_by_local_mesh_each_row_holds_the_state_cut_over_its_local_devices(devices):
-    """make_mesh(axis_name=("hosts", "local")), 2 x 4 here (two processes' worth in one): parameters
-    and optimizer state cut over the 4 "local" devices, a whole copy of them on each "hosts" row
-    (data-parallel across the rows: XLA's all-reduce over "hosts"), and the replicated step's numbers."""
-    flat, two = jaxdp.make_mesh(devices), jaxdp.make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))
-    tx = adamw_clip()
-    batches = gpt_batches(3)
-    replicated, want = train(flat, tx, False, batches)
-    sharded, got = train(two, tx, True, batches)
-    for a, b in zip(got, want):
-        for name in a:
-            np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
-    assert_trees_close(sharded.params, replicated.params, rtol=1e-4)
-    for tree in (sharded.params, sharded.opt_state):
-        for x in (x for x in jax.tree.leaves(tree) if x.ndim):
-            assert len({repr(s.index) for s in x.addressable_shards}) == 4  # 4 slices, each on one device per row
-            assert x.sharding.spec[-1] in ("local", None) and "hosts" not in jax.tree.leaves(tuple(x.sharding.spec))
-    assert zero.bytes_per_device(sharded.params) * 4 == zero.bytes_per_device(replicated.params)
-
-
-def test_batchnorm_on_the_hosts_by_local_mesh_averages_over_every_device(devices):
-    """The CNN's BatchNorm with axis_name ("hosts", "local"): statistics over the whole global batch,
-    as the replicated step's over its one axis."""
-    flat, two = jaxdp.make_mesh(devices), jaxdp.make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))
-    rng = np.random.default_rng(0)
-    batches = [{"x": rng.standard_normal((32, 8, 8, 1)).astype(np.float32), "y": rng.integers(0, 10, 32).astype(np.int32)}
-               for _ in range(3)]
-    runs = []
-    for mesh, sharded in ((flat, False), (two, True)):
-        model = CNN(features=(8, 16), axis_name=jaxdp.mesh.data_axes(mesh))
-        variables = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 8, 8, 1)))
-        params, model_state = variables.pop("params"), dict(variables)
-
-        def loss_fn(params, model_state, batch, rng, model=model):
-            logits, new_state = model.apply({"params": params, **model_state}, batch["x"], train=True,
-                                            mutable=list(model_state))
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}, new_state
-
-        runs.append(train(mesh, optax.sgd(0.05, momentum=0.9), sharded, batches, loss_fn, params, stateful=True,
-                          model_state=model_state))
-    (ref, want), (got, have) = runs
-    np.testing.assert_allclose([h["loss"] for h in have], [w["loss"] for w in want], rtol=1e-5)
-    assert_trees_close(got.model_state, ref.model_state)
 
 
 @pytest.mark.parametrize("flags, message", [
