@@ -45,7 +45,8 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     """The mesh and the strategy for `--hierarchy`: with several processes of several devices each
     and an in-graph strategy, `auto` makes the mesh ("hosts", "local") and the strategy
     hierarchical (jaxdp.sync.hierarchy.hierarchical), and says so in one line; otherwise one flat axis.
-    `--shard-params` in several processes always takes the ("hosts", "local") mesh (jaxdp/step/fsdp.py)."""
+    `--shard-params` in several processes always takes the ("hosts", "local") mesh: cut over "local",
+    the strategy, codec and local steps across "hosts" (jaxdp/step/fsdp.py, jaxdp/step/hsdp.py)."""
     import jax
 
     from jaxdp.mesh import make_mesh
@@ -56,9 +57,14 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
     local = len(devices) // processes
     if config.shard_params and processes > 1:  # cut inside each process, data-parallel across (jaxdp/step/fsdp.py)
         if jax.process_index() == 0:
+            local_steps = config.sync_every != 1
+            what = "pseudo-gradients averaged every " + str(config.sync_every) + " steps" if local_steps else "gradients"
+            how = ("XLA's all-reduce" if config.strategy == "psum" and config.compression == "none" and not local_steps
+                   else f"--strategy {config.strategy}" + ("" if config.compression == "none" else
+                                                            f" with --compression {config.compression}"))
             print(f"jaxdp: --shard-params: {processes} processes x {local} devices: parameters, gradients and optimizer "
-                  f"state cut over each process's {local} devices, a whole copy per process, gradients summed across "
-                  f"processes by XLA's all-reduce", flush=True)
+                  f"state cut over each process's {local} devices, a whole copy per process, {what} across processes "
+                  f"through {how} (jaxdp/step/hsdp.py)", flush=True)
         return make_mesh(devices, axis_name=("hosts", "local")), config.strategy
     abilities = abilities_of(config.strategy)
     flat = config.hierarchy == "flat" or config.sync_seconds or config.overlap  # rounds: one axis (jaxdp/step/rounds.py)

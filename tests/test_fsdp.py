@@ -177,6 +177,69 @@ def test_dropout_draws_the_replicated_steps_keys(devices):
     assert_trees_close(got.params, ref.params)
 
 
+def run_steps(mesh, strategy, shard_params, batches, tx=None, **sync):
+    """`batches` through make_train_step on `mesh` with `sync` (compression, sync_every): (state, metrics)."""
+    tx = tx or adamw_clip()
+    state = jaxdp.init_state(GPT_PARAMS, tx, mesh, shard_params=shard_params, rng=3, **sync)
+    step = jaxdp.make_train_step(gpt_loss, tx, mesh, strategy, shard_params=shard_params, grad_norm=True, **sync)
+    history = []
+    for batch in batches:
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        history.append(jax.device_get(metrics))
+    return state, history
+
+
+@pytest.mark.parametrize("strategy, sync", [
+    ("ring", {}),
+    ("psum", {"compression": "bf16"}),
+    ("ring", {"sync_every": 3}),
+    ("ring", {"sync_every": 3, "compression": "int8"}),
+], ids=["ring", "bf16", "local_steps", "local_steps_int8"])
+def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_worker(devices, strategy, sync, tmp_path):
+    """On ("hosts", "local") with a strategy of jaxdp's own across (jaxdp/step/hsdp.py): 2 workers
+    of 4 devices are the replicated step on 2 devices (a device per worker, the same global batch):
+    the ring across equals XLA's all-reduce; the codec and local steps run on each device's 1/4 of
+    the model (a quarter of the bytes each), and local steps keep one replica per worker. A
+    checkpoint of it resumes on the one-axis mesh of 8 devices (one worker: the rows' mean)."""
+    mesh = sharded_mesh(devices, HOSTS_BY_LOCAL)
+    batches = gpt_batches(6)
+    tx = optax.sgd(0.5) if "compression" in sync and "sync_every" not in sync else adamw_clip()
+    sharded, got = run_steps(mesh, strategy, True, batches, tx, **sync)
+    reference = jaxdp.make_mesh(devices[:8] if sync == {} else devices[:2])  # (ring: the 8-device replicated run)
+    replicated, want = run_steps(reference, strategy, False, batches, tx, **sync)
+    # The codec rounds values that differ in their last bits (a mean of 4 devices' gradients here, one
+    # device's there) and int8 cuts its blocks of 512 values from a slice here, from the whole buffer
+    # there: leaves agree to the codec's rounding (of a block's largest value), the losses closely.
+    codec = "compression" in sync
+    np.testing.assert_allclose([g["loss"] for g in got], [w["loss"] for w in want], rtol=2e-5 if codec else 1e-5)
+    assert_trees_close(sharded.params, replicated.params, rtol=2e-2 if codec else 1e-3 if sync else 3e-4)
+    if "compression" in sync:  # each device sends its quarter
+        synced = [i for i, g in enumerate(got) if g.get("synced", 1)]
+        assert got[synced[0]]["comm_bytes"] * 4 == pytest.approx(want[synced[0]]["comm_bytes"], rel=0.02)
+    if sync.get("sync_every"):
+        replicas = sharded.sync.per_device["local_sgd"]["params"]
+        assert all(x.shape[0] == 2 and x.sharding.spec[0] == "hosts" for x in jax.tree.leaves(replicas))
+        assert [g["synced"] for g in got] == [0, 0, 1, 0, 0, 1]
+        moved = jax.tree.map(lambda r, p: float(np.max(np.abs(np.asarray(r) - np.asarray(p)))), replicas,
+                             jax.tree.map(lambda p: np.asarray(p)[None], sharded.params))
+        assert max(jax.tree.leaves(moved)) == 0.0  # (the replicas restart from the new global parameters)
+    if "int8" in str(sync):  # the checkpoint resumes on one worker of 8 devices, sharded, and replicated
+        half, _ = run_steps(mesh, strategy, True, batches[:4], tx, **sync)
+        with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
+            ckpt.save(half)
+        saved = jax.device_get(half.sync.per_device["local_sgd"]["params"])
+        for shard_params in (True, False):
+            mesh8 = jaxdp.make_mesh(devices)
+            with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
+                state = ckpt.restore(jaxdp.init_state(GPT_PARAMS, tx, mesh8, shard_params=shard_params, rng=3, **sync))
+            rows = jax.device_get(state.sync.per_device["local_sgd"]["params"])
+            assert_trees_close(jax.tree.map(lambda r: r[0], rows), jax.tree.map(lambda r: r.mean(axis=0), saved),
+                               rtol=1e-6)
+            step = jaxdp.make_train_step(gpt_loss, tx, mesh8, strategy, shard_params=shard_params, **sync)
+            state, metrics = step(state, jaxdp.shard_batch(batches[4], mesh8))
+            assert int(state.step) == 5 and np.isfinite(float(metrics["loss"]))
+
+
 @pytest.mark.slow  # (about 160 s on a loaded 2-core machine: five runs of two compiled steps)
 def test_checkpoints_resume_on_any_device_count_and_mode_and_load_whole(devices, tmp_path):
     tx = adamw_clip()
@@ -207,17 +270,17 @@ def test_checkpoints_resume_on_any_device_count_and_mode_and_load_whole(devices,
 
 
 @pytest.mark.parametrize("kwargs, culprit", [
-    ({"shard_optimizer": True}, "shard_optimizer"),
-    ({"strategy": "ring"}, "strategy"),
-    ({"strategy": "host"}, "strategy"),
-    ({"compression": "bf16"}, "compression"),
-    ({"sync_every": 4}, "local"),
-    ({"overlap": True}, "overlap"),
+    ({"shard_optimizer": True}, "does not combine with shard_optimizer"),
+    ({"strategy": "host"}, "does not combine with strategy"),
+    ({"compression": "powersgd:2"}, "does not combine with compression 'powersgd:2'"),
+    ({"compression": "topk:0.01", "strategy": "ring"}, "does not combine with compression 'topk:0.01'"),
+    ({"sync_every": 4, "sync_fragments": 2}, "with local steps needs a fixed sync_every and sync_fragments=1"),
+    ({"overlap": True}, "does not combine with overlap"),
 ])
 def test_what_it_does_not_combine_with_is_refused_in_one_line(devices, kwargs, culprit):
     mesh = jaxdp.make_mesh(devices)
     strategy = kwargs.pop("strategy", "psum")
-    with pytest.raises(InputError, match=f"shard_params does not combine with {culprit}") as err:
+    with pytest.raises(InputError, match=f"shard_params {culprit}") as err:
         jaxdp.make_train_step(gpt_loss, optax.sgd(0.1), mesh, strategy, shard_params=True, **kwargs)
     assert "\n" not in str(err.value)
 
@@ -236,9 +299,11 @@ def test_states_of_another_mode_and_other_meshes_are_refused(devices):
 
 @pytest.mark.parametrize("flags, message", [
     (["--shard-optimizer"], "--shard-params does not combine with --shard-optimizer"),
-    (["--strategy", "ring"], "--shard-params does not combine with --strategy=ring"),
-    (["--compression", "bf16"], "--shard-params does not combine with --compression"),
-    (["--sync-every", "4"], "--shard-params does not combine with --sync-every"),
+    (["--strategy", "host"], "--shard-params does not combine with --strategy=host"),
+    (["--compression", "powersgd:4"], "--shard-params does not combine with --compression=powersgd:4"),
+    (["--compression", "auto"], "--shard-params does not combine with --compression=auto"),
+    (["--sync-every", "auto"], "--shard-params with local steps needs a fixed --sync-every"),
+    (["--sync-every", "4", "--sync-fragments", "2"], "--shard-params with local steps needs a fixed --sync-every"),
     (["--overlap"], "--shard-params does not combine with --overlap"),
     (["--sync-seconds", "2"], "--shard-params does not combine with --sync-seconds"),
 ])
@@ -265,10 +330,11 @@ def test_cli_gpt_reports_its_memory_goes_on_in_two_processes_and_resumes_without
     assert first.returncode == 0, first.stderr
     assert "jaxdp: --shard-params: per device" in first.stderr and "XLA's compiled peak" in first.stderr
     two = run_cli("--nproc-per-node", "2", "--", sys.executable, "-m", "jaxdp.train", *run, "--steps", "4",
-                  "--devices", "4", "--shard-params", "--metrics-file", str(tmp_path / "b.jsonl"), module="jaxdp.launch",
-                  timeout=300)
+                  "--devices", "4", "--shard-params", "--strategy", "ring", "--metrics-file", str(tmp_path / "b.jsonl"),
+                  module="jaxdp.launch", timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "jaxdp: --shard-params: 2 processes x 4 devices" in two.stdout + two.stderr
+    assert "gradients across processes through --strategy ring" in two.stdout + two.stderr
     third = run_cli(*run, "--steps", "6", "--devices", "4", "--metrics-file", str(tmp_path / "c.jsonl"))
     assert third.returncode == 0 and "resumed from step 4" in third.stderr, third.stderr[-3000:]
     got = [r for leg in "abc" for r in step_records(tmp_path / f"{leg}.jsonl")]

@@ -19,6 +19,7 @@ Several processes: on the two-axis mesh `make_mesh(axis_name=("hosts", "local"))
 devices per process) the leaves are cut over "local" only (`within`), so each process holds a whole
 copy of the state cut over its own devices, the gathers stay inside a process, and XLA sums the
 gradients across "hosts" with its all-reduce: sharded inside a worker, data-parallel (psum) across.
+The ring, a codec or local steps across workers: jaxdp/step/hsdp.py, on `gradients` below.
 
 XLA rather than hand-written gathers: no change to the model, so any Flax model works. The cost,
 measured in docs/performance.md ("Models bigger than one device"): the compiled peak still holds
@@ -94,19 +95,21 @@ def init_opt_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) ->
     return jax.jit(tx.init, out_shardings=shardings(jax.eval_shape(tx.init, params), mesh))(params)
 
 
-def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *, stateful: bool,
-              grad_accum: int, grad_norm: bool) -> Callable:
-    """The jitted step `(state, batch) -> (state, metrics)` (the old state donated)."""
-    check_mesh(mesh)
-    axis = data_axes(mesh)
-    n = mesh.size
+def gradients(loss_fn: Callable, mesh: Mesh, names: tuple[str, ...], *, stateful: bool,
+              grad_accum: int) -> Callable:
+    """One worker's gradients over the devices of the mesh axes `names` (d of them):
+    `(params, model_state [d, ...], rows [d, grad_accum, r, ...], rng, step) -> (metrics [d],
+    model_state [d, ...], grads)`, the gradient that of the mean of the d devices' losses, cut like
+    the parameters. The device index (dropout's key) is `axis_index` over every data axis of the
+    mesh, which the caller binds by vmap (`names` here, any others outside: jaxdp/step/hsdp.py)."""
+    index = data_axes(mesh)
+    grid = tuple(mesh.shape[name] for name in names)
     whole = NamedSharding(mesh, P())
-    rows_sharding = NamedSharding(mesh, P(axis))
 
     def device_loss(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, micro: Any) -> tuple[Any, Any]:
         """One device's loss on its rows, under vmap over the devices (as train_step's local_grads)."""
         if stateful:
-            key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(axis))
+            key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(index))
             if grad_accum > 1:  # with grad_accum, every micro-batch draws its own keys (as today)
                 key = jax.random.fold_in(key, micro)
             loss, aux, model_state = loss_fn(params, model_state, rows, key)
@@ -116,51 +119,77 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
         metrics = {name: jnp.asarray(value, jnp.float32) for name, value in {"loss": loss, **aux}.items()}
         return loss, (metrics, model_state)
 
-    # One vmap per data axis of the mesh, outermost first: the device index (axis_index over all of
-    # them) and BatchNorm's mean over `axis` are the shard_map step's on either mesh.
-    names = axis if isinstance(axis, tuple) else (axis,)
+    # One vmap per axis, outermost first: the device index (axis_index over all of them) and
+    # BatchNorm's mean over the mesh's axes are the shard_map step's on either mesh.
     per_device = device_loss
     for name in reversed(names):
         per_device = jax.vmap(per_device, in_axes=(None, 0, 0, None, None, None), axis_name=name)
-    grid = tuple(mesh.shape[name] for name in names)
 
     def objective(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, micro: Any) -> tuple[Any, Any]:
         gathered = checkpoint_name(jax.lax.with_sharding_constraint(params, whole), GATHERED)
-        split = lambda x: x.reshape(*grid, *x.shape[1:])  # noqa: E731  [devices, ...] -> [hosts, local, ...]
+        split = lambda x: x.reshape(*grid, *x.shape[1:])  # noqa: E731  [d, ...] -> [hosts, local, ...]
         losses, out = per_device(gathered, jax.tree.map(split, model_state), jax.tree.map(split, rows), rng, step, micro)
-        return jnp.mean(losses), jax.tree.map(lambda x: x.reshape(n, *x.shape[len(grid):]), out)
+        return jnp.mean(losses), jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(grid):]), out)
 
     objective = jax.checkpoint(objective, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
+    def run(params: Any, model_state: Any, rows: Any, rng: Any, step: Any) -> tuple[dict, Any, Any]:
+        param_shardings = shardings(params, mesh)
+        if grad_accum == 1:
+            (_, (metrics, model_state)), grads = grad_fn(params, model_state, jax.tree.map(lambda x: x[:, 0], rows),
+                                                         rng, step, jnp.int32(0))
+            return metrics, model_state, jax.lax.with_sharding_constraint(grads, param_shardings)
+
+        def body(carry: Any, i: Any) -> tuple[Any, None]:
+            (metric_sum, grad_sum), model_state = carry
+            micro = jax.tree.map(lambda x: x[:, i], rows)
+            (_, (metrics, model_state)), grads = grad_fn(params, model_state, micro, rng, step, i)
+            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+            return (jax.tree.map(jnp.add, (metric_sum, grad_sum), (metrics, grads)), model_state), None
+
+        first = jax.tree.map(lambda x: x[:, 0], rows)
+        (_, (metrics, _)), grads = jax.eval_shape(grad_fn, params, model_state, first, rng, step, jnp.int32(0))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metrics, grads))
+        zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], param_shardings))
+        ((metric_sum, grad_sum), model_state), _ = jax.lax.scan(body, (zeros, model_state), jnp.arange(grad_accum))
+        metrics, grads = jax.tree.map(lambda total: total / grad_accum, (metric_sum, grad_sum))
+        return metrics, model_state, jax.lax.with_sharding_constraint(grads, param_shardings)
+
+    return run
+
+
+def device_rows(batch: Any, mesh: Mesh, grad_accum: int) -> Any:
+    """The global batch as [devices, grad_accum, rows per micro-batch, ...], cut over the devices."""
+    n = mesh.size
+    rows = jax.tree.map(lambda x: x.reshape(n, grad_accum, x.shape[0] // (n * grad_accum), *x.shape[1:]), batch)
+    return jax.lax.with_sharding_constraint(rows, jax.tree.map(lambda _: NamedSharding(mesh, P(data_axes(mesh))), rows))
+
+
+def mean_model_state(model_state: Any) -> Any:
+    """Per-device model state [devices, ...] -> one: float leaves averaged (BatchNorm statistics),
+    the others (counters) the first device's."""
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0, dtype=x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact)
+                        else x[0], model_state)
+
+
+def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *, stateful: bool,
+              grad_accum: int, grad_norm: bool) -> Callable:
+    """The jitted step `(state, batch) -> (state, metrics)` (the old state donated): one gradient
+    over every device of the mesh, XLA's all-reduce across "hosts" if there are several."""
+    check_mesh(mesh)
+    names = tuple(mesh.axis_names)
+    n = mesh.size
+    whole = NamedSharding(mesh, P())
+    grads_of = gradients(loss_fn, mesh, names, stateful=stateful, grad_accum=grad_accum)
+
     def step(state: Any, batch: Any) -> tuple[Any, dict]:
         param_shardings = shardings(state.params, mesh)
-        rows = jax.tree.map(lambda x: x.reshape(n, grad_accum, x.shape[0] // (n * grad_accum), *x.shape[1:]), batch)
-        rows = jax.lax.with_sharding_constraint(rows, jax.tree.map(lambda _: rows_sharding, rows))
         per_device_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), state.model_state)
-        if grad_accum == 1:
-            (_, (metrics, model_state)), grads = grad_fn(state.params, per_device_state, jax.tree.map(lambda x: x[:, 0], rows),
-                                                         state.rng, state.step, jnp.int32(0))
-        else:
-            def body(carry: Any, i: Any) -> tuple[Any, None]:
-                (metric_sum, grad_sum), model_state = carry
-                micro = jax.tree.map(lambda x: x[:, i], rows)
-                (_, (metrics, model_state)), grads = grad_fn(state.params, model_state, micro, state.rng, state.step, i)
-                grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-                return (jax.tree.map(jnp.add, (metric_sum, grad_sum), (metrics, grads)), model_state), None
-
-            first = jax.tree.map(lambda x: x[:, 0], rows)
-            (_, (metrics, _)), grads = jax.eval_shape(grad_fn, state.params, per_device_state, first, state.rng,
-                                                      state.step, jnp.int32(0))
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (metrics, grads))
-            zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], param_shardings))
-            ((metric_sum, grad_sum), model_state), _ = jax.lax.scan(body, (zeros, per_device_state),
-                                                                    jnp.arange(grad_accum))
-            metrics, grads = jax.tree.map(lambda total: total / grad_accum, (metric_sum, grad_sum))
-        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        metrics, model_state, grads = grads_of(state.params, per_device_state, device_rows(batch, mesh, grad_accum),
+                                               state.rng, state.step)
         metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), metrics)
-        model_state = jax.tree.map(lambda x: jnp.mean(x, axis=0, dtype=x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact)
-                                   else x[0], model_state)
+        model_state = mean_model_state(model_state)
         if grad_norm:
             metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -170,7 +199,6 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state), metrics
 
     return jax.jit(step, donate_argnums=0)
-
 
 
 def check_mesh(mesh: Mesh) -> None:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxdp.mesh import replicate, replicated_sharding
 from jaxdp.moved import forwarder
-from jaxdp.step import fsdp, local_sgd, zero
+from jaxdp.step import fsdp, hsdp, local_sgd, zero
 from jaxdp.sync import exchange
 from jaxdp.sync.spec import StateLayout, SyncSpec
 
@@ -123,13 +123,15 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     DiLoCo: the outer state is one per fragment) to `make_train_step`.
 
     `shard_params=True` (ZeRO-3 / FSDP, jaxdp/step/fsdp.py): `params` and the optimizer state cut
-    over the devices, each leaf along its largest dimension the device count divides.
+    over the devices, each leaf along its largest dimension the device count divides (on the mesh
+    ("hosts", "local"): over "local", a whole copy per process). With compression or local steps the
+    rows of `state.sync` are one per worker (process), cut the same way (jaxdp/step/hsdp.py).
     """
     # The state does not depend on the strategy: check the other choices against the in-graph one
     # that can do everything (ring; int8 / int4 need its hops), make_train_step checks the strategy.
-    spec = SyncSpec(strategy="psum" if shard_params else "ring", compression=compression, sync_every=sync_every,
+    spec = SyncSpec(strategy="ring", compression=compression, sync_every=sync_every,
                     sync_fragments=sync_fragments, outer_tx=outer_tx, shard_optimizer=shard_optimizer,
-                    shard_params=shard_params)  # (shard_params: psum, XLA's collectives)
+                    shard_params=shard_params)
     spec.validate()  # the one table (jaxdp/sync/rules.py): local steps and shard_optimizer do not combine, ...
     if isinstance(rng, (int, np.integer)):
         rng = jax.random.PRNGKey(int(rng))
@@ -137,8 +139,12 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
         rng = jax.random.key_data(rng)
 
     params = fsdp.place(params, mesh) if shard_params else replicate(params, mesh)
-    per_device, shared = exchange.init_slot(compression, params, mesh)
-    if spec.local:
+    per_device, shared = (hsdp.init_slot if shard_params else exchange.init_slot)(compression, params, mesh)
+    if spec.local and shard_params:  # one replica per worker, cut over its devices (jaxdp/step/hsdp.py)
+        rows, outer = hsdp.init_local(params, tx, mesh, outer_tx)
+        per_device, shared = {**per_device, **rows}, {**shared, **outer}
+        opt_state = ()
+    elif spec.local:
         rows, outer = local_sgd.init_sync(params, tx, mesh, outer_tx, sync_fragments)
         per_device, shared = {**per_device, **rows}, {**shared, **outer}
         opt_state = ()

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp.step import delayed, fsdp, local_sgd, zero
+from jaxdp.step import delayed, fsdp, hsdp, local_sgd, zero
 from jaxdp.sync import host
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
@@ -167,8 +167,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
                          "through jaxdp.fit(..., sync_every=H, overlap=True)")
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    if spec.rule == "fsdp":  # (jaxdp/step/fsdp.py: one jit over sharded global arrays, from loss_fn itself)
-        jitted = fsdp.make_step(loss_fn, tx, mesh, stateful=stateful, grad_accum=grad_accum, grad_norm=grad_norm)
+    if spec.rule == "fsdp":  # one jit over sharded global arrays, from loss_fn itself
+        if spec.collective.name == "psum" and spec.codec is None and not spec.local:  # XLA's all-reduce across
+            jitted = fsdp.make_step(loss_fn, tx, mesh, stateful=stateful, grad_accum=grad_accum, grad_norm=grad_norm)
+        else:  # the strategy, the codec or local steps across workers (jaxdp/step/hsdp.py)
+            jitted = hsdp.make_step(loss_fn, tx, mesh, spec, stateful=stateful, grad_accum=grad_accum,
+                                    grad_norm=grad_norm)
         step = TrainStep(_bounded(jitted, mesh), jitted, tx, spec, local_grads)
     else:
         step = RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)

@@ -37,6 +37,11 @@ def abilities(strategy: Any) -> frozenset[str]:
                      if has is not None)
 
 
+def _family(compression: str | None) -> str | None:
+    """A codec spec's first word ("powersgd:4" -> "powersgd"), "auto", or None."""
+    return None if compression is None else compression.split(":")[0]
+
+
 def strategy_name(strategy: Any) -> str:
     """A strategy's name for messages: the registered name, a Collective's, or the function's."""
     if isinstance(strategy, str):
@@ -222,32 +227,34 @@ RULES: tuple[Rule, ...] = (
          f"--shard-optimizer needs an in-graph strategy (--strategy psum or ring): --strategy={{strategy}} does not "
          f"qualify ({_NO_HALVES})",
          f"shard_optimizer does not apply to strategy {{strategy!r}}: {_NO_HALVES}; use psum or ring", "strategy"),
-    # -- shard_params (ZeRO-3 / FSDP, jaxdp/step/fsdp.py): what it does not combine with, yet
+    # -- shard_params (ZeRO-3 / FSDP inside a worker, jaxdp/step/fsdp.py; across workers jaxdp/step/hsdp.py)
     Rule("params-zero", lambda c: c.shard_params and c.shard_optimizer,
          "--shard-params does not combine with --shard-optimizer: shard_params already shards the optimizer state "
          "(it includes ZeRO-1); drop one of them",
          "shard_params does not combine with shard_optimizer: shard_params already shards the optimizer state (it "
          "includes ZeRO-1); drop one of them", "shard_optimizer"),
-    Rule("params-strategy", lambda c: c.shard_params and c.strategy != "psum",
-         "--shard-params does not combine with --strategy={strategy}: XLA inserts shard_params' all-gathers and "
-         "reduce-scatters itself, so the strategy must be psum; drop one of them",
-         "shard_params does not combine with strategy {strategy!r}: XLA inserts its all-gathers and reduce-scatters "
-         "itself, so the strategy must be psum", "strategy"),
-    Rule("params-compression", lambda c: c.shard_params and c.compression is not None,
-         "--shard-params does not combine with --compression: compression needs the whole averaged gradient on every "
-         "device; drop one of them",
-         "shard_params does not combine with compression: compression needs the whole averaged gradient on every "
-         "device", "compression"),
+    Rule("params-strategy", lambda c: c.shard_params and not c.in_graph,
+         "--shard-params does not combine with --strategy={strategy}: the sharded step is one XLA program, so the "
+         "strategy across processes must be in-graph (psum or ring); drop one of them",
+         "shard_params does not combine with strategy {strategy!r}: the sharded step is one XLA program, so the "
+         "strategy across workers must be in-graph (psum or ring)", "strategy"),
+    Rule("params-compression", lambda c: c.shard_params and _family(c.compression) in ("powersgd", "topk", AUTO),
+         "--shard-params does not combine with --compression={compression}: each device holds a slice of every "
+         "matrix, and {compression} needs whole ones (low-rank factors, indices over a whole leaf; auto may choose "
+         "them); use bf16, int8 or int4",
+         "shard_params does not combine with compression {compression!r}: each device holds a slice of every "
+         "matrix, and it needs whole ones (low-rank factors, indices over a whole leaf; auto may choose them); use "
+         "bf16, int8 or int4", "compression"),
     Rule("params-paced", lambda c: c.shard_params and c.sync_seconds is not None,
          "--shard-params does not combine with --sync-seconds: every device keeps whole parameters in its rounds of "
          "local steps; drop one of them",
          "shard_params does not combine with sync_seconds: every device keeps whole parameters in its rounds of "
          "local steps", "sync_seconds"),
-    Rule("params-local", lambda c: c.shard_params and c.local,
-         "--shard-params does not combine with --sync-every: local steps keep a whole replica of the parameters on "
-         "every device; drop one of them",
-         "shard_params does not combine with local steps (sync_every): each keeps a whole replica of the parameters "
-         "on every device", "sync_every"),
+    Rule("params-local", lambda c: c.shard_params and (c.sync_every == AUTO or c.sync_fragments > 1),
+         "--shard-params with local steps needs a fixed --sync-every and no --sync-fragments (one replica per "
+         "process, synchronised whole); pass --sync-every N",
+         "shard_params with local steps needs a fixed sync_every and sync_fragments=1 (one replica per worker, "
+         "synchronised whole)", "sync_every"),
     Rule("params-overlap", lambda c: c.shard_params and c.overlap,
          "--shard-params does not combine with --overlap: overlap applies each whole averaged gradient one step late; "
          "drop one of them",

@@ -3,7 +3,7 @@
     spec = SyncSpec(strategy="ring", compression="powersgd:4")
     spec.validate()                 # InputError naming the first rule of jaxdp/sync/rules.py the choices break
     spec.collective, spec.codec     # the Collective and the codec (a Compressor, or None), resolved once
-    spec.rule                       # "replicated" | "local" | "sharded" | "host" | "delayed": the update rule
+    spec.rule                       # "replicated" | "local" | "sharded" | "host" | "delayed" | "fsdp": the update rule
     spec.layout()                   # StateLayout: what init_state builds and the step expects
 
 Five axes, each with one owner:
@@ -15,7 +15,7 @@ Five axes, each with one owner:
 | sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/step/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/step/zero.py |
 | overlap | every step's all-reduce overlapped with the next step (with local steps: step/rounds.py's rounds) | step/delayed.py |
-| shard_params | ZeRO-3 / FSDP: parameters, gradients, optimizer state sharded; XLA's collectives | jaxdp/step/fsdp.py |
+| shard_params | ZeRO-3 / FSDP inside a worker (the other axes across) | step/fsdp.py, step/hsdp.py |
 
 Which choices combine is jaxdp/sync/rules.py's table, and only there: `validate` asks it in keyword
 terms, the command line (`rules.check_config`) in flag terms. Nothing here imports JAX until a
@@ -51,7 +51,8 @@ def check_sync_every(sync_every: Any, sync_fragments: Any = 1) -> int:
 class StateLayout:
     """What a TrainState holds besides params, as the step compares it (a static tag of the state).
 
-    rule:        "replicated" (also the host rule's state), "local" or "sharded".
+    rule:        "replicated" (also the host rule's state), "local", "sharded", "fsdp" or
+                 "fsdp-local" (shard_params with local steps: jaxdp/step/hsdp.py).
     fragments:   local steps: one outer optimizer state per fragment.
     compression: what the compression slot of `state.sync` was made for: None (no slot), "auto"
                  (one slot serving every candidate), or a codec's `state_name` (PowerSGD's rank).
@@ -66,9 +67,11 @@ class StateLayout:
         differs, in words that say which argument to pass to both init_state and make_train_step."""
         if self.rule != wanted.rule:
             names = {"local": "local steps (sync_every > 1 or an outer_tx)", "sharded": "shard_optimizer=True",
-                     "replicated": "neither local steps nor shard_optimizer", "fsdp": "shard_params=True"}
-            what = "shard_optimizer" if "sharded" in (self.rule, wanted.rule) else \
-                "shard_params" if "fsdp" in (self.rule, wanted.rule) else "sync_every and outer_tx"
+                     "replicated": "neither local steps nor shard_optimizer", "fsdp": "shard_params=True",
+                     "fsdp-local": "shard_params=True with local steps"}
+            both = {self.rule, wanted.rule}
+            what = "shard_optimizer" if "sharded" in both else "sync_every and outer_tx" if both in (
+                {"fsdp", "fsdp-local"}, {"local", "replicated"}) else "shard_params"
             return (f"this state was made by init_state for {names[self.rule]} but the step for {names[wanted.rule]}; "
                     f"pass the same {what} to init_state and make_train_step")
         if self.fragments != wanted.fragments:
@@ -108,16 +111,17 @@ class SyncSpec:
 
     @property
     def rule(self) -> str:
-        """The update rule: "host" (an on-host strategy), "local" (local steps), "sharded" (ZeRO-1)
-        or "replicated" (every device applies the same update to replicated state)."""
+        """The update rule: "host" (an on-host strategy), "fsdp" (shard_params, every step or local
+        steps), "local" (local steps), "delayed" (overlap), "sharded" (ZeRO-1) or "replicated"
+        (every device applies the same update to replicated state)."""
         if "host" in self.abilities:
             return "host"
+        if self.shard_params:  # every step or local steps (jaxdp/step/fsdp.py, jaxdp/step/hsdp.py)
+            return "fsdp"
         if self.local:
             return "local"
         if self.overlap:
             return "delayed"
-        if self.shard_params:
-            return "fsdp"
         return "sharded" if self.shard_optimizer else "replicated"
 
     def validate(self, **more: Any) -> "SyncSpec":
@@ -158,6 +162,8 @@ class SyncSpec:
     def layout(self) -> StateLayout:
         """The StateLayout of a state made for this spec (the host rule keeps a replicated state)."""
         rule = "replicated" if self.rule in ("host", "delayed") else self.rule  # (delayed: a slot the step adds)
+        if rule == "fsdp" and self.local:  # (jaxdp/step/hsdp.py: one replica per worker)
+            rule = "fsdp-local"
         codec = self.codec_name()
         if codec is not None and codec != AUTO:  # the codec's slot: None for one that keeps no state
             codec = self.codec.state_name

@@ -1,0 +1,243 @@
+"""`shard_params=True` with jaxdp's own sync across workers (hybrid sharding, HSDP): the state cut
+over each worker's devices (jaxdp/step/fsdp.py), and between workers the ring, compression or local
+steps, as without `shard_params`.
+
+    mesh = jaxdp.make_mesh(axis_name=("hosts", "local"))            # one row of devices per process
+    state = init_state(params, tx, mesh, shard_params=True, compression="int8", sync_every=8)
+    step = make_train_step(loss_fn, tx, mesh, "ring", shard_params=True, compression="int8", sync_every=8)
+
+A worker is one process (a "hosts" row of the mesh; one worker on a one-axis mesh). Inside it, the
+gradient is fsdp.py's: parameters gathered by XLA, the mean over the worker's devices
+reduce-scattered into each device's slice. The step computes every worker's gradient at once, as
+a `jax.vmap` over "hosts" with `spmd_axis_name="hosts"` (each row of the mesh computes its own
+worker's), so a gradient is `[workers, *leaf]`, cut over ("hosts", the leaf's local cut). Across
+workers it goes through the exchange of the step's strategy and codec (jaxdp/sync/exchange.py) in a
+`shard_map` over the whole mesh: device (h, l) holds worker h's slice l and averages it over "hosts"
+with the devices (h', l), so the ring's hops, int8's requantization and error feedback all run on
+1/L of the model per device, exactly as they would on a whole replica. One worker: nothing crosses,
+the exchange is skipped (the codec too: there is nobody to send to).
+
+Every step: the mean over workers of their gradients, then the optimizer on each device's slice.
+With psum and no codec, fsdp.py's one-program step does the same through XLA's all-reduce (that is
+the step used there).
+
+Local steps (DiLoCo): the replica is the worker, not the device. `state.sync.per_device["local_sgd"]`
+holds each worker's parameters and inner optimizer state, one row per worker (`[workers, *leaf]`,
+cut like the gradients); every `sync_every` steps the pseudo-gradients (global - replica) are
+averaged through the exchange and `outer_tx` updates the global parameters, which the replicas
+restart from (local_sgd.py's rule, on slices). The outer state has local_sgd.py's tree (one state
+over {leaf name: leaf}), cut like the parameters. So a checkpoint moves between this layout and
+local_sgd.py's: rows of another count become their mean (jaxdp/checkpoint/portable.py).
+
+Compression's slot is the same as without `shard_params` but for its rows: one per worker, cut like
+the gradients (each device keeps the error feedback of its own slice). Codecs with factors shared
+by the whole matrix (PowerSGD) or a choice of indices over a whole leaf (top-k) are refused
+(jaxdp/sync/rules.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp.mesh import replicated_sharding
+from jaxdp.step import fsdp
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
+from jaxdp.sync.codecs.base import SLOT, bytes_sent
+from jaxdp.sync.codecs.plain import NoCompression
+from jaxdp.sync.exchange import leaf_names, make_exchange, slot_state
+
+WORKERS = "_workers"  # the vmap axis of the workers on a one-axis mesh (one worker; no mesh axis of its own)
+
+
+def across(mesh: Mesh) -> tuple[str | None, int]:
+    """The mesh axis between workers and how many there are: "hosts" of the two-axis mesh, or
+    (None, 1) on a one-axis mesh (one worker)."""
+    if len(mesh.axis_names) == 1:
+        return None, 1
+    name = mesh.axis_names[0]
+    return name, mesh.shape[name]
+
+
+def row_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
+    """A per-worker row `[workers, *shape]`: over "hosts", then the leaf's own cut (fsdp.spec_for)."""
+    name, _ = across(mesh)
+    axis, n = fsdp.within(mesh)
+    return P(name, *fsdp.spec_for(tuple(shape), n, axis))
+
+
+def row_shardings(tree: Any, mesh: Mesh) -> Any:
+    """A NamedSharding per `[workers, *leaf]` row of `tree`."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, row_spec(tuple(x.shape[1:]), mesh)), tree)
+
+
+def rows(tree: Any, mesh: Mesh) -> Any:
+    """Every leaf of `tree` (cut by fsdp.shardings) repeated once per worker, cut by `row_shardings`."""
+    _, count = across(mesh)
+    stacked = jax.eval_shape(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), t), tree)
+    return jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), t),
+                   out_shardings=row_shardings(stacked, mesh))(tree)
+
+
+def init_slot(compression: Any, params: Any, mesh: Mesh) -> tuple[dict, dict]:
+    """(per_device, shared) of a new state's `sync` for `compression`: the codec's error feedback,
+    one row per worker cut like the gradients; ({}, {}) for none."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    slot = slot_state(compression, abstract)
+    if not slot.error and not slot.q:
+        return {}, {}
+    error = rows(fsdp.place(jax.tree.map(np.asarray, jax.device_get(slot.error)), mesh), mesh)
+    return {SLOT: error}, {SLOT: slot.q}
+
+
+def init_local(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
+               outer_tx: optax.GradientTransformation | None) -> tuple[dict, dict]:
+    """(per_device, shared) entries for local steps: every worker's replica = `params` with a fresh
+    `tx` state (rows), the outer optimizer's state cut like the parameters (local_sgd.py's tree)."""
+    inner = fsdp.init_opt_state(params, tx, mesh)
+    outer = fsdp.init_opt_state(dict(zip(leaf_names(params), jax.tree.leaves(params))), default_outer(outer_tx), mesh)
+    return {STATE_NAME: rows({"params": params, "opt_state": inner}, mesh)}, {OUTER_NAME: (outer,)}
+
+
+def _slice_shapes(params: Any, mesh: Mesh) -> Any:
+    """One device's slice of every leaf (what the exchange averages there), as ShapeDtypeStructs."""
+    axis, n = fsdp.within(mesh)
+
+    def piece(x: Any) -> jax.ShapeDtypeStruct:
+        spec = fsdp.spec_for(tuple(x.shape), n, axis)
+        shape = tuple(s // n if i < len(spec) and spec[i] == axis else s for i, s in enumerate(x.shape))
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+
+    return jax.tree.map(piece, params)
+
+
+def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: Any, *, stateful: bool,
+              grad_accum: int, grad_norm: bool) -> Callable:
+    """The jitted step `(state, batch) -> (state, metrics)` (the old state donated) for `spec`
+    (a `jaxdp.sync.spec.SyncSpec` with shard_params): every step or local steps, through the
+    strategy's collective and the codec across workers."""
+    fsdp.check_mesh(mesh)
+    hosts, count = across(mesh)
+    inside, local = fsdp.within(mesh)
+    local_sgd = spec.local
+    codec = spec.codec if spec.codec is not None else (NoCompression() if local_sgd else None)
+    exchange = make_exchange(spec.collective, hosts, count, codec, pseudo_gradient=local_sgd) if count > 1 else None
+    grads_of = fsdp.gradients(loss_fn, mesh, (inside,), stateful=stateful, grad_accum=grad_accum)
+    whole = replicated_sharding(mesh)
+
+    def worker_grads(params: Any, model_state: Any, rows_: Any, rng: Any, step: Any) -> tuple:
+        return grads_of(params, model_state, rows_, rng, step)
+
+    def per_worker(fn: Callable, in_axes: tuple) -> Callable:
+        return jax.vmap(fn, in_axes=in_axes, axis_name=hosts or WORKERS, spmd_axis_name=hosts)
+
+    def mean_across(tree: Any, slot: dict, step: Any) -> tuple[Any, dict, dict]:
+        """`[workers, *leaf]` rows -> their mean, cut like the parameters, through the exchange."""
+        if exchange is None:
+            return jax.tree.map(lambda x: x[0], tree), slot, {}
+        tree_specs = jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), tree)
+        mean_specs = jax.tree.map(lambda x: fsdp.spec_for(tuple(x.shape[1:]), local, inside), tree)
+        slot_specs = {"per_device": jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), slot["per_device"]),
+                      "shared": jax.tree.map(lambda _: P(), slot["shared"])}
+
+        def device(tree: Any, slot: dict, step: Any) -> tuple[Any, dict, dict]:
+            from jaxdp.step.state import SyncState
+
+            sync = SyncState(per_device=slot["per_device"], shared=slot["shared"])
+            mean, _, _, sync, extra = exchange.mean(jax.tree.map(lambda x: x[0], tree), {}, {}, sync, step)
+            return mean, {"per_device": sync.per_device, "shared": sync.shared}, extra
+
+        return jax.shard_map(device, mesh=mesh, in_specs=(tree_specs, slot_specs, P()),
+                             out_specs=(mean_specs, slot_specs, P()), check_vma=False)(tree, slot, step)
+
+    def prepared(state: Any, batch: Any) -> tuple[Any, Any, dict]:
+        """The batch as [workers, local devices, grad_accum, r, ...], the model state per device, the codec's slot."""
+        rows_ = fsdp.device_rows(batch, mesh, grad_accum)
+        rows_ = jax.tree.map(lambda x: x.reshape(count, local, *x.shape[1:]), rows_)
+        model_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (count, local, *x.shape)), state.model_state)
+        slot = {"per_device": {k: v for k, v in state.sync.per_device.items() if k == SLOT},
+                "shared": {k: v for k, v in state.sync.shared.items() if k == SLOT}}
+        return rows_, model_state, slot
+
+    def finished(metrics: dict, model_state: Any) -> tuple[dict, Any]:
+        """Metrics and model state averaged over every device of every worker."""
+        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        metrics = jax.tree.map(lambda x: jnp.mean(flat(x), axis=0), metrics)
+        model_state = fsdp.mean_model_state(jax.tree.map(flat, model_state))
+        return metrics, jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
+
+    def with_slot(sync: Any, slot: dict) -> Any:
+        return sync.replace(per_device={**sync.per_device, **slot["per_device"]}, shared={**sync.shared, **slot["shared"]})
+
+    def every_step(state: Any, batch: Any) -> tuple[Any, dict]:
+        rows_, model_state, slot = prepared(state, batch)
+        metrics, model_state, grads = per_worker(worker_grads, (None, 0, 0, None, None))(
+            state.params, model_state, rows_, state.rng, state.step)
+        grads, slot, extra = mean_across(grads, slot, state.step)
+        metrics, model_state = finished(metrics, model_state)
+        metrics = {**metrics, **extra}
+        if grad_norm:
+            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates),
+                                                  fsdp.shardings(state.params, mesh))
+        opt_state = jax.lax.with_sharding_constraint(opt_state, fsdp.shardings(opt_state, mesh))
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+                             sync=with_slot(state.sync, slot)), metrics
+
+    outer_tx = default_outer(spec.outer_tx)
+    every = spec.sync_every
+
+    def local_steps(state: Any, batch: Any) -> tuple[Any, dict]:
+        rows_, model_state, slot = prepared(state, batch)
+        mine = state.sync.per_device[STATE_NAME]
+
+        def worker(replica: Any, inner: Any, model_state: Any, rows_: Any) -> tuple:
+            metrics, model_state, grads = grads_of(replica, model_state, rows_, state.rng, state.step)
+            metrics = {**metrics, "grad_norm": jnp.broadcast_to(optax.global_norm(grads), (local,))}
+            updates, inner = tx.update(grads, inner, replica)
+            return optax.apply_updates(replica, updates), inner, metrics, model_state
+
+        replica, inner, metrics, model_state = per_worker(worker, (0, 0, 0, 0))(
+            mine["params"], mine["opt_state"], model_state, rows_)
+        metrics, model_state = finished(metrics, model_state)
+        if not grad_norm:
+            metrics.pop("grad_norm")
+        step = state.step + 1
+        names = leaf_names(state.params)
+        treedef = jax.tree.structure(state.params)
+        (outer_state,) = state.sync.shared[OUTER_NAME]
+        sent = 0.0 if exchange is None else float(bytes_sent(exchange.payload_bytes(_slice_shapes(state.params, mesh)),
+                                                             count))
+
+        def synced() -> tuple:
+            delta = jax.tree.map(lambda g, r: g[None] - r, state.params, replica)  # each worker's pseudo-gradient
+            mean, new_slot, extra = mean_across(delta, slot, state.step)
+            before = dict(zip(names, jax.tree.leaves(state.params)))
+            updates, outer = outer_tx.update(dict(zip(names, jax.tree.leaves(mean))), outer_state, before)
+            params = jax.tree.unflatten(treedef, jax.tree.leaves(optax.apply_updates(before, updates)))
+            params = jax.lax.with_sharding_constraint(params, fsdp.shardings(state.params, mesh))
+            restart = jax.tree.map(lambda p: jnp.broadcast_to(p[None], (count, *p.shape)), params)
+            restart = jax.lax.with_sharding_constraint(restart, row_shardings(replica, mesh))
+            outer = jax.lax.with_sharding_constraint(outer, fsdp.shardings(outer, mesh))
+            return params, restart, outer, new_slot, {**extra, "synced": jnp.float32(1)}
+
+        shapes = jax.eval_shape(synced)[4]
+
+        def between() -> tuple:
+            return state.params, replica, outer_state, slot, {**{k: jnp.zeros(s.shape, s.dtype) for k, s in
+                                                                   shapes.items()}, "synced": jnp.float32(0)}
+
+        params, replica, outer, slot, extra = jax.lax.cond(step % every == 0, synced, between)
+        metrics = {**metrics, **extra, "comm_bytes_per_step": jnp.float32(sent / every)}
+        sync = with_slot(state.sync, slot)
+        sync = sync.replace(per_device={**sync.per_device, STATE_NAME: {"params": replica, "opt_state": inner}},
+                            shared={**sync.shared, OUTER_NAME: (outer,)})
+        return state.replace(step=step, params=params, model_state=model_state, sync=sync), metrics
+
+    return jax.jit(local_steps if local_sgd else every_step, donate_argnums=0)
