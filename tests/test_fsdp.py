@@ -202,7 +202,7 @@ def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_wo
     the model (a quarter of the bytes each), and local steps keep one replica per worker. A
     checkpoint of it resumes on the one-axis mesh of 8 devices (one worker: the rows' mean)."""
     mesh = sharded_mesh(devices, HOSTS_BY_LOCAL)
-    batches = gpt_batches(6)
+    batches = gpt_batches(5)
     tx = optax.sgd(0.5) if "compression" in sync and "sync_every" not in sync else adamw_clip()
     sharded, got = run_steps(mesh, strategy, True, batches, tx, **sync)
     reference = jaxdp.make_mesh(devices[:8] if sync == {} else devices[:2])  # (ring: the 8-device replicated run)
@@ -219,15 +219,13 @@ def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_wo
     if sync.get("sync_every"):
         replicas = sharded.sync.per_device["local_sgd"]["params"]
         assert all(x.shape[0] == 2 and x.sharding.spec[0] == "hosts" for x in jax.tree.leaves(replicas))
-        assert [g["synced"] for g in got] == [0, 0, 1, 0, 0, 1]
-        moved = jax.tree.map(lambda r, p: float(np.max(np.abs(np.asarray(r) - np.asarray(p)))), replicas,
-                             jax.tree.map(lambda p: np.asarray(p)[None], sharded.params))
-        assert max(jax.tree.leaves(moved)) == 0.0  # (the replicas restart from the new global parameters)
-    if "int8" in str(sync):  # the checkpoint resumes on one worker of 8 devices, sharded, and replicated
-        half, _ = run_steps(mesh, strategy, True, batches[:4], tx, **sync)
+        assert [g["synced"] for g in got] == [0, 0, 1, 0, 0]
+        apart = [float(np.max(np.abs(np.diff(np.asarray(r), axis=0)))) for r in jax.tree.leaves(replicas)]
+        assert min(apart) > 0  # two steps after the sync, each worker's replica has gone its own way
+    if "int8" in str(sync):  # its checkpoint resumes on one worker of 8 devices, sharded, and replicated
+        saved = jax.device_get(sharded.sync.per_device["local_sgd"]["params"])
         with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
-            ckpt.save(half)
-        saved = jax.device_get(half.sync.per_device["local_sgd"]["params"])
+            ckpt.save(sharded)
         for shard_params in (True, False):
             mesh8 = jaxdp.make_mesh(devices)
             with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
@@ -236,8 +234,8 @@ def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_wo
             assert_trees_close(jax.tree.map(lambda r: r[0], rows), jax.tree.map(lambda r: r.mean(axis=0), saved),
                                rtol=1e-6)
             step = jaxdp.make_train_step(gpt_loss, tx, mesh8, strategy, shard_params=shard_params, **sync)
-            state, metrics = step(state, jaxdp.shard_batch(batches[4], mesh8))
-            assert int(state.step) == 5 and np.isfinite(float(metrics["loss"]))
+            state, metrics = step(state, jaxdp.shard_batch(batches[0], mesh8))
+            assert int(state.step) == 6 and np.isfinite(float(metrics["loss"]))
 
 
 @pytest.mark.slow  # (about 160 s on a loaded 2-core machine: five runs of two compiled steps)
