@@ -192,7 +192,7 @@ def train(config: Config) -> Any:
                          outer_tx=None if config.sync_every == 1 and not config.sync_seconds else outer_tx,
                          sync_fragments=config.sync_fragments, sync_seconds=config.sync_seconds or None,
                          overlap=config.overlap, shard_optimizer=config.shard_optimizer, shard_params=config.shard_params,
-                         grad_accum=config.grad_accum,
+                         metrics_at_sync=config.metrics_at_sync, grad_accum=config.grad_accum,
                          comm_target=config.comm_target, compression_every=config.compression_every),
         evaluation=EvalOptions(fn=task.eval_fn, data=held_out, summarize=task.summarize, every=config.eval_every),
         checkpoint=CheckpointOptions(directory=config.checkpoint_dir, save_every=config.save_every, keep=config.keep,

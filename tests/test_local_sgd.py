@@ -23,7 +23,7 @@ DILOCO = lambda: optax.sgd(0.7, momentum=0.9, nesterov=True)  # noqa: E731
 
 def train_steps(mesh, tx, strategy="psum", steps=STEPS, **local):
     params, loss_fn = mlp_problem()
-    state = jaxdp.init_state(params, tx, mesh, **local)
+    state = jaxdp.init_state(params, tx, mesh, **{k: v for k, v in local.items() if k != "metrics_at_sync"})
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy=strategy, **local)
     losses, synced = [], []
     for batch in mlp_batches(steps):
@@ -311,3 +311,47 @@ def test_each_fragment_syncs_in_turn_every_h_over_f_steps(devices):
         full = full or float(metrics["comm_bytes_per_step"]) * 4
         assert 0 < float(metrics["comm_bytes"]) < full
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_metrics_at_sync_sends_nothing_between_syncs_and_changes_no_number(devices):
+    """metrics_at_sync=True: the same parameters bit for bit, the sync steps' metrics the same
+    average; between syncs a device's own metrics (device 0's replica: a one-device run on its rows,
+    in the first period before any sync), and fewer collectives in the program (the local branch's
+    riders are gone)."""
+    mesh = jaxdp.make_mesh(devices)
+    tx = optax.adam(1e-2)
+    kwargs = dict(steps=8, sync_every=4, outer_tx=DILOCO())
+    want_state, want, synced = train_steps(mesh, tx, "ring", **kwargs)
+    got_state, got, _ = train_steps(mesh, tx, "ring", metrics_at_sync=True, **kwargs)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(got_state.params), jax.device_get(want_state.params))
+    for i, flag in enumerate(synced):
+        if flag:
+            assert got[i] == want[i]
+    params, loss_fn = mlp_problem()  # device 0 alone on its eighth of each batch, steps 1-3
+    one = jaxdp.make_mesh(devices[:1])
+    state = jaxdp.init_state(params, tx, one, sync_every=4, outer_tx=DILOCO())
+    step = jaxdp.make_train_step(loss_fn, tx, one, sync_every=4, outer_tx=DILOCO())
+    for i, batch in enumerate(mlp_batches(3)):
+        rows = jax.tree.map(lambda x: x[: len(x) // 8], batch)
+        state, metrics = step(state, jaxdp.shard_batch(rows, one))
+        np.testing.assert_allclose(got[i], float(metrics["loss"]), rtol=1e-6)
+        assert got[i] != pytest.approx(want[i], rel=1e-4)  # (not the average over the devices)
+    batch = jaxdp.shard_batch(next(iter(mlp_batches(1))), mesh)
+
+    def collectives(at_sync):  # in the whole program: the sync branch's, and the local branch's riders unless at_sync
+        step = jaxdp.make_train_step(loss_fn, tx, mesh, "ring", sync_every=4, outer_tx=DILOCO(), metrics_at_sync=at_sync)
+        text = step.lower(jaxdp.init_state(params, tx, mesh, sync_every=4, outer_tx=DILOCO()), batch).as_text()
+        return sum(text.count(op) for op in ("all_reduce", "collective_permute", "all_gather", "reduce_scatter"))
+
+    assert 0 < collectives(True) < collectives(False)
+
+
+def test_metrics_at_sync_needs_local_steps_and_no_float_state():
+    from jaxdp.config import ConfigError
+    from jaxdp.sync.rules import check_config
+
+    for flags, message in ((["--metrics-at-sync"], "needs local steps"),
+                           (["--metrics-at-sync", "--sync-every", "auto"], "needs local steps with a fixed"),
+                           (["--metrics-at-sync", "--sync-every", "4", "--overlap"], "does not combine with --overlap")):
+        with pytest.raises(ConfigError, match=message):
+            check_config(parse_args(flags))

@@ -113,6 +113,9 @@ EXAMPLES = {
     "params-paced": dict(shard_params=True, sync_seconds=2.0),
     "params-local": dict(shard_params=True, sync_every=4, sync_fragments=2),
     "params-overlap": dict(shard_params=True, overlap=True),
+    "metrics-local": dict(metrics_at_sync=True),
+    "metrics-others": dict(metrics_at_sync=True, sync_every=4, compression="auto"),
+    "metrics-state": dict(metrics_at_sync=True, sync_every=4, float_state=True),
     "fragments-auto": dict(sync_every="auto", sync_fragments=2),
     "fragments-divide": dict(sync_every=4, sync_fragments=3),
 }

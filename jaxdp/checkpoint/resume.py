@@ -35,7 +35,7 @@ from jaxdp.config import Config, is_corpus
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "schedule_steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
                          "shard_params", "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
-                         "attention", "model_path")
+                         "attention", "model_path", "metrics_at_sync")
 
 
 def resume_fields(config: Config) -> dict[str, Any]:

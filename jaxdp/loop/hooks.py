@@ -77,8 +77,11 @@ class NanWindow:
         self.pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked
         self.last: dict[str, Any] = {}          # the metrics of the last step checked, on the host
 
-    def add(self, step: int, metrics: Any) -> None:
-        self.pending.append((step, metrics))
+    def add(self, step: int, metrics: Any, checked: bool = True) -> None:
+        """`checked=False`: a step whose metrics are this process's own (local steps with
+        metrics_at_sync, between syncs): logged, but left to the next sync's check, which every
+        process shares, so that no process stops alone."""
+        self.pending.append((step, metrics if checked else _Unchecked(metrics)))
         if len(self.pending) >= MAX_PENDING_STEPS:  # a large log_every: memory stays bounded, the check exact
             self.check()
 
@@ -88,13 +91,21 @@ class NanWindow:
 
         from jaxdp.metrics import check_finite
 
-        host = jax.device_get(self.pending)  # host sync point
+        host = jax.device_get([(step, (metrics.metrics if isinstance(metrics, _Unchecked) else metrics))
+                               for step, metrics in self.pending])  # host sync point
+        checked = [not isinstance(metrics, _Unchecked) for _, metrics in self.pending]
         self.pending.clear()
-        for step, metrics in host:
-            check_finite(step, metrics)
+        for (step, metrics), check in zip(host, checked):
+            if check:
+                check_finite(step, metrics)
         if host:
             self.last = dict(host[-1][1])
         return dict(self.last)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unchecked:
+    metrics: Any
 
 
 @dataclasses.dataclass

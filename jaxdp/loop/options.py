@@ -31,6 +31,7 @@ class SyncOptions:
     overlap: bool = False               # the average runs while the next step (or round) computes
     shard_optimizer: bool = False       # ZeRO-1
     shard_params: bool = False          # ZeRO-3 / FSDP: parameters, gradients, optimizer state sharded (jaxdp/step/fsdp.py)
+    metrics_at_sync: bool = False       # local steps: the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
     grad_accum: int = 1                 # micro-batches per step
     comm_target: float = 0.25           # compression / sync_every "auto": the communication share to aim for
     compression_every: int = 500        # compression "auto": steps between the controller's re-decisions
@@ -92,7 +93,7 @@ GROUPS = {"sync": SyncOptions, "evaluation": EvalOptions, "checkpoint": Checkpoi
 # The flat keywords of before: old name -> (group, field)
 FLAT = {
     **{name: ("sync", name) for name in ("strategy", "compression", "sync_every", "outer_tx", "sync_fragments",
-                                         "sync_seconds", "overlap", "shard_optimizer", "shard_params", "grad_accum",
+                                         "sync_seconds", "overlap", "shard_optimizer", "shard_params", "metrics_at_sync", "grad_accum",
                                          "comm_target", "compression_every")},
     "eval_fn": ("evaluation", "fn"), "eval_data": ("evaluation", "data"), "summarize": ("evaluation", "summarize"),
     "eval_every": ("evaluation", "every"),

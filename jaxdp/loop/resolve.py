@@ -93,8 +93,9 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
     # Every sync choice, fit's own too, against the one table (jaxdp/sync/rules.py): InputError naming the first clash.
     syncspec.SyncSpec(strategy=sync.strategy, compression=None if compression == "none" else compression,
                       sync_every=sync_every, sync_fragments=sync.sync_fragments, shard_optimizer=sync.shard_optimizer,
-                      overlap=overlap).validate(sync_seconds=sync.sync_seconds, elastic=elastic is not None,
-                                                float_state=bool(exchange.float_leaves(model_state or {})[0]))
+                      overlap=overlap, shard_params=sync.shard_params, metrics_at_sync=sync.metrics_at_sync,
+                      ).validate(sync_seconds=sync.sync_seconds, elastic=elastic is not None,
+                                 float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
         check_paced(paced.FixedSteps(rounds_of), data, mesh, "overlap")
     elif sync.sync_seconds is not None:  # workers at their own pace (jaxdp/step/rounds.py)
@@ -140,7 +141,8 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     requested = syncspec.SyncSpec(strategy=sync.strategy, compression=None if compression == "none" else compression,
                                   sync_every=sync.sync_every, sync_fragments=sync.sync_fragments,
                                   outer_tx=plan.outer_tx, shard_optimizer=sync.shard_optimizer,
-                                  overlap=sync.overlap and sync.sync_every == 1, shard_params=sync.shard_params)
+                                  overlap=sync.overlap and sync.sync_every == 1, shard_params=sync.shard_params,
+                                  metrics_at_sync=sync.metrics_at_sync)
     if sync.shard_params:  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py): its refusals, before anything is built
         from jaxdp.step import fsdp
 
@@ -172,7 +174,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
                 loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=sync.grad_accum, grad_norm=True,
                 shard_optimizer=spec.shard_optimizer, compression=spec.compression, sync_every=spec.sync_every,
                 outer_tx=spec.outer_tx, sync_fragments=spec.sync_fragments, overlap=spec.overlap,
-                shard_params=spec.shard_params)
+                shard_params=spec.shard_params, metrics_at_sync=spec.metrics_at_sync)
         return plan.steps_by_spec[spec]
 
     plan.step_for = step_for

@@ -4,7 +4,8 @@ Every sync mode but the host-driven rounds runs here (those: jaxdp/loop/rounds.p
 compression (the controller's re-decisions are a hook), local steps, ZeRO-1, gradient accumulation,
 every-step overlap (the last step applies its own gradient too: nothing is left in flight; a step
 that applied nothing, the first with no gradient held, is neither logged nor checked; before every
-save the gradient in flight is checked too).
+save the gradient in flight is checked too), local steps' metrics averaged only at syncs (the NaN
+check at sync steps and, before a save, on the replicas).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def run_steps(loop: Loop) -> None:
     import numpy as np
 
     from jaxdp.data.prefetch import Prefetcher
-    from jaxdp.step import delayed
+    from jaxdp.step import delayed, local_sgd
 
     plan = loop.plan
     # every-step overlap: with no gradient held at the start (a new run, or one extended after its
@@ -34,6 +35,15 @@ def run_steps(loop: Loop) -> None:
         loop.state.sync.per_device[delayed.DELAYED_NAME]["held"].addressable_shards[0].data)[0])
     if loop.spec.overlap:
         loop.in_flight = delayed.check_in_flight
+    # --metrics-at-sync: between syncs a process's metrics are its own; only sync steps' are checked
+    # (every process the same), and before a save the replicas themselves (jaxdp/step/local_sgd.py).
+    period = loop.spec.sync_every // loop.spec.sync_fragments if loop.spec.metrics_at_sync else 1
+    if loop.spec.metrics_at_sync:
+        loop.in_flight = local_sgd.check_replicas
+
+    def shared(done: int) -> bool:
+        return done % period == 0
+
     hooks = periodic(loop, Hook(log_step, every=loop.options["logging"].every, at=("last",)))
     hooks.run(loop, "start")
     batches = Prefetcher(plan.batch_at, loop.start, plan.steps, depth=loop.options["run"].prefetch)
@@ -62,7 +72,7 @@ def run_steps(loop: Loop) -> None:
                 phantom = False
             plan.beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
             if not phantom:
-                loop.window.add(done, metrics)
+                loop.window.add(done, metrics, checked=shared(done))
             if step == loop.start:  # the first step compiles: time it apart, then start the clock
                 jax.block_until_ready(metrics)  # host sync point (once)
                 loop.writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted

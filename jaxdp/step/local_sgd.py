@@ -34,7 +34,13 @@ Where it lives in the TrainState:
 What is communicated between syncs: the scalar metrics (loss, aux, the gradient norm) and the float
 leaves of the model state (BatchNorm statistics, none for the MLP and GPT) are averaged over the
 devices in one tiny all-reduce every step, so the logged loss is the mean of the replicas' losses
-on their own slices and every process sees the same values (the NaN guard agrees). `grad_norm` is
+on their own slices and every process sees the same values (the NaN guard agrees). On a slow link
+that all-reduce is the only traffic between syncs, a round trip and about a kilobyte on the wire
+per step (measured: docs/slow-links.md): `metrics_at_sync=True` (`--metrics-at-sync`) averages the
+metrics only on sync steps, where they ride in the pseudo-gradient's own collective; between syncs
+each device returns its own (a process logs its first device's replica) and the command line's
+NaN check waits for the next sync, whose metrics every process shares (a replica that diverged
+makes the average, and so that sync's metrics, non-finite). Models with float state are refused. `grad_norm` is
 the mean over devices of each replica's own gradient norm. `comm_bytes` is what a device sent for
 the pseudo-gradient on this step (0 between syncs) and `comm_bytes_per_step` its average over a
 period.
@@ -135,16 +141,30 @@ def init_sync(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
     return {STATE_NAME: stack({"params": params, "opt_state": inner})}, {OUTER_NAME: outer}
 
 
+def check_replicas(state: Any, step: int) -> None:
+    """metrics_at_sync: raise jaxdp.metrics.Diverged if any device's replica holds a NaN or an
+    infinity. Between syncs a process sees only its own metrics, so before every save (a host sync
+    point; every process calls it at the same steps) the replicas a resume would continue from."""
+    from jaxdp.metrics import Diverged
+    from jaxdp.step.delayed import non_finite
+
+    value = float(jax.device_get(non_finite(state.sync.per_device[STATE_NAME]["params"])))  # host sync point
+    if value:
+        raise Diverged(step, "a replica of local steps", value)
+
+
 # ---------------------------------------------------------------------------------------------
 # The step (built by jaxdp.step.train_step.make_train_step when the state is local)
 # ---------------------------------------------------------------------------------------------
 
 
 def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, outer_tx: optax.GradientTransformation,
-                     exchange: Any, sync_every: int, sync_fragments: int, grad_norm: bool) -> Callable:
+                     exchange: Any, sync_every: int, sync_fragments: int, grad_norm: bool,
+                     metrics_at_sync: bool = False) -> Callable:
     """`(state, local batch) -> (state, metrics)` on one device, inside `shard_map`: `tx` on this
     device's replica, and every H steps the pseudo-gradient averaged through `exchange`
-    (jaxdp/sync/exchange.py) and applied by `outer_tx`."""
+    (jaxdp/sync/exchange.py) and applied by `outer_tx`. `metrics_at_sync`: between syncs the
+    metrics are this device's own (no riders' all-reduce: the model keeps no float state)."""
     outer_tx = default_outer(outer_tx)
     count, every = sync_fragments, sync_every // sync_fragments  # one fragment synchronised every `every` steps
 
@@ -198,8 +218,9 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         shapes = jax.eval_shape(lambda: synced(0))[1]
 
         def local() -> tuple[Any, dict]:
-            # A few scalars (and BatchNorm statistics), so every process logs the same values.
-            out, new_model_state = exchange.riders(metrics, model_state)
+            # A few scalars (and BatchNorm statistics), so every process logs the same values; with
+            # metrics_at_sync, nothing: each device's own (the rules refuse float model state).
+            out, new_model_state = (metrics, model_state) if metrics_at_sync else exchange.riders(metrics, model_state)
             out = {**{k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}, **out,
                    "comm_bytes_per_step": jnp.float32(wire / sync_every)}
             return state.replace(step=step, model_state=new_model_state, sync=rows(replica, state.sync)), out

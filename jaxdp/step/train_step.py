@@ -119,7 +119,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
                     grad_norm: bool = False, shard_optimizer: bool = False, compression: Any = None,
                     sync_every: int = 1, outer_tx: optax.GradientTransformation | None = None,
                     sync_fragments: int = 1, schedule: Callable | None = None, overlap: bool = False,
-                    shard_params: bool = False) -> TrainStep:
+                    shard_params: bool = False, metrics_at_sync: bool = False) -> TrainStep:
     """A `TrainStep` `(state, batch) -> (state, metrics)` that compiles once per input shape.
 
     `grad_accum=K` splits each device's slice of the batch into K micro-batches, accumulates their
@@ -148,7 +148,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     parameters. Make the state with `init_state(..., sync_every=H, outer_tx=<the same>)`. `metrics`
     gains "synced" (1.0 on a sync step), "comm_bytes" and "comm_bytes_per_step". `sync_fragments=F`
     (Streaming DiLoCo) synchronises 1/F of the parameter arrays every H/F steps instead of all of
-    them every H steps.
+    them every H steps. `metrics_at_sync=True`: the scalar metrics are averaged over devices only on
+    sync steps (in the sync's collective); between syncs each device's own are returned, so nothing
+    else crosses between devices (each process reads its first device's).
 
     `overlap=True` (every-step training, jaxdp/step/delayed.py): each step's all-reduce runs while the next
     step computes its gradients, and the average is applied one step late, the same on every device.
@@ -161,7 +163,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     codec = codec_of(compression)  # ValueError for "auto": the controller decides it while training
     spec = SyncSpec(strategy=strategy, compression=codec, sync_every=sync_every, sync_fragments=sync_fragments,
                     outer_tx=outer_tx, shard_optimizer=shard_optimizer, overlap=overlap,
-                    shard_params=shard_params).validate()
+                    shard_params=shard_params, metrics_at_sync=metrics_at_sync).validate()
     if spec.rule == "local" and overlap:
         raise ValueError("make_train_step: overlap=True is every-step training; local steps overlap their rounds "
                          "through jaxdp.fit(..., sync_every=H, overlap=True)")
@@ -213,7 +215,7 @@ def _local(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, 
     exchange = make_exchange(spec.collective, data_axes(mesh), mesh.size, spec.codec or NoCompression(),
                              pseudo_gradient=True)
     device_step = local_sgd.make_device_step(local_grads, tx, spec.outer_tx, exchange, spec.sync_every,
-                                             spec.sync_fragments, grad_norm)
+                                             spec.sync_fragments, grad_norm, metrics_at_sync=spec.metrics_at_sync)
     return _in_graph(device_step, mesh, tx, spec, local_grads)
 
 

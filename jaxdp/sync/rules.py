@@ -66,6 +66,7 @@ class Choices:
     elastic: bool = False
     float_state: bool = False          # the model keeps float state (BatchNorm statistics)
     shard_params: bool = False         # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
+    metrics_at_sync: bool = False      # local steps: the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
 
     @property
     def local(self) -> bool:
@@ -83,7 +84,8 @@ class Choices:
                    needs="sum" if name in (None, AUTO) else codecs.needs(spec.compression),
                    sync_every=spec.sync_every, sync_fragments=spec.sync_fragments, outer=spec.outer_tx is not None,
                    shard_optimizer=spec.shard_optimizer, overlap=spec.overlap,
-                   shard_params=getattr(spec, "shard_params", False), **more)
+                   shard_params=getattr(spec, "shard_params", False),
+                   metrics_at_sync=getattr(spec, "metrics_at_sync", False), **more)
 
     @classmethod
     def from_config(cls, config: Any, environ: Any = None) -> "Choices":
@@ -105,6 +107,7 @@ class Choices:
                    sync_every=config.sync_every, sync_fragments=config.sync_fragments,
                    sync_seconds=config.sync_seconds or None, shard_optimizer=config.shard_optimizer,
                    overlap=config.overlap, shard_params=getattr(config, "shard_params", False),
+                   metrics_at_sync=getattr(config, "metrics_at_sync", False),
                    elastic=bool((os.environ if environ is None else environ).get(ELASTIC_ENV)))
 
 
@@ -260,6 +263,23 @@ RULES: tuple[Rule, ...] = (
          "drop one of them",
          "shard_params does not combine with overlap: it applies each whole averaged gradient one step late",
          "overlap"),
+    # -- the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
+    Rule("metrics-local", lambda c: c.metrics_at_sync and (not c.local or c.sync_every == AUTO
+                                                           or c.sync_seconds is not None),
+         "--metrics-at-sync needs local steps with a fixed --sync-every N (no --sync-seconds): between syncs nothing "
+         "else crosses the link",
+         "metrics_at_sync needs local steps with a fixed sync_every (no sync_seconds)", "metrics_at_sync"),
+    Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.elastic or c.shard_params
+                                                            or c.compression == AUTO),
+         "--metrics-at-sync does not combine with --overlap, --shard-params, --compression auto or an elastic run "
+         "(each reads or sends the averaged scalars every step); drop one of them",
+         "metrics_at_sync does not combine with overlap, shard_params, compression 'auto' or an elastic run (each "
+         "reads or sends the averaged scalars every step)", "metrics_at_sync"),
+    Rule("metrics-state", lambda c: c.metrics_at_sync and c.float_state,
+         "--metrics-at-sync does not combine with a model that keeps float state (BatchNorm statistics): they are "
+         "averaged over devices every step; drop --metrics-at-sync",
+         "metrics_at_sync does not combine with a model that keeps float state (BatchNorm statistics): they are "
+         "averaged over devices every step", "metrics_at_sync"),
     # -- Streaming DiLoCo's fragments (jaxdp/step/local_sgd.py)
     Rule("fragments-auto", lambda c: c.sync_every == AUTO and c.sync_fragments > 1,
          "--sync-fragments={sync_fragments} needs a fixed --sync-every that it divides, not auto (which may choose 1, "

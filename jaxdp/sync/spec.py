@@ -12,7 +12,7 @@ Five axes, each with one owner:
 |---|---|---|
 | strategy | a name in STRATEGIES, a `Collective`, or a bare `fn(tree, axis)` | sync/collectives.py, sync/host.py |
 | compression | None, "auto", a codec name ("bf16", "int8", "powersgd:4") or a codec | sync/codecs/ (the table and one file per family) |
-| sync_every, sync_fragments, outer_tx | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/step/local_sgd.py |
+| sync_every, sync_fragments, outer_tx, metrics_at_sync | local steps (DiLoCo, Streaming DiLoCo) | jaxdp/step/local_sgd.py |
 | shard_optimizer | ZeRO-1 | jaxdp/step/zero.py |
 | overlap | every step's all-reduce overlapped with the next step (with local steps: step/rounds.py's rounds) | step/delayed.py |
 | shard_params | ZeRO-3 / FSDP inside a worker (the other axes across) | step/fsdp.py, step/hsdp.py |
@@ -96,6 +96,7 @@ class SyncSpec:
     shard_optimizer: bool = False
     overlap: bool = False  # every-step training: the all-reduce overlaps the next step (jaxdp/step/delayed.py)
     shard_params: bool = False  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
+    metrics_at_sync: bool = False  # local steps: the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
 
     def replace(self, **changes: Any) -> "SyncSpec":
         return dataclasses.replace(self, **changes)
@@ -176,5 +177,6 @@ def from_config(config: Any, outer_tx: Any = None) -> SyncSpec:
     return SyncSpec(strategy=config.strategy, compression=None if config.compression == "none" else config.compression,
                     sync_every=config.sync_every, sync_fragments=config.sync_fragments,
                     outer_tx=None if config.sync_every == 1 else outer_tx, shard_optimizer=config.shard_optimizer,
-                    shard_params=getattr(config, "shard_params", False))
+                    shard_params=getattr(config, "shard_params", False),
+                    metrics_at_sync=getattr(config, "metrics_at_sync", False))
 
