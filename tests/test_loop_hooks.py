@@ -100,3 +100,20 @@ def test_a_preempted_fit_in_a_notebook_gives_the_stop_signals_back(devices, tmp_
                        logging=jaxdp.LogOptions(progress=False))
     assert result.preempted and result.summary["step"] < 8, result.summary
     assert {s: signal.getsignal(s) for s in stop_signals} == before
+
+
+def test_with_metrics_at_sync_the_stop_check_waits_for_a_sync_step():
+    """The stop check is a collective: with --metrics-at-sync it runs only after sync steps (every
+    H / F), and on every step otherwise."""
+    from jaxdp.loop.hooks import stop_on_signal
+    from jaxdp.sync.spec import SyncSpec
+
+    for spec, asked in ((SyncSpec(sync_every=8, sync_fragments=2, metrics_at_sync=True), [4, 8, 12]),
+                        (SyncSpec(sync_every=8), list(range(1, 13)))):
+        calls = []
+        preemption = types.SimpleNamespace(should_stop=lambda state: calls.append(loop.done) or False)
+        loop = types.SimpleNamespace(spec=spec, steps=100, state=None, preemption=preemption, stop=False, done=0)
+        for done in range(1, 13):
+            loop.done = done
+            stop_on_signal(loop)
+        assert calls == asked and not loop.stop

@@ -203,7 +203,11 @@ def save_now(loop: Loop) -> None:
 
 
 def stop_on_signal(loop: Loop) -> None:
-    """Multi-process: a tiny all-reduce, so every process stops after the same step."""
+    """Multi-process: a tiny all-reduce, so every process stops after the same step (with
+    --metrics-at-sync only after sync steps: nothing else crosses the link between them)."""
+    spec = loop.spec
+    if spec is not None and spec.metrics_at_sync and loop.done % (spec.sync_every // spec.sync_fragments):
+        return
     if loop.done < loop.steps and loop.preemption.should_stop(loop.state):
         loop.saveable()
         loop.stop = True
