@@ -111,7 +111,7 @@ EXAMPLES = {
     "params-strategy": dict(strategy="host", shard_params=True),
     "params-compression": dict(shard_params=True, compression="powersgd:4"),
     "params-paced": dict(shard_params=True, sync_seconds=2.0),
-    "params-local": dict(shard_params=True, sync_every=4, sync_fragments=2),
+    "params-local": dict(shard_params=True, sync_every="auto"),
     "params-overlap": dict(shard_params=True, overlap=True),
     "metrics-local": dict(metrics_at_sync=True),
     "metrics-others": dict(metrics_at_sync=True, sync_every=4, compression="auto"),

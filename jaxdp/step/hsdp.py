@@ -25,7 +25,8 @@ Local steps (DiLoCo): the replica is the worker, not the device. `state.sync.per
 holds each worker's parameters and inner optimizer state, one row per worker (`[workers, *leaf]`,
 cut like the gradients); every `sync_every` steps the pseudo-gradients (global - replica) are
 averaged through the exchange and `outer_tx` updates the global parameters, which the replicas
-restart from (local_sgd.py's rule, on slices). The outer state has local_sgd.py's tree (one state
+restart from (local_sgd.py's rule, on slices; with `sync_fragments`, one fragment every
+sync_every / F steps in turn). The outer state has local_sgd.py's tree (one state per fragment,
 over {leaf name: leaf}), cut like the parameters. So a checkpoint moves between this layout and
 local_sgd.py's: rows of another count become their mean (jaxdp/checkpoint/portable.py).
 
@@ -47,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.mesh import replicated_sharding
 from jaxdp.step import fsdp
-from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer, fragments
 from jaxdp.sync.codecs.base import SLOT, bytes_sent
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import leaf_names, make_exchange, slot_state
@@ -96,12 +97,15 @@ def init_slot(compression: Any, params: Any, mesh: Mesh) -> tuple[dict, dict]:
 
 
 def init_local(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
-               outer_tx: optax.GradientTransformation | None) -> tuple[dict, dict]:
+               outer_tx: optax.GradientTransformation | None, sync_fragments: int = 1) -> tuple[dict, dict]:
     """(per_device, shared) entries for local steps: every worker's replica = `params` with a fresh
-    `tx` state (rows), the outer optimizer's state cut like the parameters (local_sgd.py's tree)."""
+    `tx` state (rows), the outer optimizer's state cut like the parameters, one per fragment, each
+    over {leaf name: leaf} of its fragment (local_sgd.py's tree)."""
     inner = fsdp.init_opt_state(params, tx, mesh)
-    outer = fsdp.init_opt_state(dict(zip(leaf_names(params), jax.tree.leaves(params))), default_outer(outer_tx), mesh)
-    return {STATE_NAME: rows({"params": params, "opt_state": inner}, mesh)}, {OUTER_NAME: (outer,)}
+    leaves, names = jax.tree.leaves(params), leaf_names(params)
+    outer = tuple(fsdp.init_opt_state({names[i]: leaves[i] for i in group}, default_outer(outer_tx), mesh)
+                  for group in fragments(params, sync_fragments))
+    return {STATE_NAME: rows({"params": params, "opt_state": inner}, mesh)}, {OUTER_NAME: outer}
 
 
 def _slice_shapes(params: Any, mesh: Mesh) -> Any:
@@ -124,14 +128,11 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
     fsdp.check_mesh(mesh)
     hosts, count = across(mesh)
     inside, local = fsdp.within(mesh)
-    local_sgd = spec.local
-    codec = spec.codec if spec.codec is not None else (NoCompression() if local_sgd else None)
-    exchange = make_exchange(spec.collective, hosts, count, codec, pseudo_gradient=local_sgd) if count > 1 else None
+    is_local = spec.local
+    codec = spec.codec if spec.codec is not None else (NoCompression() if is_local else None)
+    exchange = make_exchange(spec.collective, hosts, count, codec, pseudo_gradient=is_local) if count > 1 else None
     grads_of = fsdp.gradients(loss_fn, mesh, (inside,), stateful=stateful, grad_accum=grad_accum)
     whole = replicated_sharding(mesh)
-
-    def worker_grads(params: Any, model_state: Any, rows_: Any, rng: Any, step: Any) -> tuple:
-        return grads_of(params, model_state, rows_, rng, step)
 
     def per_worker(fn: Callable, in_axes: tuple) -> Callable:
         return jax.vmap(fn, in_axes=in_axes, axis_name=hosts or WORKERS, spmd_axis_name=hosts)
@@ -146,7 +147,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
                       "shared": jax.tree.map(lambda _: P(), slot["shared"])}
 
         def device(tree: Any, slot: dict, step: Any) -> tuple[Any, dict, dict]:
-            from jaxdp.step.state import SyncState
+            from jaxdp.step.state import SyncState  # (state.py imports this module)
 
             sync = SyncState(per_device=slot["per_device"], shared=slot["shared"])
             mean, _, _, sync, extra = exchange.mean(jax.tree.map(lambda x: x[0], tree), {}, {}, sync, step)
@@ -176,7 +177,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
 
     def every_step(state: Any, batch: Any) -> tuple[Any, dict]:
         rows_, model_state, slot = prepared(state, batch)
-        metrics, model_state, grads = per_worker(worker_grads, (None, 0, 0, None, None))(
+        metrics, model_state, grads = per_worker(grads_of, (None, 0, 0, None, None))(
             state.params, model_state, rows_, state.rng, state.step)
         grads, slot, extra = mean_across(grads, slot, state.step)
         metrics, model_state = finished(metrics, model_state)
@@ -191,7 +192,8 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
                              sync=with_slot(state.sync, slot)), metrics
 
     outer_tx = default_outer(spec.outer_tx)
-    every = spec.sync_every
+    every, count_fragments = spec.sync_every, spec.sync_fragments
+    period = every // count_fragments  # one fragment synchronised every `period` steps (Streaming DiLoCo)
 
     def local_steps(state: Any, batch: Any) -> tuple[Any, dict]:
         rows_, model_state, slot = prepared(state, batch)
@@ -210,34 +212,54 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
             metrics.pop("grad_norm")
         step = state.step + 1
         names = leaf_names(state.params)
-        treedef = jax.tree.structure(state.params)
-        (outer_state,) = state.sync.shared[OUTER_NAME]
-        sent = 0.0 if exchange is None else float(bytes_sent(exchange.payload_bytes(_slice_shapes(state.params, mesh)),
-                                                             count))
+        global_leaves, treedef = jax.tree.flatten(state.params)
+        replica_leaves = jax.tree.leaves(replica)
+        outer_states = state.sync.shared[OUTER_NAME]
+        if len(outer_states) != count_fragments:
+            raise ValueError(f"this state was made with sync_fragments={len(outer_states)} but the step with "
+                             f"sync_fragments={count_fragments}; pass the same to init_state and make_train_step")
+        groups = fragments(state.params, count_fragments)
 
-        def synced() -> tuple:
-            delta = jax.tree.map(lambda g, r: g[None] - r, state.params, replica)  # each worker's pseudo-gradient
+        def masked(leaves: list, group: list[int]) -> Any:  # the fragment's leaves, None elsewhere (same paths)
+            return jax.tree.unflatten(treedef, [leaves[i] if i in group else None for i in range(len(leaves))])
+
+        slices = jax.tree.leaves(_slice_shapes(state.params, mesh))
+        sent = 0.0 if exchange is None else float(sum(bytes_sent(exchange.payload_bytes(masked(slices, g)), count)
+                                                      for g in groups))
+
+        def synced(f: int) -> tuple:
+            group = groups[f]
+            # each worker's pseudo-gradient of fragment f: how far its replica moved from the global parameters
+            delta = masked([g[None] - r for g, r in zip(global_leaves, replica_leaves)], group)
             mean, new_slot, extra = mean_across(delta, slot, state.step)
-            before = dict(zip(names, jax.tree.leaves(state.params)))
-            updates, outer = outer_tx.update(dict(zip(names, jax.tree.leaves(mean))), outer_state, before)
-            params = jax.tree.unflatten(treedef, jax.tree.leaves(optax.apply_updates(before, updates)))
-            params = jax.lax.with_sharding_constraint(params, fsdp.shardings(state.params, mesh))
-            restart = jax.tree.map(lambda p: jnp.broadcast_to(p[None], (count, *p.shape)), params)
-            restart = jax.lax.with_sharding_constraint(restart, row_shardings(replica, mesh))
+            before = {names[i]: global_leaves[i] for i in group}
+            updates, outer = outer_tx.update(dict(zip(before, jax.tree.leaves(mean))), outer_states[f], before)
+            after = optax.apply_updates(before, updates)
+            new_global, new_replica = list(global_leaves), list(replica_leaves)
+            for i in group:  # the fragment's replicas restart from its new global parameters
+                new_global[i] = jax.lax.with_sharding_constraint(after[names[i]], fsdp.shardings(after[names[i]], mesh))
+                new_replica[i] = jax.lax.with_sharding_constraint(
+                    jnp.broadcast_to(new_global[i][None], (count, *new_global[i].shape)),
+                    row_shardings(replica_leaves[i], mesh))
             outer = jax.lax.with_sharding_constraint(outer, fsdp.shardings(outer, mesh))
-            return params, restart, outer, new_slot, {**extra, "synced": jnp.float32(1)}
+            shared = tuple(outer if k == f else o for k, o in enumerate(outer_states))
+            return (jax.tree.unflatten(treedef, new_global), jax.tree.unflatten(treedef, new_replica), shared, new_slot,
+                    {**extra, "synced": jnp.float32(1)})
 
-        shapes = jax.eval_shape(synced)[4]
+        shapes = jax.eval_shape(lambda: synced(0))[4]
 
         def between() -> tuple:
-            return state.params, replica, outer_state, slot, {**{k: jnp.zeros(s.shape, s.dtype) for k, s in
-                                                                   shapes.items()}, "synced": jnp.float32(0)}
+            return state.params, replica, outer_states, slot, {**{k: jnp.zeros(s.shape, s.dtype) for k, s in
+                                                                    shapes.items()}, "synced": jnp.float32(0)}
 
-        params, replica, outer, slot, extra = jax.lax.cond(step % every == 0, synced, between)
+        # Branch 0: between syncs; branch 1 + f: fragment f, on the steps with step % period == 0, in turn.
+        branch = jnp.where(step % period == 0, 1 + (step // period - 1) % count_fragments, 0)
+        params, replica, outer, slot, extra = jax.lax.switch(branch, [between, *(lambda f=f: synced(f)
+                                                                                 for f in range(count_fragments))])
         metrics = {**metrics, **extra, "comm_bytes_per_step": jnp.float32(sent / every)}
         sync = with_slot(state.sync, slot)
         sync = sync.replace(per_device={**sync.per_device, STATE_NAME: {"params": replica, "opt_state": inner}},
-                            shared={**sync.shared, OUTER_NAME: (outer,)})
+                            shared={**sync.shared, OUTER_NAME: outer})
         return state.replace(step=step, params=params, model_state=model_state, sync=sync), metrics
 
-    return jax.jit(local_steps if local_sgd else every_step, donate_argnums=0)
+    return jax.jit(local_steps if is_local else every_step, donate_argnums=0)

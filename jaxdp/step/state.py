@@ -141,7 +141,7 @@ def init_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh, *,
     params = fsdp.place(params, mesh) if shard_params else replicate(params, mesh)
     per_device, shared = (hsdp.init_slot if shard_params else exchange.init_slot)(compression, params, mesh)
     if spec.local and shard_params:  # one replica per worker, cut over its devices (jaxdp/step/hsdp.py)
-        rows, outer = hsdp.init_local(params, tx, mesh, outer_tx)
+        rows, outer = hsdp.init_local(params, tx, mesh, outer_tx, sync_fragments)
         per_device, shared = {**per_device, **rows}, {**shared, **outer}
         opt_state = ()
     elif spec.local:

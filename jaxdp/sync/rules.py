@@ -253,11 +253,11 @@ RULES: tuple[Rule, ...] = (
          "local steps; drop one of them",
          "shard_params does not combine with sync_seconds: every device keeps whole parameters in its rounds of "
          "local steps", "sync_seconds"),
-    Rule("params-local", lambda c: c.shard_params and (c.sync_every == AUTO or c.sync_fragments > 1),
-         "--shard-params with local steps needs a fixed --sync-every and no --sync-fragments (one replica per "
-         "process, synchronised whole); pass --sync-every N",
-         "shard_params with local steps needs a fixed sync_every and sync_fragments=1 (one replica per worker, "
-         "synchronised whole)", "sync_every"),
+    Rule("params-local", lambda c: c.shard_params and c.sync_every == AUTO,
+         "--shard-params with local steps needs a fixed --sync-every N, not auto (its measurement times the "
+         "replicated step); pass --sync-every N",
+         "shard_params with local steps needs a fixed sync_every, not auto (its measurement times the replicated "
+         "step)", "sync_every"),
     Rule("params-overlap", lambda c: c.shard_params and c.overlap,
          "--shard-params does not combine with --overlap: overlap applies each whole averaged gradient one step late; "
          "drop one of them",

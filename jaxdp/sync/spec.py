@@ -168,7 +168,8 @@ class SyncSpec:
         codec = self.codec_name()
         if codec is not None and codec != AUTO:  # the codec's slot: None for one that keeps no state
             codec = self.codec.state_name
-        return StateLayout(rule=rule, fragments=self.sync_fragments if rule == "local" else 1, compression=codec)
+        return StateLayout(rule=rule, fragments=self.sync_fragments if rule in ("local", "fsdp-local") else 1,
+                           compression=codec)
 
 
 def from_config(config: Any, outer_tx: Any = None) -> SyncSpec:
