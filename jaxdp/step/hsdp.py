@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp.mesh import replicated_sharding
 from jaxdp.step import fsdp
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer, fragments
-from jaxdp.sync.codecs.base import SLOT, bytes_sent
+from jaxdp.sync.codecs.base import SLOT, bytes_sent, only
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import leaf_names, make_exchange, slot_state
 
@@ -137,33 +137,29 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
     def per_worker(fn: Callable, in_axes: tuple) -> Callable:
         return jax.vmap(fn, in_axes=in_axes, axis_name=hosts or WORKERS, spmd_axis_name=hosts)
 
-    def mean_across(tree: Any, slot: dict, step: Any) -> tuple[Any, dict, dict]:
-        """`[workers, *leaf]` rows -> their mean, cut like the parameters, through the exchange."""
+    def mean_across(tree: Any, slot: Any, step: Any) -> tuple[Any, Any, dict]:
+        """`[workers, *leaf]` rows -> their mean, cut like the parameters, through the exchange
+        (`slot`: the SyncState holding the codec's slot alone)."""
         if exchange is None:
             return jax.tree.map(lambda x: x[0], tree), slot, {}
         tree_specs = jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), tree)
         mean_specs = jax.tree.map(lambda x: fsdp.spec_for(tuple(x.shape[1:]), local, inside), tree)
-        slot_specs = {"per_device": jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), slot["per_device"]),
-                      "shared": jax.tree.map(lambda _: P(), slot["shared"])}
+        slot_specs = slot.replace(per_device=jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), slot.per_device),
+                                  shared=jax.tree.map(lambda _: P(), slot.shared))
 
-        def device(tree: Any, slot: dict, step: Any) -> tuple[Any, dict, dict]:
-            from jaxdp.step.state import SyncState  # (state.py imports this module)
-
-            sync = SyncState(per_device=slot["per_device"], shared=slot["shared"])
-            mean, _, _, sync, extra = exchange.mean(jax.tree.map(lambda x: x[0], tree), {}, {}, sync, step)
-            return mean, {"per_device": sync.per_device, "shared": sync.shared}, extra
+        def device(tree: Any, slot: Any, step: Any) -> tuple[Any, Any, dict]:
+            mean, _, _, slot, extra = exchange.mean(jax.tree.map(lambda x: x[0], tree), {}, {}, slot, step)
+            return mean, slot, extra
 
         return jax.shard_map(device, mesh=mesh, in_specs=(tree_specs, slot_specs, P()),
                              out_specs=(mean_specs, slot_specs, P()), check_vma=False)(tree, slot, step)
 
-    def prepared(state: Any, batch: Any) -> tuple[Any, Any, dict]:
+    def prepared(state: Any, batch: Any) -> tuple[Any, Any, Any]:
         """The batch as [workers, local devices, grad_accum, r, ...], the model state per device, the codec's slot."""
         rows_ = fsdp.device_rows(batch, mesh, grad_accum)
         rows_ = jax.tree.map(lambda x: x.reshape(count, local, *x.shape[1:]), rows_)
         model_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (count, local, *x.shape)), state.model_state)
-        slot = {"per_device": {k: v for k, v in state.sync.per_device.items() if k == SLOT},
-                "shared": {k: v for k, v in state.sync.shared.items() if k == SLOT}}
-        return rows_, model_state, slot
+        return rows_, model_state, only(state.sync)
 
     def finished(metrics: dict, model_state: Any) -> tuple[dict, Any]:
         """Metrics and model state averaged over every device of every worker."""
@@ -172,8 +168,8 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         model_state = fsdp.mean_model_state(jax.tree.map(flat, model_state))
         return metrics, jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
 
-    def with_slot(sync: Any, slot: dict) -> Any:
-        return sync.replace(per_device={**sync.per_device, **slot["per_device"]}, shared={**sync.shared, **slot["shared"]})
+    def with_slot(sync: Any, slot: Any) -> Any:
+        return sync.replace(per_device={**sync.per_device, **slot.per_device}, shared={**sync.shared, **slot.shared})
 
     def every_step(state: Any, batch: Any) -> tuple[Any, dict]:
         rows_, model_state, slot = prepared(state, batch)
