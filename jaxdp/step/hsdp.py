@@ -80,9 +80,8 @@ def row_shardings(tree: Any, mesh: Mesh) -> Any:
 def rows(tree: Any, mesh: Mesh) -> Any:
     """Every leaf of `tree` (cut by fsdp.shardings) repeated once per worker, cut by `row_shardings`."""
     _, count = across(mesh)
-    stacked = jax.eval_shape(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), t), tree)
-    return jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), t),
-                   out_shardings=row_shardings(stacked, mesh))(tree)
+    stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (count, *x.shape)), t)  # noqa: E731
+    return jax.jit(stack, out_shardings=row_shardings(jax.eval_shape(stack, tree), mesh))(tree)
 
 
 def init_slot(compression: Any, params: Any, mesh: Mesh) -> tuple[dict, dict]:
