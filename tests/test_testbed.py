@@ -300,3 +300,24 @@ def test_plan_validate_predicts_each_variant_from_its_unshaped_run(tmp_path):
         assert r["bucket_steps_per_s"] >= r["predicted_steps_per_s"]
         assert r["error"] == pytest.approx(r["predicted_steps_per_s"] / r["measured_steps_per_s"] - 1)
     assert "median |error|" in proc.stdout
+
+
+def test_localsgd_takes_an_earlier_synchronous_run_only_of_the_same_training_flags(tmp_path):
+    """`--synchronous-from`: the synchronous row and its rate from an earlier JSON; one line (a
+    SystemExit) for a file without one, or one that ran other training flags."""
+    import json
+
+    from jaxdp.bench.localsgd import earlier_synchronous
+
+    flags = ["--model", "gpt", "--dataset", "corpus.txt", "--steps", "400"]
+    row = {"run": "synchronous", "curve": [[400, 12.5, 2.25]], "wire_bytes_per_step": 572857}
+    path = tmp_path / "sync.json"
+    path.write_text(json.dumps({"results": [row], "rate": "unshaped", "train_flags": flags}))
+    assert earlier_synchronous(str(path), flags) == (row, "unshaped")
+    with pytest.raises(SystemExit, match="ran other training flags"):
+        earlier_synchronous(str(path), [*flags[:-1], "800"])
+    path.write_text(json.dumps({"results": [{**row, "run": "H=16"}], "train_flags": flags}))
+    with pytest.raises(SystemExit, match="has no synchronous run"):
+        earlier_synchronous(str(path), flags)
+    with pytest.raises(SystemExit, match="--synchronous-from"):
+        earlier_synchronous(str(tmp_path / "missing.json"), flags)

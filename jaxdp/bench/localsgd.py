@@ -18,12 +18,15 @@ synchronous training. The default corpus is the checkout's own source, so its lo
 little whenever that source changes; give `--dataset` a fixed file to compare across commits.
 Bytes are as the link's counters saw them (`slowlink.Training.wire_bytes_per_step`: what each host
 sent per step, evaluations included, start-up not), and the ratio against the synchronous run's.
+On a link where the synchronous run would take hours (1 Mbit/s), `--synchronous-from` takes it
+from an earlier JSON of the same training flags (its losses and bytes do not depend on the link).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shlex
 import tempfile
@@ -54,9 +57,32 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dataset", help="text file (default: README.md and jaxdp/*.py, concatenated)")
     p.add_argument("--train-args", default=MODEL_FLAGS, help="model and optimizer flags of every run")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--synchronous-from", metavar="JSON",
+                   help="take the synchronous run from this earlier localsgd JSON instead of running it (on a link "
+                        "where it would take hours): it must have run the same training flags, --dataset included. "
+                        "Its held-out losses and bytes do not depend on the link, its time does: from another rate, "
+                        "time / sync is left out")
     p.add_argument("--json")
     p.add_argument("--plot", help="PNG of held-out loss against training time (needs matplotlib)")
     p.set_defaults(run=run)
+
+
+def earlier_synchronous(path: str, train_flags: list[str]) -> tuple[dict, str | None]:
+    """The synchronous row of an earlier localsgd JSON and the rate it ran at; SystemExit with one
+    line if it has none or ran other training flags."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"jaxdp.bench: localsgd: --synchronous-from {path}: {err}") from None
+    row = next((r for r in data.get("results", []) if r.get("run") == "synchronous"), None)
+    if row is None:
+        raise SystemExit(f"jaxdp.bench: localsgd: --synchronous-from {path}: it has no synchronous run")
+    if data.get("train_flags") != train_flags:
+        raise SystemExit(f"jaxdp.bench: localsgd: --synchronous-from {path}: it ran other training flags "
+                         f"({shlex.join(data.get('train_flags') or [])}); give the same --train-args, --dataset (a fixed "
+                         f"file, not the default copy of the source), --steps, --eval-every and --eval-batches")
+    return row, data.get("rate")
 
 
 def variant_run(sync_every: int, variant: str) -> tuple[str, list[str]]:
@@ -111,7 +137,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         base = [*shlex.split(args.train_args), "--dataset", dataset, "--steps", str(args.steps),
                 "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches), "--log-every", "10"]
         runs = [("synchronous", ["--sync-every", "1"])] + [variant_run(args.sync_every, v) for v in args.variants]
-        results = []
+        results, sync_rate = [], args.rate
+        if args.synchronous_from:  # its losses and bytes from the earlier run; its time only on the same link
+            earlier, sync_rate = earlier_synchronous(args.synchronous_from, base)
+            results, runs = [{**earlier, "from": args.synchronous_from}], runs[1:]
         with testbed.Testbed(num_hosts=2, rate=rate) as bed:
             for name, flags in runs:
                 training = slowlink.run_training(bed, [*base, *flags], timeout=args.timeout)
@@ -134,19 +163,22 @@ def run(args: argparse.Namespace) -> list[dict]:
         row["train_s"] = row["curve"][-1][1]
         row["loss_vs_sync"] = row["final_loss"] / sync_final
         row["step_to_target"], row["s_to_target"] = time_to(row["curve"], target)
-        row["time_vs_sync"] = None if row["s_to_target"] is None else row["s_to_target"] / sync_time
+        row["time_vs_sync"] = None if row["s_to_target"] is None or sync_rate != args.rate else \
+            row["s_to_target"] / sync_time
         wire, sync_wire = row["wire_bytes_per_step"], results[0]["wire_bytes_per_step"]
         row["fewer_bytes"] = sync_wire / wire if wire and sync_wire else None
         rates = row["steps_per_s"]
         row["median_steps_per_s"] = rates[len(rates) // 2] if rates else None
     print(f"2 processes x 1 device over a {args.rate} link; jaxdp.train {args.train_args} --steps {args.steps} "
-          f"--eval-every {args.eval_every}; target held-out loss {target:.4f} (synchronous final x {1 + args.margin:g})")
+          f"--eval-every {args.eval_every}; target held-out loss {target:.4f} (synchronous final x {1 + args.margin:g})"
+          + (f"; the synchronous run from {args.synchronous_from} (at {sync_rate})" if args.synchronous_from else ""))
     print_table(results, [("run", "run", "s"), ("sync_every", "auto H", "d"), ("median_steps_per_s", "steps/s", ".2f"),
                           ("train_s", "train s", ".1f"),
                           ("final_loss", "final loss", ".4f"), ("loss_vs_sync", "loss / sync", ".3f"),
                           ("s_to_target", "s to target", ".1f"), ("time_vs_sync", "time / sync", ".3f"),
                           ("wire_bytes_per_step", "wire B/step", ".0f"), ("fewer_bytes", "x fewer bytes", ".0f")])
-    write_json(args.json, results, rate=args.rate, target=target, margin=args.margin, train_flags=base)
+    write_json(args.json, results, rate=args.rate, target=target, margin=args.margin, train_flags=base,
+               synchronous_rate=sync_rate)
     if args.plot:
         plot(results, target, args.plot, f"2 processes over {args.rate}: held-out loss against training time")
     return results
