@@ -227,6 +227,7 @@ def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_wo
         saved = jax.device_get(sharded.sync.per_device["local_sgd"]["params"])
         with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
             ckpt.save(sharded)
+        assert_trees_close(jaxdp.load_params(str(tmp_path)), sharded.params, rtol=0, atol=0)  # whole, bit for bit
         for shard_params in (True, False):
             mesh8 = jaxdp.make_mesh(devices)
             with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
