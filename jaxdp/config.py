@@ -38,6 +38,8 @@ SYNC_AUTO = SAVE_AUTO = registry.AUTO  # --sync-every auto, --save-every auto (t
 RECORDED_BEFORE = {
     "head_bias": True,  # jaxdp's GPT had an output bias until --head-bias came (False now)
     "weight_decay_on": "all",  # adamw decayed every parameter until --weight-decay-on came (matrices now)
+    "muon_on": "all",  # --optimizer muon updated every 2-D leaf with Muon until --muon-on came (hidden now)
+    "muon_lr": 0.0,  # ... at --lr, with its Adam fallback, until --muon-lr came (0.02 now)
 }
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
@@ -100,6 +102,8 @@ class Config:
     momentum: float = _field(0.9, "optimisation", "momentum for --optimizer=momentum")
     weight_decay: float = _field(1e-4, "optimisation", "weight decay for --optimizer=adamw")
     weight_decay_on: str = _field("matrices", "optimisation", "which parameters --optimizer=adamw decays: matrices (and embeddings: every parameter of two or more dimensions, as nanoGPT; not biases or LayerNorm scales) or all (as jaxdp did before; checkpoints that record no --weight-decay-on resume with it)", choices_fixed=("matrices", "all"))
+    muon_lr: float = _field(0.02, "optimisation", "with --optimizer muon: the learning rate of Muon's matrices (--schedule's shape, at this peak); --lr is then the Adam fallback's (embeddings, head, biases, norms); 0: --lr for both (as jaxdp did before; checkpoints that record no --muon-lr resume with it)")
+    muon_on: str = _field("hidden", "optimisation", "with --optimizer muon: which parameters Muon updates: hidden (the hidden layers' weight matrices, the GPT's attention kernels as matrices too; embeddings and the head go to the Adam fallback, as Muon's authors and MuLoCo do) or all (every 2-D parameter, optax's default, as jaxdp did before; checkpoints that record no --muon-on resume with it)", choices_fixed=("hidden", "all"))
     seed: int = _field(0, "optimisation", "seed for parameters, data order and dropout")
 
     # -- distribution ---------------------------------------------------------------------------
@@ -145,7 +149,7 @@ class Config:
             raise ConfigError(f"--batch-size must be a positive integer, got {self.batch_size}")
         if self.steps < 0:
             raise ConfigError(f"--steps must be 0 or more, got {self.steps}")
-        for name in ("lr", "momentum", "weight_decay"):
+        for name in ("lr", "momentum", "weight_decay", "muon_lr"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 what = "a positive number" if name == "lr" else "a finite number >= 0"

@@ -159,8 +159,11 @@ def train(config: Config) -> Any:
             raise ConfigError(f"--warmup-steps={config.warmup_steps} must be smaller than the schedule's horizon, "
                               f"{horizon} steps (recorded by the checkpoint); give --schedule-steps")
         schedule = make_schedule(config.schedule, config.lr, horizon, config.warmup_steps, config.final_lr_fraction)
+        muon_lr = make_schedule(config.schedule, config.muon_lr, horizon, config.warmup_steps,
+                                config.final_lr_fraction) if config.muon_lr else None  # (--optimizer muon reads it)
         tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm,
-                            decay_matrices_only=config.weight_decay_on == "matrices" and not config.shard_optimizer)
+                            decay_matrices_only=config.weight_decay_on == "matrices" and not config.shard_optimizer,
+                            muon_lr=muon_lr, muon_on=config.muon_on)
         if config.optimizer == "adamw" and config.weight_decay_on == "matrices" and config.shard_optimizer \
                 and jax.process_index() == 0:
             print("jaxdp: --shard-optimizer: adamw decays every parameter (ZeRO-1's flat buffers cannot tell matrices "

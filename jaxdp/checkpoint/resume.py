@@ -35,7 +35,7 @@ from jaxdp.config import Config, is_corpus
 _RESUME_GROUPS = ("data", "model", "optimisation")
 _MAY_CHANGE_ON_RESUME = ("steps", "schedule_steps", "strategy", "shard_optimizer", "comm_target", "compression_every", "lr", "schedule",
                          "shard_params", "warmup_steps", "final_lr_fraction", "clip_norm", "sync_every", "outer_lr", "prefetch",
-                         "attention", "model_path", "metrics_at_sync")
+                         "attention", "model_path", "metrics_at_sync", "muon_lr")
 
 
 def resume_fields(config: Config) -> dict[str, Any]:
@@ -67,6 +67,8 @@ def _unused(config: Config) -> set[str]:
         unused.add("momentum")
     if config.optimizer != "adamw":
         unused |= {"weight_decay", "weight_decay_on"}
+    if config.optimizer != "muon":
+        unused |= {"muon_lr", "muon_on"}
     if config.model in ("mlp", "cnn"):  # their sizes are fixed (a --model MODULE:ATTR factory may read them)
         unused |= {"layers", "d_model", "heads", "seq_len", "vocab_size", "head_bias"}
     if config.sync_every == 1:

@@ -42,24 +42,58 @@ def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTra
     return optax.sgd(lr, momentum=momentum)
 
 
-def muon(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTransformation:
-    """Muon (optax.contrib.muon): momentum orthogonalised by Newton-Schulz for the 2-D weight
-    matrices, Adam (its usual fallback, the same lr) for every other leaf (biases, norms, 3-D kernels)."""
+def muon(lr: Any, momentum: float, weight_decay: float, *, muon_lr: Any = None, on: str = "all"
+         ) -> optax.GradientTransformation:
+    """Muon (optax.contrib.muon): momentum orthogonalised by Newton-Schulz for weight matrices, Adam
+    (its usual fallback, at `lr`) for every other leaf. `muon_lr`: the matrices' learning rate
+    (None: `lr`). `on`: which leaves are Muon's: "hidden" (`hidden_matrices`: the hidden layers'
+    kernels, the GPT's attention kernels as matrices too; embeddings, the head, biases and norms
+    Adam's, as Muon's authors and MuLoCo use it) or "all" (optax's default: every 2-D leaf)."""
     from optax import contrib
 
-    return contrib.muon(lr)
+    dims = hidden_matrices if on == "hidden" else None
+    return contrib.muon(lr if muon_lr is None else muon_lr, adam_learning_rate=None if muon_lr is None else lr,
+                        muon_weight_dimension_numbers=dims)
+
+
+def hidden_matrices(params: Any) -> Any:
+    """Muon's dimension numbers for `on="hidden"`: every 2-D `kernel` (a Dense layer's) but the head's
+    (a module named "head"), and jaxdp's GPT's attention kernels, `qkv_i` [d, 3, heads, head_dim]
+    (q, k and v each a [d, d] matrix) and `proj_i` [heads, head_dim, d]; None (Adam) elsewhere:
+    embeddings, biases, norms, convolutions."""
+    import jax
+    from optax.contrib import MuonDimensionNumbers as Dims
+
+    def dims(path: Any, x: Any) -> Any:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        module = keys[-2] if len(keys) > 1 else ""
+        if keys[-1] != "kernel" or module == "head":
+            return None
+        if x.ndim == 2:
+            return Dims()
+        if module.startswith("qkv_") and x.ndim == 4:
+            return Dims(reduction_axis=0, output_axis=(2, 3))
+        if module.startswith("proj_") and x.ndim == 3:
+            return Dims(reduction_axis=(0, 1), output_axis=2)
+        return None
+
+    return jax.tree_util.tree_map_with_path(dims, params)
 
 
 def make_optimizer(name: str, lr: Any, momentum: float = 0.9, weight_decay: float = 1e-4, *,
-                   clip_norm: float = 0.0, decay_matrices_only: bool = False) -> optax.GradientTransformation:
+                   clip_norm: float = 0.0, decay_matrices_only: bool = False, muon_lr: Any = None,
+                   muon_on: str = "all") -> optax.GradientTransformation:
     """The optax optimizer called `name` in `jaxdp.registry.OPTIMIZERS`; `lr` may be a schedule.
     `clip_norm` > 0 clips the global gradient norm first (optax.clip_by_global_norm).
     `decay_matrices_only`: adamw's weight decay on parameters of two or more dimensions only
-    (`matrices`); the optimizer state has the same arrays either way."""
+    (`matrices`); the optimizer state has the same arrays either way. `muon_lr`, `muon_on`: muon's
+    (`muon`)."""
     from jaxdp.registry import OPTIMIZERS
 
     if decay_matrices_only and name in OPTIMIZERS and OPTIMIZERS[name] is adamw:
         tx = adamw(lr, momentum, weight_decay, mask=matrices)
+    elif name in OPTIMIZERS and OPTIMIZERS[name] is muon:
+        tx = muon(lr, momentum, weight_decay, muon_lr=muon_lr, on=muon_on)
     else:
         tx = OPTIMIZERS[name](lr, momentum, weight_decay)
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx) if clip_norm else tx
