@@ -16,7 +16,7 @@ def test_choices_are_the_registries_names():
                        "optimizer": tuple(registry.OPTIMIZERS), "schedule": tuple(registry.SCHEDULES),
                        "outer_optimizer": tuple(registry.OUTER_OPTIMIZERS),
                        "precision": ("fp32", "bf16"), "attention": ("auto", "xla", "cudnn"),
-                       "hierarchy": ("auto", "flat"), "weight_decay_on": ("matrices", "all")}
+                       "hierarchy": ("auto", "flat"), "weight_decay_on": ("matrices", "all"), "muon_on": ("hidden", "all")}
     assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
     model_help = next(a.help for a in parser._actions if a.dest == "model")  # --model also takes MODULE:ATTR
     assert all(name in model_help for name in registry.MODELS) and "MODULE:ATTR" in model_help
