@@ -160,7 +160,7 @@ def train(config: Config) -> Any:
                               f"{horizon} steps (recorded by the checkpoint); give --schedule-steps")
         schedule = make_schedule(config.schedule, config.lr, horizon, config.warmup_steps, config.final_lr_fraction)
         muon_lr = make_schedule(config.schedule, config.muon_lr, horizon, config.warmup_steps,
-                                config.final_lr_fraction) if config.muon_lr else None  # (--optimizer muon reads it)
+                                config.final_lr_fraction) if config.optimizer == "muon" and config.muon_lr else None
         tx = make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay, clip_norm=config.clip_norm,
                             decay_matrices_only=config.weight_decay_on == "matrices" and not config.shard_optimizer,
                             muon_lr=muon_lr, muon_on=config.muon_on)

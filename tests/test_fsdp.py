@@ -43,10 +43,13 @@ def adamw_clip():  # clipping at 0.5 binds: the global norm spans every device's
 
 
 def train(mesh, tx, shard_params, batches, loss_fn=gpt_loss, params=GPT_PARAMS, state=None, stateful=False,
-          model_state=None, grad_accum=1):
-    state = state or jaxdp.init_state(params, tx, mesh, shard_params=shard_params, model_state=model_state, rng=3)
-    step = jaxdp.make_train_step(loss_fn, tx, mesh, shard_params=shard_params, grad_norm=True, stateful=stateful,
-                                 grad_accum=grad_accum)
+          model_state=None, grad_accum=1, strategy="psum", **sync):
+    """`batches` through make_train_step on `mesh` (`sync`: compression, sync_every, ... to both
+    init_state and the step): (state, every step's metrics)."""
+    state = state or jaxdp.init_state(params, tx, mesh, shard_params=shard_params, model_state=model_state, rng=3,
+                                      **sync)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy, shard_params=shard_params, grad_norm=True,
+                                 stateful=stateful, grad_accum=grad_accum, **sync)
     history = []
     for batch in batches:
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
@@ -177,18 +180,6 @@ def test_dropout_draws_the_replicated_steps_keys(devices):
     assert_trees_close(got.params, ref.params)
 
 
-def run_steps(mesh, strategy, shard_params, batches, tx=None, **sync):
-    """`batches` through make_train_step on `mesh` with `sync` (compression, sync_every): (state, metrics)."""
-    tx = tx or adamw_clip()
-    state = jaxdp.init_state(GPT_PARAMS, tx, mesh, shard_params=shard_params, rng=3, **sync)
-    step = jaxdp.make_train_step(gpt_loss, tx, mesh, strategy, shard_params=shard_params, grad_norm=True, **sync)
-    history = []
-    for batch in batches:
-        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
-        history.append(jax.device_get(metrics))
-    return state, history
-
-
 @pytest.mark.parametrize("strategy, sync", [
     ("ring", {}),
     ("psum", {"compression": "bf16"}),
@@ -205,9 +196,9 @@ def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_wo
     mesh = sharded_mesh(devices, HOSTS_BY_LOCAL)
     batches = gpt_batches(5)
     tx = optax.sgd(0.5) if "compression" in sync and "sync_every" not in sync else adamw_clip()
-    sharded, got = run_steps(mesh, strategy, True, batches, tx, **sync)
+    sharded, got = train(mesh, tx, True, batches, strategy=strategy, **sync)
     reference = jaxdp.make_mesh(devices[:8] if sync == {} else devices[:2])  # (ring: the 8-device replicated run)
-    replicated, want = run_steps(reference, strategy, False, batches, tx, **sync)
+    replicated, want = train(reference, tx, False, batches, strategy=strategy, **sync)
     # The codec rounds values that differ in their last bits (a mean of 4 devices' gradients here, one
     # device's there) and int8 cuts its blocks of 512 values from a slice here, from the whole buffer
     # there: leaves agree to the codec's rounding (of a block's largest value), the losses closely.

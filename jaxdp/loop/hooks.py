@@ -75,13 +75,16 @@ class NanWindow:
 
     def __init__(self) -> None:
         self.pending: list[tuple[int, Any]] = []  # (step, metrics) on device, not yet checked
+        self.unchecked: set[int] = set()        # pending steps whose metrics are this process's own
         self.last: dict[str, Any] = {}          # the metrics of the last step checked, on the host
 
     def add(self, step: int, metrics: Any, checked: bool = True) -> None:
         """`checked=False`: a step whose metrics are this process's own (local steps with
         metrics_at_sync, between syncs): logged, but left to the next sync's check, which every
         process shares, so that no process stops alone."""
-        self.pending.append((step, metrics if checked else _Unchecked(metrics)))
+        self.pending.append((step, metrics))
+        if not checked:
+            self.unchecked.add(step)
         if len(self.pending) >= MAX_PENDING_STEPS:  # a large log_every: memory stays bounded, the check exact
             self.check()
 
@@ -91,21 +94,15 @@ class NanWindow:
 
         from jaxdp.metrics import check_finite
 
-        host = jax.device_get([(step, (metrics.metrics if isinstance(metrics, _Unchecked) else metrics))
-                               for step, metrics in self.pending])  # host sync point
-        checked = [not isinstance(metrics, _Unchecked) for _, metrics in self.pending]
+        host = jax.device_get(self.pending)  # host sync point
+        unchecked, self.unchecked = self.unchecked, set()
         self.pending.clear()
-        for (step, metrics), check in zip(host, checked):
-            if check:
+        for step, metrics in host:
+            if step not in unchecked:
                 check_finite(step, metrics)
         if host:
             self.last = dict(host[-1][1])
         return dict(self.last)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unchecked:
-    metrics: Any
 
 
 @dataclasses.dataclass
@@ -205,8 +202,7 @@ def save_now(loop: Loop) -> None:
 def stop_on_signal(loop: Loop) -> None:
     """Multi-process: a tiny all-reduce, so every process stops after the same step (with
     --metrics-at-sync only after sync steps: nothing else crosses the link between them)."""
-    spec = loop.spec
-    if spec is not None and spec.metrics_at_sync and loop.done % (spec.sync_every // spec.sync_fragments):
+    if loop.spec is not None and not loop.spec.metrics_shared(loop.done):
         return
     if loop.done < loop.steps and loop.preemption.should_stop(loop.state):
         loop.saveable()

@@ -36,13 +36,9 @@ def run_steps(loop: Loop) -> None:
     if loop.spec.overlap:
         loop.in_flight = delayed.check_in_flight
     # --metrics-at-sync: between syncs a process's metrics are its own; only sync steps' are checked
-    # (every process the same), and before a save the replicas themselves (jaxdp/step/local_sgd.py).
-    period = loop.spec.sync_every // loop.spec.sync_fragments if loop.spec.metrics_at_sync else 1
+    # (every process the same: SyncSpec.metrics_shared), and before a save the replicas themselves.
     if loop.spec.metrics_at_sync:
         loop.in_flight = local_sgd.check_replicas
-
-    def shared(done: int) -> bool:
-        return done % period == 0
 
     hooks = periodic(loop, Hook(log_step, every=loop.options["logging"].every, at=("last",)))
     hooks.run(loop, "start")
@@ -72,7 +68,7 @@ def run_steps(loop: Loop) -> None:
                 phantom = False
             plan.beat.dispatched(done, metrics["loss"], waited_s=time.perf_counter() - dispatch)
             if not phantom:
-                loop.window.add(done, metrics, checked=shared(done))
+                loop.window.add(done, metrics, checked=loop.spec.metrics_shared(done))
             if step == loop.start:  # the first step compiles: time it apart, then start the clock
                 jax.block_until_ready(metrics)  # host sync point (once)
                 loop.writer.first_step_done(done)  # the progress bar starts at `done`: this step is counted

@@ -48,7 +48,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.mesh import replicated_sharding
 from jaxdp.step import fsdp
-from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer, fragments
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, check_fragments, default_outer, fragment_branch, \
+    fragments, masked, subset
 from jaxdp.sync.codecs.base import SLOT, bytes_sent, only
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import leaf_names, make_exchange, slot_state
@@ -102,7 +103,7 @@ def init_local(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
     over {leaf name: leaf} of its fragment (local_sgd.py's tree)."""
     inner = fsdp.init_opt_state(params, tx, mesh)
     leaves, names = jax.tree.leaves(params), leaf_names(params)
-    outer = tuple(fsdp.init_opt_state({names[i]: leaves[i] for i in group}, default_outer(outer_tx), mesh)
+    outer = tuple(fsdp.init_opt_state(subset(leaves, names, group), default_outer(outer_tx), mesh)
                   for group in fragments(params, sync_fragments))
     return {STATE_NAME: rows({"params": params, "opt_state": inner}, mesh)}, {OUTER_NAME: outer}
 
@@ -210,24 +211,18 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         global_leaves, treedef = jax.tree.flatten(state.params)
         replica_leaves = jax.tree.leaves(replica)
         outer_states = state.sync.shared[OUTER_NAME]
-        if len(outer_states) != count_fragments:
-            raise ValueError(f"this state was made with sync_fragments={len(outer_states)} but the step with "
-                             f"sync_fragments={count_fragments}; pass the same to init_state and make_train_step")
+        check_fragments(outer_states, count_fragments)
         groups = fragments(state.params, count_fragments)
-
-        def masked(leaves: list, group: list[int]) -> Any:  # the fragment's leaves, None elsewhere (same paths)
-            return jax.tree.unflatten(treedef, [leaves[i] if i in group else None for i in range(len(leaves))])
-
         slices = jax.tree.leaves(_slice_shapes(state.params, mesh))
-        sent = 0.0 if exchange is None else float(sum(bytes_sent(exchange.payload_bytes(masked(slices, g)), count)
-                                                      for g in groups))
+        sent = 0.0 if exchange is None else float(sum(bytes_sent(exchange.payload_bytes(masked(treedef, slices, g)),
+                                                                 count) for g in groups))
 
         def synced(f: int) -> tuple:
             group = groups[f]
             # each worker's pseudo-gradient of fragment f: how far its replica moved from the global parameters
-            delta = masked([g[None] - r for g, r in zip(global_leaves, replica_leaves)], group)
+            delta = masked(treedef, [g[None] - r for g, r in zip(global_leaves, replica_leaves)], group)
             mean, new_slot, extra = mean_across(delta, slot, state.step)
-            before = {names[i]: global_leaves[i] for i in group}
+            before = subset(global_leaves, names, group)
             updates, outer = outer_tx.update(dict(zip(before, jax.tree.leaves(mean))), outer_states[f], before)
             after = optax.apply_updates(before, updates)
             new_global, new_replica = list(global_leaves), list(replica_leaves)
@@ -247,8 +242,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
             return state.params, replica, outer_states, slot, {**{k: jnp.zeros(s.shape, s.dtype) for k, s in
                                                                     shapes.items()}, "synced": jnp.float32(0)}
 
-        # Branch 0: between syncs; branch 1 + f: fragment f, on the steps with step % period == 0, in turn.
-        branch = jnp.where(step % period == 0, 1 + (step // period - 1) % count_fragments, 0)
+        branch = fragment_branch(step, period, count_fragments)  # 0: between syncs; 1 + f: fragment f
         params, replica, outer, slot, extra = jax.lax.switch(branch, [between, *(lambda f=f: synced(f)
                                                                                  for f in range(count_fragments))])
         metrics = {**metrics, **extra, "comm_bytes_per_step": jnp.float32(sent / every)}

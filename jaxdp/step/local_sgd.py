@@ -121,8 +121,28 @@ def fragments(params: Any, count: int) -> list[list[int]]:
     return [list(range(cuts[k], cuts[k + 1])) for k in range(count)]
 
 
-def _subset(leaves: list, names: list[str], group: list[int]) -> dict:
+def subset(leaves: list, names: list[str], group: list[int]) -> dict:
+    """The fragment's leaves as {leaf name: leaf}: the tree its outer optimizer state is over."""
     return {names[i]: leaves[i] for i in group}
+
+
+def masked(treedef: Any, leaves: list, group: list[int]) -> Any:
+    """The fragment's leaves in the parameters' tree, None elsewhere (so the same paths: the codec's
+    slot is keyed by them)."""
+    return jax.tree.unflatten(treedef, [leaves[i] if i in group else None for i in range(len(leaves))])
+
+
+def check_fragments(outer_states: tuple, count: int) -> None:
+    """ValueError unless the state holds one outer state per fragment of the step's `count`."""
+    if len(outer_states) != count:
+        raise ValueError(f"this state was made with sync_fragments={len(outer_states)} but the step with "
+                         f"sync_fragments={count}; pass the same to init_state and make_train_step")
+
+
+def fragment_branch(step: Any, every: int, count: int) -> Any:
+    """The `lax.switch` branch of step `step` (steps done): 0 between syncs, 1 + f on the steps with
+    step % every == 0 where fragment f is synchronised, in turn."""
+    return jnp.where(step % every == 0, 1 + (step // every - 1) % count, 0)
 
 
 def init_sync(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
@@ -137,7 +157,7 @@ def init_sync(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
                     out_shardings=rows)
     leaves, names = jax.tree.leaves(params), leaf_names(params)
     outer_init = jax.jit(default_outer(outer_tx).init, out_shardings=replicated_sharding(mesh))
-    outer = tuple(outer_init(_subset(leaves, names, group)) for group in fragments(params, sync_fragments))
+    outer = tuple(outer_init(subset(leaves, names, group)) for group in fragments(params, sync_fragments))
     return {STATE_NAME: stack({"params": params, "opt_state": inner})}, {OUTER_NAME: outer}
 
 
@@ -177,17 +197,12 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         replica = optax.apply_updates(mine["params"], updates)
         step = state.step + 1
         outer_states = state.sync.shared[OUTER_NAME]
-        if len(outer_states) != count:
-            raise ValueError(f"this state was made with sync_fragments={len(outer_states)} but the step with "
-                             f"sync_fragments={count}; pass the same to init_state and make_train_step")
+        check_fragments(outer_states, count)
         global_leaves, treedef = jax.tree.flatten(state.params)
         replica_leaves, names = jax.tree.leaves(replica), leaf_names(state.params)
         groups = fragments(state.params, count)
-
-        def masked(leaves: list, group: list[int]) -> Any:  # the fragment's leaves, None elsewhere (same paths)
-            return jax.tree.unflatten(treedef, [leaves[i] if i in group else None for i in range(len(leaves))])
-
-        wire = float(bytes_sent(sum(exchange.payload_bytes(masked(global_leaves, g)) for g in groups), exchange.n))
+        wire = float(bytes_sent(sum(exchange.payload_bytes(masked(treedef, global_leaves, g)) for g in groups),
+                                exchange.n))
 
         def rows(params: Any, sync_state: Any) -> Any:
             local = {"params": params, "opt_state": inner}
@@ -196,11 +211,11 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         def synced(f: int) -> tuple[Any, dict]:
             group = groups[f]
             # The pseudo-gradient of fragment f: how far this replica moved from the global parameters.
-            delta = masked([g - r for g, r in zip(global_leaves, replica_leaves)], group)
+            delta = masked(treedef, [g - r for g, r in zip(global_leaves, replica_leaves)], group)
             mean, out, new_model_state, sync_state, extra = exchange.mean(delta, metrics, model_state, state.sync,
                                                                           state.step)
             out = {**out, **extra}
-            before = _subset(global_leaves, names, group)
+            before = subset(global_leaves, names, group)
             updates, outer = outer_tx.update(dict(zip(before, jax.tree.leaves(mean))), outer_states[f], before)
             after = optax.apply_updates(before, updates)
             new_global, new_replica = list(global_leaves), list(replica_leaves)
@@ -225,8 +240,7 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
                    "comm_bytes_per_step": jnp.float32(wire / sync_every)}
             return state.replace(step=step, model_state=new_model_state, sync=rows(replica, state.sync)), out
 
-        # Branch 0: local; branch 1 + f: fragment f, on the steps with step % every == 0, in turn.
-        branch = jnp.where(step % every == 0, 1 + (step // every - 1) % count, 0)
+        branch = fragment_branch(step, every, count)  # 0: local; 1 + f: fragment f
         return jax.lax.switch(branch, [local, *(lambda f=f: synced(f) for f in range(count))])
 
     return device_step

@@ -61,7 +61,6 @@ def hidden_matrices(params: Any) -> Any:
     (a module named "head"), and jaxdp's GPT's attention kernels, `qkv_i` [d, 3, heads, head_dim]
     (q, k and v each a [d, d] matrix) and `proj_i` [heads, head_dim, d]; None (Adam) elsewhere:
     embeddings, biases, norms, convolutions."""
-    import jax
     from optax.contrib import MuonDimensionNumbers as Dims
 
     def dims(path: Any, x: Any) -> Any:

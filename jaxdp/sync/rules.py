@@ -37,11 +37,6 @@ def abilities(strategy: Any) -> frozenset[str]:
                      if has is not None)
 
 
-def _family(compression: str | None) -> str | None:
-    """A codec spec's first word ("powersgd:4" -> "powersgd"), "auto", or None."""
-    return None if compression is None else compression.split(":")[0]
-
-
 def strategy_name(strategy: Any) -> str:
     """A strategy's name for messages: the registered name, a Collective's, or the function's."""
     if isinstance(strategy, str):
@@ -241,7 +236,8 @@ RULES: tuple[Rule, ...] = (
          "strategy across processes must be in-graph (psum or ring); drop one of them",
          "shard_params does not combine with strategy {strategy!r}: the sharded step is one XLA program, so the "
          "strategy across workers must be in-graph (psum or ring)", "strategy"),
-    Rule("params-compression", lambda c: c.shard_params and _family(c.compression) in ("powersgd", "topk", AUTO),
+    Rule("params-compression", lambda c: c.shard_params and c.compression is not None and (
+        c.compression == AUTO or codecs.row(c.compression).name in ("powersgd", "topk")),
          "--shard-params does not combine with --compression={compression}: each device holds a slice of every "
          "matrix, and {compression} needs whole ones (low-rank factors, indices over a whole leaf; auto may choose "
          "them); use bf16, int8 or int4",

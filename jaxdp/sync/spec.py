@@ -110,6 +110,11 @@ class SyncSpec:
     def local(self) -> bool:
         return self.sync_every == AUTO or self.sync_every > 1 or self.outer_tx is not None
 
+    def metrics_shared(self, step: int) -> bool:
+        """Whether the metrics of step `step` (steps done) are the same on every process: always, but
+        with metrics_at_sync only on sync steps (every sync_every / sync_fragments; jaxdp/step/local_sgd.py)."""
+        return not self.metrics_at_sync or step % (self.sync_every // self.sync_fragments) == 0
+
     @property
     def rule(self) -> str:
         """The update rule: "host" (an on-host strategy), "fsdp" (shard_params, every step or local
