@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from jaxdp.models import blocks
 
 
 class MLP(nn.Module):
@@ -118,7 +120,7 @@ class GPT(nn.Module):
             raise ValueError(f"GPT(max_positions={self.max_positions}) must be at least seq_len={self.seq_len}")
         length = tokens.shape[1]
         start = 0 if cache is None else cache.length
-        weights, residual, embedding = self._initializers()
+        weights, _, embedding = _initializers(self)
         embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed", **embedding)
         positions = jnp.arange(length) + start
         x = embed(tokens) + nn.Embed(self.context, self.d_model, dtype=self.dtype, name="pos", **embedding)(positions)
@@ -126,24 +128,24 @@ class GPT(nn.Module):
         # The cached path attends over the whole cache with a mask, which only XLA's attention takes.
         implementation = attention_implementation(self.attention, self.dtype, head_dim) if cache is None else "xla"
         keys, values = [], []
-        for i in range(self.layers):
-            h = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name=f"ln_attn_{i}")(x)
-            qkv = nn.DenseGeneral((3, self.heads, head_dim), dtype=self.dtype, name=f"qkv_{i}", **weights)(h)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            if cache is None:
-                attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-            else:
-                k = jax.lax.dynamic_update_slice(cache.keys[i], k.astype(cache.keys[i].dtype), (0, start, 0, 0))
-                v = jax.lax.dynamic_update_slice(cache.values[i], v.astype(cache.values[i].dtype), (0, start, 0, 0))
-                keys.append(k)
-                values.append(v)
-                visible = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (query, key): causal
-                attn = jax.nn.dot_product_attention(q, k, v, mask=visible[None, None], implementation=implementation)
-            x = x + nn.DenseGeneral(self.d_model, axis=(-2, -1), dtype=self.dtype, name=f"proj_{i}", **residual)(attn)
-            h = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name=f"ln_mlp_{i}")(x)
-            h = nn.gelu(nn.Dense(4 * self.d_model, dtype=self.dtype, name=f"fc_{i}", **weights)(h),
-                        approximate=self.gelu_approximate)
-            x = x + nn.Dense(self.d_model, dtype=self.dtype, name=f"fc_out_{i}", **residual)(h)
+        if cache is None and blocks.active():  # a step that runs the blocks itself (jaxdp/models/blocks.py)
+            block = GPTBlock(**{f: getattr(self, f) for f in BLOCK_FIELDS}, implementation=implementation, parent=None)
+            x = blocks.run(x, [{part: f"{part}_{i}" for part in BLOCK_PARTS} for i in range(self.layers)],
+                           lambda p, h: block.apply({"params": p}, h))
+        else:
+            for i in range(self.layers):
+
+                def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, i: int = i) -> jnp.ndarray:
+                    if cache is None:
+                        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+                    k = jax.lax.dynamic_update_slice(cache.keys[i], k.astype(cache.keys[i].dtype), (0, start, 0, 0))
+                    v = jax.lax.dynamic_update_slice(cache.values[i], v.astype(cache.values[i].dtype), (0, start, 0, 0))
+                    keys.append(k)
+                    values.append(v)
+                    visible = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (query, key): causal
+                    return jax.nn.dot_product_attention(q, k, v, mask=visible[None, None], implementation=implementation)
+
+                x = _block(self, x, f"_{i}", attend)
         x = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name="ln_final")(x)
         if self.tie_embeddings:
             logits = embed.attend(x)
@@ -154,15 +156,6 @@ class GPT(nn.Module):
         if cache is None:
             return logits
         return logits, KVCache(tuple(keys), tuple(values), cache.length + length)
-
-    def _initializers(self) -> tuple[dict, dict, dict]:
-        """Keyword arguments for the Dense layers, the residual projections and the embeddings."""
-        if self.init_std is None:
-            return {}, {}, {}
-        normal = nn.initializers.normal
-        return ({"kernel_init": normal(self.init_std)},
-                {"kernel_init": normal(self.init_std / math.sqrt(2 * self.layers))},
-                {"embedding_init": normal(self.init_std)})
 
     def init_cache(self, batch: int) -> KVCache:
         """An empty cache for `batch` sequences of up to `context` tokens."""
@@ -179,6 +172,56 @@ class GPT(nn.Module):
         n = sum(x.size for x in jax.tree.leaves(params))
         n -= params["pos"]["embedding"].size + (0 if self.tie_embeddings else params["embed"]["embedding"].size)
         return 6 * n + 12 * self.layers * self.d_model * self.seq_len
+
+
+def _initializers(m: Any) -> tuple[dict, dict, dict]:
+    """Keyword arguments for the Dense layers, the residual projections and the embeddings of the GPT `m`."""
+    if m.init_std is None:
+        return {}, {}, {}
+    normal = nn.initializers.normal
+    return ({"kernel_init": normal(m.init_std)},
+            {"kernel_init": normal(m.init_std / math.sqrt(2 * m.layers))},
+            {"embedding_init": normal(m.init_std)})
+
+
+# One block's parameters, by their names in the GPT's tree (`qkv_3` is block 3's `qkv`), and the
+# GPT fields a block reads.
+BLOCK_PARTS = ("ln_attn", "qkv", "proj", "ln_mlp", "fc", "fc_out")
+BLOCK_FIELDS = ("d_model", "heads", "layers", "dtype", "ln_epsilon", "gelu_approximate", "init_std")
+
+
+def _block(m: Any, x: jnp.ndarray, suffix: str, attend: Callable) -> jnp.ndarray:
+    """One pre-LayerNorm block, its modules made in `m`'s scope (the GPT's, names `qkv{suffix}`...,
+    or a GPTBlock's); `attend(q, k, v)` is the attention (with or without a cache)."""
+    weights, residual, _ = _initializers(m)
+    head_dim = m.d_model // m.heads
+    h = nn.LayerNorm(epsilon=m.ln_epsilon, dtype=m.dtype, name=f"ln_attn{suffix}")(x)
+    qkv = nn.DenseGeneral((3, m.heads, head_dim), dtype=m.dtype, name=f"qkv{suffix}", **weights)(h)
+    attn = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+    x = x + nn.DenseGeneral(m.d_model, axis=(-2, -1), dtype=m.dtype, name=f"proj{suffix}", **residual)(attn)
+    h = nn.LayerNorm(epsilon=m.ln_epsilon, dtype=m.dtype, name=f"ln_mlp{suffix}")(x)
+    h = nn.gelu(nn.Dense(4 * m.d_model, dtype=m.dtype, name=f"fc{suffix}", **weights)(h), approximate=m.gelu_approximate)
+    return x + nn.Dense(m.d_model, dtype=m.dtype, name=f"fc_out{suffix}", **residual)(h)
+
+
+class GPTBlock(nn.Module):
+    """One of the GPT's blocks on its own: parameters `{"qkv": ..., "fc": ...}` (BLOCK_PARTS), the
+    GPT's block i being `{part: params[f"{part}_{i}"]}`. What a step that runs the blocks itself
+    applies (jaxdp/models/blocks.py); the same modules and arithmetic as the GPT's loop."""
+
+    d_model: int
+    heads: int
+    layers: int
+    dtype: Any
+    ln_epsilon: float
+    gelu_approximate: bool
+    init_std: float | None
+    implementation: str
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return _block(self, x, "", lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=self.implementation))
 
 
 def attention_implementation(requested: str, dtype: Any, head_dim: int, device: Any = None) -> str:
