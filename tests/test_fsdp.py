@@ -17,6 +17,7 @@ from jaxdp.config import ConfigError, parse_args
 from jaxdp.sync.rules import check_config
 from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes
+from jaxdp.models import blocks
 from jaxdp.models.builtin import CNN, GPT
 from jaxdp.step import fsdp, zero
 
@@ -162,9 +163,34 @@ class Noisy(nn.Module):
         return nn.Dense(16)(nn.Dropout(0.5, deterministic=not train)(x))
 
 
-def test_dropout_draws_the_replicated_steps_keys(devices):
+class Residual(nn.Module):
+    """One block of `Stacked`, on its own (parameters {"dense": ...})."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(24, name="dense")(x))
+
+
+class Stacked(nn.Module):
+    """A user's model that hands its three blocks to the step (jaxdp/models/blocks.py), dropout after them."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        if blocks.active():
+            x = blocks.run(x, [{"dense": f"dense_{i}"} for i in range(3)],
+                           lambda p, h: Residual(parent=None).apply({"params": p}, h))
+        else:
+            for i in range(3):
+                x = x + jnp.tanh(nn.Dense(24, name=f"dense_{i}")(x))
+        return nn.Dense(16)(nn.Dropout(0.5, deterministic=not train)(x))
+
+
+@pytest.mark.parametrize("model", [Noisy(), Stacked()], ids=["whole_gather", "blocks"])
+def test_dropout_draws_the_replicated_steps_keys(devices, model):
+    """Both paths of the step: XLA's gathers for any model, one block at a time for a model that hands
+    its blocks over (here a user's own, stateful: dropout's keys)."""
     mesh = jaxdp.make_mesh(devices)
-    model, tx = Noisy(), optax.sgd(0.1)
+    tx = optax.sgd(0.1)
     params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 24)))["params"]
 
     def loss_fn(p, model_state, batch, rng):
@@ -174,10 +200,40 @@ def test_dropout_draws_the_replicated_steps_keys(devices):
     rng = np.random.default_rng(0)
     batches = [{"x": rng.standard_normal((64, 24)).astype(np.float32), "y": rng.integers(0, 16, 64).astype(np.int32)}
                for _ in range(3)]
+    layered = fsdp.block_names(loss_fn, True, params, {}, {"x": np.zeros((1, 1, 8, 24), np.float32),
+                                                          "y": np.zeros((1, 1, 8), np.int32)})
+    assert layered == ({"dense_0", "dense_1", "dense_2"} if isinstance(model, Stacked) else None)
     (ref, want), (got, have) = (train(mesh, tx, sharded, batches, loss_fn, params, stateful=True)
                                 for sharded in (False, True))
     np.testing.assert_allclose([h["loss"] for h in have], [w["loss"] for w in want], rtol=1e-5)
     assert_trees_close(got.params, ref.params)
+
+
+def test_blocks_gathered_one_at_a_time_cut_the_compiled_peak(devices):
+    """The GPT hands its blocks to the step: its compiled peak per device against the same GPT run
+    through XLA's whole gathers (the loss under `blocks.running(None)`: the model's own loop) and
+    against the replicated step. Measured: 0.38x and 0.18x (8 layers, d 64)."""
+    mesh = jaxdp.make_mesh(devices)
+    model = GPT(vocab_size=64, seq_len=16, layers=8, d_model=64, heads=4)
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    tx = optax.adamw(1e-3)
+
+    def loss_fn(p, batch):
+        logits = model.apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    def own_loop(p, batch):
+        with blocks.running(None):
+            return loss_fn(p, batch)
+
+    batch = jaxdp.shard_batch({"x": np.zeros((16, 16), np.int32), "y": np.zeros((16, 16), np.int32)}, mesh)
+    peak = {}
+    for name, fn, sharded in (("replicated", loss_fn, False), ("blocks", loss_fn, True), ("whole", own_loop, True)):
+        state = jaxdp.init_state(params, tx, mesh, shard_params=sharded)
+        step = jaxdp.make_train_step(fn, tx, mesh, shard_params=sharded)
+        peak[name] = fsdp.memory(step, state, batch)["compiled_peak_bytes_per_device"]
+    assert peak["blocks"] <= 0.5 * peak["whole"], peak
+    assert peak["blocks"] <= 0.25 * peak["replicated"], peak
 
 
 @pytest.mark.parametrize("strategy, sync", [

@@ -6,26 +6,30 @@ state sharded over the worker's devices.
 
 Every leaf of the parameters, of the gradients and of the optimizer state is stored with a
 `NamedSharding` that cuts it along its largest dimension divisible by the device count (`spec_for`;
-replicated if none divides: biases of odd sizes, scalars such as Adam's count). The step is one
-`jax.jit` over global arrays with those shardings as constraints, and XLA's SPMD partitioner
-inserts the collectives: an all-gather of each parameter where the forward pass uses it, again in
-the backward pass (the gathered copies are not kept between the two: `jax.checkpoint` with a policy
-that saves everything but them), and a reduce-scatter of each gradient into its owner's slice.
-The optimizer update then runs elementwise on the slices; a global reduction inside it
-(`clip_by_global_norm`) is an all-reduce of a scalar. Any optax optimizer works, on the parameter
-tree itself (no flat buffers as in ZeRO-1, jaxdp/step/zero.py).
+replicated if none divides: biases of odd sizes, scalars such as Adam's count). The optimizer
+update runs elementwise on the slices; a global reduction inside it (`clip_by_global_norm`) is an
+all-reduce of a scalar. Any optax optimizer works, on the parameter tree itself (no flat buffers as
+in ZeRO-1, jaxdp/step/zero.py). The gradient comes one of two ways:
+
+* A model that hands its blocks to the step (jaxdp/models/blocks.py: the built-in GPT does):
+  `layered_gradients`, a `shard_map` in which each device gathers the parameters outside the
+  blocks once and runs the blocks in a `lax.scan` whose rematerialised body gathers one block's
+  slices (`all_gather`); the backward pass gathers it again, and the gather's transpose leaves that
+  block's gradient summed into the device's slice. The peak holds one block's whole parameters.
+* Any other model: one `jax.jit` over global arrays with those shardings as constraints, and XLA's
+  SPMD partitioner inserts the collectives: an all-gather of each parameter where the forward pass
+  uses it, again in the backward pass (`jax.checkpoint` with a policy that saves everything but the
+  gathered copies), and a reduce-scatter of each gradient into its owner's slice. No change to the
+  model, at the cost of about one whole copy of the parameters and whole gradients in the peak
+  (XLA gathers everything up front; docs/performance.md, "Models bigger than one device", has the
+  measurements and the ways that did not gather layer by layer without a scan).
 
 Several processes: on the two-axis mesh `make_mesh(axis_name=("hosts", "local"))` (one row of
 devices per process) the leaves are cut over "local" only (`within`), so each process holds a whole
 copy of the state cut over its own devices, the gathers stay inside a process, and XLA sums the
 gradients across "hosts" with its all-reduce: sharded inside a worker, data-parallel (psum) across.
-The ring, a codec or local steps across workers: jaxdp/step/hsdp.py, on `gradients` below.
-
-XLA rather than hand-written gathers: no change to the model, so any Flax model works. The cost,
-measured in docs/performance.md ("Models bigger than one device"): the compiled peak still holds
-about one whole copy of the parameters and whole gradients in flight, about half the replicated
-step's peak rather than 1/N (gathering block by block needs the model's layers in a scan with
-rematerialisation).
+The ring, a codec or local steps across workers: jaxdp/step/hsdp.py, on `gradients` and
+`layered_gradients` below.
 
 Per-device semantics are the replicated step's: the batch is viewed as [devices, rows per device]
 and the loss runs under `jax.vmap(..., axis_name=<the mesh's axis>)`, so each row block's loss is
@@ -49,6 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
+from jaxdp.models import blocks
 from jaxdp.mesh import data_axes
 
 GATHERED = "jaxdp_fsdp_gathered"  # the name of the whole parameters inside the step (not saved for backward)
@@ -105,6 +110,8 @@ def gradients(loss_fn: Callable, mesh: Mesh, names: tuple[str, ...], *, stateful
     index = data_axes(mesh)
     grid = tuple(mesh.shape[name] for name in names)
     whole = NamedSharding(mesh, P())
+    layered = layered_gradients(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum) \
+        if tuple(names) == tuple(mesh.axis_names) else None
 
     def device_loss(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, micro: Any) -> tuple[Any, Any]:
         """One device's loss on its rows, under vmap over the devices (as train_step's local_grads)."""
@@ -135,6 +142,9 @@ def gradients(loss_fn: Callable, mesh: Mesh, names: tuple[str, ...], *, stateful
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
     def run(params: Any, model_state: Any, rows: Any, rng: Any, step: Any) -> tuple[dict, Any, Any]:
+        inside = block_names(loss_fn, stateful, params, model_state, rows, names) if layered is not None else None
+        if inside is not None:
+            return layered(params, model_state, rows, rng, step, inside)
         param_shardings = shardings(params, mesh)
         if grad_accum == 1:
             (_, (metrics, model_state)), grads = grad_fn(params, model_state, jax.tree.map(lambda x: x[:, 0], rows),
@@ -155,6 +165,135 @@ def gradients(loss_fn: Callable, mesh: Mesh, names: tuple[str, ...], *, stateful
         ((metric_sum, grad_sum), model_state), _ = jax.lax.scan(body, (zeros, model_state), jnp.arange(grad_accum))
         metrics, grads = jax.tree.map(lambda total: total / grad_accum, (metric_sum, grad_sum))
         return metrics, model_state, jax.lax.with_sharding_constraint(grads, param_shardings)
+
+    return run
+
+
+class _Blocks(Exception):
+    """Raised by the probe's runner: the model hands these blocks to the step."""
+
+
+def block_names(loss_fn: Callable, stateful: bool, params: Any, model_state: Any, rows: Any,
+                names: tuple[str, ...] = ()) -> set[str] | None:
+    """The top-level parameter names of the blocks the model hands to `jaxdp.models.blocks.run`
+    (tracing one device's loss abstractly, stopped at the call), or None if it does not call it.
+    `rows`: [devices, grad_accum, r, ...] as `gradients` takes them; `names`: the mesh's axes, bound
+    (size 1) for a model that reduces over them (BatchNorm)."""
+    def stop(x: Any, layers: list[dict[str, str]], block: Callable) -> Any:
+        raise _Blocks({name for layer in layers for name in layer.values()})
+
+    def one_device(model_state: Any, rows: Any) -> Any:
+        with blocks.running(stop):
+            if stateful:
+                return loss_fn(params, model_state, rows, jax.random.key(0))
+            return loss_fn(params, rows)
+
+    for name in names:
+        one_device = jax.vmap(one_device, axis_name=name)
+    ones = [1] * len(names)
+    try:  # one device's model state and rows, a size-1 dimension per bound axis
+        jax.eval_shape(one_device, jax.tree.map(lambda x: x[0].reshape(*ones, *x.shape[1:]), model_state),
+                       jax.tree.map(lambda x: x[0, 0].reshape(*ones, *x.shape[2:]), rows))
+    except _Blocks as found:
+        return found.args[0]
+    return None
+
+
+def layered_gradients(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_accum: int,
+                      workers: bool = False) -> Callable:
+    """`gradients` for a model that hands its blocks to the step (jaxdp/models/blocks.py), as a
+    `shard_map` over the whole mesh: each device keeps its slices, gathers the parameters outside the
+    blocks once, and runs the blocks in a `lax.scan` whose body gathers one block's slices
+    (`all_gather` over the worker's devices) and is rematerialised, so the backward pass gathers
+    that block again and its gradient leaves the body already reduce-scattered (the gather's
+    transpose). The step's peak holds one block's whole parameters and gradients, not the model's.
+
+    `run(params, model_state [d, ...], rows [d, grad_accum, r, ...], rng, step, inside)` with
+    `inside` = `block_names(...)`. Without `workers`: `gradients`' results and per-device semantics
+    (dropout's keys, metrics), the mean over every device of the mesh. With `workers`
+    (jaxdp/step/hsdp.py): each worker's own mean over its devices, as `[workers, *leaf]` rows cut
+    over (the axis across workers, the leaf's cut); `params` either the shared parameters or such
+    rows (each worker's replica, local steps: `replicas=True`)."""
+    axis, local = within(mesh)
+    names = tuple(mesh.axis_names)
+    across = tuple(name for name in names if name != axis)  # ("hosts",) on the two-axis mesh
+    index = data_axes(mesh)
+    is_spec = lambda v: isinstance(v, P)  # noqa: E731
+
+    def gather(x: Any, spec: P) -> Any:
+        dims = [d for d, name in enumerate(spec) if name == axis]
+        return jax.lax.all_gather(x, axis, axis=dims[0], tiled=True) if dims else x
+
+    def mean(g: Any, spec: P) -> Any:
+        """A device's gradient -> its slice of the mean: a cut leaf's is already summed over `axis`
+        (the gather's transpose), the others are summed here; across workers too unless `workers`."""
+        over = (() if axis in spec else (axis,)) + (() if workers else across)
+        return (jax.lax.psum(g, over) if over else g) / (local if workers else mesh.size)
+
+    def device(specs: Any, inside: set[str], params: Any, model_state: Any, rows: Any, rng: Any,
+               step: Any) -> tuple[Any, Any, Any]:
+        model_state = jax.tree.map(lambda x: x[0], model_state)
+        rows = jax.tree.map(lambda x: x[0], rows)  # [grad_accum, r, ...]
+
+        def runner(x: Any, layers: list[dict[str, str]], block: Callable, params: Any) -> Any:
+            stacked = {part: jax.tree.map(lambda *xs: jnp.stack(xs), *[params[layer[part]] for layer in layers])
+                       for part in layers[0]}
+            part_specs = {part: specs[name] for part, name in layers[0].items()}
+
+            def body(x: Any, p: Any) -> tuple[Any, None]:
+                return block(jax.tree.map(gather, p, part_specs, is_leaf=is_spec), x), None
+
+            return jax.lax.scan(jax.checkpoint(body), x, stacked)[0]
+
+        def loss(params: Any, model_state: Any, micro_rows: Any, micro: Any) -> tuple[Any, Any]:
+            outer = {k: v if k in inside else jax.tree.map(gather, v, specs[k], is_leaf=is_spec)
+                     for k, v in params.items()}
+            with blocks.running(lambda x, layers, block: runner(x, layers, block, params)):
+                if stateful:
+                    key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(index))
+                    if grad_accum > 1:
+                        key = jax.random.fold_in(key, micro)
+                    value, aux, model_state = loss_fn(outer, model_state, micro_rows, key)
+                else:
+                    out = loss_fn(outer, micro_rows)
+                    value, aux = out if isinstance(out, tuple) else (out, {})
+            metrics = {name: jnp.asarray(v, jnp.float32) for name, v in {"loss": value, **aux}.items()}
+            return value, (metrics, model_state)
+
+        grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+        def micro_step(carry: Any, micro: Any) -> tuple[Any, None]:
+            totals, model_state = carry
+            (_, (metrics, model_state)), grads = grad_fn(params, model_state,
+                                                         jax.tree.map(lambda x: x[micro], rows), micro)
+            return (jax.tree.map(jnp.add, totals, (metrics, grads)), model_state), None
+
+        first = jax.eval_shape(grad_fn, params, model_state, jax.tree.map(lambda x: x[0], rows), jnp.int32(0))
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (first[0][1][0], first[1]))
+        (totals, model_state), _ = jax.lax.scan(micro_step, (zeros, model_state), jnp.arange(grad_accum))
+        metrics, grads = jax.tree.map(lambda total: total / grad_accum, totals)
+        grads = jax.tree.map(mean, grads, specs, is_leaf=is_spec)
+        if workers:
+            grads = jax.tree.map(lambda g: g[None], grads)
+        return (jax.tree.map(lambda x: x[None], metrics), jax.tree.map(lambda x: x[None], model_state), grads)
+
+    def run(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, inside: set[str],
+            replicas: bool = False) -> tuple[dict, Any, Any]:
+        """`replicas` (with `workers`): `params` are `[workers, *leaf]` rows, each worker's own."""
+        leaf_rows = workers and replicas
+        shapes = jax.tree.map(lambda x: x.shape[1:] if leaf_rows else x.shape, params)
+        specs = jax.tree.map(lambda s: spec_for(tuple(s), local, axis), shapes, is_leaf=lambda s: isinstance(s, tuple))
+        worker_axis = across[0] if across else None
+        rows_of = lambda tree: jax.tree.map(lambda spec: P(worker_axis, *spec), tree, is_leaf=is_spec)  # noqa: E731
+        per_device = P(names)
+
+        def mapped(params: Any, *rest: Any) -> tuple[Any, Any, Any]:
+            return device(specs, inside, jax.tree.map(lambda x: x[0], params) if leaf_rows else params, *rest)
+
+        return jax.shard_map(mapped, mesh=mesh,
+                             in_specs=(rows_of(specs) if leaf_rows else specs, per_device, per_device, P(), P()),
+                             out_specs=(per_device, per_device, rows_of(specs) if workers else specs),
+                             check_vma=False)(params, model_state, rows, rng, step)
 
     return run
 

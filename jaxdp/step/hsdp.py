@@ -7,11 +7,12 @@ steps, as without `shard_params`.
     step = make_train_step(loss_fn, tx, mesh, "ring", shard_params=True, compression="int8", sync_every=8)
 
 A worker is one process (a "hosts" row of the mesh; one worker on a one-axis mesh). Inside it, the
-gradient is fsdp.py's: parameters gathered by XLA, the mean over the worker's devices
-reduce-scattered into each device's slice. The step computes every worker's gradient at once, as
-a `jax.vmap` over "hosts" with `spmd_axis_name="hosts"` (each row of the mesh computes its own
-worker's), so a gradient is `[workers, *leaf]`, cut over ("hosts", the leaf's local cut). Across
-workers it goes through the exchange of the step's strategy and codec (jaxdp/sync/exchange.py) in a
+gradient is fsdp.py's, the mean over the worker's devices reduce-scattered into each device's
+slice, and the step computes every worker's gradient at once, a `[workers, *leaf]` row cut over
+("hosts", the leaf's local cut): for a model that hands its blocks over, `fsdp.layered_gradients`
+(one block gathered at a time, a `shard_map` over the whole mesh); for any other, XLA's gathers in a
+`jax.vmap` over "hosts" with `spmd_axis_name="hosts"` (each row of the mesh computes its own worker's).
+Across workers it goes through the exchange of the step's strategy and codec (jaxdp/sync/exchange.py) in a
 `shard_map` over the whole mesh: device (h, l) holds worker h's slice l and averages it over "hosts"
 with the devices (h', l), so the ring's hops, int8's requantization and error feedback all run on
 1/L of the model per device, exactly as they would on a whole replica. One worker: nothing crosses,
@@ -132,10 +133,24 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
     codec = spec.codec if spec.codec is not None else (NoCompression() if is_local else None)
     exchange = make_exchange(spec.collective, hosts, count, codec, pseudo_gradient=is_local) if count > 1 else None
     grads_of = fsdp.gradients(loss_fn, mesh, (inside,), stateful=stateful, grad_accum=grad_accum)
+    layered = fsdp.layered_gradients(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum, workers=True)
     whole = replicated_sharding(mesh)
 
     def per_worker(fn: Callable, in_axes: tuple) -> Callable:
         return jax.vmap(fn, in_axes=in_axes, axis_name=hosts or WORKERS, spmd_axis_name=hosts)
+
+    def worker_grads(params: Any, model_state: Any, rows_: Any, rng: Any, step: Any, replicas: bool) -> tuple:
+        """Every worker's (metrics [workers, local], model state [workers, local, ...], gradient
+        [workers, *leaf]): its blocks gathered one at a time where the model hands them over
+        (fsdp.layered_gradients), else fsdp.gradients per worker. `replicas`: `params` are rows."""
+        flat = lambda t: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), t)  # noqa: E731 [workers, local] -> [d]
+        one = jax.tree.map(lambda x: x[0], params) if replicas else params
+        inside = fsdp.block_names(loss_fn, stateful, one, flat(model_state), flat(rows_), tuple(mesh.axis_names))
+        if inside is None:
+            return per_worker(grads_of, (0 if replicas else None, 0, 0, None, None))(params, model_state, rows_, rng, step)
+        metrics, model_state, grads = layered(params, flat(model_state), flat(rows_), rng, step, inside, replicas)
+        grid = lambda t: jax.tree.map(lambda x: x.reshape(count, local, *x.shape[1:]), t)  # noqa: E731
+        return grid(metrics), grid(model_state), grads
 
     def mean_across(tree: Any, slot: Any, step: Any) -> tuple[Any, Any, dict]:
         """`[workers, *leaf]` rows -> their mean, cut like the parameters, through the exchange
@@ -173,8 +188,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
 
     def every_step(state: Any, batch: Any) -> tuple[Any, dict]:
         rows_, model_state, slot = prepared(state, batch)
-        metrics, model_state, grads = per_worker(grads_of, (None, 0, 0, None, None))(
-            state.params, model_state, rows_, state.rng, state.step)
+        metrics, model_state, grads = worker_grads(state.params, model_state, rows_, state.rng, state.step, False)
         grads, slot, extra = mean_across(grads, slot, state.step)
         metrics, model_state = finished(metrics, model_state)
         metrics = {**metrics, **extra}
@@ -195,14 +209,14 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         rows_, model_state, slot = prepared(state, batch)
         mine = state.sync.per_device[STATE_NAME]
 
-        def worker(replica: Any, inner: Any, model_state: Any, rows_: Any) -> tuple:
-            metrics, model_state, grads = grads_of(replica, model_state, rows_, state.rng, state.step)
-            metrics = {**metrics, "grad_norm": jnp.broadcast_to(optax.global_norm(grads), (local,))}
-            updates, inner = tx.update(grads, inner, replica)
-            return optax.apply_updates(replica, updates), inner, metrics, model_state
+        metrics, model_state, grads = worker_grads(mine["params"], model_state, rows_, state.rng, state.step, True)
 
-        replica, inner, metrics, model_state = per_worker(worker, (0, 0, 0, 0))(
-            mine["params"], mine["opt_state"], model_state, rows_)
+        def worker(replica: Any, inner: Any, grads: Any) -> tuple:
+            updates, inner = tx.update(grads, inner, replica)
+            return optax.apply_updates(replica, updates), inner, optax.global_norm(grads)
+
+        replica, inner, norms = per_worker(worker, (0, 0, 0))(mine["params"], mine["opt_state"], grads)
+        metrics = {**metrics, "grad_norm": jnp.broadcast_to(norms[:, None], (count, local))}
         metrics, model_state = finished(metrics, model_state)
         if not grad_norm:
             metrics.pop("grad_norm")
