@@ -54,12 +54,13 @@ class Run(LaunchedRun):
 
     wait_timeout = 90.0
 
-    def __init__(self, tmp_path, steps: int, *launch_args: str, train_args: tuple[str, ...] = ()):
+    def __init__(self, tmp_path, steps: int, *launch_args: str, train_args: tuple[str, ...] = (), strategy: str = "host",
+                 devices: int = 1, name: str = "ckpt"):
         super().__init__(["--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", *launch_args,
-                          "--", PY, "-m", "jaxdp.train", *train_args, "--strategy", "host", "--devices", "1", "--steps", str(steps),
-                          "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(steps), "--no-progress",
-                          "--log-every", "1", "--metrics-file", str(tmp_path / "m.jsonl")],
-                         log=tmp_path / "launch.log", metrics=tmp_path / "m.jsonl", cwd=ROOT)
+                          "--", PY, "-m", "jaxdp.train", *train_args, "--strategy", strategy, "--devices", str(devices),
+                          "--steps", str(steps), "--checkpoint-dir", str(tmp_path / name), "--save-every", str(steps),
+                          "--no-progress", "--log-every", "1", "--metrics-file", str(tmp_path / f"{name}.jsonl")],
+                         log=tmp_path / f"{name}.log", metrics=tmp_path / f"{name}.jsonl", cwd=ROOT)
 
     def kill(self, rank: int) -> None:
         os.kill(next(p for p in training_processes(self.proc.pid) if elastic_rank(p) == rank), signal.SIGKILL)
@@ -87,6 +88,31 @@ def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_wit
                                cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr
     final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_workers_of_two_devices_summing_by_the_ring_lose_and_heal_one_and_end_as_an_undisturbed_run(tmp_path):
+    """--strategy ring inside each worker (2 devices), torchft across: worker 1 killed and healed; the
+    final parameters are an undisturbed elastic run's, bit for bit (each shard's ring sum is the same
+    program on the same number of devices, whichever worker runs it)."""
+    steps = 400
+    run = Run(tmp_path, steps, "--max-restarts", "10", strategy="ring", devices=2)
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.kill(1)
+        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    assert "left out [1]" in run.text(), run.text()
+    calm = Run(tmp_path, steps, strategy="ring", devices=2, name="calm")
+    try:
+        assert calm.proc.wait(timeout=180) == 0, calm.text()
+    finally:
+        calm.close()
+    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "calm")]
     assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
 
 

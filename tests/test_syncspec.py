@@ -15,7 +15,7 @@ import jaxdp
 import jaxdp.sync.collectives
 from jaxdp.config import ConfigError, parse_args
 from jaxdp.errors import InputError
-from jaxdp.sync.rules import Choices, broken, check_config
+from jaxdp.sync.rules import Choices, broken, check_config, elastic_of
 from jaxdp.sync.spec import AUTO, StateLayout, SyncSpec, abilities
 
 
@@ -35,6 +35,12 @@ def test_the_table_names_the_first_clash():
     assert clash(overlap=True, shard_optimizer=True) == "overlap-zero"  # the overlap rule is named before ZeRO-1's own
     assert clash(sync_seconds=1.0, sync_every=4) == "paced-local"
     assert clash("ring", elastic=True) == "elastic-strategy" and clash("host", elastic=True, overlap=True) == "elastic-overlap"
+    # torchft's workers may sum their own devices in-graph; across workers it is the host still
+    assert clash("ring", elastic=True, elastic_engine="torchft") is None
+    assert clash("psum", elastic=True, elastic_engine="torchft", compression="int8") == "elastic-compression"
+    assert elastic_of({"JAXDP_FT_LIGHTHOUSE": "http://127.0.0.1:1"}) == {"elastic": True, "elastic_engine": "torchft"}
+    assert elastic_of({"JAXDP_ELASTIC": "127.0.0.1:1"}) == {"elastic": True, "elastic_engine": "hub"}
+    assert elastic_of({})["elastic"] is False
 
 
 def test_abilities_of_builtin_registered_and_bare_strategies():

@@ -95,6 +95,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                       sync_every=sync_every, sync_fragments=sync.sync_fragments, shard_optimizer=sync.shard_optimizer,
                       overlap=overlap, shard_params=sync.shard_params, metrics_at_sync=sync.metrics_at_sync,
                       ).validate(sync_seconds=sync.sync_seconds, elastic=elastic is not None,
+                                 elastic_engine="torchft" if hasattr(elastic, "engine") else "hub",
                                  float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
         check_paced(paced.FixedSteps(rounds_of), data, mesh, "overlap")
@@ -167,8 +168,9 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             make = make_elastic_step
             if hasattr(elastic, "engine"):  # an elastic run on torchft (jaxdp/cluster/ft.py)
                 from jaxdp.step.elastic_ft import make_ft_step as make
+            more = {"strategy": spec.strategy} if hasattr(elastic, "engine") else {}  # (torchft: any summing strategy)
             plan.steps_by_spec[spec] = make(loss_fn, tx, mesh, elastic, plan.shard_data, stateful=stateful,
-                                            grad_accum=sync.grad_accum, grad_norm=True)
+                                            grad_accum=sync.grad_accum, grad_norm=True, **more)
         if spec not in plan.steps_by_spec:
             plan.steps_by_spec[spec] = make_train_step(
                 loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=sync.grad_accum, grad_norm=True,

@@ -1,11 +1,11 @@
 """The step of an elastic run on torchft (jaxdp/cluster/ft.py): the hub's host path with a torchft transport.
 
 Each call: the quorum (who takes part; a behind worker is healed there), the live ranks and who computes
-which shard (`ft.assign`), this worker's shard sums over its devices as raw bytes in its rows, one
-all-reduce, torchft's commit. A failed commit (a worker died or stalled mid-step) does the same step
+which shard (`ft.assign`), this worker's shard sums over its devices (on the host, or in-graph by psum or
+the ring) as raw bytes in its rows, one all-reduce, torchft's commit. A failed commit (a worker died or stalled mid-step) does the same step
 again over the new quorum, from the same state: a lost worker's shard of that step is computed by a
 survivor, and no shard is counted twice. The total is added in shard order on the host, so the result
-is the hub's (jaxdp/cluster/elastic.py) to the bit, whoever computed what.
+is the same to the bit whoever computed what (with --strategy host, the hub's: jaxdp/cluster/elastic.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicate, shard_batch
 from jaxdp.step.state import TrainState
@@ -35,18 +35,35 @@ def to_bytes(arrays: list[np.ndarray]) -> bytes:
 
 def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
-                 grad_norm: bool = False) -> TrainStep:
+                 grad_norm: bool = False, strategy: Any = "host") -> TrainStep:
+    """`strategy`: how a worker sums its own devices' gradients: "host" (each device's to the host,
+    added there in device order), or an in-graph one (psum, the ring: summed on the devices, one
+    copy to the host). Across workers it is always the byte rows below."""
     from jaxdp.cluster import elastic, ft
 
-    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, data_axes(mesh)), grad_accum)
-    spec = SyncSpec(strategy="host").validate()
+    axis = data_axes(mesh)
+    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
+    spec = SyncSpec(strategy=strategy).validate(elastic=True, elastic_engine="torchft")
     grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
     devices = member.size * mesh.size
     size, rank = member.size, member.rank
     layout: dict[str, Any] = {}
 
-    def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
-        return host.device_sum(to_host(state, batch))
+    if "host" in spec.abilities:
+        def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
+            return host.device_sum(to_host(state, batch))
+    else:
+        total = spec.collective.sum
+
+        def device_total(state: TrainState, batch: Batch) -> Any:
+            return total(local_grads(state, batch), axis)  # (metrics, model state, grads) summed over the devices
+
+        summed = jax.jit(jax.shard_map(device_total, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(),
+                                       check_vma=False))
+
+        def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
+            leaves, treedef = jax.tree.flatten(jax.device_get(summed(state, batch)))
+            return treedef, [np.array(leaf, copy=True) for leaf in leaves]
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         if layout.get("skip"):  # healed past these steps: the state already holds them

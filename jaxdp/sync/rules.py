@@ -59,6 +59,7 @@ class Choices:
     shard_optimizer: bool = False
     overlap: bool = False
     elastic: bool = False
+    elastic_engine: str = "hub"        # an elastic run's engine: the launcher's "hub" or "torchft" (jaxdp/cluster/ft.py)
     float_state: bool = False          # the model keeps float state (BatchNorm statistics)
     shard_params: bool = False         # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
     metrics_at_sync: bool = False      # local steps: the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
@@ -103,7 +104,15 @@ class Choices:
                    sync_seconds=config.sync_seconds or None, shard_optimizer=config.shard_optimizer,
                    overlap=config.overlap, shard_params=getattr(config, "shard_params", False),
                    metrics_at_sync=getattr(config, "metrics_at_sync", False),
-                   elastic=bool((os.environ if environ is None else environ).get(ELASTIC_ENV)))
+                   **elastic_of(os.environ if environ is None else environ))
+
+
+def elastic_of(environ: Any) -> dict[str, Any]:
+    """Choices' `elastic` and `elastic_engine` of a process that `jaxdp.launch --elastic` started (its
+    hub's address or its Lighthouse's in the environment)."""
+    if environ.get(FT_ENV):
+        return {"elastic": True, "elastic_engine": "torchft"}
+    return {"elastic": bool(environ.get(ELASTIC_ENV)), "elastic_engine": "hub"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +130,7 @@ class Rule:
 
 
 ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.cluster.elastic.ENV_ADDRESS (not imported: this table imports nothing heavy)
+FT_ENV = "JAXDP_FT_LIGHTHOUSE"  # = jaxdp.cluster.ft_env.ENV_LIGHTHOUSE
 _ELASTIC = "an elastic run (jaxdp.launch --elastic) does not combine with "
 _PACED = ": the rounds are --sync-seconds long, with one fixed --compression; drop one of them"
 _OVERLAP = (": it overlaps each step's (or each --sync-every round's) all-reduce through --strategy psum or ring, with "
@@ -132,12 +142,15 @@ _HOST_ZERO = "it averages whole gradients in host memory, so there is no device-
 _NO_HALVES = "it has no reduce-scatter and all-gather halves (jaxdp.sync.collectives.Halves)"
 
 RULES: tuple[Rule, ...] = (
-    # -- an elastic run: the launcher's hub sums gradients on the host, nothing else (jaxdp/cluster/elastic.py)
-    Rule("elastic-strategy", lambda c: c.elastic and "host" not in c.abilities,
-         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use --strategy host, "
-         "not --strategy={strategy}",
-         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use strategy='host', "
-         "not {strategy!r}", "strategy"),
+    # -- an elastic run: across processes gradients are summed on the host (the launcher's hub,
+    # jaxdp/cluster/elastic.py, or torchft's process group, jaxdp/cluster/ft.py); inside a torchft
+    # worker, its devices' sum may be an in-graph strategy's (psum, the ring)
+    Rule("elastic-strategy", lambda c: c.elastic and "host" not in c.abilities
+         and (c.elastic_engine != "torchft" or "sum" not in c.abilities),
+         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use --strategy host "
+         "(with --elastic-engine torchft also psum or ring), not --strategy={strategy}",
+         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use strategy='host' "
+         "(on torchft also 'psum' or 'ring'), not {strategy!r}", "strategy"),
     Rule("elastic-compression", lambda c: c.elastic and c.compression is not None,
          _ELASTIC + "--compression={compression}", _ELASTIC + "compression={compression!r}", "compression"),
     Rule("elastic-local", lambda c: c.elastic and c.sync_every != 1,
