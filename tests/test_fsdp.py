@@ -212,9 +212,9 @@ def test_dropout_draws_the_replicated_steps_keys(devices, model):
 def test_blocks_gathered_one_at_a_time_cut_the_compiled_peak(devices):
     """The GPT hands its blocks to the step: its compiled peak per device against the same GPT run
     through XLA's whole gathers (the loss under `blocks.running(None)`: the model's own loop) and
-    against the replicated step. Measured: 0.38x and 0.18x (8 layers, d 64)."""
+    against the replicated step. Measured: 0.48x and 0.23x (4 layers, d 64; 0.38x and 0.18x at 8)."""
     mesh = jaxdp.make_mesh(devices)
-    model = GPT(vocab_size=64, seq_len=16, layers=8, d_model=64, heads=4)
+    model = GPT(vocab_size=64, seq_len=16, layers=4, d_model=64, heads=4)
     params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))["params"]
     tx = optax.adamw(1e-3)
 
@@ -232,27 +232,35 @@ def test_blocks_gathered_one_at_a_time_cut_the_compiled_peak(devices):
         state = jaxdp.init_state(params, tx, mesh, shard_params=sharded)
         step = jaxdp.make_train_step(fn, tx, mesh, shard_params=sharded)
         peak[name] = fsdp.memory(step, state, batch)["compiled_peak_bytes_per_device"]
-    assert peak["blocks"] <= 0.5 * peak["whole"], peak
-    assert peak["blocks"] <= 0.25 * peak["replicated"], peak
+    assert peak["blocks"] <= 0.6 * peak["whole"], peak
+    assert peak["blocks"] <= 0.3 * peak["replicated"], peak
 
 
-@pytest.mark.parametrize("strategy, sync", [
-    ("ring", {}),
-    ("psum", {"compression": "bf16"}),
-    ("ring", {"sync_every": 4, "sync_fragments": 2}),
-    ("ring", {"sync_every": 3, "compression": "int8"}),
-], ids=["ring", "bf16", "local_steps_fragments", "local_steps_int8"])
-def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_worker(devices, strategy, sync, tmp_path):
+def own_loop_loss(params, batch):
+    """gpt_loss with the GPT's own loop of blocks (nothing handed to the step: XLA's whole gathers)."""
+    with blocks.running(None):
+        return gpt_loss(params, batch)
+
+
+@pytest.mark.parametrize("strategy, sync, loss_fn", [
+    ("ring", {}, gpt_loss),
+    ("psum", {"compression": "bf16"}, own_loop_loss),
+    ("ring", {"sync_every": 4, "sync_fragments": 2}, own_loop_loss),
+    ("ring", {"sync_every": 3, "compression": "int8"}, gpt_loss),
+], ids=["ring", "bf16_whole_gather", "local_steps_fragments_whole_gather", "local_steps_int8"])
+def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_worker(devices, strategy, sync, loss_fn,
+                                                                                    tmp_path):
     """On ("hosts", "local") with a strategy of jaxdp's own across (jaxdp/step/hsdp.py): 2 workers
     of 4 devices are the replicated step on 2 devices (a device per worker, the same global batch):
     the ring across equals XLA's all-reduce; the codec and local steps (Streaming DiLoCo's fragments
     too) run on each device's 1/4 of the model (a quarter of the bytes each), and local steps keep
-    one replica per worker. A
-    checkpoint of it resumes on the one-axis mesh of 8 devices (one worker: the rows' mean)."""
+    one replica per worker. Both ways of computing a worker's gradient: the GPT's blocks one at a
+    time, and its own loop under XLA's gathers. A checkpoint of it resumes on the one-axis mesh of 8
+    devices (one worker: the rows' mean)."""
     mesh = sharded_mesh(devices, HOSTS_BY_LOCAL)
     batches = gpt_batches(5)
     tx = optax.sgd(0.5) if "compression" in sync and "sync_every" not in sync else adamw_clip()
-    sharded, got = train(mesh, tx, True, batches, strategy=strategy, **sync)
+    sharded, got = train(mesh, tx, True, batches, loss_fn=loss_fn, strategy=strategy, **sync)
     reference = jaxdp.make_mesh(devices[:8] if sync == {} else devices[:2])  # (ring: the 8-device replicated run)
     replicated, want = train(reference, tx, False, batches, strategy=strategy, **sync)
     # The codec rounds values that differ in their last bits (a mean of 4 devices' gradients here, one

@@ -284,8 +284,7 @@ def layered_gradients(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_acc
             replicas: bool = False) -> tuple[dict, Any, Any]:
         """`replicas` (with `workers`): `params` are `[workers, *leaf]` rows, each worker's own."""
         leaf_rows = workers and replicas
-        shapes = jax.tree.map(lambda x: x.shape[1:] if leaf_rows else x.shape, params)
-        specs = jax.tree.map(lambda s: spec_for(tuple(s), local, axis), shapes, is_leaf=lambda s: isinstance(s, tuple))
+        specs = jax.tree.map(lambda x: spec_for(tuple(x.shape[1:] if leaf_rows else x.shape), local, axis), params)
         worker_axis = across[0] if across else None
         rows_of = lambda tree: jax.tree.map(lambda spec: P(worker_axis, *spec), tree, is_leaf=is_spec)  # noqa: E731
         per_device = P(names)

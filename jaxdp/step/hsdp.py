@@ -10,13 +10,14 @@ A worker is one process (a "hosts" row of the mesh; one worker on a one-axis mes
 gradient is fsdp.py's, the mean over the worker's devices reduce-scattered into each device's
 slice, and the step computes every worker's gradient at once, a `[workers, *leaf]` row cut over
 ("hosts", the leaf's local cut): for a model that hands its blocks over, `fsdp.layered_gradients`
-(one block gathered at a time, a `shard_map` over the whole mesh); for any other, XLA's gathers in a
-`jax.vmap` over "hosts" with `spmd_axis_name="hosts"` (each row of the mesh computes its own worker's).
-Across workers it goes through the exchange of the step's strategy and codec (jaxdp/sync/exchange.py) in a
-`shard_map` over the whole mesh: device (h, l) holds worker h's slice l and averages it over "hosts"
-with the devices (h', l), so the ring's hops, int8's requantization and error feedback all run on
-1/L of the model per device, exactly as they would on a whole replica. One worker: nothing crosses,
-the exchange is skipped (the codec too: there is nobody to send to).
+(one block gathered at a time, a `shard_map` over the whole mesh); for any other, XLA's gathers in
+a `jax.vmap` over "hosts" with `spmd_axis_name="hosts"` (each row of the mesh computes its own
+worker's). Across workers it goes through the exchange of the step's strategy and codec
+(jaxdp/sync/exchange.py) in a `shard_map` over the whole mesh: device (h, l) holds worker h's slice
+l and averages it over "hosts" with the devices (h', l), so the ring's hops, int8's requantization
+and error feedback all run on 1/L of the model per device, exactly as they would on a whole
+replica. One worker: nothing crosses, the exchange is skipped (the codec too: there is nobody to
+send to).
 
 Every step: the mean over workers of their gradients, then the optimizer on each device's slice.
 With psum and no codec, fsdp.py's one-program step does the same through XLA's all-reduce (that is
