@@ -44,13 +44,13 @@ def adamw_clip():  # clipping at 0.5 binds: the global norm spans every device's
 
 
 def train(mesh, tx, shard_params, batches, loss_fn=gpt_loss, params=GPT_PARAMS, state=None, stateful=False,
-          model_state=None, grad_accum=1, strategy="psum", **sync):
+          model_state=None, grad_accum=1, strategy="psum", metrics_at_sync=False, **sync):
     """`batches` through make_train_step on `mesh` (`sync`: compression, sync_every, ... to both
     init_state and the step): (state, every step's metrics)."""
     state = state or jaxdp.init_state(params, tx, mesh, shard_params=shard_params, model_state=model_state, rng=3,
                                       **sync)
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy, shard_params=shard_params, grad_norm=True,
-                                 stateful=stateful, grad_accum=grad_accum, **sync)
+                                 stateful=stateful, grad_accum=grad_accum, metrics_at_sync=metrics_at_sync, **sync)
     history = []
     for batch in batches:
         state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
@@ -246,8 +246,8 @@ def own_loop_loss(params, batch):
     ("ring", {}, gpt_loss),
     ("psum", {"compression": "bf16"}, own_loop_loss),
     ("ring", {"sync_every": 4, "sync_fragments": 2}, own_loop_loss),
-    ("ring", {"sync_every": 3, "compression": "int8"}, gpt_loss),
-], ids=["ring", "bf16_whole_gather", "local_steps_fragments_whole_gather", "local_steps_int8"])
+    ("ring", {"sync_every": 3, "compression": "int8", "metrics_at_sync": True}, gpt_loss),
+], ids=["ring", "bf16_whole_gather", "local_steps_fragments_whole_gather", "local_steps_int8_metrics_at_sync"])
 def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_worker(devices, strategy, sync, loss_fn,
                                                                                     tmp_path):
     """On ("hosts", "local") with a strategy of jaxdp's own across (jaxdp/step/hsdp.py): 2 workers
@@ -255,8 +255,9 @@ def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_wo
     the ring across equals XLA's all-reduce; the codec and local steps (Streaming DiLoCo's fragments
     too) run on each device's 1/4 of the model (a quarter of the bytes each), and local steps keep
     one replica per worker. Both ways of computing a worker's gradient: the GPT's blocks one at a
-    time, and its own loop under XLA's gathers. A checkpoint of it resumes on the one-axis mesh of 8
-    devices (one worker: the rows' mean)."""
+    time, and its own loop under XLA's gathers. With metrics_at_sync, between syncs the metrics are
+    worker 0's own (its replica's mean over its devices, as the reference's device 0), at syncs the
+    mean. A checkpoint of it resumes on the one-axis mesh of 8 devices (one worker: the rows' mean)."""
     mesh = sharded_mesh(devices, HOSTS_BY_LOCAL)
     batches = gpt_batches(5)
     tx = optax.sgd(0.5) if "compression" in sync and "sync_every" not in sync else adamw_clip()
@@ -279,6 +280,7 @@ def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_wo
         apart = [float(np.max(np.abs(np.diff(np.asarray(r), axis=0)))) for r in jax.tree.leaves(replicas)]
         assert min(apart) > 0  # two steps after the sync, each worker's replica has gone its own way
     if "int8" in str(sync):  # its checkpoint resumes on one worker of 8 devices, sharded, and replicated
+        sync = {k: v for k, v in sync.items() if k != "metrics_at_sync"}
         saved = jax.device_get(sharded.sync.per_device["local_sgd"]["params"])
         with jaxdp.Checkpointer(str(tmp_path)) as ckpt:
             ckpt.save(sharded)

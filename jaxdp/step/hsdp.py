@@ -32,6 +32,10 @@ sync_every / F steps in turn). The outer state has local_sgd.py's tree (one stat
 over {leaf name: leaf}), cut like the parameters. So a checkpoint moves between this layout and
 local_sgd.py's: rows of another count become their mean (jaxdp/checkpoint/portable.py).
 
+With `metrics_at_sync` the logged scalars are averaged across workers on sync steps only; between
+them each worker's own mean over its devices is returned (a process reads its own worker's), so
+nothing crosses between workers there.
+
 Compression's slot is the same as without `shard_params` but for its rows: one per worker, cut like
 the gradients (each device keeps the error feedback of its own slice). Codecs with factors shared
 by the whole matrix (PowerSGD) or a choice of indices over a whole leaf (top-k) are refused
@@ -131,6 +135,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
     hosts, count = across(mesh)
     inside, local = fsdp.within(mesh)
     is_local = spec.local
+    metrics_at_sync = spec.metrics_at_sync
     codec = spec.codec if spec.codec is not None else (NoCompression() if is_local else None)
     exchange = make_exchange(spec.collective, hosts, count, codec, pseudo_gradient=is_local) if count > 1 else None
     grads_of = fsdp.gradients(loss_fn, mesh, (inside,), stateful=stateful, grad_accum=grad_accum)
@@ -184,6 +189,14 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         model_state = fsdp.mean_model_state(jax.tree.map(flat, model_state))
         return metrics, jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
 
+    def own(per_device: dict) -> dict:
+        """[workers, local] metrics -> each worker's own mean over its devices, as a "replicated"
+        scalar (nothing crosses between workers: a process reads its own worker's, as local_sgd.py's
+        metrics_at_sync has a process read its first device's replica)."""
+        return jax.shard_map(lambda m: jax.tree.map(lambda x: jax.lax.pmean(x[0, 0], inside), m), mesh=mesh,
+                             in_specs=P(*mesh.axis_names) if hosts else P(None, inside), out_specs=P(),
+                             check_vma=False)(per_device)
+
     def with_slot(sync: Any, slot: Any) -> Any:
         return sync.replace(per_device={**sync.per_device, **slot.per_device}, shared={**sync.shared, **slot.shared})
 
@@ -218,9 +231,10 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
 
         replica, inner, norms = per_worker(worker, (0, 0, 0))(mine["params"], mine["opt_state"], grads)
         metrics = {**metrics, "grad_norm": jnp.broadcast_to(norms[:, None], (count, local))}
-        metrics, model_state = finished(metrics, model_state)
         if not grad_norm:
             metrics.pop("grad_norm")
+        per_device = metrics
+        _, model_state = finished(metrics, model_state)
         step = state.step + 1
         names = leaf_names(state.params)
         global_leaves, treedef = jax.tree.flatten(state.params)
@@ -257,9 +271,17 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
             return state.params, replica, outer_states, slot, {**{k: jnp.zeros(s.shape, s.dtype) for k, s in
                                                                     shapes.items()}, "synced": jnp.float32(0)}
 
+        def logged(shared: bool) -> Callable:
+            """The metrics a branch returns: with metrics_at_sync, between syncs each device's own (a
+            process logs its first device's: nothing crosses between workers), at syncs their mean."""
+            def branch(f: int | None = None) -> tuple:
+                out = between() if f is None else synced(f)
+                return (*out, finished(per_device, {})[0] if shared else own(per_device))
+            return branch
+
         branch = fragment_branch(step, period, count_fragments)  # 0: between syncs; 1 + f: fragment f
-        params, replica, outer, slot, extra = jax.lax.switch(branch, [between, *(lambda f=f: synced(f)
-                                                                                 for f in range(count_fragments))])
+        params, replica, outer, slot, extra, metrics = jax.lax.switch(
+            branch, [logged(not metrics_at_sync), *(lambda f=f: logged(True)(f) for f in range(count_fragments))])
         metrics = {**metrics, **extra, "comm_bytes_per_step": jnp.float32(sent / every)}
         sync = with_slot(state.sync, slot)
         sync = sync.replace(per_device={**sync.per_device, STATE_NAME: {"params": replica, "opt_state": inner}},

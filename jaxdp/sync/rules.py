@@ -278,12 +278,11 @@ RULES: tuple[Rule, ...] = (
          "--metrics-at-sync needs local steps with a fixed --sync-every N (no --sync-seconds): between syncs nothing "
          "else crosses the link",
          "metrics_at_sync needs local steps with a fixed sync_every (no sync_seconds)", "metrics_at_sync"),
-    Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.elastic or c.shard_params
-                                                            or c.compression == AUTO),
-         "--metrics-at-sync does not combine with --overlap, --shard-params, --compression auto or an elastic run "
-         "(each reads or sends the averaged scalars every step); drop one of them",
-         "metrics_at_sync does not combine with overlap, shard_params, compression 'auto' or an elastic run (each "
-         "reads or sends the averaged scalars every step)", "metrics_at_sync"),
+    Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.elastic or c.compression == AUTO),
+         "--metrics-at-sync does not combine with --overlap, --compression auto or an elastic run (each reads or "
+         "sends the averaged scalars every step); drop one of them",
+         "metrics_at_sync does not combine with overlap, compression 'auto' or an elastic run (each reads or sends "
+         "the averaged scalars every step)", "metrics_at_sync"),
     Rule("metrics-state", lambda c: c.metrics_at_sync and c.float_state,
          "--metrics-at-sync does not combine with a model that keeps float state (BatchNorm statistics): they are "
          "averaged over devices every step; drop --metrics-at-sync",
