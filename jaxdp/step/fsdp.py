@@ -100,21 +100,14 @@ def init_opt_state(params: Any, tx: optax.GradientTransformation, mesh: Mesh) ->
     return jax.jit(tx.init, out_shardings=shardings(jax.eval_shape(tx.init, params), mesh))(params)
 
 
-def gradients(loss_fn: Callable, mesh: Mesh, names: tuple[str, ...], *, stateful: bool,
-              grad_accum: int) -> Callable:
-    """One worker's gradients over the devices of the mesh axes `names` (d of them):
-    `(params, model_state [d, ...], rows [d, grad_accum, r, ...], rng, step) -> (metrics [d],
-    model_state [d, ...], grads)`, the gradient that of the mean of the d devices' losses, cut like
-    the parameters. The device index (dropout's key) is `axis_index` over every data axis of the
-    mesh, which the caller binds by vmap (`names` here, any others outside: jaxdp/step/hsdp.py)."""
+def one_device_loss(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_accum: int) -> Callable:
+    """`(params, model_state, rows, rng, step, micro) -> (loss, (metrics, model_state))`: one device's
+    loss on its rows, as train_step's local_grads, inside a context that binds the mesh's data axes
+    (vmap or shard_map): dropout's key is `fold_in(fold_in(rng, step), device)` (and the micro-batch
+    with grad_accum), the device being `axis_index` over every data axis."""
     index = data_axes(mesh)
-    grid = tuple(mesh.shape[name] for name in names)
-    whole = NamedSharding(mesh, P())
-    layered = layered_gradients(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum) \
-        if tuple(names) == tuple(mesh.axis_names) else None
 
     def device_loss(params: Any, model_state: Any, rows: Any, rng: Any, step: Any, micro: Any) -> tuple[Any, Any]:
-        """One device's loss on its rows, under vmap over the devices (as train_step's local_grads)."""
         if stateful:
             key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(index))
             if grad_accum > 1:  # with grad_accum, every micro-batch draws its own keys (as today)
@@ -125,6 +118,22 @@ def gradients(loss_fn: Callable, mesh: Mesh, names: tuple[str, ...], *, stateful
             loss, aux = out if isinstance(out, tuple) else (out, {})
         metrics = {name: jnp.asarray(value, jnp.float32) for name, value in {"loss": loss, **aux}.items()}
         return loss, (metrics, model_state)
+
+    return device_loss
+
+
+def gradients(loss_fn: Callable, mesh: Mesh, names: tuple[str, ...], *, stateful: bool,
+              grad_accum: int) -> Callable:
+    """One worker's gradients over the devices of the mesh axes `names` (d of them):
+    `(params, model_state [d, ...], rows [d, grad_accum, r, ...], rng, step) -> (metrics [d],
+    model_state [d, ...], grads)`, the gradient that of the mean of the d devices' losses, cut like
+    the parameters. The device index (dropout's key) is `axis_index` over every data axis of the
+    mesh, which the caller binds by vmap (`names` here, any others outside: jaxdp/step/hsdp.py)."""
+    grid = tuple(mesh.shape[name] for name in names)
+    whole = NamedSharding(mesh, P())
+    layered = layered_gradients(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum) \
+        if tuple(names) == tuple(mesh.axis_names) else None
+    device_loss = one_device_loss(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum)
 
     # One vmap per axis, outermost first: the device index (axis_index over all of them) and
     # BatchNorm's mean over the mesh's axes are the shard_map step's on either mesh.
@@ -217,7 +226,7 @@ def layered_gradients(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_acc
     axis, local = within(mesh)
     names = tuple(mesh.axis_names)
     across = tuple(name for name in names if name != axis)  # ("hosts",) on the two-axis mesh
-    index = data_axes(mesh)
+    device_loss = one_device_loss(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum)
     is_spec = lambda v: isinstance(v, P)  # noqa: E731
 
     def gather(x: Any, spec: P) -> Any:
@@ -252,16 +261,7 @@ def layered_gradients(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_acc
             outer = {k: v if k in inside else jax.tree.map(gather, v, specs[k], is_leaf=is_spec)
                      for k, v in params.items()}
             with blocks.running(lambda x, layers, block: runner(x, layers, block, params)):
-                if stateful:
-                    key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(index))
-                    if grad_accum > 1:
-                        key = jax.random.fold_in(key, micro)
-                    value, aux, model_state = loss_fn(outer, model_state, micro_rows, key)
-                else:
-                    out = loss_fn(outer, micro_rows)
-                    value, aux = out if isinstance(out, tuple) else (out, {})
-            metrics = {name: jnp.asarray(v, jnp.float32) for name, v in {"loss": value, **aux}.items()}
-            return value, (metrics, model_state)
+                return device_loss(outer, model_state, micro_rows, rng, step, micro)
 
         grad_fn = jax.value_and_grad(loss, has_aux=True)
 
