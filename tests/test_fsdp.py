@@ -209,6 +209,7 @@ def test_dropout_draws_the_replicated_steps_keys(devices, model):
     assert_trees_close(got.params, ref.params)
 
 
+@pytest.mark.slow  # (6 to 8 s: three compiles of a 4-layer GPT's step)
 def test_blocks_gathered_one_at_a_time_cut_the_compiled_peak(devices):
     """The GPT hands its blocks to the step: its compiled peak per device against the same GPT run
     through XLA's whole gathers (the loss under `blocks.running(None)`: the model's own loop) and
@@ -246,7 +247,8 @@ def own_loop_loss(params, batch):
     ("ring", {}, gpt_loss),
     ("psum", {"compression": "bf16"}, own_loop_loss),
     ("ring", {"sync_every": 4, "sync_fragments": 2}, own_loop_loss),
-    ("ring", {"sync_every": 3, "compression": "int8", "metrics_at_sync": True}, gpt_loss),
+    pytest.param("ring", {"sync_every": 3, "compression": "int8", "metrics_at_sync": True}, gpt_loss,
+                 marks=pytest.mark.slow),  # (10 to 13 s: two runs, a checkpoint, two resumes)
 ], ids=["ring", "bf16_whole_gather", "local_steps_fragments_whole_gather", "local_steps_int8_metrics_at_sync"])
 def test_across_workers_the_strategy_codec_and_local_steps_are_one_device_per_worker(devices, strategy, sync, loss_fn,
                                                                                     tmp_path):
