@@ -2,10 +2,11 @@
 
 Each call: the quorum (who takes part; a behind worker is healed there), the live ranks and who computes
 which shard (`ft.assign`), this worker's shard sums over its devices (on the host, or in-graph by psum or
-the ring) as raw bytes in its rows, one all-reduce, torchft's commit. A failed commit (a worker died or stalled mid-step) does the same step
-again over the new quorum, from the same state: a lost worker's shard of that step is computed by a
-survivor, and no shard is counted twice. The total is added in shard order on the host, so the result
-is the same to the bit whoever computed what (with --strategy host, the hub's: jaxdp/cluster/elastic.py).
+the ring) as raw bytes in its rows, one all-reduce, torchft's commit. A failed commit (a worker died or
+stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
+shard of that step is computed by a survivor, and no shard is counted twice. The total is added in
+shard order on the host, so the result is the same to the bit whoever computed what (with --strategy
+host, the hub's: jaxdp/cluster/elastic.py).
 """
 
 from __future__ import annotations
