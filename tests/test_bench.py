@@ -286,3 +286,21 @@ def test_data_tokenizes_a_jsonl_corpus_and_reports_peak_memory(tmp_path):
     assert r["jsonl_bytes"] == written >= 1 << 20 and written / 2 < r["tokens"] < written  # (JSON escapes, the source key)
     assert 0 < r["tokenizing_rssanon"] <= r["tokenizing_vmrss"] and r["training_vmrss"] > 0
     assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == ["part-000.jsonl", "part-001.jsonl"]
+
+
+@pytest.mark.slow  # a subprocess that compiles two codecs: about 10 s on 2 cores
+def test_gpu_tools_times_the_codecs_and_each_changes_the_gradient_by_its_own_rounding(tmp_path):
+    """docs/perf/gpu_tools.py codecs (run on a lent GPU) on a tiny GPT on the CPU: int4's one hop
+    changes the gradient more than int8's, and neither by more than its blocks' scale allows."""
+    out = tmp_path / "codecs.json"
+    proc = subprocess.run([sys.executable, "docs/perf/gpu_tools.py", "codecs", "int8;int4", "--repeats", "2", "--json",
+                           str(out)], cwd=ROOT, env=cli_env(GPU_SMALL="1", PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    int8, int4 = result["codecs"]["int8"], result["codecs"]["int4"]
+    assert result["values"] == 170240 and int8["ms"] > 0 and int4["ms"] > 0
+    # The gradient is 1e-3 x N(0, 1): a block's largest value is under 6e-3, so int8's rounding is
+    # under 6e-3 / 127 and int4's under 6e-3 / 7 (each half a step, at most).
+    assert 0 < int8["max_abs_change"] < 6e-3 / 127 < int4["max_abs_change"] < 6e-3 / 7
+    assert int4["bytes"] < int8["bytes"]

@@ -52,6 +52,28 @@ fi
 # 1. The command line at batch 16: an empty compilation cache, then the same command warm (start-up).
 want cli-b16 && cli b16-cold 200 --batch-size $B16 --steps $STEPS
 want cli-b16 && cli b16-warm 60 --batch-size $B16 --steps $STEPS
+# 1b. Warm start-ups: JAX's allocator reserving its pool at the first buffer (the default) against
+#     XLA_PYTHON_CLIENT_PREALLOCATE=false, alternating, 20 steps each; then one warm start-up phase by phase.
+if want startup-phases; then
+  for i in $(seq "${STARTUP_REPEATS:-3}"); do
+    for prealloc in true false; do
+      stage "cli warm, preallocate $prealloc, $i"
+      XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc timeout "$(limit 40)" python -m jaxdp.train "${GPT[@]}" --batch-size $B16 \
+        --steps 20 --metrics-file "$W/warm-prealloc-$prealloc-$i.jsonl" 2>&1 | tail -1 | tee -a "$LOG"
+    done
+  done
+  stage "start-up phases"
+  timeout "$(limit 40)" python docs/perf/gpu_tools.py startup --json "$W/startup-phases.json" -- "${GPT[@]}" \
+    --batch-size $B16 --steps 20 2>&1 | grep -v "^jaxdp" | tail -12 | tee -a "$LOG"
+fi
+# 1c. The codecs' own work on the card (one device: no exchange, the encode and decode alone).
+if want codecs; then
+  stage "codecs"
+  timeout "$(limit 90)" python docs/perf/gpu_tools.py codecs "bf16;int8;int4;powersgd:4;topk:0.01" \
+    --json "$W/codecs.json" 2>&1 | tail -6 | tee -a "$LOG"
+fi
+# 1d. --shard-params on one card: the blocks gathered one at a time in a rematerialised scan.
+want shard && cli b16-shard 150 --batch-size $B16 --steps 60 --shard-params
 # 2. Where a step's time goes: the warm command line again, under JAX's profiler from its step 10.
 if want trace; then
   stage "trace b16"
@@ -84,7 +106,10 @@ stage "summary"
 python - "$W" <<'PY' 2>&1 | tee -a "$LOG"
 import json, os, sys
 w = sys.argv[1]
-for run in ("b16-cold", "b16-warm", "b16-trace", "b32"):
+import glob
+runs = ["b16-cold", "b16-warm", "b16-trace", "b32", "b16-shard"]
+runs += sorted(os.path.basename(p)[:-6] for p in glob.glob(f"{w}/warm-*.jsonl"))
+for run in runs:
     path = f"{w}/{run}.jsonl"
     if not os.path.exists(path):
         print(f"cli {run}: no metrics"); continue

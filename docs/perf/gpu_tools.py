@@ -5,6 +5,8 @@
     python docs/perf/gpu_tools.py ce                                   # the head and the loss alone
     python docs/perf/gpu_tools.py sample CHECKPOINT_DIR HF_DIR --new-tokens N --json FILE
     python docs/perf/gpu_tools.py variants "default;xla_gpu_enable_triton_gemm=false" --batch 16
+    python docs/perf/gpu_tools.py codecs "bf16;int8;int4;powersgd:4;topk:0.01"
+    python docs/perf/gpu_tools.py startup -- <jaxdp.train flags>       # a warm start-up, phase by phase
 
 `trace` runs `python -m jaxdp.train` in this process under `jax.profiler.trace` (a Perfetto trace
 beside TensorBoard's), so what it records is the command line's own path: the step, its metrics
@@ -307,6 +309,98 @@ def variants(specs: list[str], batch: int, steps: int, repeats: int, budget_s: f
     return out
 
 
+def codecs(names: list[str], repeats: int) -> dict:
+    """Median ms of each codec's `mean` over GPT-2-small's gradient (random values), one device."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.models.builtin import GPT
+    from jaxdp.sync import codecs as table
+
+    small = {"vocab_size": 512, "seq_len": 64, "layers": 2, "d_model": 64, "heads": 2} if os.environ.get("GPU_SMALL") else {}
+    model = GPT(dtype=jnp.bfloat16, **small)
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, model.seq_len), jnp.int32))["params"]
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    grads = jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, jnp.float32) * 1e-3 for k, s in zip(keys, leaves)])
+    size = sum(s.size for s in leaves)
+    out = {"device": jax.devices()[0].device_kind, "values": size, "codecs": {}}
+
+    def one_hop(buffer, wire):  # the ring's coded sum on one device: one encode, one decode
+        message, residual = wire.encode(buffer)
+        return wire.decode(message), residual
+
+    for name in names:
+        codec = table.parse(name)
+        state = codec.init(grads)
+        exchange = one_hop if codec.needs == "coded_sum" else (lambda tree: tree)
+        mean = jax.jit(lambda g, s, codec=codec, exchange=exchange: codec.mean(g, s, exchange, 1, jnp.int32(10**6))[:2])
+        started = time.perf_counter()
+        result = jax.block_until_ready(mean(grads, state))
+        compile_s = time.perf_counter() - started
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(mean(grads, state))
+            times.append(time.perf_counter() - t)
+        error = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(result[0]), jax.tree.leaves(grads)))
+        out["codecs"][name] = {"ms": 1e3 * statistics.median(times), "compile_s": compile_s,
+                               "bytes": codec.payload_bytes(grads, 8), "max_abs_change": error}
+        print(f"{name:16s} {out['codecs'][name]['ms']:8.2f} ms  (compiled in {compile_s:.1f} s)", flush=True)
+    return out
+
+
+def startup(train_args: list[str]) -> dict:
+    """The command line in this process, with the end of each start-up phase (s from the start)."""
+    began = time.perf_counter()
+    marks: dict = {}
+    import jax
+
+    from jaxdp.cluster import distributed
+    from jaxdp.loop import trainer
+    from jaxdp.step import state as state_module
+
+    def timed(module, name, label):
+        inner = getattr(module, name)
+
+        def wrapper(*a, **k):
+            result = inner(*a, **k)
+            marks.setdefault(label, time.perf_counter() - began)
+            return result
+        setattr(module, name, wrapper)
+
+    marks["imports"] = time.perf_counter() - began
+    timed(distributed, "initialize", "backend started (distributed.initialize)")
+    timed(state_module, "init_state", "optimizer state built")
+    timed(trainer, "begin", "loop starts (startup_s)")
+    plain_jit = jax.jit
+
+    def jit(fun, *a, **k):  # the first call of each program: trace, lower, compile or load
+        compiled = plain_jit(fun, *a, **k)
+        label = getattr(fun, "__qualname__", repr(fun))
+
+        class First:
+            def __call__(self, *x, **y):
+                out = compiled(*x, **y)
+                if label not in marks:
+                    jax.block_until_ready(out)
+                    marks[f"{label} first call"] = time.perf_counter() - began
+                return out
+
+            def __getattr__(self, attr):
+                return getattr(compiled, attr)
+        return First()
+    jax.jit = jit
+    from jaxdp.train import main
+    code = main(train_args)
+    marks["end"] = time.perf_counter() - began
+    for label, at in sorted(marks.items(), key=lambda kv: kv[1]):
+        print(f"{at:7.3f} s  {label}", flush=True)
+    if code:
+        raise SystemExit(code)
+    return marks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="docs/perf/gpu_tools.py")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -335,6 +429,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=600.0, help="compile no further variant after this long")
     p.add_argument("--json")
+    p = sub.add_parser("codecs")
+    p.add_argument("names", help="codecs separated by ';' (jaxdp.sync.codecs.parse)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json")
+    p = sub.add_parser("startup")
+    p.add_argument("--json")
     argv = sys.argv[1:]
     train_args = argv[argv.index("--") + 1:] if "--" in argv else []  # trace: the command line's flags
     args = parser.parse_args(argv[:len(argv) - len(train_args) - (1 if "--" in argv else 0)])
@@ -349,6 +449,12 @@ def main() -> None:
     elif args.command == "variants":
         s = variants([v.strip() for v in args.specs.split(";") if v.strip()], args.batch, args.steps, args.repeats,
                      args.budget_s)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(s, f, indent=1)
+    elif args.command in ("codecs", "startup"):
+        s = codecs([v.strip() for v in args.names.split(";") if v.strip()], args.repeats) if args.command == "codecs" \
+            else startup(train_args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(s, f, indent=1)
