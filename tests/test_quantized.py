@@ -155,3 +155,47 @@ def test_a_state_without_error_feedback_is_refused_with_the_codec_to_make_it_for
     step = jaxdp.make_train_step(loss_fn, tx, mesh, strategy="ring", compression="int4")
     with pytest.raises(Exception, match=r"compression='int4'"):
         step(jaxdp.init_state(params, tx, mesh), jaxdp.shard_batch(next(mlp_batches(1)), mesh))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_host_rows_code_a_workers_sum_once_with_error_feedback_per_shard(bits):
+    """jaxdp.sync.host.RowCoder (an elastic run on torchft codes each worker's sum once): against the
+    block quantizer written out here, and its feedback kept per key only when asked."""
+    from jaxdp.sync import codecs
+    from jaxdp.sync.host import RowCoder
+
+    size, qmax = 1500, 2 ** (bits - 1) - 1  # 1500 values: 3 blocks of 500 (the ring's even blocks of <= 512)
+    x = np.random.default_rng(bits).normal(size=size).astype(np.float32)
+
+    def reference(v):
+        blocks = v.reshape(3, 500)
+        scale = np.abs(blocks).max(axis=1) / np.float32(qmax)
+        q = np.clip(np.round(blocks / scale[:, None]), -qmax, qmax)
+        return (q * scale[:, None]).astype(np.float32).ravel()
+
+    coder = RowCoder(codecs.parse(f"int{bits}"), size)
+    message, feedback = coder.encode(x, key=1)
+    assert len(message) == coder.nbytes == 3 * 4 + size * bits // 8
+    np.testing.assert_allclose(coder.decode(message), reference(x), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(feedback, x - reference(x), rtol=0, atol=1e-6)
+    again, _ = coder.encode(x, key=1)  # nothing kept yet: the same message
+    assert again == message
+    coder.keep(1, feedback)
+    owed, _ = coder.encode(x, key=1)  # key 1 now adds what its last message left out
+    np.testing.assert_allclose(coder.decode(owed), reference(x + feedback), rtol=0, atol=1e-6)
+    assert coder.encode(x, key=0)[0] == message  # another key (shard) owes nothing
+
+
+def test_host_rows_in_bf16_are_the_cast_and_other_codecs_are_refused():
+    import ml_dtypes
+
+    from jaxdp.sync import codecs
+    from jaxdp.sync.host import RowCoder
+
+    x = np.random.default_rng(0).normal(size=101).astype(np.float32)
+    coder = RowCoder(codecs.parse("bf16"), x.size)
+    message, feedback = coder.encode(x, key=0)
+    assert feedback is None and len(message) == coder.nbytes == 202
+    np.testing.assert_array_equal(coder.decode(message), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    with pytest.raises(ValueError, match="codes only bf16, int8, int4, not 'powersgd"):
+        RowCoder(codecs.parse("powersgd:2"), x.size)

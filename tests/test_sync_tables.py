@@ -83,6 +83,7 @@ def test_a_spec_outside_the_table_is_refused_in_one_line_naming_what_is_accepted
 EXAMPLES = {
     "elastic-strategy": dict(strategy="ring", elastic=True),
     "elastic-compression": dict(strategy="host", elastic=True, compression="bf16"),
+    "elastic-ft-codec": dict(strategy="host", elastic=True, elastic_engine="torchft", compression="powersgd:4"),
     "elastic-local": dict(strategy="host", elastic=True, sync_every=4),
     "elastic-paced": dict(strategy="host", elastic=True, sync_seconds=1.0),
     "elastic-fragments": dict(strategy="host", elastic=True, sync_fragments=2),
@@ -143,6 +144,9 @@ def test_every_rule_is_named_once_and_has_an_example():
     assert len(set(names)) == len(names) and set(names) == set(EXAMPLES)
     assert rules.broken(choices()) is None and rules.broken(choices("ring", compression="int8", needs="coded_sum",
                                                                     sync_every=4, overlap=True)) is None
+    for strategy in ("host", "psum", "ring"):  # on torchft a codec codes the exchange between workers, on the host
+        assert rules.broken(choices(strategy, elastic=True, elastic_engine="torchft", compression="int8",
+                                    needs="coded_sum")) is None
 
 
 @pytest.mark.parametrize("argv, says", [

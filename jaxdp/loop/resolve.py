@@ -168,7 +168,8 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             make = make_elastic_step
             if hasattr(elastic, "engine"):  # an elastic run on torchft (jaxdp/cluster/ft.py)
                 from jaxdp.step.elastic_ft import make_ft_step as make
-            more = {"strategy": spec.strategy} if hasattr(elastic, "engine") else {}  # (torchft: any summing strategy)
+            more = {"strategy": spec.strategy, "compression": spec.compression} if hasattr(elastic, "engine") else {}
+            # (torchft: any summing strategy inside a worker, a codec of host.HOST_CODED across workers)
             plan.steps_by_spec[spec] = make(loss_fn, tx, mesh, elastic, plan.shard_data, stateful=stateful,
                                             grad_accum=sync.grad_accum, grad_norm=True, **more)
         if spec not in plan.steps_by_spec:

@@ -36,15 +36,23 @@ def to_bytes(arrays: list[np.ndarray]) -> bytes:
 
 def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
-                 grad_norm: bool = False, strategy: Any = "host") -> TrainStep:
+                 grad_norm: bool = False, strategy: Any = "host", compression: Any = None) -> TrainStep:
     """`strategy`: how a worker sums its own devices' gradients: "host" (each device's to the host,
     added there in device order), or an in-graph one (psum, the ring: summed on the devices, one
-    copy to the host). Across workers it is always the byte rows below."""
+    copy to the host). Across workers it is always the byte rows below.
+
+    `compression` ("bf16", "int8", "int4" or their codecs; None: none) codes what crosses between
+    workers: each shard's gradient sum travels as the codec's message (the metrics and model state
+    exactly), and every worker decodes every row and adds them in shard order, so the result is
+    still the same on every worker. int8 / int4 keep error feedback per shard in this worker's
+    memory (host.RowCoder): a worker that joins, or computes a lost worker's shard, starts that
+    shard's feedback at zero."""
     from jaxdp.cluster import elastic, ft
 
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    spec = SyncSpec(strategy=strategy).validate(elastic=True, elastic_engine="torchft")
+    spec = SyncSpec(strategy=strategy, compression=compression).validate(elastic=True, elastic_engine="torchft")
+    codec = spec.codec
     grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
     devices = member.size * mesh.size
     size, rank = member.size, member.rank
@@ -65,6 +73,23 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
             leaves, treedef = jax.tree.flatten(jax.device_get(summed(state, batch)))
             return treedef, [np.array(leaf, copy=True) for leaf in leaves]
+
+    def pack(leaves: list[np.ndarray], shard: int, kept: dict) -> bytes:
+        """One shard's row: its sums' bytes, the gradient's as the codec's message (`kept`: its feedback)."""
+        coder, exact = layout["coder"], layout["exact"]
+        if coder is None:
+            return to_bytes(leaves)
+        message, kept[shard] = coder.encode(np.concatenate([a.ravel() for a in leaves[exact:]]), shard)
+        return to_bytes(leaves[:exact]) + message
+
+    def unpack(row: bytes, totals: list[np.ndarray]) -> list[np.ndarray]:
+        coder, exact = layout["coder"], layout["exact"]
+        flat = [((a.size,), a.dtype) for a in totals]
+        if coder is None:
+            return elastic.unpack(row, flat)
+        head = sum(a.nbytes for a in totals[:exact])
+        grads = coder.decode(row[head:])
+        return elastic.unpack(row[:head], flat[:exact]) + np.split(grads, np.cumsum([a.size for a in totals[exact:]])[:-1])
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         if layout.get("skip"):  # healed past these steps: the state already holds them
@@ -103,15 +128,20 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             mine = [s for s in range(size) if owner[s] == rank]
             if "like" not in layout:
                 treedef, like = shard_sum(state, batch)
-                layout.update(treedef=treedef, like=[(a.shape, a.dtype) for a in like],
-                              nbytes=sum(a.nbytes for a in like))
-            rows = np.zeros((size, layout["nbytes"]), np.uint8)
+                exact = len(like) - treedef.children()[2].num_leaves  # (metrics, model state) | grads
+                coder = host.RowCoder(codec, sum(a.size for a in like[exact:])) if codec is not None else None
+                layout.update(treedef=treedef, like=[(a.shape, a.dtype) for a in like], exact=exact, coder=coder,
+                              nbytes=sum(a.nbytes for a in like[:exact if coder else None])
+                              + (coder.nbytes if coder else 0))
+            rows, kept = np.zeros((size, layout["nbytes"]), np.uint8), {}
             for shard in mine:
-                rows[shard] = np.frombuffer(to_bytes(shard_sum(state, batch_of(shard))[1]), np.uint8)
+                rows[shard] = np.frombuffer(pack(shard_sum(state, batch_of(shard))[1], shard, kept), np.uint8)
             rows = member.engine.allreduce(rows)
             if not member.engine.commit():  # someone failed mid-step: again, over the new quorum
                 continue
             break
+        for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
+            layout["coder"].keep(shard, feedback)
         if live != member.live:
             gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
             member.live = live
@@ -122,7 +152,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         member.shards, member.stop = mine, member.stop or stop
         totals = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype) for shape, dtype in layout["like"]]
         for shard in range(size):  # in shard order, as the hub adds them: the same bits whoever computed each
-            for acc, part in zip(totals, elastic.unpack(rows[shard].tobytes(), [((a.size,), a.dtype) for a in totals])):
+            for acc, part in zip(totals, unpack(rows[shard].tobytes(), totals)):
                 acc += part
         totals = [t.reshape(shape) for t, (shape, _) in zip(totals, layout["like"])]
         means = [(t / devices).astype(t.dtype, copy=False) for t in totals]

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxdp.cluster.coordination import client as coordination_client, namespace
 from jaxdp.sync.collectives import Collective, on_host
+from jaxdp.sync.rules import HOST_CODED
 
 Tree = Any
 ProcessSum = Callable[[list[np.ndarray]], list[np.ndarray]]
@@ -132,3 +133,45 @@ def _unpack(payload: bytes, like: list[np.ndarray]) -> list[np.ndarray]:
         out.append(np.frombuffer(payload, a.dtype, a.size, offset).reshape(a.shape))
         offset += a.nbytes
     return out
+
+
+class RowCoder:
+    """One worker's sum, a flat float32 vector of `size` values, as the bytes of a codec's message
+    (bf16, int8, int4: `HOST_CODED`), and back. int8 / int4 keep error feedback per key (the data
+    shard the sum is of): what a message leaves out is added to that key's next vector, as the ring's
+    coded sum does per device; bf16 keeps none, as its in-graph codec. `encode` returns the new
+    feedback beside the message; `keep` makes it the key's (once the exchange went through)."""
+
+    def __init__(self, codec: Any, size: int) -> None:
+        import jax.numpy as jnp
+
+        if codec.name not in HOST_CODED:
+            raise ValueError(f"a host exchange codes only {', '.join(HOST_CODED)}, not {codec.name!r}")
+        self.codec, self.size, self.feedback = codec, size, {}
+        if codec.name == "bf16":
+            self.nbytes = 2 * size
+            return
+        chunk, block = codec.chunking(size, 1)
+        wire = codec.wire(chunk, block)
+        pad = chunk - size
+        self._encode = jax.jit(lambda x: wire.encode(jnp.pad(x, (0, pad))))
+        self._decode = jax.jit(lambda message: wire.decode(message)[:size])
+        self.nbytes = codec.message_bytes(chunk, block)
+
+    def encode(self, values: np.ndarray, key: int) -> tuple[bytes, np.ndarray | None]:
+        """(the message of `values` plus `key`'s feedback, the new feedback or None)."""
+        values = np.asarray(values, np.float32)
+        if self.codec.name == "bf16":
+            return values.astype(jax.numpy.bfloat16).tobytes(), None
+        owed = self.feedback.get(key)
+        message, left = self._encode(values if owed is None else values + owed)
+        return np.asarray(message).tobytes(), np.asarray(left[:self.size])
+
+    def keep(self, key: int, feedback: np.ndarray | None) -> None:
+        if feedback is not None:
+            self.feedback[key] = feedback
+
+    def decode(self, message: bytes) -> np.ndarray:
+        if self.codec.name == "bf16":
+            return np.frombuffer(message, jax.numpy.bfloat16).astype(np.float32)
+        return np.asarray(self._decode(np.frombuffer(message, np.uint8)), np.float32)

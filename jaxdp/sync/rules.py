@@ -69,6 +69,11 @@ class Choices:
         return self.sync_every == AUTO or self.sync_every != 1 or self.outer or self.sync_seconds is not None
 
     @property
+    def ft(self) -> bool:
+        """An elastic run on torchft: across workers its own host exchange (jaxdp/step/elastic_ft.py)."""
+        return self.elastic and self.elastic_engine == "torchft"
+
+    @property
     def in_graph(self) -> bool:
         return "sum" in self.abilities and "host" not in self.abilities
 
@@ -129,6 +134,9 @@ class Rule:
     setting: str
 
 
+# The codecs an elastic run on torchft codes its exchange with (jaxdp.sync.host.RowCoder): each worker's
+# sum is coded once and decoded by every worker, so a codec must stand alone (no ring hops, no factors).
+HOST_CODED = ("bf16", "int8", "int4")
 ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.cluster.elastic.ENV_ADDRESS (not imported: this table imports nothing heavy)
 FT_ENV = "JAXDP_FT_LIGHTHOUSE"  # = jaxdp.cluster.ft_env.ENV_LIGHTHOUSE
 _ELASTIC = "an elastic run (jaxdp.launch --elastic) does not combine with "
@@ -151,8 +159,15 @@ RULES: tuple[Rule, ...] = (
          "(with --elastic-engine torchft also psum or ring), not --strategy={strategy}",
          "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use strategy='host' "
          "(on torchft also 'psum' or 'ring'), not {strategy!r}", "strategy"),
-    Rule("elastic-compression", lambda c: c.elastic and c.compression is not None,
-         _ELASTIC + "--compression={compression}", _ELASTIC + "compression={compression!r}", "compression"),
+    Rule("elastic-compression", lambda c: c.elastic and c.compression is not None and c.elastic_engine != "torchft",
+         _ELASTIC + "--compression={compression} (with --elastic-engine torchft: bf16, int8 or int4)",
+         _ELASTIC + "compression={compression!r} (on torchft: bf16, int8 or int4)", "compression"),
+    Rule("elastic-ft-codec", lambda c: c.elastic and c.compression is not None and (
+        c.compression == AUTO or codecs.row(c.compression).name not in HOST_CODED),
+         "an elastic run on torchft codes each worker's sum once, as bytes every worker decodes: use --compression "
+         "bf16, int8 or int4, not --compression={compression}",
+         "an elastic run on torchft codes each worker's sum once, as bytes every worker decodes: use compression "
+         "'bf16', 'int8' or 'int4', not {compression!r}", "compression"),
     Rule("elastic-local", lambda c: c.elastic and c.sync_every != 1,
          _ELASTIC + "--sync-every={sync_every}", _ELASTIC + "sync_every={sync_every!r}", "sync_every"),
     Rule("elastic-paced", lambda c: c.elastic and c.sync_seconds is not None,
@@ -209,11 +224,11 @@ RULES: tuple[Rule, ...] = (
          "overlap keeps no float model state (BatchNorm statistics would be stale and differ per device); use a "
          "model without it", "overlap"),
     # -- what each feature needs of the strategy, and ZeRO-1 (the strategy's abilities: jaxdp/sync/collectives.py)
-    Rule("compression-strategy", lambda c: c.compression is not None and "sum" not in c.abilities,
+    Rule("compression-strategy", lambda c: c.compression is not None and "sum" not in c.abilities and not c.ft,
          "--compression needs an in-graph strategy (--strategy psum or ring): --strategy={strategy} does not qualify "
          f"({_NEEDS_SUM})",
          f"compression does not apply to strategy {{strategy!r}}: {_NEEDS_SUM}; use psum or ring", "strategy"),
-    Rule("compression-hops", lambda c: c.compression is not None and c.needs not in c.abilities,
+    Rule("compression-hops", lambda c: c.compression is not None and c.needs not in c.abilities and not c.ft,
          f"--compression={{compression}} needs --strategy ring: --strategy={{strategy}} does not qualify ({_HOPS})",
          f"compression does not apply to strategy {{strategy!r}}: {_HOPS}; use ring", "strategy"),
     Rule("local-strategy", lambda c: c.local and "sum" not in c.abilities,
