@@ -10,7 +10,8 @@ Across workers everything goes through an `Engine`:
   behind (a new or restarted one) gets the live state from a peer here (`state_fn` of the peer: never a
   checkpoint). Returns the received state's bytes, or None.
 * `alive(stop)`: the live ranks of this step (and whether any asked to stop), through the same process group.
-* `allreduce(rows)`: the sum of every worker's `rows` (host buffers, gloo on CPU).
+* `allreduce(array)`: the sum of every worker's `array` (host buffers, gloo on CPU).
+* `allgather(piece)`: every worker's `piece` (the step's rows of the shards each computed).
 * `commit()`: whether this step's exchanges all went through (else the step is done again, over the new quorum).
 
 `TorchftEngine` is the first (and only) implementation: `torchft.Manager` with `ProcessGroupGloo`, a
@@ -18,10 +19,10 @@ Lighthouse in the launcher (jaxdp/launcher/ft.py). JAX's own `live_devices` coul
 process can rejoin on CPU (docs/multihost.md, "Elastic runs on torchft").
 
 Bit-equal sums whatever the membership: gloo's sum order changes with the members, so each worker
-writes the gradient sums of the shards it computes as raw bytes into its own rows of a `size` x N
-uint8 buffer (zeros elsewhere); the all-reduce adds one non-zero term per byte (exact), and every worker
-then adds the `size` shards in shard order on the host, as the hub does (jaxdp/cluster/elastic.py).
-That costs `size` times the bytes of one sum: fine for a few workers, not for many.
+sends the gradient sums of the shards it computes as raw bytes, each row tagged with its shard, to
+every other (one all-gather), and every worker adds the `size` shards in shard order on the host, as
+the hub does (jaxdp/cluster/elastic.py). Each worker receives the other workers' rows: N - 1 sums'
+bytes, where a ring all-reduce of one sum would cost about 2: fine for a few workers, not for many.
 
 `FtMember` speaks the Member interface the training loop knows (connect, receive_state, close, ...),
 and `make_step` builds its step (jaxdp/step/elastic_ft.py). This module imports torchft (and torch)
@@ -105,6 +106,25 @@ class TorchftEngine:
         tensor = self.torch.from_numpy(np.array(host, copy=True))
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         return tensor.numpy()
+
+    def allgather(self, piece: np.ndarray) -> list[np.ndarray]:
+        """Every worker's `piece` (a uint8 array of one shape everywhere), this one's among them, in the
+        process group's order (garbage or none if this step fails to commit: a failure is reported to
+        the Manager, so `commit` says False)."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        manager = self.manager
+        if manager.errored():
+            return []
+        manager.wait_quorum()
+        tensor = self.torch.from_numpy(np.array(piece, copy=True))
+        pieces = [self.torch.empty_like(tensor) for _ in range(manager._pg.size())]
+        try:
+            manager._pg.allgather([pieces], [tensor], AllgatherOptions()).wait()
+        except Exception as err:  # a peer died or stalled mid-step: the step is done again
+            manager.report_error(err)
+            return []
+        return [p.numpy() for p in pieces]
 
     def set_timeout(self, seconds: float) -> None:
         """The collectives' timeout (a stalled worker is left out after it): from the next quorum on."""

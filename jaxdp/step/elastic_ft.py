@@ -2,7 +2,7 @@
 
 Each call: the quorum (who takes part; a behind worker is healed there), the live ranks and who computes
 which shard (`ft.assign`), this worker's shard sums over its devices (on the host, or in-graph by psum or
-the ring) as raw bytes in its rows, one all-reduce, torchft's commit. A failed commit (a worker died or
+the ring) as raw bytes, one row per shard, one all-gather, torchft's commit. A failed commit (a worker died or
 stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
 shard of that step is computed by a survivor, and no shard is counted twice. The total is added in
 shard order on the host, so the result is the same to the bit whoever computed what (with --strategy
@@ -11,6 +11,7 @@ host, the hub's: jaxdp/cluster/elastic.py).
 
 from __future__ import annotations
 
+import collections
 import sys
 from typing import Any, Callable
 
@@ -133,12 +134,21 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 layout.update(treedef=treedef, like=[(a.shape, a.dtype) for a in like], exact=exact, coder=coder,
                               nbytes=sum(a.nbytes for a in like[:exact if coder else None])
                               + (coder.nbytes if coder else 0))
-            rows, kept = np.zeros((size, layout["nbytes"]), np.uint8), {}
-            for shard in mine:
-                rows[shard] = np.frombuffer(pack(shard_sum(state, batch_of(shard))[1], shard, kept), np.uint8)
-            rows = member.engine.allreduce(rows)
+            # This worker's piece: as many rows as the busiest live worker computes, each tagged with its
+            # shard (8 bytes: shard + 1; 0 marks an unused row), so every piece has the same shape.
+            piece, kept = np.zeros((max(collections.Counter(owner.values()).values()), 8 + layout["nbytes"]),
+                                   np.uint8), {}
+            for i, shard in enumerate(mine):
+                piece[i, :8] = np.frombuffer(np.int64(shard + 1).tobytes(), np.uint8)
+                piece[i, 8:] = np.frombuffer(pack(shard_sum(state, batch_of(shard))[1], shard, kept), np.uint8)
+            pieces = member.engine.allgather(piece)
             if not member.engine.commit():  # someone failed mid-step: again, over the new quorum
                 continue
+            rows = np.zeros((size, layout["nbytes"]), np.uint8)
+            for row in (r for p in pieces for r in p):
+                tag = int(np.frombuffer(row[:8].tobytes(), np.int64)[0])
+                if tag:
+                    rows[tag - 1] = row[8:]
             break
         for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
             layout["coder"].keep(shard, feedback)
