@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="an elastic run's engine: "
                         "hub (this launcher sums the gradients) or torchft (a Lighthouse and gloo; pip install "
                         "'jaxdp[elastic]'; jaxdp/cluster/ft.py)")
-    parser.add_argument("--lighthouse", metavar="HOST:PORT", help="torchft: the Lighthouse to use (default: start one "
-                        "here, on 127.0.0.1)")
+    parser.add_argument("--lighthouse", metavar="HOST:PORT", help="torchft: the Lighthouse to use (default: node 0's "
+                        "launcher starts one, on 127.0.0.1, or with --nnodes > 1 on --coordinator)")
     parser.add_argument("--min-workers", type=int, default=1, help="torchft: fewer live workers than this for "
                         "--quorum-timeout seconds: save and exit 75 (default 1)")
     parser.add_argument("--quorum-timeout", type=float, default=60.0, help="torchft: seconds to wait for --min-workers "
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "are numbered node-rank * nproc-per-node + 0, 1, ...")
     parser.add_argument("--coordinator", metavar="HOST:PORT", help="node 0's address as every node reaches it (needed "
                         "with --nnodes > 1): its launcher listens on PORT, the run's coordinator on PORT + 1 and its "
-                        "handshake on PORT + 2")
+                        "handshake on PORT + 2 (--elastic-engine torchft: the Lighthouse on PORT)")
     parser.add_argument("--join-timeout", type=float, default=300.0, help="seconds the launchers wait for each other "
                         "at the start (default 300)")
     return parser
@@ -130,16 +130,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         say(f"error: {err}")
         return EXIT_BAD_INPUT
-    if args.elastic and args.nnodes > 1:
-        say("error: --elastic runs on one node (its launcher is the hub every process sends its gradients to); "
-            "drop --nnodes or --elastic")
-        return EXIT_BAD_INPUT
     torchft = args.elastic and args.elastic_engine == "torchft"
+    if args.elastic and args.nnodes > 1 and not torchft:
+        say("error: --elastic with the hub runs on one node (its launcher is the hub every process sends its "
+            "gradients to); drop --nnodes, or add --elastic-engine torchft")
+        return EXIT_BAD_INPUT
     if not torchft and (args.lighthouse or args.min_workers != 1 or args.quorum_timeout != 60.0):
         say("error: --lighthouse, --min-workers and --quorum-timeout need --elastic --elastic-engine torchft")
         return EXIT_BAD_INPUT
-    if torchft and not (1 <= args.min_workers <= args.nproc_per_node and args.quorum_timeout > 0):
-        say(f"error: need 1 <= --min-workers <= --nproc-per-node ({args.nproc_per_node}) and --quorum-timeout > 0")
+    if torchft and not (1 <= args.min_workers <= args.nproc_per_node * args.nnodes and args.quorum_timeout > 0):
+        say(f"error: need 1 <= --min-workers <= --nproc-per-node x --nnodes ({args.nproc_per_node * args.nnodes}) "
+            f"and --quorum-timeout > 0")
         return EXIT_BAD_INPUT
     launcher = Launcher(command, args.nproc_per_node, args.bind and not has_accelerator())
     for signum in FORWARDED:

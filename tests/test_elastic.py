@@ -202,7 +202,7 @@ def test_elastic_flags_are_checked(tmp_path):
 
     proc = launch("--elastic", "--nnodes", "2", "--node-rank", "0", "--coordinator", "127.0.0.1:29999",
                   "--nproc-per-node", "1", "--", PY, "-c", "pass")
-    assert proc.returncode == 2 and "--elastic runs on one node" in proc.stderr
+    assert proc.returncode == 2 and "--elastic with the hub runs on one node" in proc.stderr
     proc = launch("--elastic", "--nproc-per-node", "2", "--max-restarts", "3", "--", PY, "-m", "jaxdp.train",
                   "--devices", "1", "--steps", "2", "--no-progress")
     assert proc.returncode == 2, proc.stderr

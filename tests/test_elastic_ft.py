@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from helpers import ROOT, LaunchedRun, cli_env, elastic_rank
+from jaxdp.launcher.workers import free_port
 from jaxdp.bench.goodput import training_processes
 from jaxdp.cluster import ft
 
@@ -46,7 +47,7 @@ def test_torchft_flags_are_checked():
     proc = launch("--nproc-per-node", "2", "--min-workers", "2")  # without the engine it would be ignored
     assert proc.returncode == 2 and "need --elastic --elastic-engine torchft" in proc.stderr, proc.stderr
     proc = launch("--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", "--min-workers", "3")
-    assert proc.returncode == 2 and "1 <= --min-workers <= --nproc-per-node (2)" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "1 <= --min-workers <= --nproc-per-node x --nnodes (2)" in proc.stderr, proc.stderr
 
 
 class Run(LaunchedRun):
@@ -211,3 +212,66 @@ def test_lighthouse_elsewhere_is_used_and_none_starts_in_the_launcher(tmp_path):
         lighthouse.shutdown()
     assert f"Lighthouse http://127.0.0.1:{port}" in run.text(), run.text()
     assert (tmp_path / "ckpt" / "20").is_dir()
+
+
+class Node(LaunchedRun):
+    """One node's launcher of a two-node torchft run on 127.0.0.1 (one worker each: rank = node rank)."""
+
+    wait_timeout = 90.0
+
+    def __init__(self, tmp_path, steps: int, node: int, port: int, log: str):
+        super().__init__(["--elastic", "--elastic-engine", "torchft", "--nnodes", "2", "--node-rank", str(node),
+                          "--coordinator", f"127.0.0.1:{port}", "--nproc-per-node", "1", "--max-restarts", "10",
+                          "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", str(steps),
+                          "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(steps), "--no-progress",
+                          "--log-every", "1", "--metrics-file", str(tmp_path / "ckpt.jsonl")],
+                         log=tmp_path / f"{log}.log", metrics=tmp_path / "ckpt.jsonl", cwd=ROOT)
+
+    def kill_all(self) -> None:
+        """The launcher and its workers, as when the machine goes away."""
+        workers = training_processes(self.proc.pid)
+        self.proc.kill()
+        self.proc.wait()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill_worker(self) -> None:
+        os.kill(training_processes(self.proc.pid)[0], signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_launchers_as_two_nodes_lose_a_whole_node_and_rank_0s_worker_and_end_with_a_one_process_runs_parameters(
+        tmp_path):
+    """Node 0's launcher hosts the Lighthouse on --coordinator. Node 1 (its launcher and worker) is killed:
+    node 0 trains on, computing both shards; node 1's launcher started again brings its worker back, healed
+    from rank 0. Then rank 0's worker is killed: node 0's launcher restarts it and it heals from rank 1.
+    The end: a one-process run's parameters over 2 devices, bit for bit."""
+    steps, port = 800, free_port()
+    nodes = [Node(tmp_path, steps, 0, port, "node0"), Node(tmp_path, steps, 1, port, "node1")]
+    try:
+        nodes[0].wait_for(lambda: nodes[0].reached() >= 30, "step 30")
+        nodes[1].kill_all()
+        at = nodes[0].reached()
+        nodes[0].wait_for(lambda: nodes[0].reached() >= at + 20, "20 steps of node 0 alone")
+        nodes[1] = Node(tmp_path, steps, 1, port, "node1-again")
+        nodes[1].wait_for(lambda: "rank 1 joined the run at step" in nodes[1].text(), "node 1's rejoin")
+        nodes[0].kill_worker()
+        nodes[0].wait_for(lambda: "rank 0 joined the run at step" in nodes[0].text(), "rank 0's rejoin")
+        assert nodes[0].proc.wait(timeout=150) == 0, nodes[0].text()
+        assert nodes[1].proc.wait(timeout=60) == 0, nodes[1].text()
+    finally:
+        for node in nodes:
+            node.close()
+    assert "left out [1]" in nodes[0].text(), nodes[0].text()  # node 0 alone: it computed shard 1 too
+    assert "worker 0 was killed by SIGKILL; restarting it alone" in nodes[0].text(), nodes[0].text()
+    assert "ranks 1..1 of 2" in nodes[1].text() and "all 1 workers ended" in nodes[1].text(), nodes[1].text()
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
+                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
+                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    assert final[0] == final[1] and any(k.startswith("params") for k in final[0])

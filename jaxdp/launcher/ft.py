@@ -1,11 +1,17 @@
 """`jaxdp.launch --elastic --elastic-engine torchft`: start the workers and a torchft Lighthouse, restart a
 lost worker alone (jaxdp/cluster/ft.py has the run's semantics).
 
-The Lighthouse runs in this launcher (node 0's) and listens on 127.0.0.1 only, unless `--lighthouse
-HOST:PORT` names one elsewhere (then none starts here). A worker that exits 0 or 75 (the run ended,
-or lost its quorum and saved) is not restarted; a lost one is, up to --max-restarts times in all, and
-with none left the others go on without it (they stop themselves, exit 75, when fewer than
---min-workers remain for --quorum-timeout seconds).
+The Lighthouse runs in node 0's launcher: on 127.0.0.1 only for one node, and on `--coordinator
+HOST:PORT` (that address only) for several, where every node's workers find it; `--lighthouse
+HOST:PORT` names one that runs elsewhere instead (then none starts here, and node 0 is like any
+other). With several nodes each launcher starts and restarts its own workers (ranks node-rank x
+nproc-per-node + 0, 1, ...) and needs no other launcher: a node whose launcher is killed and started
+again brings its workers back, and they heal from a live worker like restarted ones.
+
+A worker that exits 0 or 75 (the run ended, or lost its quorum and saved) is not restarted; a lost
+one is, up to --max-restarts times in all (per launcher), and with none left the others go on
+without it (they stop themselves, exit 75, when fewer than --min-workers remain for
+--quorum-timeout seconds).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import argparse
 import time
 
 from jaxdp.cluster import ft_env as ft
-from jaxdp.cluster.detect import ENV_RUN_ID
+from jaxdp.cluster.detect import ENV_RUN_ID, parse_address
+from jaxdp.config import ConfigError
 from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, InputError
 from jaxdp.launcher.workers import Launcher, describe, say, shell_code, stop_code
 
@@ -23,41 +30,52 @@ JOIN_TIMEOUT_S = 60.0       # a quorum waits this long for heartbeating workers 
 
 
 def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
-    size = args.nproc_per_node
+    local, size = args.nproc_per_node, args.nproc_per_node * args.nnodes
+    first = args.node_rank * local  # this node's workers are ranks first .. first + local - 1
     lighthouse = None
     try:
         if args.lighthouse:
             address = args.lighthouse if args.lighthouse.startswith("http") else f"http://{args.lighthouse}"
+        elif args.nnodes > 1:  # node 0's launcher hosts it on the announced address, every node's workers use it
+            host, port = parse_address(args.coordinator, "--coordinator")
+            address = f"http://{args.coordinator}"
+            if args.node_rank == 0:
+                lighthouse = ft.start_lighthouse(host.strip("[]"), port, args.min_workers, HEARTBEAT_TIMEOUT_S,
+                                                 JOIN_TIMEOUT_S)
         else:
             lighthouse = ft.start_lighthouse("127.0.0.1", 0, args.min_workers, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S)
             address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"  # (address() names the host, not the bind)
-    except InputError as err:
+    except (InputError, ConfigError) as err:
         say(f"error: {err}")
         return EXIT_BAD_INPUT
-    run_id = f"launch-{launcher.launch_id}-elastic"
+    except RuntimeError as err:  # the Lighthouse could not listen there
+        say(f"error: cannot start the Lighthouse on --coordinator {args.coordinator}: {str(err).splitlines()[0]}")
+        return EXIT_BAD_INPUT
+    run_id = f"launch-{launcher.launch_id}-elastic" if args.nnodes == 1 else f"torchft-{args.coordinator}"
 
-    def start(rank: int, restart: bool = False) -> bool:
-        env = {**({ft.ENV_RESTART: "1"} if restart else {}), ft.ENV_LIGHTHOUSE: address, ft.ENV_RANK: str(rank), ft.ENV_SIZE: str(size),
-               ft.ENV_MIN: str(args.min_workers), ft.ENV_QUORUM_TIMEOUT: str(args.quorum_timeout), ENV_RUN_ID: run_id}
-        return launcher.start_one(rank, env)
+    def start(index: int, restart: bool = False) -> bool:
+        env = {**({ft.ENV_RESTART: "1"} if restart else {}), ft.ENV_LIGHTHOUSE: address, ft.ENV_RANK: str(first + index),
+               ft.ENV_SIZE: str(size), ft.ENV_MIN: str(args.min_workers), ft.ENV_QUORUM_TIMEOUT: str(args.quorum_timeout),
+               ENV_RUN_ID: run_id}
+        return launcher.start_one(index, env)
 
     try:
-        for rank in range(size):
-            if not start(rank):
+        for index in range(local):
+            if not start(index):
                 launcher.kill_all()
                 return EXIT_BAD_INPUT if launcher.stop is None else stop_code(launcher.stop)
         launcher.start_zygote()  # restarts fork from it, with JAX and the rest imported
-        say(f"started {size} workers (elastic on torchft: a lost one restarts alone and heals from a live one), "
-            f"Lighthouse {address}")
+        say(f"started {local} workers (elastic on torchft: a lost one restarts alone and heals from a live one), "
+            f"Lighthouse {address}" + (f"; ranks {first}..{first + local - 1} of {size}" if args.nnodes > 1 else ""))
         restarts, ended = 0, {}
         while True:
             time.sleep(0.05)
-            for rank, child in enumerate(launcher.children):
-                code = child.poll()
-                if rank in ended or code is None:
+            for index, child in enumerate(launcher.children):
+                code, rank = child.poll(), first + index
+                if index in ended or code is None:
                     continue
                 if code in (0, EXIT_PREEMPTED) or launcher.stop is not None or ended.get(0) == 0:  # (rank 0 saves the end)
-                    ended[rank] = code
+                    ended[index] = code
                     continue
                 if not launcher.lost(code):  # bad input, divergence, a failed save: not transient
                     say(f"worker {rank} {describe(code)}; stopping the others, no restart; exit code {shell_code(code)}")
@@ -66,22 +84,24 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                 if restarts >= args.max_restarts:
                     say(f"worker {rank} {describe(code)}; no restarts left (--max-restarts {args.max_restarts}); "
                         f"the others go on while --min-workers={args.min_workers} remain")
-                    ended[rank] = code
+                    ended[index] = code
                     continue
                 restarts += 1
                 launcher.failures.append(time.time())
                 say(f"worker {rank} {describe(code)}; restarting it alone ({restarts} of {args.max_restarts}), "
                     f"the others train on")
-                others = any(c.poll() is None for r, c in enumerate(launcher.children) if r != rank)
-                if not start(rank, restart=others):  # (none live: it starts as at the start, rank 0 restoring)
-                    ended[rank] = code
-            if len(ended) == size:
+                # it heals from a live worker; with several nodes another node's may be live (one that finds
+                # none exits 75, rank 0 goes on from its checkpoint); alone here, it starts as at the start
+                others = args.nnodes > 1 or any(c.poll() is None for i, c in enumerate(launcher.children) if i != index)
+                if not start(index, restart=others):
+                    ended[index] = code
+            if len(ended) == local:
                 codes = list(ended.values())
-                code = 0 if ended.get(0) == 0 else EXIT_PREEMPTED if EXIT_PREEMPTED in codes else \
-                    next((shell_code(c) for c in codes if c), 0)  # (75: the live ones saved; the lost ones' codes are not the run's)
+                code = 0 if ended.get(0) == 0 or (first and 0 in codes) else EXIT_PREEMPTED if EXIT_PREEMPTED in codes \
+                    else next((shell_code(c) for c in codes if c), 0)  # (75: the live ones saved; the lost ones' codes are not the run's)
                 if launcher.stop is not None and code in (0, EXIT_PREEMPTED):
                     code = stop_code(launcher.stop) if code else 0
-                say(f"all {size} workers ended ({restarts} restart{'s' if restarts != 1 else ''}); exit code {code}")
+                say(f"all {local} workers ended ({restarts} restart{'s' if restarts != 1 else ''}); exit code {code}")
                 return code
     finally:
         launcher.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -187,8 +188,18 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     from jaxdp.step.elastic import state_from_arrays
 
     at = int(jax.device_get(state.step))
+    deadline = time.monotonic() + member.quorum_timeout_s
     try:
         received = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
+        # At the start every worker waits for rank 0, which restored the checkpoint: in a quorum without it
+        # (another node's launcher started first) a fresh worker would train alone from its own step 0, and
+        # then, being further on, hand that state to rank 0. A quorum without rank 0 is closed and asked again.
+        while not member.lead and not member.restarted and received is None and 0 not in member.engine.alive(False)[0]:
+            member.engine.commit()
+            if time.monotonic() > deadline:
+                raise ft.QuorumLost(f"rank 0 did not join within {member.quorum_timeout_s:g} s (--quorum-timeout)")
+            time.sleep(0.1)
+            received = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
     except ft.QuorumLost as err:
         print(f"jaxdp: rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err}); exit code "
               f"{EXIT_PREEMPTED}", file=sys.stderr)
