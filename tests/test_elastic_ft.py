@@ -214,6 +214,44 @@ def test_lighthouse_elsewhere_is_used_and_none_starts_in_the_launcher(tmp_path):
     assert (tmp_path / "ckpt" / "20").is_dir()
 
 
+NAN_ON_RANK_1 = """
+import os
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class Net(nn.Module):  # a linear classifier whose every output is NaN on worker 1 (say, a broken card)
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(self.num_classes)(x.reshape((x.shape[0], -1)))
+        return y * jnp.nan if os.environ.get("JAXDP_ELASTIC_RANK") == "1" else y
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_worker_whose_sums_are_not_finite_is_left_out_and_named_and_the_run_trains_on_the_others(tmp_path):
+    """Worker 1's model gives NaN: its shard is left out of every step (the mean over the other shard),
+    named in one line, and the run ends with a finite loss, where the NaN guard would have stopped it."""
+    (tmp_path / "nan_models.py").write_text(NAN_ON_RANK_1)
+    run = Run(tmp_path, 60, train_args=("--model", "nan_models:Net", "--model-path", str(tmp_path)))
+    try:
+        assert run.proc.wait(timeout=150) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "step 0: the sums of shard(s) [1] (computed by rank(s) [1]) are not finite: left out" in text, text
+    assert text.count("are not finite") == 1, text  # named once, not every step
+    done = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines() if '"done"' in line]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()
+              if '"loss"' in line and '"event"' not in line]
+    assert losses and all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
+    assert done and done[-1]["eval_accuracy"] > 0.25, done  # (chance: 0.1; a linear model, 60 steps, half the rows)
+
+
 class Node(LaunchedRun):
     """One node's launcher of a two-node torchft run on 127.0.0.1 (one worker each: rank = node rank)."""
 

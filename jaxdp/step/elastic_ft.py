@@ -6,7 +6,8 @@ the ring) as raw bytes, one row per shard, one all-gather, torchft's commit. A f
 stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
 shard of that step is computed by a survivor, and no shard is counted twice. The total is added in
 shard order on the host, so the result is the same to the bit whoever computed what (with --strategy
-host, the hub's: jaxdp/cluster/elastic.py).
+host, the hub's: jaxdp/cluster/elastic.py). A shard whose sums are not finite crosses as a tag alone and
+is left out of the step's mean (named once by the lowest live rank), instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -136,20 +137,26 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                               nbytes=sum(a.nbytes for a in like[:exact if coder else None])
                               + (coder.nbytes if coder else 0))
             # This worker's piece: as many rows as the busiest live worker computes, each tagged with its
-            # shard (8 bytes: shard + 1; 0 marks an unused row), so every piece has the same shape.
+            # shard (8 bytes: shard + 1, negated for a sum that is not finite, which is left out; 0 marks
+            # an unused row), so every piece has the same shape.
             piece, kept = np.zeros((max(collections.Counter(owner.values()).values()), 8 + layout["nbytes"]),
                                    np.uint8), {}
             for i, shard in enumerate(mine):
-                piece[i, :8] = np.frombuffer(np.int64(shard + 1).tobytes(), np.uint8)
-                piece[i, 8:] = np.frombuffer(pack(shard_sum(state, batch_of(shard))[1], shard, kept), np.uint8)
+                sums = shard_sum(state, batch_of(shard))[1]
+                finite = all(np.isfinite(a).all() for a in sums if np.issubdtype(a.dtype, np.inexact))
+                piece[i, :8] = np.frombuffer(np.int64(shard + 1 if finite else -shard - 1).tobytes(), np.uint8)
+                if finite:
+                    piece[i, 8:] = np.frombuffer(pack(sums, shard, kept), np.uint8)
             pieces = member.engine.allgather(piece)
             if not member.engine.commit():  # someone failed mid-step: again, over the new quorum
                 continue
-            rows = np.zeros((size, layout["nbytes"]), np.uint8)
+            rows, bad = np.zeros((size, layout["nbytes"]), np.uint8), []
             for row in (r for p in pieces for r in p):
                 tag = int(np.frombuffer(row[:8].tobytes(), np.int64)[0])
-                if tag:
+                if tag > 0:
                     rows[tag - 1] = row[8:]
+                elif tag < 0:
+                    bad.append(-tag - 1)
             break
         for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
             layout["coder"].keep(shard, feedback)
@@ -160,13 +167,21 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             member.say(f"step {at}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
                        if gone else "") + (f"; back {back}" if back else "") + (f"; shards computed elsewhere {moved}"
                        if moved else ""))
+        bad = sorted(bad)
+        if bad != layout.get("bad", []):  # a worker's non-finite sums: left out of the step, named once
+            member.say(f"step {at}: the sums of shard(s) {bad} (computed by rank(s) {sorted({owner[b] for b in bad})}) "
+                       f"are not finite: left out of the step, the mean taken over the other shards" if bad else
+                       f"step {at}: every shard's sums are finite again")
+            layout["bad"] = bad
         member.shards, member.stop = mine, member.stop or stop
         totals = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype) for shape, dtype in layout["like"]]
-        for shard in range(size):  # in shard order, as the hub adds them: the same bits whoever computed each
-            for acc, part in zip(totals, unpack(rows[shard].tobytes(), totals)):
+        for shard in (s for s in range(size) if s not in bad):  # in shard order, as the hub adds them: the
+            for acc, part in zip(totals, unpack(rows[shard].tobytes(), totals)):  # same bits whoever computed each
                 acc += part
         totals = [t.reshape(shape) for t, (shape, _) in zip(totals, layout["like"])]
-        means = [(t / devices).astype(t.dtype, copy=False) for t in totals]
+        counted = devices * (size - len(bad)) // size  # (every shard not finite: NaN, which stops the run as ever)
+        means = [(t / counted).astype(t.dtype, copy=False) if counted else
+                 np.full(t.shape, np.nan, t.dtype) if np.issubdtype(t.dtype, np.inexact) else t for t in totals]
         metrics, model_state, grads = jax.tree.unflatten(layout["treedef"], means)
         metrics = _host_metrics(dict(metrics), grads, grad_norm)
         grads, model_state = replicate((grads, model_state), mesh)
