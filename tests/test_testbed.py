@@ -119,10 +119,14 @@ def test_testbed_links_its_hosts_shapes_them_and_deletes_everything():
                            "    except OSError: time.sleep(0.05)\n"
                            "print(c.recv(100).decode())\n"
                            "s = socket.create_server(('127.0.0.1', 0)); socket.create_connection(s.getsockname())\n"
-                           "from jaxdp.cluster import gloo; print(gloo.choose('10.77.0.2:1').describe())")
+                           "from jaxdp.cluster import gloo; print(gloo.choose('10.77.0.2:1').describe())\n"
+                           "from jaxdp.cluster import ft; env = {}\n"
+                           "print(ft.advertised_host('http://10.77.0.2:1', env), env, ft.advertised_host('127.0.0.1:1'))")
         assert out.splitlines()[0] == "10.77.0.3"
         assert out.splitlines()[1].startswith("gloo collectives on eth0 (10.77.0.3): the interface that reaches "
                                               "the coordinator 10.77.0.2")
+        # A torchft worker announces the address that reaches the Lighthouse, and torch's gloo listens there.
+        assert out.splitlines()[2] == "10.77.0.3 {'GLOO_SOCKET_IFNAME': 'eth0'} 127.0.0.1"
         server.wait(timeout=10)
         # Both ends of every link carry the token bucket at the rate asked for.
         for ns, dev in ((bed.namespace(1), testbed.HOST_IFNAME), (f"{bed.tag}-br", "h1")):

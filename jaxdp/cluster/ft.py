@@ -48,6 +48,24 @@ class QuorumLost(Exception):
     """No quorum of --min-workers workers within the quorum timeout (or the Lighthouse is gone)."""
 
 
+def advertised_host(lighthouse: str, environ: dict | None = None) -> str | None:
+    """The address this worker's store, checkpoint server and gloo announce to the others: 127.0.0.1
+    with a Lighthouse on this machine; else this machine's address on the interface that reaches the
+    Lighthouse (or the one --gloo-interface / $JAXDP_GLOO_INTERFACE / $GLOO_SOCKET_IFNAME names), where
+    torch's gloo is told to listen too (jaxdp/cluster/gloo.py chooses it as for JAX's gloo); None
+    where neither is known (torchft's defaults: the host name)."""
+    from jaxdp.cluster import gloo
+
+    environ = os.environ if environ is None else environ
+    hostport = lighthouse.split("://", 1)[-1].rstrip("/")
+    if any(h in hostport for h in ("127.0.0.1", "localhost")):
+        return "127.0.0.1"
+    endpoint = gloo.choose(hostport, environ=environ)
+    if endpoint.interface and gloo.ENV_TORCH_INTERFACE not in environ:
+        environ[gloo.ENV_TORCH_INTERFACE] = endpoint.interface  # torch's gloo reads it when its group is made
+    return endpoint.address
+
+
 class TorchftEngine:
     """The Engine on torchft: a Manager (its own one-process replica group) over ProcessGroupGloo."""
 
@@ -61,7 +79,7 @@ class TorchftEngine:
         self.torch, self.rank, self.size = torch, rank, size
         self._received: bytes | None = None
         self._state_fn: Callable[[], bytes] | None = None
-        host = "127.0.0.1" if any(h in lighthouse for h in ("127.0.0.1", "localhost")) else None
+        host = advertised_host(lighthouse)
         self.store = TCPStore(host or "0.0.0.0", 0, is_master=True, wait_for_workers=False)
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
