@@ -288,7 +288,7 @@ def test_two_launchers_as_two_nodes_lose_a_whole_node_and_rank_0s_worker_and_end
     node 0 trains on, computing both shards; node 1's launcher started again brings its worker back, healed
     from rank 0. Then rank 0's worker is killed: node 0's launcher restarts it and it heals from rank 1.
     The end: a one-process run's parameters over 2 devices, bit for bit."""
-    steps, port = 800, free_port()
+    steps, port = 2500, free_port()  # (node 1 must be back before node 0 ends: its start takes ~10 s under load)
     nodes = [Node(tmp_path, steps, 0, port, "node0"), Node(tmp_path, steps, 1, port, "node1")]
     try:
         nodes[0].wait_for(lambda: nodes[0].reached() >= 30, "step 30")

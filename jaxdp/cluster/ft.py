@@ -9,8 +9,7 @@ Across workers everything goes through an `Engine`:
 * `quorum(step, state_fn)`: agree on who takes part in this step (torchft's Lighthouse); a worker that is
   behind (a new or restarted one) gets the live state from a peer here (`state_fn` of the peer: never a
   checkpoint). Returns the received state's bytes, or None.
-* `alive(stop)`: the live ranks of this step (and whether any asked to stop), through the same process group.
-* `allreduce(array)`: the sum of every worker's `array` (host buffers, gloo on CPU).
+* `participating()`: whether this worker takes part in this step (the step's rows say so to the others).
 * `allgather(piece)`: every worker's `piece` (the step's rows of the shards each computed).
 * `commit()`: whether this step's exchanges all went through (else the step is done again, over the new quorum).
 
@@ -20,7 +19,7 @@ process can rejoin on CPU (docs/multihost.md, "Elastic runs on torchft").
 
 Bit-equal sums whatever the membership: gloo's sum order changes with the members, so each worker
 sends the gradient sums of the shards it computes as raw bytes, each row tagged with its shard, to
-every other (one all-gather), and every worker adds the `size` shards in shard order on the host, as
+every other (all-gathers), and every worker adds the `size` shards in shard order on the host, as
 the hub does (jaxdp/cluster/elastic.py). Each worker receives the other workers' rows: N - 1 sums'
 bytes, where a ring all-reduce of one sum would cost about 2: fine for a few workers, not for many.
 
@@ -108,22 +107,9 @@ class TorchftEngine:
             raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
         return self._received
 
-    def alive(self, stop: bool) -> tuple[list[int], bool]:
-        """The ranks taking part in this step, and whether one of them asked to stop."""
-        flags = np.zeros(self.size + 1, np.float32)
-        if self.manager.is_participating():
-            flags[self.rank] = 1.0
-            flags[self.size] = float(stop)
-        out = self.allreduce(flags)
-        return [r for r in range(self.size) if out[r] > 0], bool(out[self.size] > 0)
-
-    def allreduce(self, host: np.ndarray) -> np.ndarray:
-        """The sum over the quorum of `host` (a fresh array; garbage if this step fails to commit)."""
-        from torch.distributed import ReduceOp
-
-        tensor = self.torch.from_numpy(np.array(host, copy=True))
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
-        return tensor.numpy()
+    def participating(self) -> bool:
+        """Whether this worker takes part in this step's collectives (torchft: not while it heals)."""
+        return bool(self.manager.is_participating())
 
     def allgather(self, piece: np.ndarray) -> list[np.ndarray]:
         """Every worker's `piece` (a uint8 array of one shape everywhere), this one's among them, in the
@@ -179,6 +165,7 @@ class FtMember:
         self.sock = None            # (the loop's test for "had joined" when a join fails)
         self.engine: TorchftEngine | None = None
         self.fresh_quorum = False   # the join's quorum is also the first step's
+        self.fresh = False          # at the run's start, no step applied yet: its first steps wait for rank 0
         self.live: list[int] = list(range(size))
         self.restarted = False      # started again by the launcher while other workers were live
 

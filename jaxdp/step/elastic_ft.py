@@ -1,8 +1,10 @@
 """The step of an elastic run on torchft (jaxdp/cluster/ft.py): the hub's host path with a torchft transport.
 
-Each call: the quorum (who takes part; a behind worker is healed there), the live ranks and who computes
-which shard (`ft.assign`), this worker's shard sums over its devices (on the host, or in-graph by psum or
-the ring) as raw bytes, one row per shard, one all-gather, torchft's commit. A failed commit (a worker died or
+Each call: the quorum (who takes part; a behind worker is healed there); every worker taking part sums
+its own shard over its devices (on the host, or in-graph by psum or the ring) and sends it as raw bytes in
+one row, whose header also says that it takes part and whether it asks to stop: one all-gather gives
+every worker the live ranks and their sums. Only when a rank is missing does a second all-gather carry
+its shard, computed by the live rank `ft.assign` names. Then torchft's commit. A failed commit (a worker died or
 stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
 shard of that step is computed by a survivor, and no shard is counted twice. The total is added in
 shard order on the host, so the result is the same to the bit whoever computed what (with --strategy
@@ -31,6 +33,16 @@ from jaxdp.sync.spec import SyncSpec
 
 Batch = Any
 Metrics = dict
+
+
+HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
+TAKES_PART, ASKS_STOP, FRESH = 1, 2, 4  # FRESH: a worker at the run's start that has applied no step yet
+
+
+def cut(pieces: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
+    """(tag, flags, the sums' bytes) of every row of the gathered pieces."""
+    return [(int(np.frombuffer(row[:8].tobytes(), np.int64)[0]), int(np.frombuffer(row[8:16].tobytes(), np.int64)[0]),
+             row[HEADER:]) for piece in pieces for row in piece]
 
 
 def to_bytes(arrays: list[np.ndarray]) -> bytes:
@@ -85,6 +97,22 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         message, kept[shard] = coder.encode(np.concatenate([a.ravel() for a in leaves[exact:]]), shard)
         return to_bytes(leaves[:exact]) + message
 
+    def rows_of(state: TrainState, batch_of: Callable, shards: list[int], count: int, kept: dict,
+                taking_part: bool = False, stop: bool = False, fresh: bool = False) -> np.ndarray:
+        """`count` rows, the first ones `shards`' sums: a 16-byte header each (the shard + 1, negated for
+        sums that are not finite, which are left out, 0 for none; then TAKES_PART, ASKS_STOP, FRESH),
+        then the sums' bytes (a codec's message for the gradient)."""
+        piece = np.zeros((count, HEADER + layout["nbytes"]), np.uint8)
+        flags = TAKES_PART * taking_part | ASKS_STOP * stop | FRESH * fresh
+        piece[:, 8:16] = np.frombuffer(np.int64(flags).tobytes(), np.uint8)
+        for i, shard in enumerate(shards):
+            sums = shard_sum(state, batch_of(shard))[1]
+            finite = all(np.isfinite(a).all() for a in sums if np.issubdtype(a.dtype, np.inexact))
+            piece[i, :8] = np.frombuffer(np.int64(shard + 1 if finite else -shard - 1).tobytes(), np.uint8)
+            if finite:
+                piece[i, HEADER:] = np.frombuffer(pack(sums, shard, kept), np.uint8)
+        return piece
+
     def unpack(row: bytes, totals: list[np.ndarray]) -> list[np.ndarray]:
         coder, exact = layout["coder"], layout["exact"]
         flat = [((a.size,), a.dtype) for a in totals]
@@ -123,12 +151,6 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 if member.lead:  # (the loop names only the other ranks' reason)
                     print(f"jaxdp: {why}; saving and stopping", file=sys.stderr, flush=True)
                 raise elastic.HubGone(f"{why} ({err})") from None
-            live, stop = member.engine.alive(member.stop_asked)
-            if not live:
-                member.engine.commit()
-                continue
-            owner = ft.assign(live, size)
-            mine = [s for s in range(size) if owner[s] == rank]
             if "like" not in layout:
                 treedef, like = shard_sum(state, batch)
                 exact = len(like) - treedef.children()[2].num_leaves  # (metrics, model state) | grads
@@ -136,28 +158,45 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 layout.update(treedef=treedef, like=[(a.shape, a.dtype) for a in like], exact=exact, coder=coder,
                               nbytes=sum(a.nbytes for a in like[:exact if coder else None])
                               + (coder.nbytes if coder else 0))
-            # This worker's piece: as many rows as the busiest live worker computes, each tagged with its
-            # shard (8 bytes: shard + 1, negated for a sum that is not finite, which is left out; 0 marks
-            # an unused row), so every piece has the same shape.
-            piece, kept = np.zeros((max(collections.Counter(owner.values()).values()), 8 + layout["nbytes"]),
-                                   np.uint8), {}
-            for i, shard in enumerate(mine):
-                sums = shard_sum(state, batch_of(shard))[1]
-                finite = all(np.isfinite(a).all() for a in sums if np.issubdtype(a.dtype, np.inexact))
-                piece[i, :8] = np.frombuffer(np.int64(shard + 1 if finite else -shard - 1).tobytes(), np.uint8)
-                if finite:
-                    piece[i, 8:] = np.frombuffer(pack(sums, shard, kept), np.uint8)
-            pieces = member.engine.allgather(piece)
-            if not member.engine.commit():  # someone failed mid-step: again, over the new quorum
+            # First round: every worker taking part computes its own shard and sends it in one row whose
+            # header also says that it takes part and whether it asks to stop, so the live ranks come with
+            # the sums (one collective). Only if a rank is missing, a second round computes its shard.
+            kept, taking_part = {}, member.engine.participating()
+            own = [rank] if taking_part else []
+            first = member.engine.allgather(rows_of(state, batch_of, own, 1, kept, taking_part, member.stop_asked,
+                                                    member.fresh))
+            heads = [(tag, flags) for tag, flags, _ in cut(first)]
+            live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
+            stop = any(flags & ASKS_STOP for _, flags in heads)
+            if live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
+                # At the start every worker waits for rank 0, which restored the checkpoint: without it
+                # (another node's launcher came up first) they would train from their own step 0 and then,
+                # being further on, hand that state to rank 0. Nobody applies this step; the quorum again.
+                member.engine.commit()
+                waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
+                if waited > member.quorum_timeout_s:
+                    raise elastic.HubGone(f"rank {rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
+                                          f"(--quorum-timeout) at the run's start")
+                time.sleep(0.1)
+                continue
+            owner = ft.assign(live, size) if live else {}
+            missing = [s for s in range(size) if s not in live]
+            second = []
+            if live and missing and first:  # a lost rank's shard: the live rank with the fewest computes it
+                mine = [s for s in missing if owner[s] == rank]
+                count = max(collections.Counter(owner[s] for s in missing).values())
+                second = member.engine.allgather(rows_of(state, batch_of, mine, count, kept))
+            if not member.engine.commit() or not live:  # someone failed mid-step: again, over the new quorum
                 continue
             rows, bad = np.zeros((size, layout["nbytes"]), np.uint8), []
-            for row in (r for p in pieces for r in p):
-                tag = int(np.frombuffer(row[:8].tobytes(), np.int64)[0])
+            for tag, _, payload in cut(first) + cut(second):
                 if tag > 0:
-                    rows[tag - 1] = row[8:]
+                    rows[tag - 1] = payload
                 elif tag < 0:
                     bad.append(-tag - 1)
+            mine = [s for s in range(size) if owner[s] == rank]
             break
+        member.fresh = False
         for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
             layout["coder"].keep(shard, feedback)
         if live != member.live:
@@ -203,24 +242,15 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     from jaxdp.step.elastic import state_from_arrays
 
     at = int(jax.device_get(state.step))
-    deadline = time.monotonic() + member.quorum_timeout_s
     try:
         received = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
-        # At the start every worker waits for rank 0, which restored the checkpoint: in a quorum without it
-        # (another node's launcher started first) a fresh worker would train alone from its own step 0, and
-        # then, being further on, hand that state to rank 0. A quorum without rank 0 is closed and asked again.
-        while not member.lead and not member.restarted and received is None and 0 not in member.engine.alive(False)[0]:
-            member.engine.commit()
-            if time.monotonic() > deadline:
-                raise ft.QuorumLost(f"rank 0 did not join within {member.quorum_timeout_s:g} s (--quorum-timeout)")
-            time.sleep(0.1)
-            received = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
     except ft.QuorumLost as err:
         print(f"jaxdp: rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err}); exit code "
               f"{EXIT_PREEMPTED}", file=sys.stderr)
         member.close()
         raise SystemExit(EXIT_PREEMPTED) from None
     member.fresh_quorum = True  # this quorum's collectives are the first step's
+    member.fresh = not member.restarted and received is None  # at the run's start: it waits for rank 0 (step)
     if received is None and member.restarted and not member.lead and member.engine.manager.num_participants() <= 1:
         # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
         # rank 0 goes on from the checkpoint it restored instead (it saves the run's end)
