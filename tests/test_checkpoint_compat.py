@@ -30,6 +30,17 @@ score leaves the softmax unchanged), so its gradient is rounding noise, which Ad
 turns into steps of up to lr: `mismatches` checks it finite and compares the query and value biases.
 powersgd's embedding (a slow test) still differs on such a CPU; the fixtures were made on an AVX2 machine.
 
+Amplifiers (measured on an AMD EPYC with AVX-512, 2026-11-26, where the matrix products and
+convolutions run in library kernels whose blocking follows the CPU's caches, so even
+--xla_cpu_max_isa=AVX2 gave the same numbers): where the arithmetic turns one ulp into more, the
+relative tolerance is `AMPLIFIED`'s. gpt_bf16 (the compute rounded to bf16) ended with its
+held-out loss 1.9e-5 and a few parameters up to 4.6e-4 off; int8_ring (a quantization level
+flipped) two logged grad norms 3.9e-6 and one head weight 4.7e-4 off; powersgd 48 embedding values
+up to 2.0e-2 off. A wrong restore moves them by far more: with the optimizer state lost, these
+tolerances still found 26 mismatches in gpt_bf16 (step 8's loss 1.4e-3 off) and 23 in int8_ring.
+The CNN's convolution biases come before BatchNorm, so they get no gradient in exact arithmetic
+(like the key bias above): checked finite.
+
 The runs name their paths relative to the working directory (the checkpoints record
 `--dataset corpus.txt`, and a resumed run must give the same --dataset): each test runs in a
 tmp_path holding copies of ckpt/ and corpus.txt, and passes every path on the command line.
@@ -65,6 +76,9 @@ MODES = {
 }
 MISSING = "<not logged>"
 REL, FLOOR = 1e-6, 1e-8  # relative tolerance; absolute floor for values near 0 (see the docstring)
+# Modes whose arithmetic turns a last-place difference into a larger one (the docstring's "Amplifiers"):
+# bf16 rounds the compute to 8 bits, int8 quantization flips a level, PowerSGD's low-rank factors move.
+AMPLIFIED = {"gpt_bf16": 1e-3, "int8_ring": 1e-3, "powersgd": 3e-2}
 EXACT = {"step", "round", "round_steps_by_process", "comm_bytes"}  # counts, also where logged as floats
 
 # Seconds per resume, one process on a 2-core machine shared with other work (load average 10 to 35):
@@ -95,32 +109,32 @@ def stored_params(fixture: str, mode: str) -> dict[str, np.ndarray]:
         return {name: stored[name] for name in stored.files}
 
 
-def differs(got, want, exact: bool = False) -> bool:
-    """Whether logged value `got` fails `want`: ints, strings and `exact` fields by ==, floats to REL
+def differs(got, want, exact: bool = False, rel: float = REL) -> bool:
+    """Whether logged value `got` fails `want`: ints, strings and `exact` fields by ==, floats to `rel`
     (FLOOR near 0), lists element by element."""
     if isinstance(want, list):
         return not isinstance(got, (list, tuple)) or len(got) != len(want) or any(
-            differs(g, w, exact) for g, w in zip(got, want))
+            differs(g, w, exact, rel) for g, w in zip(got, want))
     if exact or not isinstance(want, float):
         return got != want
     if isinstance(got, bool) or not isinstance(got, numbers.Real):
         return True
-    return not math.isclose(float(got), want, rel_tol=REL, abs_tol=FLOOR)
+    return not math.isclose(float(got), want, rel_tol=rel, abs_tol=FLOOR)
 
 
 def mismatches(history: list[dict], summary: dict, params: dict[str, np.ndarray], expected: dict,
                stored: dict[str, np.ndarray]) -> list[str]:
     """Every way a resumed run's logged steps, held-out metrics and final parameters fail the
     fixture's (empty: it continued as the old code did)."""
-    out = []
+    out, rel = [], AMPLIFIED.get(expected.get("mode"), REL)
     got_steps, want_steps = [r.get("step") for r in history], [r["step"] for r in expected["steps"]]
     if got_steps != want_steps:
         out.append(f"logged steps {got_steps}, expected {want_steps}")
     for got, want in zip(history, expected["steps"]):
         out += [f"step {want['step']} {key}: {got.get(key, MISSING)!r}, expected {value!r}"
-                for key, value in want.items() if differs(got.get(key, MISSING), value, key in EXACT)]
+                for key, value in want.items() if differs(got.get(key, MISSING), value, key in EXACT, rel)]
     out += [f"{key}: {summary.get(key, MISSING)!r}, expected {value!r}"
-            for key, value in expected["eval"].items() if differs(summary.get(key, MISSING), value)]
+            for key, value in expected["eval"].items() if differs(summary.get(key, MISSING), value, rel=rel)]
     if sorted(params) != sorted(stored):
         out.append(f"parameters {sorted(params)}, expected {sorted(stored)}")
     for name in sorted(set(params) & set(stored)):
@@ -136,7 +150,13 @@ def mismatches(history: list[dict], summary: dict, params: dict[str, np.ndarray]
             if not np.isfinite(got[1]).all():
                 out.append(f"{name}: the key bias is not finite")
             got, want = np.delete(got, 1, axis=0), np.delete(want, 1, axis=0)
-        bad = ~np.isclose(got, want, rtol=REL, atol=FLOOR)
+        if re.fullmatch(r"Conv_\d+\.bias", name):
+            # A convolution's bias before BatchNorm gets no gradient in exact arithmetic either (the
+            # normalisation subtracts every constant): rounding noise, checked finite.
+            if not np.isfinite(got).all():
+                out.append(f"{name}: the bias before BatchNorm is not finite")
+            continue
+        bad = ~np.isclose(got, want, rtol=rel, atol=FLOOR)
         if bad.any():
             worst = np.max(np.abs(got.astype(np.float64) - want)[bad] / np.maximum(np.abs(want[bad]), FLOOR))
             out.append(f"{name}: {np.count_nonzero(bad)} of {want.size} values differ, by up to {worst:.3g} relative")

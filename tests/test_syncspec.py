@@ -37,7 +37,9 @@ def test_the_table_names_the_first_clash():
     assert clash("ring", elastic=True) == "elastic-strategy" and clash("host", elastic=True, overlap=True) == "elastic-overlap"
     # torchft's workers may sum their own devices in-graph; across workers it is the host still
     assert clash("ring", elastic=True, elastic_engine="torchft") is None
-    assert clash("psum", elastic=True, elastic_engine="torchft", compression="int8") == "elastic-compression"
+    assert clash("psum", elastic=True, elastic_engine="torchft", compression="int8") is None  # coded between workers
+    assert clash("psum", elastic=True, elastic_engine="torchft", compression="powersgd:4") == "elastic-ft-codec"
+    assert clash("host", elastic=True, compression="int8") == "elastic-compression"  # the hub: none
     assert elastic_of({"JAXDP_FT_LIGHTHOUSE": "http://127.0.0.1:1"}) == {"elastic": True, "elastic_engine": "torchft"}
     assert elastic_of({"JAXDP_ELASTIC": "127.0.0.1:1"}) == {"elastic": True, "elastic_engine": "hub"}
     assert elastic_of({})["elastic"] is False
