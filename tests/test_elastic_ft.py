@@ -67,6 +67,38 @@ class Run(LaunchedRun):
         os.kill(next(p for p in training_processes(self.proc.pid) if elastic_rank(p) == rank), signal.SIGKILL)
 
 
+def assert_ends_as_one_process(tmp_path, steps: int) -> None:
+    """The run's final checkpoint (tmp_path/ckpt) holds a one-process run's parameters over 2 devices, bit for bit."""
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
+                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
+                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
+
+
+def kill_1_and_rejoin(run: Run) -> None:
+    """Worker 1 killed at step 30 and restarted; the run ends. (Rank 0 trains alone meanwhile, "left out
+    [1]", only if rank 1 is back after the Lighthouse's heartbeat timeout: a quick restart rejoins the
+    step rank 0 is doing again.)"""
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.kill(1)
+        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    assert "worker 1 was killed by SIGKILL" in run.text(), run.text()
+
+
+def finish(run: Run) -> None:
+    """An undisturbed run to its end."""
+    try:
+        assert run.proc.wait(timeout=180) == 0, run.text()
+    finally:
+        run.close()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_with_a_one_process_runs_parameters(tmp_path):
@@ -84,12 +116,7 @@ def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_wit
     text = run.text()
     assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
     assert "left out [1]" in text and "left out [0]" in text, text  # each time the other computed both shards
-    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
-                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
-                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr
-    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
-    assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
+    assert_ends_as_one_process(tmp_path, steps)
 
 
 @pytest.mark.slow
@@ -99,22 +126,8 @@ def test_workers_of_two_devices_summing_by_the_ring_lose_and_heal_one_and_end_as
     final parameters are an undisturbed elastic run's, bit for bit (each shard's ring sum is the same
     program on the same number of devices, whichever worker runs it)."""
     steps = 400
-    run = Run(tmp_path, steps, "--max-restarts", "10", strategy="ring", devices=2)
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        run.kill(1)
-        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
-        assert run.proc.wait(timeout=120) == 0, run.text()
-    finally:
-        run.close()
-    # (rank 0 trains alone meanwhile, "left out [1]", only if rank 1 is back after the Lighthouse's heartbeat
-    # timeout: a quick restart rejoins the step rank 0 is doing again; the end is the same bits either way)
-    assert "worker 1 was killed by SIGKILL" in run.text(), run.text()
-    calm = Run(tmp_path, steps, strategy="ring", devices=2, name="calm")
-    try:
-        assert calm.proc.wait(timeout=180) == 0, calm.text()
-    finally:
-        calm.close()
+    kill_1_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", strategy="ring", devices=2))
+    finish(Run(tmp_path, steps, strategy="ring", devices=2, name="calm"))
     final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "calm")]
     assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
 
@@ -127,23 +140,10 @@ def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_
     held-out loss; disturbed, within 1 % of the undisturbed int8 run's (not to the bit: the lost
     worker's error feedback is lost with it, and its shard's feedback starts again at zero)."""
     steps = 300
-    run = Run(tmp_path, steps, "--max-restarts", "10", train_args=("--compression", "int8"))
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        run.kill(1)
-        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
-        assert run.proc.wait(timeout=120) == 0, run.text()
-    finally:
-        run.close()
-    assert "worker 1 was killed by SIGKILL" in run.text(), run.text()
-    losses = {}  # (whether rank 0 trained alone meanwhile depends on how soon rank 1 is back: either way
-    #              rank 1's feedback is gone, and rank 0 has none for shard 1)
+    kill_1_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", train_args=("--compression", "int8")))
+    losses = {}  # (rank 1's feedback is gone with it, and rank 0 has none for shard 1)
     for name, train_args in (("calm", ("--compression", "int8")), ("plain", ())):
-        calm = Run(tmp_path, steps, train_args=train_args, name=name)
-        try:
-            assert calm.proc.wait(timeout=180) == 0, calm.text()
-        finally:
-            calm.close()
+        finish(Run(tmp_path, steps, train_args=train_args, name=name))
     for name in ("ckpt", "calm", "plain"):
         done = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines() if '"done"' in line]
         losses[name] = done[-1]["eval_loss"]
@@ -307,9 +307,4 @@ def test_two_launchers_as_two_nodes_lose_a_whole_node_and_rank_0s_worker_and_end
     assert "left out [1]" in nodes[0].text(), nodes[0].text()  # node 0 alone: it computed shard 1 too
     assert "worker 0 was killed by SIGKILL; restarting it alone" in nodes[0].text(), nodes[0].text()
     assert "ranks 1..1 of 2" in nodes[1].text() and "all 1 workers ended" in nodes[1].text(), nodes[1].text()
-    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
-                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
-                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr
-    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
-    assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
+    assert_ends_as_one_process(tmp_path, steps)
