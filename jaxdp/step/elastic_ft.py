@@ -163,9 +163,9 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             # the sums (one collective). Only if a rank is missing, a second round computes its shard.
             kept, taking_part = {}, member.engine.participating()
             own = [rank] if taking_part else []
-            first = member.engine.allgather(rows_of(state, batch_of, own, 1, kept, taking_part, member.stop_asked,
-                                                    member.fresh))
-            heads = [(tag, flags) for tag, flags, _ in cut(first)]
+            first = cut(member.engine.allgather(rows_of(state, batch_of, own, 1, kept, taking_part, member.stop_asked,
+                                                        member.fresh)))
+            heads = [(tag, flags) for tag, flags, _ in first]
             live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
             stop = any(flags & ASKS_STOP for _, flags in heads)
             if live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
@@ -183,13 +183,13 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             missing = [s for s in range(size) if s not in live]
             second = []
             if live and missing and first:  # a lost rank's shard: the live rank with the fewest computes it
-                mine = [s for s in missing if owner[s] == rank]
+                extra = [s for s in missing if owner[s] == rank]
                 count = max(collections.Counter(owner[s] for s in missing).values())
-                second = member.engine.allgather(rows_of(state, batch_of, mine, count, kept))
+                second = cut(member.engine.allgather(rows_of(state, batch_of, extra, count, kept)))
             if not member.engine.commit() or not live:  # someone failed mid-step: again, over the new quorum
                 continue
             rows, bad = np.zeros((size, layout["nbytes"]), np.uint8), []
-            for tag, _, payload in cut(first) + cut(second):
+            for tag, _, payload in first + second:
                 if tag > 0:
                     rows[tag - 1] = payload
                 elif tag < 0:

@@ -159,7 +159,7 @@ RULES: tuple[Rule, ...] = (
          "(with --elastic-engine torchft also psum or ring), not --strategy={strategy}",
          "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use strategy='host' "
          "(on torchft also 'psum' or 'ring'), not {strategy!r}", "strategy"),
-    Rule("elastic-compression", lambda c: c.elastic and c.compression is not None and c.elastic_engine != "torchft",
+    Rule("elastic-compression", lambda c: c.elastic and c.compression is not None and not c.ft,
          _ELASTIC + "--compression={compression} (with --elastic-engine torchft: bf16, int8 or int4)",
          _ELASTIC + "compression={compression!r} (on torchft: bf16, int8 or int4)", "compression"),
     Rule("elastic-ft-codec", lambda c: c.elastic and c.compression is not None and (
