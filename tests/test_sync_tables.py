@@ -110,7 +110,7 @@ EXAMPLES = {
     "zero-halves": dict(strategy=lambda tree, axis: jax.lax.psum(tree, axis), shard_optimizer=True),
     "params-zero": dict(shard_params=True, shard_optimizer=True),
     "params-strategy": dict(strategy="host", shard_params=True),
-    "params-compression": dict(shard_params=True, compression="powersgd:4"),
+    "params-compression": dict(shard_params=True, compression="topk:0.01"),
     "params-paced": dict(shard_params=True, sync_seconds=2.0),
     "params-local": dict(shard_params=True, sync_every="auto"),
     "params-overlap": dict(shard_params=True, overlap=True),

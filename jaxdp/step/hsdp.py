@@ -37,9 +37,11 @@ them each worker's own mean over its devices is returned (a process reads its ow
 nothing crosses between workers there.
 
 Compression's slot is the same as without `shard_params` but for its rows: one per worker, cut like
-the gradients (each device keeps the error feedback of its own slice). Codecs with factors shared
-by the whole matrix (PowerSGD) or a choice of indices over a whole leaf (top-k) are refused
-(jaxdp/sync/rules.py).
+the gradients (each device keeps the error feedback of its own slice). The exchange asks the codec
+for its form on slices (`Compressor.on_slices`): bf16, int8 and int4 act on each slice as on a whole
+leaf; PowerSGD's factors span whole matrices, so its sliced form puts them together inside the
+worker (jaxdp/sync/codecs/powersgd.py, `Sliced`). Top-k, which chooses indices over whole leaves,
+is refused (jaxdp/sync/rules.py).
 """
 
 from __future__ import annotations
@@ -138,6 +140,17 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
     metrics_at_sync = spec.metrics_at_sync
     codec = spec.codec if spec.codec is not None else (NoCompression() if is_local else None)
     exchange = make_exchange(spec.collective, hosts, count, codec, pseudo_gradient=is_local) if count > 1 else None
+
+    def exchange_of(whole: Any) -> Any:
+        """The exchange of slices of `whole`'s leaves: its codec `on_slices` (PowerSGD's sliced form)."""
+        if exchange is None or codec is None:
+            return exchange
+        cuts = tuple((jax.tree_util.keystr(path), tuple(x.shape),
+                      next((d for d, a in enumerate(fsdp.spec_for(tuple(x.shape), local, inside)) if a == inside), None))
+                     for path, x in jax.tree_util.tree_flatten_with_path(whole)[0])
+        return make_exchange(spec.collective, hosts, count, codec.on_slices(cuts, inside, local),
+                             pseudo_gradient=is_local)
+
     grads_of = fsdp.gradients(loss_fn, mesh, (inside,), stateful=stateful, grad_accum=grad_accum)
     layered = fsdp.layered_gradients(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum, workers=True)
     whole = replicated_sharding(mesh)
@@ -163,13 +176,14 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         (`slot`: the SyncState holding the codec's slot alone)."""
         if exchange is None:
             return jax.tree.map(lambda x: x[0], tree), slot, {}
+        sliced = exchange_of(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree))
         tree_specs = jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), tree)
         mean_specs = jax.tree.map(lambda x: fsdp.spec_for(tuple(x.shape[1:]), local, inside), tree)
         slot_specs = slot.replace(per_device=jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), slot.per_device),
                                   shared=jax.tree.map(lambda _: P(), slot.shared))
 
         def device(tree: Any, slot: Any, step: Any) -> tuple[Any, Any, dict]:
-            mean, _, _, slot, extra = exchange.mean(jax.tree.map(lambda x: x[0], tree), {}, {}, slot, step)
+            mean, _, _, slot, extra = sliced.mean(jax.tree.map(lambda x: x[0], tree), {}, {}, slot, step)
             return mean, slot, extra
 
         return jax.shard_map(device, mesh=mesh, in_specs=(tree_specs, slot_specs, P()),
@@ -243,8 +257,9 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         check_fragments(outer_states, count_fragments)
         groups = fragments(state.params, count_fragments)
         slices = jax.tree.leaves(_slice_shapes(state.params, mesh))
-        sent = 0.0 if exchange is None else float(sum(bytes_sent(exchange.payload_bytes(masked(treedef, slices, g)),
-                                                                 count) for g in groups))
+        sent = 0.0 if exchange is None else float(sum(bytes_sent(exchange_of(masked(treedef, global_leaves, g))
+                                                                 .payload_bytes(masked(treedef, slices, g)), count)
+                                                      for g in groups))
 
         def synced(f: int) -> tuple:
             group = groups[f]

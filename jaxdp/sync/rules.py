@@ -265,13 +265,13 @@ RULES: tuple[Rule, ...] = (
          "shard_params does not combine with strategy {strategy!r}: the sharded step is one XLA program, so the "
          "strategy across workers must be in-graph (psum or ring)", "strategy"),
     Rule("params-compression", lambda c: c.shard_params and c.compression is not None and (
-        c.compression == AUTO or codecs.row(c.compression).name in ("powersgd", "topk")),
+        c.compression == AUTO or codecs.row(c.compression).name == "topk"),
          "--shard-params does not combine with --compression={compression}: each device holds a slice of every "
-         "matrix, and {compression} needs whole ones (low-rank factors, indices over a whole leaf; auto may choose "
-         "them); use bf16, int8 or int4",
+         "leaf, and top-k chooses its indices over whole ones (auto may choose it); use bf16, int8, int4 or "
+         "powersgd",
          "shard_params does not combine with compression {compression!r}: each device holds a slice of every "
-         "matrix, and it needs whole ones (low-rank factors, indices over a whole leaf; auto may choose them); use "
-         "bf16, int8 or int4", "compression"),
+         "leaf, and top-k chooses its indices over whole ones (auto may choose it); use bf16, int8, int4 or "
+         "powersgd", "compression"),
     Rule("params-paced", lambda c: c.shard_params and c.sync_seconds is not None,
          "--shard-params does not combine with --sync-seconds: every device keeps whole parameters in its rounds of "
          "local steps; drop one of them",

@@ -14,6 +14,8 @@ Interface (every codec is a frozen dataclass; `parse(c.name) == c`):
   on one device inside `shard_map`; every mean is pre-scaled by 1/num_devices BEFORE the sum, so
   fp16/bf16 sums cannot overflow where the mean itself fits; `scalars` are float32 scalars,
   identical on every device.
+* `on_slices(cuts, axis, pieces)`: the codec for slices of the leaves (`shard_params`): itself
+  unless it needs whole matrices (PowerSGD's sliced form).
 * `payload_bytes(params, num_devices=None)`: bytes all-reduced per step once compressing (static);
   `bytes_sent(payload, N)` is what each device sends, `uncompressed_bytes(params)` plain averaging's.
 
@@ -98,6 +100,15 @@ class Compressor:
         """The console line that says what `settled` chose and why (None: it chose nothing)."""
         del params, num_devices, pseudo_gradient
         return None
+
+    def on_slices(self, cuts: tuple, axis: Any, pieces: int) -> "Compressor":
+        """The codec that averages each device's SLICE of the leaves the way this one averages
+        whole leaves (`shard_params` across workers, jaxdp/step/hsdp.py): `cuts` holds, per leaf,
+        (key, whole shape, the dimension cut into `pieces` over the mesh axis `axis`, or None for a
+        leaf every device holds whole). Default: itself, right for a codec that acts on each value
+        (bf16) or on blocks of values (int8, int4): a slice is averaged as a whole leaf is."""
+        del cuts, axis, pieces
+        return self
 
     def weaker(self, ranks: Sequence[int]) -> "Compressor":
         """The next codec with less compression, outside a ladder (costmodel.weaker): default none."""
