@@ -128,80 +128,119 @@ def _slice_shapes(params: Any, mesh: Mesh) -> Any:
     return jax.tree.map(piece, params)
 
 
-def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: Any, *, stateful: bool,
-              grad_accum: int, grad_norm: bool) -> Callable:
-    """The jitted step `(state, batch) -> (state, metrics)` (the old state donated) for `spec`
-    (a `jaxdp.sync.spec.SyncSpec` with shard_params): every step or local steps, through the
-    strategy's collective and the codec across workers."""
-    fsdp.check_mesh(mesh)
-    hosts, count = across(mesh)
-    inside, local = fsdp.within(mesh)
-    is_local = spec.local
-    metrics_at_sync = spec.metrics_at_sync
-    codec = spec.codec if spec.codec is not None else (NoCompression() if is_local else None)
-    exchange = make_exchange(spec.collective, hosts, count, codec, pseudo_gradient=is_local) if count > 1 else None
+class Workers:
+    """What the steps over `mesh` share, one worker per "hosts" row: each worker's gradient
+    (`grads`), the mean of `[workers, *leaf]` rows across workers through the exchange (`mean`),
+    the batch and model state laid out per worker (`prepared`) and their means (`finished`). The
+    step below uses them on the whole mesh; the overlapped rounds (jaxdp/step/hsdp_overlap.py) on
+    one process's rows too."""
 
-    def exchange_of(whole: Any) -> Any:
+    def __init__(self, loss_fn: Callable, mesh: Mesh, spec: Any, *, stateful: bool, grad_accum: int):
+        fsdp.check_mesh(mesh)
+        self.mesh, self.spec, self.loss_fn, self.stateful, self.grad_accum = mesh, spec, loss_fn, stateful, grad_accum
+        self.hosts, self.count = across(mesh)
+        self.inside, self.local = fsdp.within(mesh)
+        self.codec = spec.codec if spec.codec is not None else (NoCompression() if spec.local else None)
+        self.exchange = make_exchange(spec.collective, self.hosts, self.count, self.codec,
+                                      pseudo_gradient=spec.local) if self.count > 1 else None
+        self._grads_of = fsdp.gradients(loss_fn, mesh, (self.inside,), stateful=stateful, grad_accum=grad_accum)
+        self._layered = fsdp.layered_gradients(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum, workers=True)
+        self.whole = replicated_sharding(mesh)
+
+    def per_worker(self, fn: Callable, in_axes: tuple) -> Callable:
+        return jax.vmap(fn, in_axes=in_axes, axis_name=self.hosts or WORKERS, spmd_axis_name=self.hosts)
+
+    def exchange_of(self, whole: Any) -> Any:
         """The exchange of slices of `whole`'s leaves: its codec `on_slices` (PowerSGD's sliced form)."""
-        if exchange is None or codec is None:
-            return exchange
+        if self.exchange is None or self.codec is None:
+            return self.exchange
+        inside, local = self.inside, self.local
         cuts = tuple((jax.tree_util.keystr(path), tuple(x.shape),
                       next((d for d, a in enumerate(fsdp.spec_for(tuple(x.shape), local, inside)) if a == inside), None))
                      for path, x in jax.tree_util.tree_flatten_with_path(whole)[0])
-        return make_exchange(spec.collective, hosts, count, codec.on_slices(cuts, inside, local),
-                             pseudo_gradient=is_local)
+        return make_exchange(self.spec.collective, self.hosts, self.count, self.codec.on_slices(cuts, inside, local),
+                             pseudo_gradient=self.spec.local)
 
-    grads_of = fsdp.gradients(loss_fn, mesh, (inside,), stateful=stateful, grad_accum=grad_accum)
-    layered = fsdp.layered_gradients(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum, workers=True)
-    whole = replicated_sharding(mesh)
-
-    def per_worker(fn: Callable, in_axes: tuple) -> Callable:
-        return jax.vmap(fn, in_axes=in_axes, axis_name=hosts or WORKERS, spmd_axis_name=hosts)
-
-    def worker_grads(params: Any, model_state: Any, rows_: Any, rng: Any, step: Any, replicas: bool) -> tuple:
+    def grads(self, params: Any, model_state: Any, rows_: Any, rng: Any, step: Any, replicas: bool) -> tuple:
         """Every worker's (metrics [workers, local], model state [workers, local, ...], gradient
         [workers, *leaf]): its blocks gathered one at a time where the model hands them over
         (fsdp.layered_gradients), else fsdp.gradients per worker. `replicas`: `params` are rows."""
+        count, local, mesh = self.count, self.local, self.mesh
         flat = lambda t: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), t)  # noqa: E731 [workers, local] -> [d]
         one = jax.tree.map(lambda x: x[0], params) if replicas else params
-        inside = fsdp.block_names(loss_fn, stateful, one, flat(model_state), flat(rows_), tuple(mesh.axis_names))
+        inside = fsdp.block_names(self.loss_fn, self.stateful, one, flat(model_state), flat(rows_),
+                                  tuple(mesh.axis_names))
         if inside is None:
-            return per_worker(grads_of, (0 if replicas else None, 0, 0, None, None))(params, model_state, rows_, rng, step)
-        metrics, model_state, grads = layered(params, flat(model_state), flat(rows_), rng, step, inside, replicas)
+            return self.per_worker(self._grads_of, (0 if replicas else None, 0, 0, None, None))(
+                params, model_state, rows_, rng, step)
+        metrics, model_state, grads = self._layered(params, flat(model_state), flat(rows_), rng, step, inside, replicas)
         grid = lambda t: jax.tree.map(lambda x: x.reshape(count, local, *x.shape[1:]), t)  # noqa: E731
         return grid(metrics), grid(model_state), grads
 
-    def mean_across(tree: Any, slot: Any, step: Any) -> tuple[Any, Any, dict]:
-        """`[workers, *leaf]` rows -> their mean, cut like the parameters, through the exchange
-        (`slot`: the SyncState holding the codec's slot alone)."""
-        if exchange is None:
-            return jax.tree.map(lambda x: x[0], tree), slot, {}
-        sliced = exchange_of(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree))
+    def mean(self, tree: Any, slot: Any, step: Any, riders: dict | None = None) -> tuple[Any, Any, dict, dict]:
+        """`[workers, *leaf]` rows -> (their mean, cut like the parameters, the codec's slot, the
+        exchange's metrics, `riders` averaged): through the exchange (`slot`: the SyncState holding
+        the codec's slot alone). `riders`: {name: [workers] float32}, one value per worker, averaged in
+        the exchange's first collective."""
+        mesh, local, inside = self.mesh, self.local, self.inside
+        riders = riders or {}
+        if self.exchange is None:
+            return jax.tree.map(lambda x: x[0], tree), slot, {}, jax.tree.map(lambda x: x[0], riders)
+        sliced = self.exchange_of(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree))
         tree_specs = jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), tree)
         mean_specs = jax.tree.map(lambda x: fsdp.spec_for(tuple(x.shape[1:]), local, inside), tree)
         slot_specs = slot.replace(per_device=jax.tree.map(lambda x: row_spec(tuple(x.shape[1:]), mesh), slot.per_device),
                                   shared=jax.tree.map(lambda _: P(), slot.shared))
 
-        def device(tree: Any, slot: Any, step: Any) -> tuple[Any, Any, dict]:
-            mean, _, _, slot, extra = sliced.mean(jax.tree.map(lambda x: x[0], tree), {}, {}, slot, step)
-            return mean, slot, extra
+        def device(tree: Any, slot: Any, step: Any, riders: dict) -> tuple[Any, Any, dict, dict]:
+            mean, riders, _, slot, extra = sliced.mean(jax.tree.map(lambda x: x[0], tree),
+                                                       jax.tree.map(lambda x: x[0], riders), {}, slot, step)
+            return mean, slot, extra, riders
 
-        return jax.shard_map(device, mesh=mesh, in_specs=(tree_specs, slot_specs, P()),
-                             out_specs=(mean_specs, slot_specs, P()), check_vma=False)(tree, slot, step)
+        return jax.shard_map(device, mesh=mesh, in_specs=(tree_specs, slot_specs, P(), P(self.hosts)),
+                             out_specs=(mean_specs, slot_specs, P(), P()), check_vma=False)(tree, slot, step, riders)
 
-    def prepared(state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        """The batch as [workers, local devices, grad_accum, r, ...], the model state per device, the codec's slot."""
-        rows_ = fsdp.device_rows(batch, mesh, grad_accum)
+    def prepared(self, model_state: Any, batch: Any) -> tuple[Any, Any]:
+        """The batch as [workers, local devices, grad_accum, r, ...], the model state per device."""
+        count, local = self.count, self.local
+        rows_ = fsdp.device_rows(batch, self.mesh, self.grad_accum)
         rows_ = jax.tree.map(lambda x: x.reshape(count, local, *x.shape[1:]), rows_)
-        model_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (count, local, *x.shape)), state.model_state)
-        return rows_, model_state, only(state.sync)
+        return rows_, jax.tree.map(lambda x: jnp.broadcast_to(x, (count, local, *x.shape)), model_state)
 
-    def finished(metrics: dict, model_state: Any) -> tuple[dict, Any]:
+    def finished(self, metrics: dict, model_state: Any) -> tuple[dict, Any]:
         """Metrics and model state averaged over every device of every worker."""
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
         metrics = jax.tree.map(lambda x: jnp.mean(flat(x), axis=0), metrics)
         model_state = fsdp.mean_model_state(jax.tree.map(flat, model_state))
-        return metrics, jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
+        return metrics, jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: self.whole, model_state))
+
+    def inner_step(self, tx: optax.GradientTransformation, replica: Any, inner: Any, grads: Any) -> tuple:
+        """Every worker's `tx` step on its replica: (replica, inner state, each worker's gradient norm)."""
+        def worker(replica: Any, inner: Any, grads: Any) -> tuple:
+            updates, inner = tx.update(grads, inner, replica)
+            return optax.apply_updates(replica, updates), inner, optax.global_norm(grads)
+
+        return self.per_worker(worker, (0, 0, 0))(replica, inner, grads)
+
+
+def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: Any, *, stateful: bool,
+              grad_accum: int, grad_norm: bool) -> Callable:
+    """The jitted step `(state, batch) -> (state, metrics)` (the old state donated) for `spec`
+    (a `jaxdp.sync.spec.SyncSpec` with shard_params): every step or local steps, through the
+    strategy's collective and the codec across workers."""
+    w = Workers(loss_fn, mesh, spec, stateful=stateful, grad_accum=grad_accum)
+    hosts, count, inside, local, exchange = w.hosts, w.count, w.inside, w.local, w.exchange
+    is_local, metrics_at_sync = spec.local, spec.metrics_at_sync
+
+    def mean_across(tree: Any, slot: Any, step: Any) -> tuple[Any, Any, dict]:
+        mean, slot, extra, _ = w.mean(tree, slot, step)
+        return mean, slot, extra
+
+    def prepared(state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """The batch as [workers, local devices, grad_accum, r, ...], the model state per device, the codec's slot."""
+        return (*w.prepared(state.model_state, batch), only(state.sync))
+
+    finished = w.finished
 
     def own(per_device: dict) -> dict:
         """[workers, local] metrics -> each worker's own mean over its devices, as a "replicated"
@@ -216,7 +255,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
 
     def every_step(state: Any, batch: Any) -> tuple[Any, dict]:
         rows_, model_state, slot = prepared(state, batch)
-        metrics, model_state, grads = worker_grads(state.params, model_state, rows_, state.rng, state.step, False)
+        metrics, model_state, grads = w.grads(state.params, model_state, rows_, state.rng, state.step, False)
         grads, slot, extra = mean_across(grads, slot, state.step)
         metrics, model_state = finished(metrics, model_state)
         metrics = {**metrics, **extra}
@@ -237,13 +276,8 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         rows_, model_state, slot = prepared(state, batch)
         mine = state.sync.per_device[STATE_NAME]
 
-        metrics, model_state, grads = worker_grads(mine["params"], model_state, rows_, state.rng, state.step, True)
-
-        def worker(replica: Any, inner: Any, grads: Any) -> tuple:
-            updates, inner = tx.update(grads, inner, replica)
-            return optax.apply_updates(replica, updates), inner, optax.global_norm(grads)
-
-        replica, inner, norms = per_worker(worker, (0, 0, 0))(mine["params"], mine["opt_state"], grads)
+        metrics, model_state, grads = w.grads(mine["params"], model_state, rows_, state.rng, state.step, True)
+        replica, inner, norms = w.inner_step(tx, mine["params"], mine["opt_state"], grads)
         metrics = {**metrics, "grad_norm": jnp.broadcast_to(norms[:, None], (count, local))}
         if not grad_norm:
             metrics.pop("grad_norm")
@@ -257,7 +291,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         check_fragments(outer_states, count_fragments)
         groups = fragments(state.params, count_fragments)
         slices = jax.tree.leaves(_slice_shapes(state.params, mesh))
-        sent = 0.0 if exchange is None else float(sum(bytes_sent(exchange_of(masked(treedef, global_leaves, g))
+        sent = 0.0 if exchange is None else float(sum(bytes_sent(w.exchange_of(masked(treedef, global_leaves, g))
                                                                  .payload_bytes(masked(treedef, slices, g)), count)
                                                       for g in groups))
 
