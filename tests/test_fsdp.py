@@ -332,7 +332,7 @@ def test_checkpoints_resume_on_any_device_count_and_mode_and_load_whole(devices,
     ({"shard_optimizer": True}, "does not combine with shard_optimizer"),
     ({"strategy": "host"}, "does not combine with strategy"),
     ({"compression": "topk:0.01", "strategy": "ring"}, "does not combine with compression 'topk:0.01'"),
-    ({"overlap": True}, "does not combine with overlap"),
+    ({"overlap": True}, "does not combine with every-step overlap"),
 ])
 def test_what_it_does_not_combine_with_is_refused_in_one_line(devices, kwargs, culprit):
     mesh = jaxdp.make_mesh(devices)
@@ -360,7 +360,7 @@ def test_states_of_another_mode_and_other_meshes_are_refused(devices):
     (["--compression", "topk:0.01"], "--shard-params does not combine with --compression=topk:0.01"),
     (["--compression", "auto"], "--shard-params does not combine with --compression=auto"),
     (["--sync-every", "auto"], "--shard-params with local steps needs a fixed --sync-every"),
-    (["--overlap"], "--shard-params does not combine with --overlap"),
+    (["--overlap"], "--shard-params does not combine with every-step --overlap"),
     (["--sync-seconds", "2"], "--shard-params does not combine with --sync-seconds"),
 ])
 def test_cli_refusals(flags, message):
@@ -483,3 +483,33 @@ def test_sliced_powersgd_is_powersgd_on_whole_leaves_for_every_cut(devices):
             for k in a:
                 np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), rtol=1e-5, atol=1e-5, err_msg=k)  # (values of order 1)
     assert float(jnp.abs(got["whole"]).max()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_cli_overlapped_rounds_in_two_processes_are_the_replicated_run_with_a_device_per_process(tmp_path):
+    """--shard-params --sync-every 3 --overlap in 2 processes x 2 devices (jaxdp/step/hsdp_overlap.py:
+    the inner steps on each process's own devices while the average runs on a thread of its own,
+    through gloo) against one process's replicated overlapped run on 2 devices, a device per
+    process: the same losses, each round landing with the next, and the same held-out loss."""
+    from helpers import free_port, spawn_cli
+
+    flags = ["--steps", "12", "--batch-size", "64", "--log-every", "1", "--no-progress", "--sync-every", "3",
+             "--overlap", "--strategy", "ring"]
+    port = free_port()
+    procs = [spawn_cli(*flags, "--devices", "2", "--shard-params", "--metrics-file", str(tmp_path / f"two.{i}.jsonl"),
+                       "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                       stderr=tmp_path / f"two.{i}.err") for i in range(2)]
+    try:
+        one = run_cli(*flags, "--devices", "2", "--metrics-file", str(tmp_path / "one.jsonl"))
+        assert one.returncode == 0, one.stderr
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], (tmp_path / "two.0.err").read_text()[-2000:]
+    ref, two = step_records(tmp_path / "one.jsonl"), step_records(tmp_path / "two.0.jsonl")
+    assert [r["step"] for r in two] == [r["step"] for r in ref] == [6, 9, 12]  # each round lands with the next
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose(records(tmp_path / "two.0.jsonl")[-1]["eval_loss"],
+                               records(tmp_path / "one.jsonl")[-1]["eval_loss"], rtol=1e-5)

@@ -98,7 +98,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                                  elastic_engine="torchft" if hasattr(elastic, "engine") else "hub",
                                  float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
-        check_paced(paced.FixedSteps(rounds_of), data, mesh, "overlap")
+        check_paced(paced.FixedSteps(rounds_of), data, mesh, "overlap", flat=not sync.shard_params)
     elif sync.sync_seconds is not None:  # workers at their own pace (jaxdp/step/rounds.py)
         check_paced(sync.sync_seconds, data, mesh)
     rounds_run = (overlap and not every_step_overlap) or sync.sync_seconds is not None
@@ -158,7 +158,11 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
         if not plan.rounds_run or (plan.overlap and spec.sync_every == 1):  # (sync_every auto's measuring state)
             return made
         rows, shared = paced.init_sync(mesh)
-        if plan.overlap:
+        if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/hsdp_overlap.py)
+            from jaxdp.step import hsdp_overlap
+
+            rows.update(hsdp_overlap.init_overlap(params, mesh))
+        elif plan.overlap:
             rows.update(paced.init_overlap(params, mesh))
         return made.replace(sync=made.sync.replace(per_device={**made.sync.per_device, **rows},
                                                    shared={**made.sync.shared, **shared}))
@@ -265,13 +269,14 @@ def check_overlap(sync_every: Any) -> None:
                          f"= H of 2 or more) with what comes next; got sync_every={sync_every!r}", setting="sync_every")
 
 
-def check_paced(pace: Any, data: Any, mesh: Any, what: str = "sync_seconds") -> None:
+def check_paced(pace: Any, data: Any, mesh: Any, what: str = "sync_seconds", flat: bool = True) -> None:
     """InputError for the pace, data or mesh `sync_seconds` or `overlap` (`what`; jaxdp/step/rounds.py)
-    cannot use (what they combine with: jaxdp/sync/rules.py)."""
+    cannot use (what they combine with: jaxdp/sync/rules.py). `flat`: a one-axis mesh is needed
+    (not by overlap with shard_params: jaxdp/step/hsdp_overlap.py, on hsdp.py's meshes)."""
     from jaxdp.errors import InputError
     from jaxdp.step import rounds as paced
 
-    paced.check(pace, mesh)
+    paced.check(pace, None if not flat else mesh)
     if not callable(data):
         raise InputError(f"{what} needs data as a function data(step) (each process reads its own positions)",
                          argument="data")

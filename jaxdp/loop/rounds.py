@@ -18,10 +18,18 @@ from jaxdp.loop.hooks import Hook, Loop, periodic
 
 
 def make_rounds(loop: Loop) -> Any:
-    """The plan's rounds: `Overlapped` (overlap, H steps) or `Rounds` (sync_seconds)."""
+    """The plan's rounds: `Overlapped` (overlap, H steps; with shard_params hsdp_overlap.py's) or
+    `Rounds` (sync_seconds)."""
     from jaxdp.step import rounds as paced
 
     plan, sync, run = loop.plan, loop.options["sync"], loop.options["run"]
+    if plan.overlap and loop.spec.shard_params:  # each worker's state cut over its devices
+        from jaxdp.step import hsdp_overlap
+
+        made = loop.train_step
+        return hsdp_overlap.Overlapped(made.loss_fn, plan.tx, plan.mesh, loop.spec, plan.outer_tx,
+                                       loop.spec.sync_every, plan.data, run.examples_per_step, stateful=made.stateful,
+                                       grad_accum=made.grad_accum)
     args = (loop.train_step.local_grads, plan.tx, plan.mesh, loop.spec.strategy, loop.spec.compression, plan.outer_tx)
     if plan.overlap:
         return paced.Overlapped(*args, loop.spec.sync_every, plan.data, run.examples_per_step)
@@ -32,6 +40,7 @@ def run_rounds(loop: Loop) -> None:
     """Rounds until `state.step` reaches the plan's `steps`, or until a hook stops the loop."""
     import jax
 
+    from jaxdp.step import hsdp_overlap
     from jaxdp.step.rounds import PACE_NAME, Overlapped, check_in_flight
 
     plan, rounds = loop.plan, make_rounds(loop)
@@ -49,7 +58,8 @@ def run_rounds(loop: Loop) -> None:
         loop.state = rounds.flush(loop.state)
 
     hooks = periodic(loop, Hook(log_round, at=("round",)))
-    if isinstance(rounds, Overlapped):
+    overlapped = isinstance(rounds, (Overlapped, hsdp_overlap.Overlapped))
+    if overlapped:
         hooks.add(flush, at=("end",))
     try:
         hooks.run(loop, "start")
@@ -82,7 +92,7 @@ def run_rounds(loop: Loop) -> None:
             last = rounds.by_process(host["steps_by_device"]) if landed else last
         hooks.run(loop, "end")
     finally:
-        if isinstance(rounds, Overlapped):
+        if overlapped:
             rounds.close()
 
 

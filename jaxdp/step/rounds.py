@@ -96,14 +96,15 @@ OVERLAP_NAME = "overlap"  # --overlap: per_device[OVERLAP_NAME] = {"delta": para
 Pace = float | Callable[[int, int], int]
 
 
-def check(pace: Any, mesh: Mesh) -> None:
-    """InputError unless `pace` is a positive number of seconds or a schedule, on a flat mesh."""
+def check(pace: Any, mesh: Mesh | None) -> None:
+    """InputError unless `pace` is a positive number of seconds or a schedule, on a flat mesh (None:
+    any mesh)."""
     if callable(pace):
         pass
     elif isinstance(pace, bool) or not isinstance(pace, (int, float)) or not math.isfinite(pace) or pace <= 0:
         raise InputError(f"sync_seconds must be a positive number of seconds (or a schedule (round, process) -> "
                          f"steps), got {pace!r}", setting="sync_seconds")
-    if not isinstance(data_axes(mesh), str):
+    if mesh is not None and not isinstance(data_axes(mesh), str):
         raise InputError(f"sync_seconds needs a mesh with one data axis, got axes {tuple(mesh.axis_names)}; "
                          f"with several devices per process use --hierarchy flat", setting="sync_seconds")
 

@@ -73,6 +73,8 @@ class TrainStep:
         self.local_grads = local_grads
         self.schedule: Callable | None = None  # make_train_step(..., schedule=): metrics gain "lr"
         self.delayed: delayed.Delayed | None = None  # overlap=True (jaxdp/step/delayed.py)
+        self.loss_fn: Callable | None = None  # what make_train_step made it from (jaxdp/step/hsdp_overlap.py rebuilds)
+        self.stateful, self.grad_accum = False, 1
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         made_for = state.optimizer.tx
@@ -179,6 +181,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
     else:
         step = RULES[spec.rule](local_grads, tx, mesh, spec, grad_norm)
     step.schedule = schedule
+    step.loss_fn, step.stateful, step.grad_accum = loss_fn, stateful, grad_accum  # (what the rounds rebuild from)
     return step
 
 

@@ -282,11 +282,11 @@ RULES: tuple[Rule, ...] = (
          "replicated step); pass --sync-every N",
          "shard_params with local steps needs a fixed sync_every, not auto (its measurement times the replicated "
          "step)", "sync_every"),
-    Rule("params-overlap", lambda c: c.shard_params and c.overlap,
-         "--shard-params does not combine with --overlap: overlap applies each whole averaged gradient one step late; "
-         "drop one of them",
-         "shard_params does not combine with overlap: it applies each whole averaged gradient one step late",
-         "overlap"),
+    Rule("params-overlap", lambda c: c.shard_params and c.overlap and not c.local,
+         "--shard-params does not combine with every-step --overlap: it applies each whole averaged gradient one "
+         "step late; overlap rounds of local steps instead (--sync-every N --overlap)",
+         "shard_params does not combine with every-step overlap: it applies each whole averaged gradient one step "
+         "late; overlap rounds of local steps instead (sync_every N)", "overlap"),
     # -- the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
     Rule("metrics-local", lambda c: c.metrics_at_sync and (not c.local or c.sync_every == AUTO
                                                            or c.sync_seconds is not None),
