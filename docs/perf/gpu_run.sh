@@ -102,6 +102,25 @@ if want sample; then
   timeout "$(limit 90)" python docs/perf/gpu_tools.py sample "$W/ckpt" "$W/hf" --new-tokens $NEW --json "$W/sample.json" 2>&1 | tail -3 | tee -a "$LOG"
 fi
 
+# 9. Issue 40's card item: the largest GPT-2 configuration that trains on one card, replicated against
+#    --shard-params (one device: ZeRO-1 would shard over one device, nothing; --shard-params keeps the
+#    blocks rematerialised, one gathered at a time), batch LARGEST_B, 10 steps each. LARGEST_FRACTION
+#    (XLA_PYTHON_CLIENT_MEM_FRACTION) emulates a smaller card: 0.17 of an H200 is about 24 GB.
+if want largest; then
+  if [[ -n "${GPU_SMALL:-}" ]]; then CONFIGS=("2 64 2 tiny" "3 128 2 small"); else
+    CONFIGS=("24 1024 16 medium" "36 1280 20 large" "48 1600 25 xl"); fi
+  for cfg in "${CONFIGS[@]}"; do
+    read -r L D H NAME <<< "$cfg"
+    for mode in replicated shard; do
+      extra=(); [[ $mode == shard ]] && extra=(--shard-params)
+      stage "largest $NAME $mode"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${LARGEST_FRACTION:-0.75} timeout "$(limit ${LARGEST_S:-100})" python -m jaxdp.train \
+        "${GPT[@]}" --layers "$L" --d-model "$D" --heads "$H" --batch-size "${LARGEST_B:-8}" --steps 10 --log-every 5 \
+        --metrics-file "$W/largest-$NAME-$mode.jsonl" "${extra[@]}" 2>&1 | tail -2 | tee -a "$LOG"
+    done
+  done
+fi
+
 stage "summary"
 python - "$W" <<'PY' 2>&1 | tee -a "$LOG"
 import json, os, sys
@@ -122,6 +141,17 @@ for run in runs:
     print(f"cli {run}: step {1000 / s['steps_per_sec']:.2f} ms, tokens/s {s.get('tokens_per_sec', 0):.0f}, mfu {s.get('mfu')}, "
           f"start-up {d.get('startup_s', float('nan')):.2f} s, first step {d.get('compile_s') or float('nan'):.2f} s, "
           f"cache hits {d.get('compile_cache_hits')}")
+PY
+python - "$W" <<'PY' 2>&1 | tee -a "$LOG"
+import glob, json, os, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/largest-*.jsonl")):
+    rows = [json.loads(l) for l in open(path)]
+    done = [r for r in rows if r.get("event") == "done"]
+    steps = [r for r in rows if "event" not in r and r.get("steps_per_sec")]
+    peak = done[-1].get("device_peak_bytes") if done else None
+    print(f"{os.path.basename(path)[8:-6]}: {'trained' if done else 'did not finish'}"
+          + (f", {1000 / steps[-1]['steps_per_sec']:.1f} ms a step" if steps else "")
+          + (f", device peak {peak / 2**30:.2f} GiB" if peak else ""))
 PY
 tar czf "$OUT/results.tgz" -C "$W" $(cd "$W" && ls *.jsonl *.json startup.prof 2>/dev/null)
 cp "$W"/*.json "$OUT"/ 2>/dev/null || true

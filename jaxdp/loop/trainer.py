@@ -206,7 +206,20 @@ def finish(loop: Loop, evaluation: EvalOptions) -> dict[str, Any]:
     summary = {**held_out, "strategy": syncspec.strategy_name(loop.spec.strategy), "devices": plan.devices,
                "processes": plan.n_processes, "startup_s": loop.startup_s, "compile_s": loop.writer.compile_s,
                "compile_cache_hits": plan.cache_hits.hits}
+    peak = device_peak_bytes()
+    if peak is not None:  # (GPUs: what the allocator saw, beside the compiled estimate of --shard-params' line)
+        summary["device_peak_bytes"] = peak
     return loop.writer.done(loop.done, summary)
+
+
+def device_peak_bytes() -> int | None:
+    """The largest peak of bytes in use on this process's devices, where the backend counts it
+    (GPUs); None where it does not (CPU)."""
+    import jax
+
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) if peaks else None
 
 
 def stopped(loop: Loop) -> Result:

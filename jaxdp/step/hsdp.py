@@ -32,6 +32,9 @@ sync_every / F steps in turn). The outer state has local_sgd.py's tree (one stat
 over {leaf name: leaf}), cut like the parameters. So a checkpoint moves between this layout and
 local_sgd.py's: rows of another count become their mean (jaxdp/checkpoint/portable.py).
 
+Overlapped rounds (`--sync-every H --overlap`) are jaxdp/step/hsdp_overlap.py's, on these same
+pieces (`Workers`) and the same state, with the delta in flight beside it.
+
 With `metrics_at_sync` the logged scalars are averaged across workers on sync steps only; between
 them each worker's own mean over its devices is returned (a process reads its own worker's), so
 nothing crosses between workers there.

@@ -191,15 +191,12 @@ class Overlapped:
         return zeros, jnp.bool_(False), state.sync.replace(per_device={}, shared={}), {"landed": False}
 
     def _by_worker(self, values: Any) -> jax.Array:
-        """[workers] on the whole mesh from this process's workers' values (on its rows, or numpy:
-        every process's, the same)."""
-        spec = P(self.mesh.axis_names[0]) if self.whole.count > 1 else P()
-        sharding, shape = NamedSharding(self.mesh, spec), (self.whole.count,)
+        """[workers] on the whole mesh: numpy values (every process's, the same), or this process's
+        workers' on its rows."""
+        sharding = NamedSharding(self.mesh, P(self.mesh.axis_names[0]) if self.whole.count > 1 else P())
         if isinstance(values, np.ndarray):
-            return jax.make_array_from_callback(shape, sharding, lambda index: values[index])
-        by_device = {s.device: s.data for s in values.addressable_shards}
-        return jax.make_array_from_single_device_arrays(
-            shape, sharding, [by_device[d] for d in sharding.addressable_devices_indices_map(shape)])
+            return jax.make_array_from_callback(values.shape, sharding, lambda index: values[index])
+        return reseat(values, self.mesh, sharding)
 
     def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
               ) -> tuple[TrainState, dict, int, float]:
@@ -212,7 +209,7 @@ class Overlapped:
         view = replicated_to({"model_state": state.model_state, "rng": state.rng}, sub)
         rng = jax.random.fold_in(view["rng"], self.process)  # each process's own dropout keys
         at = int(np.asarray(state.sync.per_device[PACE_NAME]["position"].addressable_shards[0].data)[0])
-        spec = P(sub.axis_names[0]) if self.mine.count > 1 or len(sub.axis_names) > 1 else P()
+        spec = P(sub.axis_names[0]) if len(sub.axis_names) > 1 else P()
         loss_sum = jax.device_put(np.zeros(self.mine.count, np.float32), NamedSharding(sub, spec))
         started = time.perf_counter()
         planned = self.pace.steps if limit is None else min(self.pace.steps, limit)
