@@ -412,7 +412,7 @@ def test_cli_gpt_reports_its_memory_goes_on_in_two_processes_and_resumes_without
     ("ring", {"compression": "powersgd:2", "sync_every": 2}),
 ], ids=["ring", "psum_start", "local_steps"])
 def test_powersgd_across_workers_is_the_replicated_runs_on_slices(devices, strategy, sync):
-    """PowerSGD with shard_params across 2 workers of 4 devices (powersgd.Sliced): the factors
+    """PowerSGD with shard_params across 2 workers of 4 devices (powersgd_sliced.Sliced): the factors
     gathered inside each worker, each device's quarter across; the replicated run with a device
     per worker gives the same losses and parameters (up to the order of float sums), from a
     quarter of the bytes per device."""
@@ -431,7 +431,7 @@ def test_powersgd_across_workers_is_the_replicated_runs_on_slices(devices, strat
 
 
 def test_sliced_powersgd_is_powersgd_on_whole_leaves_for_every_cut(devices):
-    """powersgd.Sliced on a 2 x 4 mesh equals PowerSGD on 2 devices holding whole leaves, over three
+    """powersgd_sliced.Sliced on a 2 x 4 mesh equals PowerSGD on 2 devices holding whole leaves, over three
     steps (the warm start carried): leaves cut on their matrix's rows (a first and a later
     dimension), on its columns, and one no dimension of which 4 divides (held whole); a leaf
     whose first gradient is zero takes the same new directions. Mean, error feedback and Q."""

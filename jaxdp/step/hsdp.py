@@ -43,7 +43,7 @@ Compression's slot is the same as without `shard_params` but for its rows: one p
 the gradients (each device keeps the error feedback of its own slice). The exchange asks the codec
 for its form on slices (`Compressor.on_slices`): bf16, int8 and int4 act on each slice as on a whole
 leaf; PowerSGD's factors span whole matrices, so its sliced form puts them together inside the
-worker (jaxdp/sync/codecs/powersgd.py, `Sliced`). Top-k, which chooses indices over whole leaves,
+worker (jaxdp/sync/codecs/powersgd_sliced.py). Top-k, which chooses indices over whole leaves,
 is refused (jaxdp/sync/rules.py).
 """
 
