@@ -236,13 +236,16 @@ def test_the_all_gathered_form_is_each_devices_own_topk_added_exactly(devices, s
         np.testing.assert_array_equal(np.asarray(shard.data), w)
 
 
-def test_local_steps_take_the_form_that_sends_fewer_bytes_and_gradients_the_ring_summed_one():
+def test_gradients_and_local_steps_take_the_form_that_sends_fewer_bytes():
     params = {"w": jax.ShapeDtypeStruct((100_000,), jnp.float32)}
     auto = TopK(0.01, 2)
-    assert auto.settled(params, 2, pseudo_gradient=True).form == "gather"  # 1 x its own, against indices + values
-    assert auto.settled(params, 8, pseudo_gradient=True).form == "sum"     # 7 x its own grows past the all-reduce
-    assert auto.settled(params, 2, pseudo_gradient=False).form == "sum"    # gradients: always summed
+    for pseudo_gradient in (True, False):
+        assert auto.settled(params, 2, pseudo_gradient).form == "gather"  # 1 x its own, against indices + values
+        assert auto.settled(params, 3, pseudo_gradient).form == "sum"     # 2 x its own grows past the all-reduce
+        assert auto.settled(params, 8, pseudo_gradient).form == "sum"
+        assert auto.settled(params, 1, pseudo_gradient).form == "sum"     # (nothing crosses)
     assert TopK(0.01, 2, "sum").settled(params, 2, True).form == "sum"     # a form the spec names stays
+    assert TopK(0.01, 32).settled(params, 2, False).form == "gather"       # (float32 values too)
     # what local steps report (comm_bytes_per_step) is what a device sends: 7 x its own message at 8 devices
     from jaxdp.sync.codecs.base import bytes_sent
     from jaxdp.sync.collectives import RING
@@ -253,7 +256,9 @@ def test_local_steps_take_the_form_that_sends_fewer_bytes_and_gradients_the_ring
                                                                       rel=1e-3)
     note = auto.settled_note(params, 2, True)
     assert "all-gathered" in note and "--compression topk:0.01:2:sum" in note and "\n" not in note
-    assert auto.settled_note(params, 2, False) is None
+    note = auto.settled_note(params, 8, False)
+    assert note.startswith("--compression topk:0.01:2: every step's gradients go ring-summed") and "\n" not in note
+    assert auto.settled_note(params, 1, False) is None
 
 
 def test_cli_local_steps_say_which_form_they_took(tmp_path, capsys):
@@ -295,3 +300,41 @@ def test_two_processes_with_the_all_gathered_form_train_like_one_process(tmp_pat
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in ref], rtol=1e-5)
     np.testing.assert_allclose(records(tmp_path / "two.0.jsonl")[-1]["eval_loss"],
                                records(tmp_path / "one.jsonl")[-1]["eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["psum", "ring"])
+def test_the_all_gathered_form_carries_the_riders_in_its_one_all_gather(devices, strategy):
+    """The scalar metrics and float model state ride in the all-gathered message (no collective of
+    their own): every device gets their mean over the devices, summed in device order; integer
+    model state is left as it is. The program holds the one all-gather and nothing else that
+    crosses between devices."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp.sync.collectives import as_collective
+    from jaxdp.sync.exchange import make_exchange
+    from jaxdp.step.state import SyncState
+
+    mesh = jaxdp.make_mesh(devices)
+    codec = TopK(0.05, 32, "gather")
+    exchange = make_exchange(as_collective(strategy), "data", N, codec)
+    slot = codec.slot({"w": jax.ShapeDtypeStruct((64,), jnp.float32)})
+
+    def device(grads, index):
+        sync = SyncState(per_device={"compression": slot.error}, shared={})
+        metrics = {"loss": index[0] * 1.5, "aux": jnp.stack([index[0], -index[0]])}
+        model_state = {"stat": index[0] * 0.25, "count": jnp.int32(7)}
+        _, metrics, model_state, _, _ = exchange.mean({"w": grads[0]}, metrics, model_state, sync, jnp.int32(0))
+        return metrics, model_state
+
+    program = jax.jit(jax.shard_map(device, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P(),
+                                    check_vma=False))
+    grads = np.random.default_rng(0).standard_normal((N, 64)).astype(np.float32)
+    index = np.arange(N, dtype=np.float32)
+    metrics, model_state = program(grads, index)
+    assert float(metrics["loss"]) == pytest.approx(1.5 * (N - 1) / 2, rel=1e-6)
+    np.testing.assert_allclose(np.asarray(metrics["aux"]), [(N - 1) / 2, -(N - 1) / 2], rtol=1e-6)
+    assert float(model_state["stat"]) == pytest.approx(0.25 * (N - 1) / 2, rel=1e-6)
+    assert int(model_state["count"]) == 7
+    hlo = program.lower(grads, index).as_text()
+    crossing = sum(hlo.count(f'"stablehlo.{op}"') for op in ("all_gather", "collective_permute", "all_reduce"))
+    assert crossing == (1 if strategy == "psum" else N - 1), crossing  # the ring's all-gather: N - 1 hops

@@ -174,7 +174,7 @@ def begin(plan: Plan, options: dict[str, Any], joined: bool) -> Loop:
         writer.event(name, start_step, **record)
     codec = plan.spec.codec if plan.spec.codec_name() not in (None, "auto") else None
     note = codec and codec.settled_note(state.params, mesh.size, plan.spec.local)
-    if note:  # a choice the codec's spec left to the run (top-k's form for pseudo-gradients)
+    if note:  # a choice the codec's spec left to the run (top-k's form)
         settled = codec.settled(state.params, mesh.size, plan.spec.local)
         writer.decision("compression_form", start_step, note, compression=codec.name, chosen=settled.name)
     if start_step and plan.is_main and joined:

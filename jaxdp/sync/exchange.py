@@ -126,8 +126,8 @@ class Coded:
         return self.settled(params).payload_bytes(params, self.n)
 
     def mean(self, tree: Tree, metrics: dict, model_state: Tree, sync: Any, step: Any) -> tuple[Tree, dict, Tree, Any, dict]:
-        """The riders go in the codec's first collective (before a PowerSGD start step, or where it
-        gathers instead of summing, in their own)."""
+        """The riders go in the codec's first collective (before a PowerSGD start step, in their
+        own): summed with it, in the coded ring's messages, or appended to an all-gathered buffer."""
         codec, axis, n, total = self.settled(tree), self.axis, self.n, self.collective.sum
         slot = stored(sync)
         floats, rejoin = float_leaves(model_state)
@@ -154,11 +154,34 @@ class Coded:
                                                        for x, a, b in zip(leaves, offsets, offsets[1:])]))
             return summed, residual
 
+        def gather_with_riders(buffer: jax.Array) -> jax.Array:
+            """The all-gather of a 1-D buffer; the first one also carries the scaled riders' bytes
+            (a uint8 buffer: top-k's message) and sums them in device order, so they cost no
+            collective of their own."""
+            gather = self.collective.halves.all_gather
+            if riding or separate:
+                return gather(buffer, axis)
+            leaves, treedef = jax.tree.flatten(riders)
+            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) / n for x in leaves] or [jnp.zeros(0)])
+            if buffer.dtype != jnp.uint8:  # (no codec sends another dtype here; averaged on their own)
+                riding.append(self.collective.mean(riders, axis))
+                return gather(buffer, axis)
+            rows = gather(jnp.concatenate([buffer, jax.lax.bitcast_convert_type(flat, jnp.uint8).ravel()]),
+                          axis).reshape(n, -1)
+            sums = jax.lax.bitcast_convert_type(rows[:, buffer.size:].reshape(n, -1, 4), jnp.float32)
+            total = sums[0]
+            for row in sums[1:]:  # in device order: the same bits on every device
+                total = total + row
+            offsets = np.cumsum([0] + [x.size for x in leaves])
+            riding.append(jax.tree.unflatten(treedef, [total[a:b].reshape(x.shape).astype(x.dtype)
+                                                       for x, a, b in zip(leaves, offsets, offsets[1:])]))
+            return rows[:, :buffer.size].ravel()
+
         start = codec.start
-        separate = n == 1 or start > 0 or codec.needs == "halves"  # (lax.cond branches cannot hand values out)
+        separate = n == 1 or start > 0  # (lax.cond branches cannot hand values out)
         coded = self.collective.coded_sum
         if codec.needs == "halves":  # an all-gather of one 1-D buffer (top-k's all-gathered form)
-            reduce = lambda buffer: self.collective.halves.all_gather(buffer, axis)  # noqa: E731
+            reduce = gather_with_riders
         elif codec.needs == "coded_sum":
             reduce = coded_with_riders
         else:

@@ -11,9 +11,9 @@ ONE index set, the step's leader's local top-k, so the values add up position by
 an all-reduce (psum, the ring), and what a device sends does not grow with the device count. The
 all-gathered one (SparseLoCo's, DeMo's): every device its own top-k, (index, value) pairs gathered
 by every device, which grows with the device count but keeps each device's largest values and
-sends a 12-bit index once. Gradients every step take the ring-summed form; local steps'
-pseudo-gradients take whichever sends fewer bytes per device at the run's device count (at 2
-devices the all-gathered one), unless the spec names one. The slot holds every leaf's error
+sends a 12-bit index once. Every step's gradients and local steps' pseudo-gradients take whichever
+sends fewer bytes per device at the run's device count (at 2 devices the all-gathered one, from 3
+the ring-summed one), unless the spec names one. The slot holds every leaf's error
 feedback (float32), one row per device, as int8's does, for both.
 """
 
@@ -116,24 +116,28 @@ class TopK(Compressor):
         return cls(density=density, bits=bits, form=form, decay=decay)
 
     def settled(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> "TopK":
-        """"auto" settled: the ring-summed form for gradients (and on one device), for
-        pseudo-gradients the form that sends fewer bytes per device at `num_devices`."""
+        """"auto" settled: the form that sends fewer bytes per device at `num_devices`, for every
+        step's gradients and local steps' pseudo-gradients alike (the ring-summed one on one device):
+        the all-gathered one at 2 devices, the ring-summed one, whose bytes do not grow with the
+        device count, from 3."""
+        del pseudo_gradient
         if self.form != "auto":
             return self
-        if not pseudo_gradient or num_devices < 2:
+        if num_devices < 2:
             return dataclasses.replace(self, form="sum")
         size = _size(params)
         return min((dataclasses.replace(self, form=f) for f in ("sum", "gather")),
                    key=lambda c: c.sent_bytes(size, num_devices))
 
     def settled_note(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> str | None:
-        if self.form != "auto" or not pseudo_gradient or num_devices < 2:
+        if self.form != "auto" or num_devices < 2:
             return None
         chosen = self.settled(params, num_devices, pseudo_gradient)
         other = dataclasses.replace(self, form="sum" if chosen.form == "gather" else "gather")
         words = {"sum": "ring-summed (one index set)", "gather": "all-gathered (each device's own top-k, SparseLoCo's)"}
         size = _size(params)
-        return (f"--compression {self.name}: local steps' pseudo-gradients go {words[chosen.form]}: "
+        what = "local steps' pseudo-gradients" if pseudo_gradient else "every step's gradients"
+        return (f"--compression {self.name}: {what} go {words[chosen.form]}: "
                 f"{chosen.sent_bytes(size, num_devices):,} bytes sent per device per exchange at {num_devices} devices, "
                 f"against {other.sent_bytes(size, num_devices):,} {words[other.form].split(' (')[0]} "
                 f"(--compression {other.name})")
