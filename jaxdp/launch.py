@@ -50,6 +50,7 @@ the run on every node (exit 69).
 from __future__ import annotations
 
 import argparse
+import math
 import selectors
 import signal
 import sys
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--quorum-timeout seconds: save and exit 75 (default 1)")
     parser.add_argument("--quorum-timeout", type=float, default=60.0, help="torchft: seconds to wait for --min-workers "
                         "(default 60)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS", help="torchft: the "
+                        "Lighthouse this launcher starts leaves out a worker whose heartbeats stop this long (default 1)")
     parser.add_argument("--no-bind", dest="bind", action="store_false", help="do not bind each process to its own cores")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the run, each with its own launcher (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1; its processes "
@@ -135,13 +138,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("error: --elastic with the hub runs on one node (its launcher is the hub every process sends its "
             "gradients to); drop --nnodes, or add --elastic-engine torchft")
         return EXIT_BAD_INPUT
-    if not torchft and (args.lighthouse or args.min_workers != 1 or args.quorum_timeout != 60.0):
-        say("error: --lighthouse, --min-workers and --quorum-timeout need --elastic --elastic-engine torchft")
+    if not torchft and (args.lighthouse or args.min_workers != 1 or args.quorum_timeout != 60.0
+                        or args.heartbeat_timeout is not None):
+        say("error: --lighthouse, --min-workers, --quorum-timeout and --heartbeat-timeout need --elastic "
+            "--elastic-engine torchft")
         return EXIT_BAD_INPUT
     if torchft and not (1 <= args.min_workers <= args.nproc_per_node * args.nnodes and args.quorum_timeout > 0):
         say(f"error: need 1 <= --min-workers <= --nproc-per-node x --nnodes ({args.nproc_per_node * args.nnodes}) "
             f"and --quorum-timeout > 0")
         return EXIT_BAD_INPUT
+    if args.heartbeat_timeout is not None and not (math.isfinite(args.heartbeat_timeout) and args.heartbeat_timeout > 0):
+        say(f"error: --heartbeat-timeout must be a positive number of seconds, got {args.heartbeat_timeout:g}")
+        return EXIT_BAD_INPUT
+    if args.heartbeat_timeout is not None and args.lighthouse:
+        say("error: --heartbeat-timeout sets the Lighthouse this launcher starts; with --lighthouse, set it where "
+            "that one runs")
+        return EXIT_BAD_INPUT
+    if torchft and args.heartbeat_timeout is None:
+        from jaxdp.launcher.ft import HEARTBEAT_TIMEOUT_S
+
+        args.heartbeat_timeout = HEARTBEAT_TIMEOUT_S
     launcher = Launcher(command, args.nproc_per_node, args.bind and not has_accelerator())
     for signum in FORWARDED:
         signal.signal(signum, launcher.forward)

@@ -48,6 +48,13 @@ def test_torchft_flags_are_checked():
     assert proc.returncode == 2 and "need --elastic --elastic-engine torchft" in proc.stderr, proc.stderr
     proc = launch("--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", "--min-workers", "3")
     assert proc.returncode == 2 and "1 <= --min-workers <= --nproc-per-node x --nnodes (2)" in proc.stderr, proc.stderr
+    proc = launch("--nproc-per-node", "2", "--heartbeat-timeout", "1")
+    assert proc.returncode == 2 and "need --elastic --elastic-engine torchft" in proc.stderr, proc.stderr
+    proc = launch("--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", "--heartbeat-timeout", "0")
+    assert proc.returncode == 2 and "--heartbeat-timeout must be a positive number of seconds, got 0" in proc.stderr
+    proc = launch("--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", "--heartbeat-timeout", "2",
+                  "--lighthouse", "127.0.0.1:29400")
+    assert proc.returncode == 2 and "with --lighthouse, set it where that one runs" in proc.stderr, proc.stderr
 
 
 class Run(LaunchedRun):

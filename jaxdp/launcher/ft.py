@@ -25,7 +25,11 @@ from jaxdp.config import ConfigError
 from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, InputError
 from jaxdp.launcher.workers import Launcher, describe, say, shell_code, stop_code
 
-HEARTBEAT_TIMEOUT_S = 2.0   # the Lighthouse leaves out a worker whose heartbeats stop this long (a dead or stopped one)
+# The Lighthouse leaves out a worker whose heartbeats (every 100 ms, from torchft's own thread) stop this
+# long: a dead or stopped one. Each kill costs the survivors about this much (goodput, 2 workers, a kill
+# every 10 s: 0.83 at 2 s, 0.93-0.94 at 1 s; docs/multihost.md); 10 missed heartbeats is still far
+# from a busy machine's or a home link's hiccups. --heartbeat-timeout sets it.
+HEARTBEAT_TIMEOUT_S = 1.0
 JOIN_TIMEOUT_S = 60.0       # a quorum waits this long for heartbeating workers that have not asked yet
 
 
@@ -40,10 +44,10 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
             host, port = parse_address(args.coordinator, "--coordinator")
             address = f"http://{args.coordinator}"
             if args.node_rank == 0:
-                lighthouse = ft.start_lighthouse(host.strip("[]"), port, args.min_workers, HEARTBEAT_TIMEOUT_S,
+                lighthouse = ft.start_lighthouse(host.strip("[]"), port, args.min_workers, args.heartbeat_timeout,
                                                  JOIN_TIMEOUT_S)
         else:
-            lighthouse = ft.start_lighthouse("127.0.0.1", 0, args.min_workers, HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S)
+            lighthouse = ft.start_lighthouse("127.0.0.1", 0, args.min_workers, args.heartbeat_timeout, JOIN_TIMEOUT_S)
             address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"  # (address() names the host, not the bind)
     except (InputError, ConfigError) as err:
         say(f"error: {err}")

@@ -245,18 +245,25 @@ class PowerSGD(Compressor):
         p_hat = {k: _basis(p, fresh[k][1]) for k, p in first["p"].items()}
         # Call 2: Q of every compressed leaf.
         q = allreduce_sum({k: (ms[k] * scale).T @ p_hat[k] for k in ms})
-        out, error, rest_iter = [], {}, iter(first["rest"])
-        for path, g in items:
-            k = jax.tree_util.keystr(path)
-            if k not in layout:
-                out.append(next(rest_iter))
-                continue
-            approx = p_hat[k] @ q[k].T
-            error[k] = (ms[k] - approx).reshape(g.shape)
-            out.append(approx.reshape(g.shape).astype(g.dtype))
-        summed = first["norms"]
-        error_ratio = jnp.sqrt(summed[0] / jnp.maximum(summed[1], jnp.finfo(jnp.float32).tiny))
-        return jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error, q=q), _scalars(1.0, error_ratio)
+        return finish(items, treedef, layout, first["rest"], ms, p_hat, q, q, first["norms"])
+
+
+def finish(items: list, treedef: Any, layout: dict, rest: list, ms: dict, p_hat: dict, q: dict, kept: dict,
+           norms: jax.Array) -> tuple[Tree, CompressionState, dict]:
+    """The end of a compressed step: each compressed leaf's mean P̂ Qᵀ (`q` this device's rows of
+    Q, whole on a whole leaf) and its new error M - P̂ Qᵀ, the averaged `rest` elsewhere, the state
+    with the warm start `kept`, and the scalars from the summed `norms`."""
+    out, error, rest_iter = [], {}, iter(rest)
+    for path, g in items:
+        k = jax.tree_util.keystr(path)
+        if k not in layout:
+            out.append(next(rest_iter))
+            continue
+        approx = p_hat[k] @ q[k].T
+        error[k] = (ms[k] - approx).reshape(g.shape)
+        out.append(approx.reshape(g.shape).astype(g.dtype))
+    error_ratio = jnp.sqrt(norms[0] / jnp.maximum(norms[1], jnp.finfo(jnp.float32).tiny))
+    return jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error, q=kept), _scalars(1.0, error_ratio)
 
 
 def _scalars(compressed: Any, error_ratio: Any) -> dict:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdp.sync.codecs.base import AllReduce, CompressionState, Compressor, Tree
-from jaxdp.sync.codecs.powersgd import PowerSGD, _basis, _compute_dtype, _scalars
+from jaxdp.sync.codecs.powersgd import PowerSGD, _basis, _compute_dtype, finish
 
 
 def _split(shape: Sequence[int]) -> int:
@@ -188,16 +188,4 @@ class Sliced(Compressor):
                 q_whole[k] = gathered(summed_q[k].reshape(*piece_shape, r), c - split).reshape(m, r)
             else:
                 q_whole[k] = q_mine[k] = unscatter(summed_q[k], (m, r))
-        out, error, rest_iter = [], {}, iter(summed["rest"])
-        for path, g in items:
-            k = jax.tree_util.keystr(path)
-            if k not in layout:
-                out.append(next(rest_iter))
-                continue
-            approx = p_hat[k] @ q_mine[k].T
-            error[k] = (ms[k] - approx).reshape(g.shape)
-            out.append(approx.reshape(g.shape).astype(g.dtype))
-        totals = summed["norms"]
-        error_ratio = jnp.sqrt(totals[0] / jnp.maximum(totals[1], jnp.finfo(jnp.float32).tiny))
-        return (jax.tree_util.tree_unflatten(treedef, out), CompressionState(error=error, q=q_whole),
-                _scalars(1.0, error_ratio))
+        return finish(items, treedef, layout, summed["rest"], ms, p_hat, q_mine, q_whole, summed["norms"])
