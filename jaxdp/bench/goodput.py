@@ -46,6 +46,8 @@ def register(subparsers: Any) -> None:
                    "restarts alone; the plain run's undisturbed time is measured too")
     p.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="with --elastic: the launcher's "
                    "engine (torchft: pip install 'jaxdp[elastic]'; jaxdp/cluster/ft.py)")
+    p.add_argument("--launch-args", default="", help="more jaxdp.launch flags of the elastic runs, as one string "
+                   "(e.g. --heartbeat-timeout 0.5)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--json")
     p.set_defaults(run=run)
@@ -93,7 +95,7 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     import shlex
 
     steps = args.steps if steps is None else steps
-    engine = ["--elastic", "--elastic-engine", args.elastic_engine] if elastic else []
+    engine = ["--elastic", "--elastic-engine", args.elastic_engine, *shlex.split(args.launch_args)] if elastic else []
     command = [sys.executable, "-m", "jaxdp.launch", "--nproc-per-node", "2", *engine,
                *(["--max-restarts", "1000"] if kill_every else []), "--", sys.executable, "-m", "jaxdp.train",
                "--devices", "1", "--no-progress", "--steps", str(steps), "--checkpoint-dir", directory,
