@@ -150,7 +150,10 @@ def test_time_bounded_rounds_train(devices):
     result = jaxdp.fit(loss_fn, params, optax.adam(1e-2), lambda k: data[k % 64], steps=60, sync_seconds=0.05,
                        progress=False)
     assert 60 <= int(result.state.step) < 60 + max(r["round_steps_by_process"][0] for r in result.history)
-    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    # It learned: the loss over the data, before and after (not the first round's logged loss against the
+    # last's: under load a time-bound round may be one step, whose batch's loss is noise).
+    whole = lambda p: float(np.mean([loss_fn(p, b) for b in data]))  # noqa: E731
+    assert whole(jax.device_get(result.state.params)) < 0.9 * whole(params)
 
 
 @pytest.mark.parametrize("kwargs, says", [
