@@ -338,3 +338,29 @@ def test_the_all_gathered_form_carries_the_riders_in_its_one_all_gather(devices,
     hlo = program.lower(grads, index).as_text()
     crossing = sum(hlo.count(f'"stablehlo.{op}"') for op in ("all_gather", "collective_permute", "all_reduce"))
     assert crossing == (1 if strategy == "psum" else N - 1), crossing  # the ring's all-gather: N - 1 hops
+
+
+def test_the_all_gathered_form_with_nothing_riding(devices):
+    """No metrics and no model state: the all-gather carries the message alone."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp.step.state import SyncState
+    from jaxdp.sync.collectives import as_collective
+    from jaxdp.sync.exchange import make_exchange
+
+    mesh = jaxdp.make_mesh(devices)
+    codec = TopK(0.05, 32, "gather")
+    exchange = make_exchange(as_collective("ring"), "data", N, codec)
+    slot = codec.slot({"w": jax.ShapeDtypeStruct((64,), jnp.float32)})
+
+    def device(grads):
+        sync = SyncState(per_device={"compression": slot.error}, shared={})
+        mean, metrics, model_state, _, _ = exchange.mean({"w": grads[0]}, {}, {}, sync, jnp.int32(0))
+        return mean, metrics, model_state
+
+    grads = np.zeros((N, 64), np.float32)
+    grads[:, 3] = np.arange(N)
+    mean, metrics, model_state = jax.jit(jax.shard_map(device, mesh=mesh, in_specs=P("data"), out_specs=P(),
+                                                       check_vma=False))(grads)
+    assert metrics == {} and model_state == {}
+    assert float(mean["w"][3]) == pytest.approx((N - 1) / 2) and float(jnp.abs(mean["w"]).sum()) == pytest.approx((N - 1) / 2)

@@ -162,10 +162,13 @@ class Coded:
             if riding or separate:
                 return gather(buffer, axis)
             leaves, treedef = jax.tree.flatten(riders)
-            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) / n for x in leaves] or [jnp.zeros(0)])
+            if not leaves:  # (nothing rides)
+                riding.append(riders)
+                return gather(buffer, axis)
             if buffer.dtype != jnp.uint8:  # (no codec sends another dtype here; averaged on their own)
                 riding.append(self.collective.mean(riders, axis))
                 return gather(buffer, axis)
+            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) / n for x in leaves])
             rows = gather(jnp.concatenate([buffer, jax.lax.bitcast_convert_type(flat, jnp.uint8).ravel()]),
                           axis).reshape(n, -1)
             sums = jax.lax.bitcast_convert_type(rows[:, buffer.size:].reshape(n, -1, 4), jnp.float32)
