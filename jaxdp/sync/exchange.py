@@ -146,12 +146,9 @@ class Coded:
             if riding or separate:
                 summed, residual, _ = coded(buffer, axis, wire)
                 return summed, residual
-            leaves, treedef = jax.tree.flatten(riders)
-            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) / n for x in leaves]) if leaves else None
+            flat, back = _flat_riders(riders, n)
             summed, residual, flat = coded(buffer, axis, wire, flat)
-            offsets = np.cumsum([0] + [x.size for x in leaves])
-            riding.append(jax.tree.unflatten(treedef, [flat[a:b].reshape(x.shape).astype(x.dtype)
-                                                       for x, a, b in zip(leaves, offsets, offsets[1:])]))
+            riding.append(back(flat))
             return summed, residual
 
         def gather_with_riders(buffer: jax.Array) -> jax.Array:
@@ -161,23 +158,20 @@ class Coded:
             gather = self.collective.halves.all_gather
             if riding or separate:
                 return gather(buffer, axis)
-            leaves, treedef = jax.tree.flatten(riders)
-            if not leaves:  # (nothing rides)
+            flat, back = _flat_riders(riders, n)
+            if flat is None:  # (nothing rides)
                 riding.append(riders)
                 return gather(buffer, axis)
             if buffer.dtype != jnp.uint8:  # (no codec sends another dtype here; averaged on their own)
                 riding.append(self.collective.mean(riders, axis))
                 return gather(buffer, axis)
-            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) / n for x in leaves])
             rows = gather(jnp.concatenate([buffer, jax.lax.bitcast_convert_type(flat, jnp.uint8).ravel()]),
                           axis).reshape(n, -1)
             sums = jax.lax.bitcast_convert_type(rows[:, buffer.size:].reshape(n, -1, 4), jnp.float32)
             total = sums[0]
             for row in sums[1:]:  # in device order: the same bits on every device
                 total = total + row
-            offsets = np.cumsum([0] + [x.size for x in leaves])
-            riding.append(jax.tree.unflatten(treedef, [total[a:b].reshape(x.shape).astype(x.dtype)
-                                                       for x, a, b in zip(leaves, offsets, offsets[1:])]))
+            riding.append(back(total))
             return rows[:, :buffer.size].ravel()
 
         start = codec.start
@@ -200,6 +194,21 @@ class Coded:
         extra = {**scalars, "comm_bytes": jnp.float32(bytes_sent(payload, n)),
                  "compression_ratio": jnp.float32(plain) / jnp.float32(payload)}
         return mean, metrics, rejoin(floats), sync, extra
+
+
+def _flat_riders(riders: Tree, n: int) -> tuple[jax.Array | None, Callable[[jax.Array], Tree]]:
+    """The riders scaled by 1/n as one float32 buffer (None: there are none), and the function that
+    turns such a buffer (their sum, after the collective) back into their tree, each leaf in its own
+    shape and dtype."""
+    leaves, treedef = jax.tree.flatten(riders)
+    offsets = np.cumsum([0] + [x.size for x in leaves])
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) / n for x in leaves]) if leaves else None
+
+    def back(buffer: jax.Array) -> Tree:
+        return jax.tree.unflatten(treedef, [buffer[a:b].reshape(x.shape).astype(x.dtype)
+                                            for x, a, b in zip(leaves, offsets, offsets[1:])])
+
+    return flat, back
 
 
 def _riders(collective: Collective, axis: Any, n: int, metrics: dict, model_state: Tree) -> tuple[dict, Tree]:
