@@ -40,8 +40,7 @@ def run_rounds(loop: Loop) -> None:
     """Rounds until `state.step` reaches the plan's `steps`, or until a hook stops the loop."""
     import jax
 
-    from jaxdp.step import hsdp_overlap
-    from jaxdp.step.rounds import PACE_NAME, Overlapped, check_in_flight
+    from jaxdp.step.rounds import PACE_NAME, InFlight, check_in_flight
 
     plan, rounds = loop.plan, make_rounds(loop)
     rounds.steps = plan.steps  # no process's position goes past --steps
@@ -58,7 +57,7 @@ def run_rounds(loop: Loop) -> None:
         loop.state = rounds.flush(loop.state)
 
     hooks = periodic(loop, Hook(log_round, at=("round",)))
-    overlapped = isinstance(rounds, (Overlapped, hsdp_overlap.Overlapped))
+    overlapped = isinstance(rounds, InFlight)  # (either overlapped rounds: an average in flight at the end)
     if overlapped:
         hooks.add(flush, at=("end",))
     try:

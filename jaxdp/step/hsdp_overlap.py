@@ -43,9 +43,8 @@ from jaxdp.step import fsdp
 from jaxdp.step.hsdp import Workers, row_shardings, rows as stacked_rows
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, outer_step, replicated_to
-from jaxdp.step.rounds import OVERLAP_NAME, FixedSteps
+from jaxdp.step.rounds import OVERLAP_NAME, FixedSteps, InFlight, process_rows
 from jaxdp.step.state import TrainState
-from jaxdp.sync.codecs.base import only as codec_slot
 
 
 def init_overlap(params: Any, mesh: Mesh) -> dict:
@@ -142,9 +141,10 @@ def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Cal
     return jax.jit(apply, donate_argnums=0)
 
 
-class Overlapped:
+class Overlapped(InFlight):
     """Rounds of H steps whose average is applied one round late, `shard_params` across workers
-    (the module docstring); what jaxdp/loop/rounds.py drives, as rounds.py's `Overlapped`."""
+    (the module docstring); what jaxdp/loop/rounds.py drives, as rounds.py's `Overlapped`, with
+    which it shares the average in flight (`InFlight`)."""
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: Any, outer_tx: Any,
                  every: int, data: Callable[[int], Any], rows_per_step: int | None, *, stateful: bool,
@@ -158,30 +158,14 @@ class Overlapped:
         self.apply = make_apply(mesh, outer_tx)
         self.coded = spec.codec is not None
         self.process = jax.process_index()
-        owners = [d.process_index for d in mesh.devices.flat]
-        self.first_row = {p: owners.index(p) for p in sorted(set(owners))}  # a device of each process
-        self.local_rows = rows_per_step // len(self.first_row) if rows_per_step else None
+        self.first_row, self.local_rows = process_rows(mesh, rows_per_step)
         self.steps: int | None = None
         self.stopping: Callable[[], bool] = lambda: False
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
 
-    def close(self) -> None:
-        self.thread.shutdown(wait=True)
-
-    def _coded(self, state: TrainState) -> Any:
-        return codec_slot(state.sync) if self.coded else state.sync.replace(per_device={}, shared={})
-
     def _batch(self, position: int) -> Any:
         sharding = NamedSharding(self.sub, P(tuple(self.sub.axis_names)))
         return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), self.data(position))
-
-    def _in_flight(self, state: TrainState) -> Any:
-        """Start averaging the delta the state holds (on the thread); None if it holds none."""
-        flight = state.sync.per_device[OVERLAP_NAME]
-        if not int(np.asarray(flight["steps"].addressable_shards[0].data)[0]):
-            return None
-        args = (self._coded(state), flight["delta"], flight["steps"], flight["loss_sum"], state.step)
-        return self.thread.submit(lambda: jax.block_until_ready(self.reduce(*args)))
 
     def _landed(self, state: TrainState, pending: Any) -> tuple[Any, Any, Any, dict]:
         if pending is not None:
@@ -236,9 +220,3 @@ class Overlapped:
         return self.apply(state, mean, jnp.bool_(True), coded, anchor, np.int32(0), zero(flight["steps"]),
                           zero(flight["loss_sum"]))
 
-    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
-        return remaining if remaining < self.pace.steps else None
-
-    def by_process(self, steps_by_device: Any) -> list[int]:
-        values = np.asarray(steps_by_device)
-        return [int(values[row]) for row in self.first_row.values()]

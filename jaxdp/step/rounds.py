@@ -127,6 +127,14 @@ def is_paced(state: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def process_rows(mesh: Mesh, rows_per_step: int | None) -> tuple[dict[int, int], int | None]:
+    """({process: the index of its first device in the mesh's order}, each process's rows of a
+    global batch of `rows_per_step`, None if that is not known)."""
+    owners = [d.process_index for d in mesh.devices.flat]
+    first_row = {p: owners.index(p) for p in sorted(set(owners))}
+    return first_row, rows_per_step // len(first_row) if rows_per_step else None
+
+
 class Rounds:
     """The inner and sync programs of one run, and one round of them (`round`); the loop that
     runs them round after round is jaxdp/loop/rounds.py."""
@@ -139,9 +147,7 @@ class Rounds:
         self.inner = make_inner(local_grads, tx, self.local)
         self.sync = make_sync(mesh, strategy, compression, outer_tx)
         self.process = jax.process_index()
-        owners = [d.process_index for d in mesh.devices.flat]
-        self.first_row = {p: owners.index(p) for p in sorted(set(owners))}  # a device row of each process
-        self.local_rows = rows_per_step // len(self.first_row) if rows_per_step else None
+        self.first_row, self.local_rows = process_rows(mesh, rows_per_step)
         self.steps: int | None = None  # --steps: no process's position goes past it (`train` sets it)
         self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived: end a time-bound round now
 
@@ -320,25 +326,17 @@ def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Cal
     return jax.jit(mapped, donate_argnums=0)
 
 
-class Overlapped(Rounds):
-    """Rounds of H steps whose average is applied one round late (`--overlap`, see the module
-    docstring): round k + 1 trains while round k's pseudo-gradients are averaged. The average is
-    the one collective program, dispatched from a thread of its own: on JAX's CPU client a program
-    runs on the thread that dispatches it, so from the training thread it would wait for the inner
-    steps (and they for it); from a second thread the two run at the same time, given two CPU
-    workers (a one-core process: jaxdp.cluster.runtime.two_cpu_workers; measured in docs/slow-links.md).
-    The inner steps and the apply run no collective, so no two collective programs are ever in
-    flight at once, and every process dispatches them in the same order."""
+class InFlight:
+    """What an overlapped run's rounds share, with replicas (`Overlapped` below) or with each worker's
+    state cut over its devices (jaxdp/step/hsdp_overlap.py): the thread the average runs on, the
+    start of the average of the delta a state holds (`self.reduce(coded, delta, steps, loss_sum,
+    step)`, the codec's slot if `self.coded`), the last round's length and the steps by process."""
 
-    def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
-                 compression: Any, outer_tx: Any, every: int, data: Callable[[int], Any], rows_per_step: int | None):
-        super().__init__(local_grads, tx, mesh, strategy, compression, outer_tx, FixedSteps(every), data, rows_per_step)
-        import concurrent.futures
-
-        self.reduce = make_reduce(mesh, strategy, compression)
-        self.apply = make_apply(mesh, outer_tx)
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
-        self.coded = codec_of(compression) is not None
+    thread: Any
+    reduce: Callable
+    coded: bool
+    pace: FixedSteps
+    first_row: dict[int, int]
 
     def close(self) -> None:
         self.thread.shutdown(wait=True)
@@ -357,6 +355,32 @@ class Overlapped(Rounds):
             return jax.block_until_ready(self.reduce(*args))
 
         return self.thread.submit(average)
+
+    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
+        return remaining if remaining < self.pace.steps else None
+
+    by_process = Rounds.by_process
+
+
+class Overlapped(InFlight, Rounds):
+    """Rounds of H steps whose average is applied one round late (`--overlap`, see the module
+    docstring): round k + 1 trains while round k's pseudo-gradients are averaged. The average is
+    the one collective program, dispatched from a thread of its own: on JAX's CPU client a program
+    runs on the thread that dispatches it, so from the training thread it would wait for the inner
+    steps (and they for it); from a second thread the two run at the same time, given two CPU
+    workers (a one-core process: jaxdp.cluster.runtime.two_cpu_workers; measured in docs/slow-links.md).
+    The inner steps and the apply run no collective, so no two collective programs are ever in
+    flight at once, and every process dispatches them in the same order."""
+
+    def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
+                 compression: Any, outer_tx: Any, every: int, data: Callable[[int], Any], rows_per_step: int | None):
+        super().__init__(local_grads, tx, mesh, strategy, compression, outer_tx, FixedSteps(every), data, rows_per_step)
+        import concurrent.futures
+
+        self.reduce = make_reduce(mesh, strategy, compression)
+        self.apply = make_apply(mesh, outer_tx)
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
+        self.coded = codec_of(compression) is not None
 
     def _landed(self, state: TrainState, pending: Any) -> tuple[Any, Any, Any, dict]:
         """The average in flight, once it has landed; with none in flight, a zero one (no outer step)."""
@@ -405,6 +429,3 @@ class Overlapped(Rounds):
         zero = jax.jit(lambda x: x * 0)
         flight = state.sync.per_device[OVERLAP_NAME]
         return self.apply(state, mean, total, coded, anchor, zero(flight["steps"]), zero(flight["loss_sum"]))
-
-    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
-        return remaining if remaining < self.pace.steps else None
