@@ -443,8 +443,7 @@ def test_sliced_powersgd_is_powersgd_on_whole_leaves_for_every_cut(devices):
     codec = PowerSGD(rank=3, min_rate=0.0)
     mesh, pair = sharded_mesh(devices, HOSTS_BY_LOCAL), jaxdp.make_mesh(devices[:2], axis_name="d")
     abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
-    cuts = tuple((jax.tree_util.keystr(path), x.shape,
-                  next((d for d, a in enumerate(fsdp.spec_for(x.shape, 4, "local")) if a == "local"), None))
+    cuts = tuple((jax.tree_util.keystr(path), x.shape, fsdp.cut_dim(x.shape, 4))
                  for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0])
     assert [c for _, _, c in cuts] == [1, 2, 0, 1, None]  # cols, cols_3d, rows, rows_later, whole
     sliced = codec.on_slices(cuts, "local", 4)

@@ -67,13 +67,19 @@ def within(mesh: Mesh) -> tuple[str, int]:
     return axis, mesh.shape[axis]
 
 
-def spec_for(shape: tuple[int, ...], n: int, axis: Any) -> P:
-    """Cut along the largest dimension that `n` divides (the first of equals); replicated if none."""
+def cut_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The dimension a leaf of `shape` is cut along over `n` devices: the largest one that `n`
+    divides (the first of equals); None for none (a leaf every device holds whole)."""
     dims = [d for d, size in enumerate(shape) if size >= n and size % n == 0]
     if n == 1 or not dims:
-        return P()
-    d = max(dims, key=lambda d: (shape[d], -d))
-    return P(*([None] * d), axis)
+        return None
+    return max(dims, key=lambda d: (shape[d], -d))
+
+
+def spec_for(shape: tuple[int, ...], n: int, axis: Any) -> P:
+    """Cut along `cut_dim`'s dimension; replicated if none."""
+    d = cut_dim(shape, n)
+    return P() if d is None else P(*([None] * d), axis)
 
 
 def shardings(tree: Any, mesh: Mesh) -> Any:

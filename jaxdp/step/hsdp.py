@@ -121,12 +121,11 @@ def init_local(params: Any, tx: optax.GradientTransformation, mesh: Mesh,
 
 def _slice_shapes(params: Any, mesh: Mesh) -> Any:
     """One device's slice of every leaf (what the exchange averages there), as ShapeDtypeStructs."""
-    axis, n = fsdp.within(mesh)
+    _, n = fsdp.within(mesh)
 
     def piece(x: Any) -> jax.ShapeDtypeStruct:
-        spec = fsdp.spec_for(tuple(x.shape), n, axis)
-        shape = tuple(s // n if i < len(spec) and spec[i] == axis else s for i, s in enumerate(x.shape))
-        return jax.ShapeDtypeStruct(shape, x.dtype)
+        d = fsdp.cut_dim(tuple(x.shape), n)
+        return jax.ShapeDtypeStruct(tuple(s // n if i == d else s for i, s in enumerate(x.shape)), x.dtype)
 
     return jax.tree.map(piece, params)
 
@@ -158,8 +157,7 @@ class Workers:
         if self.exchange is None or self.codec is None:
             return self.exchange
         inside, local = self.inside, self.local
-        cuts = tuple((jax.tree_util.keystr(path), tuple(x.shape),
-                      next((d for d, a in enumerate(fsdp.spec_for(tuple(x.shape), local, inside)) if a == inside), None))
+        cuts = tuple((jax.tree_util.keystr(path), tuple(x.shape), fsdp.cut_dim(tuple(x.shape), local))
                      for path, x in jax.tree_util.tree_flatten_with_path(whole)[0])
         return make_exchange(self.spec.collective, self.hosts, self.count, self.codec.on_slices(cuts, inside, local),
                              pseudo_gradient=self.spec.local)
