@@ -70,8 +70,14 @@ def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
     first such split on a tie). A Dense kernel (in, out) is itself, a conv kernel (h, w, in, out)
     is (h*w*in, out), and an attention kernel (d_model, 3, heads, head_dim) is (d_model, 3*d_model)
     rather than (d_model*3*heads, head_dim), which a rank of 32 could hardly compress."""
-    splits = [(int(np.prod(shape[:k])), int(np.prod(shape[k:]))) for k in range(1, len(shape))]
-    return min(splits, key=lambda nm: nm[0] + nm[1])
+    k = split_at(shape)
+    return int(np.prod(shape[:k])), int(np.prod(shape[k:]))
+
+
+def split_at(shape: Sequence[int]) -> int:
+    """The k of `matrix_view`: its rows are the dimensions before k, its columns the rest."""
+    sums = [int(np.prod(shape[:k])) + int(np.prod(shape[k:])) for k in range(1, len(shape))]
+    return 1 + sums.index(min(sums))
 
 
 # PowerSGD's random streams: the initial Q of leaf i is drawn from fold_in(PRNGKey(seed), i); the new

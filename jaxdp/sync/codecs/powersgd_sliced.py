@@ -10,20 +10,14 @@ PowerSGD (the basis, the new directions, the slot) is jaxdp/sync/codecs/powersgd
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdp.sync.codecs.base import AllReduce, CompressionState, Compressor, Tree
-from jaxdp.sync.codecs.powersgd import PowerSGD, _basis, _compute_dtype, finish
-
-
-def _split(shape: Sequence[int]) -> int:
-    """k such that `matrix_view(shape)` is (prod(shape[:k]), prod(shape[k:]))."""
-    sums = [int(np.prod(shape[:k])) + int(np.prod(shape[k:])) for k in range(1, len(shape))]
-    return 1 + sums.index(min(sums))
+from jaxdp.sync.codecs.powersgd import PowerSGD, _basis, _compute_dtype, finish, split_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +84,7 @@ class Sliced(Compressor):
                 total += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
                 continue
             n, m, r = layout[k]
-            split, c = _split(shapes[k]), cut[k]
+            split, c = split_at(shapes[k]), cut[k]
             rows, cols = -(-n * r // parts), -(-m * r // parts)  # scattered or spread: 1/pieces each
             if c is not None:
                 rows, cols = (n // parts * r, cols) if c < split else (rows, m // parts * r)
@@ -137,7 +131,7 @@ class Sliced(Compressor):
                 continue
             n, m, r = layout[k]
             shape, c = whole_shape[k], cut[k]
-            split = _split(shape)
+            split = split_at(shape)
             dtype = _compute_dtype(g.dtype)
             e = state.error[k].astype(dtype)
             ms[k] = (g.astype(dtype) + e).reshape(int(np.prod(g.shape[:split])), -1)  # this device's M
@@ -164,7 +158,7 @@ class Sliced(Compressor):
         for k, plan in plans.items():
             n, m, r = layout[k]
             shape, c = whole_shape[k], cut[k]
-            split = _split(shape)
+            split = split_at(shape)
             mk = ms[k] * jnp.asarray(scale, ms[k].dtype)
             if plan == "rows":
                 piece_shape = (*shape[:split], r)
@@ -181,7 +175,7 @@ class Sliced(Compressor):
         for k, plan in plans.items():
             n, m, r = layout[k]
             shape, c = whole_shape[k], cut[k]
-            split = _split(shape)
+            split = split_at(shape)
             if plan == "cols":
                 q_mine[k] = summed_q[k]
                 piece_shape = tuple(s // parts if i + split == c else s for i, s in enumerate(shape[split:]))
