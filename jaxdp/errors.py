@@ -7,6 +7,7 @@ checked against this module by a test. Codes above 2 come from BSD's sysexits.h 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import traceback
 from typing import Callable
@@ -62,11 +63,23 @@ class OneLineParser(argparse.ArgumentParser):
         raise InputError(message)
 
 
+def out_of_memory(err: BaseException) -> str | None:
+    """XLA's out-of-memory error (RESOURCE_EXHAUSTED, followed by a report of many lines) said in a
+    few words, or None for any other error."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" not in text or "memory" not in text.lower():
+        return None
+    wanted = re.search(r"allocate (\d+) bytes", text)
+    return "out of device memory" + (f" (XLA could not allocate {int(wanted.group(1)) / 2**30:.2f} GiB more)"
+                                     if wanted else "")
+
+
 def run_tool(body: Callable[[], int], *, debug: bool, describe: Callable[[InputError], str] = str,
-             before_unexpected: Callable[[], None] | None = None) -> int:
+             before_unexpected: Callable[[], None] | None = None, memory_advice: str = "") -> int:
     """A tool's `main` around `body` (which returns its exit code): bad input is one line
     `jaxdp: error: ...` (`describe` puts it in flag terms) and EXIT_BAD_INPUT, Ctrl-C is
-    EXIT_INTERRUPTED, anything else one line and EXIT_ERROR, after `before_unexpected()` if given;
+    EXIT_INTERRUPTED, anything else one line and EXIT_ERROR, after `before_unexpected()` if given
+    (running out of device memory: that, and `memory_advice`, what to change);
     `debug` (--debug) adds the traceback. `body` handles the errors of its own (train: divergence,
     failed saves) and returns their codes."""
     try:
@@ -84,6 +97,8 @@ def run_tool(body: Callable[[], int], *, debug: bool, describe: Callable[[InputE
             before_unexpected()
         if debug:
             traceback.print_exc()
+        elif (memory := out_of_memory(err)) is not None:
+            print(f"jaxdp: error: {memory}{memory_advice} (rerun with --debug for XLA's report)", file=sys.stderr)
         else:
             print(f"jaxdp: error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_ERROR

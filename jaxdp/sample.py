@@ -167,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(sample(build_parser().parse_args(argv)))
         return EXIT_OK
 
-    return run_tool(body, debug="--debug" in argv, describe=cli_message)
+    return run_tool(body, debug="--debug" in argv, describe=cli_message,
+                    memory_advice="; lower --max-new-tokens (the key/value cache grows with it) or sample on a larger device")
 
 def cli_message(err: InputError) -> str:
     """A library's InputError in flag terms: "temperature must be ..." as "--temperature must be ...",

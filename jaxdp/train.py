@@ -311,7 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         wait_for_verdict()
 
-    return run_tool(body, debug=debug, describe=cli_message, before_unexpected=lost_peer_first)
+    return run_tool(body, debug=debug, describe=cli_message, before_unexpected=lost_peer_first,
+                    memory_advice=MEMORY_ADVICE)
+
+
+MEMORY_ADVICE = ("; lower --batch-size (--grad-accum N keeps the examples per step), shard the model over a worker's "
+                 "devices with --shard-params (or the optimizer state with --shard-optimizer), or train in --precision bf16")
 
 
 def cli_message(err: InputError) -> str:

@@ -97,6 +97,31 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case):
     assert (tmp_path / "file").read_text() == "not a directory"
 
 
+def test_out_of_device_memory_is_one_line_saying_what_to_change(monkeypatch, capsys):
+    import jax
+
+    import jaxdp.train
+
+    report = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28185722880 bytes.\n"
+              "BufferAssignment OOM Debugging.\nBufferAssignment stats:\n  parameter allocation: 26.25GiB")
+
+    def train(config):
+        raise jax.errors.JaxRuntimeError(report)
+
+    monkeypatch.setattr(jaxdp.train, "train", train)
+    assert main(["--steps", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("jaxdp: error: out of device memory (XLA could not allocate 26.25 GiB more)"), err
+    assert "--batch-size" in err[0] and "--shard-params" in err[0] and "--debug" in err[0], err
+    assert main(["--steps", "1", "--no-progress", "--debug"]) == 1  # --debug: XLA's report, whole
+    assert "BufferAssignment OOM Debugging" in capsys.readouterr().err
+    monkeypatch.setattr(jaxdp.train, "train", lambda config: (_ for _ in ()).throw(RuntimeError("RESOURCE_EXHAUSTED: "
+                                                                                               "too many files")))
+    assert main(["--steps", "1", "--no-progress"]) == 1  # not memory: said as it is
+    assert "RuntimeError: RESOURCE_EXHAUSTED: too many files" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # over 3 s on 2 cores
 def test_bad_input_in_a_real_process_has_no_traceback_unless_debug(tmp_path):
     proc = run_cli("--batch-size", "12", "--steps", "1")
