@@ -7,6 +7,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxdp
@@ -16,7 +17,7 @@ from helpers import records, step_records
 from jaxdp.config import ConfigError, config_toml, parse_args, read_config_file
 from jaxdp.sync.rules import check_config
 from jaxdp.models.builtin import MLP
-from jaxdp.sync import codecs as compression
+from jaxdp.sync import codecs as compression, costmodel
 from jaxdp.sync.controller import Controller
 from jaxdp.train import train
 
@@ -70,7 +71,7 @@ def test_a_compression_that_misses_the_target_is_not_guarded_when_local_steps_re
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: guarded.append(1) or ([], {}, {}))
     monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.0)
     decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
-    assert isinstance(compression.parse(decision.record["choice"]), compression.PowerSGD) and not decision.record["fits"]
+    assert isinstance(compression.parse(decision.record["choice"]), compression.TopK) and not decision.record["fits"]
     assert record["sync_every"] == 16 and decision.record["quality_checks"] == [] and not guarded
     assert controller.decide(None, [None], 0).record["quality_checks"] and guarded  # without local steps: guarded
 
@@ -80,7 +81,8 @@ def test_a_choice_the_guard_raised_is_the_one_the_record_explains(devices, monke
     raised it), and "planned" keeps the plan's."""
     controller = far_too_slow_a_link(devices, monkeypatch)
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
-    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.0 if candidate.rank >= 16 else 0.5)
+    monkeypatch.setattr(Controller, "replay",  # top-k refused, PowerSGD from rank 16 passes
+                        lambda self, candidate, truth: 0.0 if getattr(candidate, "rank", 0) >= 16 else 2.0)
     record = controller.decide(None, [None], 0).record
     assert record["planned"] != record["choice"] and record["choice"].startswith("powersgd:16"), record["why"]
     assert record["why"].startswith(f"{record['choice']}: the quality guard stepped back from {record['planned']}")
@@ -97,6 +99,50 @@ def test_a_guard_that_steps_back_past_the_target_leads_to_local_steps(devices, m
     decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
     assert decision.record["planned"].startswith("powersgd") and decision.record["choice"] == "int4"
     assert not decision.record["fits"] and record["sync_every"] > 1 and record["pseudo_gradient"] in ("int8", "int4")
+
+
+def test_the_guard_steps_back_through_denser_topk_then_powersgd_s_ranks(devices, monkeypatch):
+    """Far too slow a link: the plan takes the sparsest top-k. The guard checks it, then each denser
+    one, then (every density refused) PowerSGD's ranks from the lowest up, against one threshold."""
+    controller = far_too_slow_a_link(devices, monkeypatch, count=2)
+    monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
+    threshold = costmodel.GUARD_THRESHOLD
+    sparse = [c.name for c in controller.candidates if c.name.startswith("topk")][::-1]  # sparsest first
+    ranks = [c.name for c in controller.candidates if c.name.startswith("powersgd")][::-1]  # lowest first
+    assert len(sparse) >= 2 and len(ranks) >= 2 and all(n.endswith(":gather") for n in sparse)  # (2 devices)
+    errors = {sparse[0]: threshold + 0.01, sparse[1]: threshold}
+    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: errors[candidate.name])
+    record = controller.decide(None, [None], 0).record
+    assert (record["planned"], record["choice"]) == (sparse[0], sparse[1]), record["why"]
+    assert record["quality_checks"] == [{"candidate": name, "relative_error": errors[name]} for name in sparse[:2]]
+    assert record["why"].startswith(f"{sparse[1]}: the quality guard stepped back from {sparse[0]}")
+    errors = {**{name: 2.0 for name in sparse + ranks[:-1]}, ranks[-1]: threshold}
+    record = controller.decide(None, [None], 0).record
+    assert record["choice"] == ranks[-1], record["why"]  # every density refused, every rank but the highest
+    assert [c["candidate"] for c in record["quality_checks"]] == sparse + ranks
+
+
+def test_the_guard_replays_topk_as_one_device_holding_the_mean(devices):
+    """Top-k's replay, written out: over the window, x = mean + what is owed; the k largest |x| cross,
+    the rest is owed; the error is that of the summed applied means against the summed means."""
+    mesh = jaxdp.make_mesh(devices[:2])
+    params = {"w": jnp.zeros((40, 25), jnp.float32)}  # 1,000 values: one chunk, k = 10 at density 0.01
+    controller = Controller(lambda state, batch: None, mesh, jaxdp.sync.collectives.psum_mean, params)
+    rng = np.random.default_rng(0)
+    means = [rng.standard_normal((40, 25)).astype(np.float32) for _ in range(4)]
+    owed0 = rng.standard_normal((40, 25)).astype(np.float32)
+    owed, applied = owed0.ravel().copy(), []
+    for mean in means:
+        x = mean.ravel() + owed
+        kept = np.zeros_like(x)
+        top = np.argsort(-np.abs(x))[:10]
+        kept[top] = x[top]
+        owed = x - kept
+        applied.append(kept)
+    want = np.linalg.norm(sum(applied) - sum(m.ravel() for m in means)) / np.linalg.norm(sum(m.ravel() for m in means))
+    got = controller.replay(compression.parse("topk:0.01:sum"), ([{"w": jnp.asarray(m)} for m in means],
+                                                                   {"w": jnp.asarray(owed0)}, {}))
+    assert got == pytest.approx(want, rel=1e-5) and 0.5 < got < 1  # (what top-k leaves waits: a large error)
 
 
 # ---- the flags -----------------------------------------------------------------------------------
@@ -180,22 +226,47 @@ def test_auto_with_auto_compression_that_does_not_fit_sends_the_pseudo_gradient_
     assert [r["synced"] for r in step_records(tmp_path / "m.jsonl")] == [0, 0, 0]
 
 
-def test_local_steps_chosen_over_an_unguarded_powersgd_plan_send_their_own_codec(tmp_path, monkeypatch):
-    """On a slow link the plan's best is PowerSGD, missing the target: local steps replace it, the
-    pseudo-gradient goes through the codec chosen with H (bf16 with psum: half the bytes, a step
-    predicted 49 % shorter), and the step must not be built for that unguarded PowerSGD (it was:
-    the run stopped with "the state has no compression state for powersgd:1")."""
-    monkeypatch.setattr(Controller, "measure", bandwidth_bound())  # PowerSGD predicts the shortest step
+def test_local_steps_chosen_over_an_unguarded_plan_send_their_own_codec(tmp_path, monkeypatch):
+    """On a slow link the plan's best is top-k (before it joined the ladder: PowerSGD), missing the
+    target: local steps replace it, the pseudo-gradient goes through the codec chosen with H (bf16
+    with psum: half the bytes, a step predicted 49 % shorter), and the step must not be built for
+    that unguarded plan (it was: the run stopped with "the state has no compression state for
+    powersgd:1")."""
+    monkeypatch.setattr(Controller, "measure", bandwidth_bound())  # top-k predicts the shortest step
     run("--devices", 4, "--steps", 3, "--sync-every", "auto", "--compression", "auto", *PLAIN,
         "--metrics-file", tmp_path / "m.jsonl")
     [record], [compressed] = decisions(tmp_path / "m.jsonl"), decisions(tmp_path / "m.jsonl", "compression")
-    assert compressed["choice"].startswith("powersgd") and compressed["applied"] is False
+    assert compressed["choice"].startswith("topk") and compressed["applied"] is False
     # the two records agree: the compression one says local steps replaced it, and proposes no H of its own
     assert compressed["propose_local_steps"] is None and compressed["why"].startswith("not applied: --sync-every auto")
     assert compressed["superseded_by"] == {"event": "local_steps", "sync_every": 16, "pseudo_gradient": "bf16"}
     assert compressed["quality_checks"] == [] and record["sync_every"] == 16 and record["pseudo_gradient"] == "bf16"
     assert record["payload_bytes"] == compressed["uncompressed_bytes"] // 2
     assert [r["comm_bytes_per_step"] for r in step_records(tmp_path / "m.jsonl")] == [record["payload_bytes"] * 2 * 3 / 4 / 16] * 3
+
+
+@pytest.mark.slow  # about 6 s on 2 cores
+def test_auto_takes_topk_through_the_command_line_and_resumes_bit_identically(tmp_path, monkeypatch):
+    """Far too slow a link: auto plans the sparsest top-k; the guard replays it for real (here made
+    to keep it, so the test reaches the step); the step trains through it from the auto slot, and a
+    resumed run decides the same and continues bit for bit."""
+    monkeypatch.setattr(Controller, "measure", bandwidth_bound())
+    monkeypatch.setattr(costmodel, "guard", lambda choice, *args, **kwargs: choice)
+    flags = ["--devices", 2, "--compression", "auto", "--compression-every", 0, "--optimizer", "momentum"]
+    whole = run(*flags, "--steps", 6, "--metrics-file", tmp_path / "whole.jsonl")
+    [decision] = decisions(tmp_path / "whole.jsonl", "compression")
+    assert decision["choice"].startswith("topk:") and decision["choice"].endswith(":gather"), decision["why"]
+    assert decision["quality_checks"][0]["candidate"] == decision["choice"]
+    assert 0.5 < decision["quality_checks"][0]["relative_error"] < 1.5  # the real replay's error
+    steps = step_records(tmp_path / "whole.jsonl")
+    assert all(r["compression_ratio"] > 50 for r in steps), steps  # (0.1 % of the values: the loss barely moves)
+    ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", 3, "--metrics-file", tmp_path / "m.jsonl"]
+    run(*flags, *ckpt, "--steps", 3)
+    resumed = run(*flags, *ckpt, "--steps", 6)
+    assert [d["choice"] for d in decisions(tmp_path / "m.jsonl", "compression")] == [decision["choice"]] * 2
+    assert [(s, loss) for s, loss, _ in losses(tmp_path / "m.jsonl")] == [(s, loss) for s, loss, _ in
+                                                                          losses(tmp_path / "whole.jsonl")]
+    jax.tree.map(lambda x, y: jnp.array_equal(x, y) or pytest.fail("state differs"), resumed.state, whole.state)
 
 
 def test_one_device_means_synchronous_recorded(tmp_path):

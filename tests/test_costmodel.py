@@ -78,11 +78,26 @@ def big_params():
 
 def test_ladder_goes_from_none_to_the_strongest_useful_compression():
     names = [c.name for c in costmodel.ladder(big_params())]
-    assert names == ["none", "bf16", "powersgd:32", "powersgd:16", "powersgd:8", "powersgd:4", "powersgd:2", "powersgd:1"]
+    assert names[:8] == ["none", "bf16", "powersgd:32", "powersgd:16", "powersgd:8", "powersgd:4", "powersgd:2", "powersgd:1"]
+    assert names[8:] == ["topk:0.001"]  # the densities that send fewer bytes than rank 1
     payloads = [c.payload_bytes(big_params()) for c in costmodel.ladder(big_params())]
-    assert payloads == sorted(payloads, reverse=True)
-    assert [c.name for c in costmodel.ladder({"w": jax.ShapeDtypeStruct((24, 16), jnp.float32)})] == ["none", "bf16", "powersgd:4",
-                                                                                              "powersgd:2", "powersgd:1"]
+    assert payloads[2:] == sorted(payloads[2:], reverse=True) and len(set(payloads[2:])) == len(payloads[2:])
+    assert [c.name for c in costmodel.ladder({"w": jax.ShapeDtypeStruct((24, 16), jnp.float32)})] == [
+        "none", "bf16", "powersgd:4", "powersgd:2", "powersgd:1", "topk:0.03", "topk:0.01", "topk:0.003"]  # k >= 1
+
+
+def test_topk_joins_the_ladder_in_the_form_the_run_s_device_count_takes():
+    """At 2 devices each device's own top-k, all-gathered (fewer bytes); from 3 the ring-summed form;
+    a strategy without an all-gather keeps only what it can carry."""
+    params = big_params()
+    at = lambda devices, abilities=None: [c.name for c in costmodel.ladder(  # noqa: E731
+        params, devices=devices, abilities=abilities) if c.name.startswith("topk")]
+    assert at(2) == ["topk:0.001:gather"] and at(8) == ["topk:0.001:sum"]
+    assert at(2, {"sum"}) == [] and at(8, {"sum"}) == at(8)
+    assert [c.name for c in costmodel.ladder(params, devices=2, abilities={"sum"})][:8] == [
+        c.name for c in costmodel.ladder(params)][:8]
+    assert costmodel.weaker(C.parse("topk:0.001")).name == "topk:0.003"
+    assert costmodel.weaker(C.parse("topk:0.1")).name == "bf16"
 
 
 def test_plan_picks_none_when_compute_dominates_and_strong_compression_when_comm_does():
@@ -93,15 +108,15 @@ def test_plan_picks_none_when_compute_dominates_and_strong_compression_when_comm
 
     slow = costmodel.CommModel(latency_s=1e-3, seconds_per_byte=1 / 10e6)   # 10 MB/s: even rank 1 takes > 2.5 ms
     choice, reasons = costmodel.plan(compute, slow, params)
-    assert choice.name == "powersgd:1" and not reasons["fits"] and "no candidate fits" in reasons["why"]
+    assert choice.name == "topk:0.001" and not reasons["fits"] and "no candidate fits" in reasons["why"]
 
     # A link where bf16's halving is not enough but a moderate rank is.
     middle = costmodel.CommModel(latency_s=50e-6, seconds_per_byte=1 / 500e6)
     choice, reasons = costmodel.plan(compute, middle, params)
     assert isinstance(choice, C.PowerSGD) and reasons["fits"]
     assert reasons["predicted_s"]["bf16"] > reasons["target_s"] >= reasons["predicted_s"][choice.name]
-    assert choice.rank == max(c.rank for c in costmodel.ladder(params)[2:]
-                              if middle.seconds(c.payload_bytes(params), 2) <= costmodel.TARGET_COMM_FRACTION * compute)
+    assert choice.rank == max(c.rank for c in costmodel.ladder(params)[2:] if isinstance(c, C.PowerSGD)
+                              and middle.seconds(c.payload_bytes(params), 2) <= costmodel.TARGET_COMM_FRACTION * compute)
 
 
 def test_guard_steps_back_to_weaker_compression_above_the_threshold():

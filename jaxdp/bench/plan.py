@@ -216,7 +216,7 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
     fraction = costmodel.TARGET_COMM_FRACTION if target is None else target
     model = cluster.allreduce()
     devices = cluster.nodes * cluster.devices
-    candidates = costmodel.ladder(params, quantized_devices=devices if strategy == "ring" else None)
+    candidates = costmodel.ladder(params, quantized_devices=devices if strategy == "ring" else None, devices=devices)
     full = costmodel.uncompressed_bytes(params)
     sizes = [max(full // 16, 1 << 12), max(full, 1 << 16)]
     figures = {"compute_s": compute_s, "comm_small_s": model.seconds(sizes[0]), "comm_full_s": model.seconds(sizes[1]),

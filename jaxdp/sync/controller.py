@@ -19,14 +19,14 @@ Each decision measures, on the run's own devices and link:
 Every process measures, and the slowest process's figures decide (gathered, so every process
 takes the same decision). `costmodel.plan` then picks the least compression whose predicted
 all-reduce time is at most `target` x compute: none on a fast link, bf16, on a ring int8 or int4
-(within `costmodel.QUANT_BOUND`), or PowerSGD at the largest rank that fits. A PowerSGD choice
-must pass the quality guard: over `GUARD_BATCHES`
+(within `costmodel.QUANT_BOUND`), PowerSGD at the largest rank that fits, or top-k at the
+densest density that fits. A PowerSGD or top-k choice must pass the quality guard: over `GUARD_BATCHES`
 batches at the current parameters, the sum of the compressed, error-corrected gradients against
 the sum of the true mean gradients (one uncompressed all-reduce per batch: what the guard costs;
 the candidates are then replayed on those means with no collective, `Controller.truth`),
-`costmodel.relative_error`; above `costmodel.GUARD_THRESHOLD` the controller steps back to
-the next weaker candidate (higher rank, then int4 or bf16 ...) and checks again; a decision's
-"fits" is its final choice's.
+`costmodel.relative_error`; above `costmodel.GUARD_THRESHOLD` the
+controller steps back to the next weaker candidate (a denser top-k, PowerSGD's higher ranks, then
+int4 or bf16 ...) and checks again; a decision's "fits" is its final choice's.
 
 Every decision is a record of the metrics file ("event": "compression") with the numbers behind it.
 When no candidate meets the target, the record also proposes local steps (`propose_local_steps`:
@@ -62,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, state_specs
 from jaxdp.registry import AUTO
-from jaxdp.sync import codecs, costmodel
+from jaxdp.sync import codecs, costmodel, rules
 from jaxdp.sync.codecs.base import CompressionState, Compressor, rows as slot_rows, uncompressed_bytes
 from jaxdp.sync.collectives import as_collective
 from jaxdp.sync.exchange import codec as codec_of
@@ -90,7 +90,8 @@ class Controller:
         self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         # int8 / int4 need a strategy that requantizes at every hop (the ring's coded_sum)
         coded = as_collective(strategy).coded_sum is not None
-        self.candidates = costmodel.ladder(self.abstract, quantized_devices=self.n if coded else None)
+        self.candidates = costmodel.ladder(self.abstract, quantized_devices=self.n if coded else None, devices=self.n,
+                                           abilities=rules.abilities(strategy))
         self.target_fraction, self.guard_threshold = target_fraction, guard_threshold
         self.grad_bytes = uncompressed_bytes(self.abstract)
         axis = self.axis
@@ -144,16 +145,17 @@ class Controller:
                                            self.target_fraction)
         checks, planned = [], choice
         if codecs.row(choice.name).guarded and (reasons["fits"] or guard_misses):
-            # The quality guard: the true means once; then the choice and the candidates of its row
-            # before it (PowerSGD's higher ranks), in order, until one passes.
+            # The quality guard: the true means once; then the choice and the candidates before it
+            # (a denser top-k, PowerSGD's higher ranks), in order, until one passes or the ladder
+            # reaches one the guard does not replay (int4, bf16, ...).
             truth = self.truth(state, batches)
-            family = [c for c in self.candidates if codecs.row(c.name) == codecs.row(choice.name)]
-            upwards = family[:family.index(choice) + 1]
-            for candidate in upwards[::-1]:  # from the chosen rank upwards
+            for candidate in self.candidates[self.candidates.index(choice)::-1]:  # from the choice upwards
+                choice = candidate
+                if not codecs.row(candidate.name).guarded:
+                    break
                 error = self.replay(candidate, truth)
                 checks.append({"candidate": candidate.name, "relative_error": error})
-                choice = costmodel.guard(candidate, error, self.guard_threshold, self.candidates)
-                if choice == candidate:
+                if costmodel.guard(candidate, error, self.guard_threshold, self.candidates) == candidate:
                     break
         cost_s = {"measure": measured - started, "quality": time.perf_counter() - measured}
         why = reasons["why"]
@@ -236,7 +238,10 @@ class Controller:
         approximation that compressing the devices' mean (gradient + error) on one device gives, and
         the mean error moves as that device's error would. So the candidates are checked on the
         means with no collective at all (`replay`): one small program each, compiled for the ranks
-        actually checked, instead of every rank's collectives in one large program."""
+        actually checked, instead of every rank's collectives in one large program. Top-k is replayed
+        the same way, as one device holding the mean would choose its values: the run's devices
+        choose from their own gradients (the leader's, or each its own), so for top-k the replay
+        approximates (costmodel.GUARD_THRESHOLD)."""
         state = state.replace(opt_state=None)
         if self._truth is None:
             axis, n = self.axis, self.n

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +57,15 @@ MIN_STEP_GAIN = 0.20
 # threshold of 0.1 took rank 16 there, and it ended 250 steps 18 % above uncompressed (bench
 # compression, docs/perf). 0.05 stops rank 16 at both points and passes rank 32. (On the digits MLP,
 # 100-step windows, every rank from 1 to 8 matched uncompressed accuracy:
-# tests/scripts/compression_guard_window.py; a 4-step window errs on the side of more rank.) Never give guard the
-# per-step error ||approx - mean|| / ||mean|| of
-# one batch without error feedback: it is 0.5 or more at low rank by design.
+# tests/scripts/compression_guard_window.py; a 4-step window errs on the side of more rank.) Never give guard
+# the per-step error ||approx - mean|| / ||mean|| of one batch without error feedback: 0.5 or more at low rank.
+# Top-k: the same replay (as one device holding the mean would choose: an approximation) and threshold.
+# An error costs about as much held-out loss in either family on that GPT (top-k 0.1 / 0.01: 0.28 / 0.62 after
+# 100 steps; rank 4 / 1: 0.33 / 0.70; tests/scripts/topk_guard_window.py --gpt, docs/slow-links.md).
 GUARD_THRESHOLD = 0.05
 GUARD_WINDOW = 4
+
+
 
 # The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
 # project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
@@ -115,16 +119,25 @@ def fit_comm_model(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> Comm
 
 
 def ladder(params: Tree, ranks: Sequence[int] = DEFAULT_RANKS, start: int = 0,
-           quantized_devices: int | None = None) -> list[Compressor]:
+           quantized_devices: int | None = None, devices: int | None = None,
+           abilities: Collection[str] | None = None) -> list[Compressor]:
     """Candidates from least to most compression: none, bf16, (with `quantized_devices`, the
     device count of a ring that can requantize at every hop) int8 and int4 where their error bound
-    allows (QUANT_BOUND), then PowerSGD at decreasing ranks. A rank is left out when it is no
-    smaller than the largest matrix's min(n, m) (it would be that matrix's full rank), or when it
-    moves no fewer bytes than the candidate before it (int4's payload, or a higher rank's)."""
+    allows (QUANT_BOUND), PowerSGD at decreasing ranks, then top-k at decreasing densities. A rank
+    is left out when it is no smaller than the largest matrix's min(n, m) (it would be that
+    matrix's full rank); a rank or a density when it moves no fewer bytes than the candidate
+    before it (int4's payload, a higher rank's, PowerSGD's lowest rank's). With `devices` (the
+    run's device count) each candidate is the one that runs there (`Compressor.settled`: top-k's
+    form); with `abilities` (jaxdp.sync.rules.abilities of the strategy), those it cannot carry
+    are left out."""
     out: list[Compressor] = []
     last_bytes = None
     for row, members in offered(params, ranks, start, quantized_devices, QUANT_BOUND):
         for candidate in members:
+            if devices is not None:
+                candidate = candidate.settled(params, devices, False)
+            if abilities is not None and candidate.needs not in abilities:
+                continue
             payload = candidate.payload_bytes(params)
             if row.fewer_bytes and last_bytes is not None and payload >= last_bytes:
                 continue
@@ -423,7 +436,7 @@ def predict(cluster: Cluster, compute_seconds: float, params: Tree, *, strategy:
     for hierarchy in hierarchies:
         model = cluster.allreduce(hierarchy == "auto")
         ring_size = cluster.nodes if hierarchy == "auto" else devices
-        for codec in ladder(params, quantized_devices=ring_size if strategy == "ring" else None):
+        for codec in ladder(params, quantized_devices=ring_size if strategy == "ring" else None, devices=devices):
             payload = codec.payload_bytes(params)
             seconds = model.seconds(payload, codec.collectives)
             for h in sync_every:

@@ -85,11 +85,12 @@ TABLE: tuple[Row, ...] = (
         "jaxdp.sync.codecs.powersgd:PowerSGD", ladder=2, fewer_bytes=True, guarded=True,
         keeps_state=True, example="powersgd:4:start=2"),
     Row("topk", _TOPK + "(:32)?(:sum)?" + _DECAY, "topk:DENSITY[:BITS][:sum|:gather][:decay=B]",
-        "jaxdp.sync.codecs.topk:TopK", keeps_state=True, example="topk:0.1"),
+        "jaxdp.sync.codecs.topk:TopK", ladder=3, fewer_bytes=True, guarded=True, keeps_state=True,
+        example="topk:0.1"),
     Row("topk", _TOPK + ":[842](:sum)?" + _DECAY, "topk:DENSITY:BITS[:sum][:decay=B] (BITS 8, 4, 2: the ring)",
-        "jaxdp.sync.codecs.topk:TopK", needs="coded_sum", keeps_state=True, example="topk:0.1:8"),
+        "jaxdp.sync.codecs.topk:TopK", needs="coded_sum", guarded=True, keeps_state=True, example="topk:0.1:8"),
     Row("topk", _TOPK + "(:(32|8|4|2))?:gather" + _DECAY, "topk:DENSITY[:BITS]:gather[:decay=B] (psum or the ring)",
-        "jaxdp.sync.codecs.topk:TopK", needs="halves", keeps_state=True, example="topk:0.1:2:gather"),
+        "jaxdp.sync.codecs.topk:TopK", needs="halves", guarded=True, keeps_state=True, example="topk:0.1:2:gather"),
 )
 
 _USAGES = list(dict.fromkeys(next(r.usage for r in TABLE if r.name == name) for name in dict.fromkeys(r.name for r in TABLE)))

@@ -20,7 +20,7 @@ feedback (float32), one row per device, as int8's does, for both.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,10 @@ CHUNK = 4096
 
 
 FORMS = ("auto", "sum", "gather")
+
+# The densities --compression auto offers, densest first (float32 values; the ladder keeps each only
+# where it sends fewer bytes than the candidate before it, PowerSGD's lowest rank included).
+DENSITIES = (0.1, 0.03, 0.01, 0.003, 0.001)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,22 @@ class TopK(Compressor):
             else:
                 bits = int(part)
         return cls(density=density, bits=bits, form=form, decay=decay)
+
+    @classmethod
+    def candidates(cls, name: str, params: Tree, **options: Any) -> list[Compressor]:
+        """The auto ladder's: float32 values at each of DENSITIES, densest first (the form is settled
+        by the run's device count, `settled`); none for a tree of fewer than 1 / density values."""
+        size = _size(params)
+        return [cls(density=d) for d in DENSITIES if d * min(size, CHUNK) >= 1]
+
+    def weaker(self, ranks: Sequence[int]) -> Compressor:
+        """Outside a ladder: the next density of DENSITIES up (10x, 3x ...), then bf16."""
+        denser = [d for d in DENSITIES if d > self.density]
+        if denser:
+            return dataclasses.replace(self, density=denser[-1])
+        from jaxdp.sync.codecs import parse
+
+        return parse("bf16")
 
     def settled(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> "TopK":
         """"auto" settled: the form that sends fewer bytes per device at `num_devices`, for every
