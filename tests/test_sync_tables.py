@@ -102,6 +102,7 @@ EXAMPLES = {
     "overlap-strategy": dict(strategy="host", overlap=True),
     "overlap-model-state": dict(overlap=True, float_state=True),
     "compression-strategy": dict(strategy="host", compression="bf16"),
+    "topk-hops": dict(strategy="psum", compression="topk:0.01:2", needs="coded_sum"),
     "compression-hops": dict(strategy="psum", compression="int8", needs="coded_sum"),
     "local-strategy": dict(strategy="host", sync_every="auto"),
     "compression-zero": dict(compression="powersgd:4", shard_optimizer=True),

@@ -228,6 +228,12 @@ RULES: tuple[Rule, ...] = (
          "--compression needs an in-graph strategy (--strategy psum or ring): --strategy={strategy} does not qualify "
          f"({_NEEDS_SUM})",
          f"compression does not apply to strategy {{strategy!r}}: {_NEEDS_SUM}; use psum or ring", "strategy"),
+    Rule("topk-hops", lambda c: (c.compression or "").startswith("topk") and c.needs == "coded_sum"
+         and c.needs not in c.abilities and "halves" in c.abilities and not c.ft,
+         f"--compression={{compression}} needs --strategy ring ({_HOPS}); with --strategy={{strategy}} name the "
+         "all-gathered form instead, :gather after BITS (topk:DENSITY:BITS:gather[:decay=B]: each device's own top-k)",
+         f"compression {{compression!r}} does not apply to strategy {{strategy!r}}: {_HOPS}; use ring, or the all-gathered "
+         "form, ':gather' after BITS ('topk:DENSITY:BITS:gather[:decay=B]')", "strategy"),
     Rule("compression-hops", lambda c: c.compression is not None and c.needs not in c.abilities and not c.ft,
          f"--compression={{compression}} needs --strategy ring: --strategy={{strategy}} does not qualify ({_HOPS})",
          f"compression does not apply to strategy {{strategy!r}}: {_HOPS}; use ring", "strategy"),
