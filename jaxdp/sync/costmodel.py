@@ -65,8 +65,6 @@ MIN_STEP_GAIN = 0.20
 GUARD_THRESHOLD = 0.05
 GUARD_WINDOW = 4
 
-
-
 # The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
 # project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
 # 0.20x its time (docs/perf/localsgd.json). Once the all-reduce per step is below the compute, a
