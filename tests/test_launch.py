@@ -303,6 +303,29 @@ sys.exit(int(sys.argv[1]))
 '''
 
 
+def test_a_zygote_imports_what_it_is_asked_to_preload_and_its_children_have_it(tmp_path):
+    """An elastic run on torchft asks its zygote for torch and torchft too (jaxdp.launcher.ft.PRELOAD),
+    so a restart does not import them again: a child finds a preloaded module already imported, and
+    one not asked for not."""
+    from jaxdp.launcher.zygote import ENV_PRELOAD, Zygote
+
+    (tmp_path / "probe.py").write_text("import json, os, sys\nprint(json.dumps({m: m in sys.modules for m in "
+                                       "('colorsys', 'wave')} | {'env': os.environ.get('" + ENV_PRELOAD + "')}))\n")
+    zygote = Zygote([sys.executable, "-m", "jaxdp.train"], cli_env(), None, preload=("colorsys",))
+    try:
+        deadline = time.monotonic() + 120
+        while not zygote.usable():
+            assert not zygote.gone() and time.monotonic() < deadline, "the zygote did not start"
+            time.sleep(0.05)
+        out = tmp_path / "out"
+        child = zygote.fork([], {"PATH": os.environ.get("PATH", "")}, None, module="probe", cwd=str(tmp_path),
+                            stdio=(os.devnull, str(out), os.devnull))
+        assert child.wait(60) == 0
+        assert json.loads(out.read_text()) == {"colorsys": True, "wave": False, "env": None}
+    finally:
+        zygote.close()
+
+
 def test_a_zygote_child_runs_its_module_in_its_directory_with_its_files_environment_and_exit(tmp_path):
     """What tests/helpers.run_cli relies on to fork CLI runs: the child runs `module` as `python -m`
     would in `cwd` (first on sys.path), writes to the files named, sees exactly the environment

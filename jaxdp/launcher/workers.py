@@ -151,13 +151,14 @@ class Launcher:
         # interval from it, jaxdp/checkpoint/saveplan.py): when the launcher started, when a process was lost.
         self.launched_at, self.failures = time.time(), []
 
-    def start_zygote(self) -> None:
-        """Start the zygote that later restarts fork from (command `PYTHON -m MODULE ...` only)."""
+    def start_zygote(self, preload: Sequence[str] = ()) -> None:
+        """Start the zygote that later restarts fork from (command `PYTHON -m MODULE ...` only),
+        with `preload` imported too (jaxdp/launcher/zygote.py)."""
         from jaxdp.launcher import zygote
 
         if zygote.module_of(self.command) is not None:
             prepare = lambda me=os.getpid(): _child(None, self.libc, me)  # noqa: E731
-            self.zygote = zygote.Zygote(self.command, dict(os.environ), prepare)
+            self.zygote = zygote.Zygote(self.command, dict(os.environ), prepare, preload)
 
     def start(self, attempt: int, address: str, run_id: str, first: int, world: int) -> bool:
         """Start this node's children, processes first .. first + nproc - 1 of `world`; False (nothing

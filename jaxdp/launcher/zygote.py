@@ -32,6 +32,7 @@ import time
 from typing import Any, Sequence
 
 ENV_FDS = "JAXDP_ZYGOTE_FDS"  # "REQUESTS,REPLIES": the pipe ends the zygote reads and writes
+ENV_PRELOAD = "JAXDP_ZYGOTE_PRELOAD"  # "MODULE,MODULE,...": what else it imports (a run on torchft: torch, torchft)
 PRELOAD = ("jax", "flax.linen", "optax", "orbax.checkpoint", "jaxdp.loop.trainer", "jaxdp.step.train_step",
            "jaxdp.checkpoint.checkpointer", "jaxdp.sync.controller", "jaxdp.cluster.distributed",
            "jaxdp.cluster.heartbeat", "jaxdp.data.datasets", "jaxdp.models.builtin", "jaxdp.models.tasks",
@@ -81,13 +82,14 @@ class Forked:
 class Zygote:
     """The launcher's end of `python -m jaxdp.launcher.zygote MODULE`."""
 
-    def __init__(self, command: Sequence[str], env: dict[str, str], prepare: Any):
+    def __init__(self, command: Sequence[str], env: dict[str, str], prepare: Any, preload: Sequence[str] = ()):
+        """`preload`: modules to import beside PRELOAD (those the workers import that the others do not)."""
         self.command = list(command)
         self.module = module_of(command)
         requests_r, self._requests = os.pipe()
         self._replies, replies_w = os.pipe()
         self.proc = subprocess.Popen([command[0], "-m", "jaxdp.launcher.zygote", self.module],
-                                     env={**env, ENV_FDS: f"{requests_r},{replies_w}"},
+                                     env={**env, ENV_FDS: f"{requests_r},{replies_w}", ENV_PRELOAD: ",".join(preload)},
                                      pass_fds=(requests_r, replies_w), preexec_fn=prepare, start_new_session=True,
                                      stdin=subprocess.DEVNULL)
         os.close(requests_r)
@@ -229,7 +231,8 @@ def main() -> None:
 
     module = sys.argv[1]
     requests, replies = (int(fd) for fd in os.environ[ENV_FDS].split(","))
-    for name in PRELOAD:  # imports only: JAX's backend starts in each child
+    more = [name for name in os.environ.pop(ENV_PRELOAD, "").split(",") if name]
+    for name in (*PRELOAD, *more):  # imports only: JAX's backend starts in each child
         try:
             importlib.import_module(name)
         except ImportError:
