@@ -1,0 +1,53 @@
+"""One kill in an elastic run on torchft, line by line: what the launcher and the workers print, each
+line with its time since the kill (seconds). Run from the repository root, torchft installed:
+
+    python docs/perf/ft_kill_trace.py [STEPS]                 # KILL_AT=20 (s after the start), HB=0.5 (heartbeat)
+
+It starts `python -m jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2 --max-restarts 10
+[--heartbeat-timeout HB] -- python -m jaxdp.train --strategy psum --devices 1 --steps STEPS`, kills worker
+1 with SIGKILL KILL_AT seconds in, and prints the lines after the kill: when the survivor left it out
+("live ranks [0]"), when the restarted worker joined with a live worker's state, when both train again.
+TREE: the checkout to run (default: the current directory).
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+steps = sys.argv[1] if len(sys.argv) > 1 else "4000"
+tree = os.environ.get("TREE", os.getcwd())
+heartbeat = ["--heartbeat-timeout", os.environ["HB"]] if os.environ.get("HB") else []
+cmd = [sys.executable, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2",
+       "--max-restarts", "10", *heartbeat, "--", sys.executable, "-m", "jaxdp.train", "--strategy", "psum",
+       "--devices", "1", "--steps", steps, "--no-progress", "--log-every", "100"]
+proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+killed: list[float] = []
+
+
+def echo() -> None:
+    for line in proc.stdout:
+        if killed:
+            print(f"{time.monotonic() - killed[0]:+7.2f} {line.rstrip()[:200]}", flush=True)
+
+
+threading.Thread(target=echo, daemon=True).start()
+time.sleep(float(os.environ.get("KILL_AT", "20")))
+rank1 = None
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        continue
+    if b"JAXDP_ELASTIC_RANK=1" in environ and b"jaxdp.train" in cmdline:
+        rank1 = int(pid)
+if rank1 is None:
+    proc.kill()
+    sys.exit("worker 1 was not found (did the run start?)")
+killed.append(time.monotonic())
+print(f"  +0.00 SIGKILL to worker 1 (pid {rank1})", flush=True)
+os.kill(rank1, signal.SIGKILL)
+sys.exit(proc.wait())
