@@ -311,3 +311,17 @@ def test_gpu_tools_times_the_codecs_and_each_changes_the_gradient_by_its_own_rou
     # under 6e-3 / 127 and int4's under 6e-3 / 7 (each half a step, at most).
     assert 0 < int8["max_abs_change"] < 6e-3 / 127 < int4["max_abs_change"] < 6e-3 / 7
     assert int4["bytes"] < int8["bytes"]
+
+
+def test_variants_says_what_auto_chose():
+    """`bench variants` reports what --compression auto / --sync-every auto chose, from the run's own
+    records: each choice once, in order; a compression plan that local steps replaced is not one."""
+    from jaxdp.bench.variants import chosen
+
+    assert chosen([{"step": 2, "loss": 1.0}, {"event": "done"}]) is None
+    assert chosen([{"event": "compression", "choice": "int4"}, {"step": 1},
+                   {"event": "compression", "choice": "topk:0.001:gather"}, {"event": "compression", "choice": "int4"}]) \
+        == "int4; topk:0.001:gather"
+    assert chosen([{"event": "compression", "choice": "powersgd:1", "applied": False},
+                   {"event": "local_steps", "sync_every": 16, "pseudo_gradient": "int4"}]) == "--sync-every 16, int4"
+    assert chosen([{"event": "local_steps", "sync_every": 1}]) == "--sync-every 1"

@@ -56,7 +56,20 @@ def measure(bed: testbed.Testbed, flags: list[str], variant: str, *, devices: in
             "eval_accuracy": final.get("eval_accuracy"), "eval_loss": final.get("eval_loss"),
             "comm_bytes": next((r.get("comm_bytes") for r in reversed(done.steps()) if r.get("comm_bytes") is not None),
                                None),
-            "wire_bytes": done.wire_bytes_per_step(), "wall_s": done.wall_s}
+            "wire_bytes": done.wire_bytes_per_step(), "wall_s": done.wall_s, "auto_chose": chosen(done.records)}
+
+
+def chosen(records: list[dict]) -> str | None:
+    """What `--compression auto` and `--sync-every auto` chose in a run's metrics records, in order
+    ("topk:0.001:gather", "--sync-every 16, int4"; a compression choice that local steps replaced is
+    left out), or None where nothing was automatic."""
+    said = []
+    for r in records:
+        if r.get("event") == "compression" and r.get("applied", True):
+            said.append(str(r.get("choice")))
+        elif r.get("event") == "local_steps":
+            said.append(f"--sync-every {r.get('sync_every')}" + (f", {r['pseudo_gradient']}" if r.get("pseudo_gradient") else ""))
+    return "; ".join(dict.fromkeys(said)) or None
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -76,6 +89,7 @@ def run(args: argparse.Namespace) -> list[dict]:
           f"{args.steps // args.log_every} log intervals of one run per variant")
     print_table(results, [("variant", "variant", "s"), ("steps_per_s", "steps/s", ".1f"), ("vs_first", "vs first", ".2f"),
                           ("eval_accuracy", "held-out accuracy", ".4f"), ("eval_loss", "held-out loss", ".4f"),
-                          ("comm_bytes", "bytes sent per step", ".0f"), ("wire_bytes", "on the wire", ".0f")])
+                          ("comm_bytes", "bytes sent per step", ".0f"), ("wire_bytes", "on the wire", ".0f")]
+                + ([("auto_chose", "auto chose", "s")] if any(r["auto_chose"] for r in results) else []))
     write_json(args.json, results, rate=args.rate, devices=args.devices, pinned=args.pin, train_flags=flags)
     return results
