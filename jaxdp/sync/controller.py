@@ -89,9 +89,9 @@ class Controller:
         self.total = as_collective(strategy).sum
         self.abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         # int8 / int4 need a strategy that requantizes at every hop (the ring's coded_sum)
-        coded = as_collective(strategy).coded_sum is not None
-        self.candidates = costmodel.ladder(self.abstract, quantized_devices=self.n if coded else None, devices=self.n,
-                                           abilities=rules.abilities(strategy))
+        abilities = rules.abilities(strategy)
+        self.candidates = costmodel.ladder(self.abstract, quantized_devices=self.n if "coded_sum" in abilities else None,
+                                           devices=self.n, abilities=abilities)
         self.target_fraction, self.guard_threshold = target_fraction, guard_threshold
         self.grad_bytes = uncompressed_bytes(self.abstract)
         axis = self.axis
