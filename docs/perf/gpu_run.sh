@@ -69,9 +69,17 @@ fi
 # 1c. The codecs' own work on the card (one device: no exchange, the encode and decode alone).
 if want codecs; then
   stage "codecs"
-  timeout "$(limit 90)" python docs/perf/gpu_tools.py codecs "bf16;int8;int4;powersgd:4;topk:0.01" \
+  timeout "$(limit 90)" python docs/perf/gpu_tools.py codecs "${CODECS:-bf16;int8;int4;powersgd:4;topk:0.01}" \
     --json "$W/codecs.json" 2>&1 | tail -6 | tee -a "$LOG"
 fi
+# 1c'. The top-k codec's selection alone: jax.lax.top_k against approx_max_k, by chunk length and density.
+if want select; then
+  stage "select"
+  timeout "$(limit 90)" python docs/perf/gpu_tools.py select --json "$W/select.json" 2>&1 | tail -13 | tee -a "$LOG"
+fi
+# 1c''. --optimizer muon against adamw at batch 16: what Newton-Schulz costs a step on the card.
+want muon && cli b16-adamw 120 --batch-size $B16 --steps 60
+want muon && cli b16-muon 120 --batch-size $B16 --steps 60 --optimizer muon
 # 1d. --shard-params on one card: the blocks gathered one at a time in a rematerialised scan.
 want shard && cli b16-shard 150 --batch-size $B16 --steps 60 --shard-params
 # 2. Where a step's time goes: the warm command line again, under JAX's profiler from its step 10.
@@ -109,7 +117,8 @@ fi
 #    Then each again, warm from the compilation cache, on an emulated smaller card: LARGEST_CARD of the
 #    memory (0.17 of an H200 is about 24 GB), skipping a mode once it ran out of memory on a smaller
 #    configuration. On an H200 the replicated (unrolled) GPT-2 large took over 150 s to compile cold:
-#    give the stage LARGEST_S=300 or more.
+#    give the stage LARGEST_S=300 or more. LARGEST_MODELS="medium ..." and LARGEST_MODES="replicated"
+#    run only those.
 if want largest; then
   if [[ -n "${GPU_SMALL:-}" ]]; then CONFIGS=("2 64 2 tiny" "3 128 2 small"); else
     CONFIGS=("24 1024 16 medium" "36 1280 20 large" "48 1600 25 xl"); fi
@@ -123,7 +132,9 @@ if want largest; then
     tail -2 "$W/largest-$NAME-$mode$suffix.log" | cut -c1-300 | tee -a "$LOG"
   }
   for cfg in "${CONFIGS[@]}"; do
-    for mode in replicated shard; do largest "" "${LARGEST_FRACTION:-0.75}" "${LARGEST_S:-300}" $cfg $mode; done
+    read -r _ _ _ NAME <<< "$cfg"
+    [[ -n "${LARGEST_MODELS:-}" && " $LARGEST_MODELS " != *" $NAME "* ]] && continue
+    for mode in ${LARGEST_MODES:-replicated shard}; do largest "" "${LARGEST_FRACTION:-0.75}" "${LARGEST_S:-300}" $cfg $mode; done
   done
   if [[ -n "${LARGEST_CARD:-}" ]]; then
     declare -A failed=()
@@ -143,7 +154,7 @@ python - "$W" <<'PY' 2>&1 | tee -a "$LOG"
 import json, os, sys
 w = sys.argv[1]
 import glob
-runs = ["b16-cold", "b16-warm", "b16-trace", "b32", "b16-shard"]
+runs = ["b16-cold", "b16-warm", "b16-trace", "b32", "b16-shard", "b16-adamw", "b16-muon"]
 runs += sorted(os.path.basename(p)[:-6] for p in glob.glob(f"{w}/warm-*.jsonl"))
 for run in runs:
     path = f"{w}/{run}.jsonl"

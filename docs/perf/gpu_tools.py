@@ -401,6 +401,40 @@ def startup(train_args: list[str]) -> dict:
     return marks
 
 
+def select(densities: list[float], chunks: list[int], repeats: int) -> dict:
+    """Median ms of choosing each chunk's k largest |x| (the top-k codec's selection) over a buffer of
+    GPT-2 small's gradient size, one device: jax.lax.top_k and jax.lax.approx_max_k (recall 0.95) at
+    each chunk length and density."""
+    import jax
+    import jax.numpy as jnp
+
+    size = 1_000_000 if os.environ.get("GPU_SMALL") else 163_159_680
+    flat = jax.random.normal(jax.random.PRNGKey(0), (size,), jnp.float32)
+    out = {"device": jax.devices()[0].device_kind, "values": size, "select": []}
+    for chunk in chunks:
+        rows = -(-size // chunk)
+        x = jnp.pad(flat, (0, rows * chunk - size)).reshape(rows, chunk)
+        for density in densities:
+            k = max(1, round(density * chunk))
+            for how, fn in (("top_k", lambda a, k=k: jax.lax.top_k(jnp.abs(a), k)[1]),
+                            ("approx_max_k", lambda a, k=k: jax.lax.approx_max_k(jnp.abs(a), k, recall_target=0.95)[1])):
+                f = jax.jit(fn)
+                try:
+                    jax.block_until_ready(f(x))
+                except Exception as err:  # (a form a backend lacks)
+                    print(f"chunk {chunk:5d} k {k:4d} {how:12s} failed: {str(err).splitlines()[0][:100]}", flush=True)
+                    continue
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    jax.block_until_ready(f(x))
+                    times.append(time.perf_counter() - t)
+                ms = 1e3 * statistics.median(times)
+                out["select"].append({"chunk": chunk, "density": density, "k": k, "how": how, "ms": ms})
+                print(f"chunk {chunk:5d} k {k:4d} {how:12s} {ms:8.2f} ms", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="docs/perf/gpu_tools.py")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -433,6 +467,11 @@ def main() -> None:
     p.add_argument("names", help="codecs separated by ';' (jaxdp.sync.codecs.parse)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json")
+    p = sub.add_parser("select")
+    p.add_argument("--densities", default="0.01,0.001")
+    p.add_argument("--chunks", default="4096,1024,256")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json")
     p = sub.add_parser("startup")
     p.add_argument("--json")
     argv = sys.argv[1:]
@@ -455,6 +494,11 @@ def main() -> None:
     elif args.command in ("codecs", "startup"):
         s = codecs([v.strip() for v in args.names.split(";") if v.strip()], args.repeats) if args.command == "codecs" \
             else startup(train_args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(s, f, indent=1)
+    elif args.command == "select":
+        s = select([float(v) for v in args.densities.split(",")], [int(v) for v in args.chunks.split(",")], args.repeats)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(s, f, indent=1)
