@@ -325,3 +325,17 @@ def test_variants_says_what_auto_chose():
     assert chosen([{"event": "compression", "choice": "powersgd:1", "applied": False},
                    {"event": "local_steps", "sync_every": 16, "pseudo_gradient": "int4"}]) == "--sync-every 16, int4"
     assert chosen([{"event": "local_steps", "sync_every": 1}]) == "--sync-every 1"
+
+
+def test_goodput_counts_the_worker_steps_an_elastic_run_of_local_steps_missed():
+    from jaxdp.bench.goodput import _rounds, missed_steps
+
+    said = ("jaxdp: step 44: live ranks [0]; left out [1] (lost, or stalled past --stall-timeout)\n"
+            "jaxdp: other lines\n"
+            "jaxdp: step 48: live ranks [1]; left out [0]; back [1]\n"
+            "jaxdp: step 56: live ranks [0, 1]; back [0]\n"
+            "jaxdp: step 796: live ranks [0]; left out [1]\n")
+    assert missed_steps(said, 800, 2) == 4 + 8 + 4  # rank 1 for 44..48, rank 0 for 48..56, rank 1 for 796..800
+    assert missed_steps("", 800, 2) == 0
+    assert _rounds("--strategy psum --sync-every 8") and _rounds("--sync-every=4")
+    assert not _rounds("--sync-every 1") and not _rounds("--strategy psum")

@@ -122,7 +122,8 @@ def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_wit
         run.close()
     text = run.text()
     assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
-    assert "left out [1]" in text and "left out [0]" in text, text  # each time the other computed both shards
+    # (The survivor computes both shards, "left out [r]", only where the restarted worker is back after
+    # the Lighthouse's heartbeat timeout; with torch preloaded in the zygote it is often back before.)
     assert_ends_as_one_process(tmp_path, steps)
 
 

@@ -85,6 +85,8 @@ EXAMPLES = {
     "elastic-compression": dict(strategy="host", elastic=True, compression="bf16"),
     "elastic-ft-codec": dict(strategy="host", elastic=True, elastic_engine="torchft", compression="powersgd:4"),
     "elastic-local": dict(strategy="host", elastic=True, sync_every=4),
+    "elastic-ft-auto": dict(strategy="psum", elastic=True, elastic_engine="torchft", sync_every="auto"),
+    "elastic-ft-local-state": dict(strategy="host", elastic=True, elastic_engine="torchft", sync_every=4, float_state=True),
     "elastic-paced": dict(strategy="host", elastic=True, sync_seconds=1.0),
     "elastic-fragments": dict(strategy="host", elastic=True, sync_fragments=2),
     "elastic-zero": dict(strategy="host", elastic=True, shard_optimizer=True),

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -138,7 +139,29 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     chosen = []  # --save-every auto's intervals, in the order the (re)started processes chose them
     with open(os.path.join(directory, "metrics.jsonl")) as f:
         chosen = [record["save_every"] for record in map(json.loads, f) if record.get("event") == "save_every"]
-    return {"wall_s": wall, "kills": len(kills), "checksums": checksums, "chosen": chosen}
+    return {"wall_s": wall, "kills": len(kills), "checksums": checksums, "chosen": chosen,
+            "missed": missed_steps(output, steps, 2)}
+
+
+def missed_steps(output: str, steps: int, size: int) -> int:
+    """Worker-steps an elastic run of local steps did not train: from the lines of the lowest live rank
+    ("step S: live ranks [...]", said at each round's end where the members change), the ranks absent
+    from each stretch of rounds times its steps (jaxdp/step/elastic_ft_rounds.py: a lost worker's
+    rounds are not redone). Every-step runs say the same lines, but their lost shards are computed by
+    the survivors: the caller counts this for local steps only."""
+    changes = [(int(m.group(1)), len([r for r in m.group(2).split(",") if r.strip()]))
+               for m in re.finditer(r"step (\d+): live ranks \[([\d, ]*)\]", output)]
+    missed, (at, live) = 0, (0, size)
+    for step, now in changes + [(steps, size)]:
+        missed += (size - live) * max(0, min(step, steps) - at)
+        at, live = max(at, min(step, steps)), now
+    return missed
+
+
+def _rounds(train_args: str) -> bool:
+    """Whether the run takes local steps (--sync-every N > 1)."""
+    found = re.search(r"--sync-every[= ](\d+)", train_args)
+    return bool(found) and int(found.group(1)) > 1
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -158,6 +181,9 @@ def run(args: argparse.Namespace) -> list[dict]:
            "goodput": calm["wall_s"] / killed["wall_s"],
            "lost_per_kill_s": (killed["wall_s"] - calm["wall_s"]) / killed["kills"] if killed["kills"] else None,
            "same_final_params": calm["checksums"] == killed["checksums"] and bool(calm["checksums"]),
+           **({"examples_done": 1 - killed["missed"] / (2 * args.steps),
+               "goodput_examples": calm["wall_s"] / killed["wall_s"] * (1 - killed["missed"] / (2 * args.steps))}
+              if _rounds(args.train_args) and args.elastic else {}),
            **({"auto_undisturbed": calm["chosen"], "auto_with_kills": killed["chosen"]} if args.save_every == "auto" else {})}
     if args.elastic:  # what the elastic mode costs when nothing fails, and goodput against the plain run
         row.update(plain_undisturbed_s=plain["wall_s"], goodput_vs_plain=plain["wall_s"] / killed["wall_s"])
@@ -169,6 +195,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     print_table([row], [("undisturbed_s", "undisturbed s", ".1f"), ("disturbed_s", "with kills s", ".1f"),
                         ("kills", "kills", "d"), ("goodput", "goodput", ".3f"), ("lost_per_kill_s", "lost per kill s", ".2f"),
                         ("same_final_params", "final params equal", "")]
+               + ([("examples_done", "examples done", ".3f"), ("goodput_examples", "goodput x examples", ".3f")]
+                  if "examples_done" in row else [])
                + ([("plain_undisturbed_s", "plain undisturbed s", ".1f"), ("goodput_vs_plain", "goodput vs plain", ".3f")]
                   if args.elastic else []))
     if args.save_every == "auto":

@@ -165,6 +165,7 @@ class FtMember:
         self.sock = None            # (the loop's test for "had joined" when a join fails)
         self.engine: TorchftEngine | None = None
         self.fresh_quorum = False   # the join's quorum is also the first step's
+        self.pending_round = False  # (local steps) healed at a peer's round end: that round's exchange first
         self.fresh = False          # at the run's start, no step applied yet: its first steps wait for rank 0
         self.live: list[int] = list(range(size))
         self.restarted = False      # started again by the launcher while other workers were live

@@ -33,7 +33,7 @@ HEARTBEAT_TIMEOUT_S = 1.0
 JOIN_TIMEOUT_S = 60.0       # a quorum waits this long for heartbeating workers that have not asked yet
 # What a worker on torchft imports beside the zygote's own list: a restart forked from the zygote does
 # not pay for them again (torch and torchft: about 2.4 s of CPU, taken from the survivors' cores).
-PRELOAD = ("torch", "torchft", "jaxdp.cluster.ft", "jaxdp.step.elastic_ft")
+PRELOAD = ("torch", "torchft", "jaxdp.cluster.ft", "jaxdp.step.elastic_ft", "jaxdp.step.elastic_ft_rounds")
 
 
 def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:

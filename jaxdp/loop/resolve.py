@@ -143,7 +143,9 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
                                   sync_every=sync.sync_every, sync_fragments=sync.sync_fragments,
                                   outer_tx=plan.outer_tx, shard_optimizer=sync.shard_optimizer,
                                   overlap=sync.overlap and sync.sync_every == 1, shard_params=sync.shard_params,
-                                  metrics_at_sync=sync.metrics_at_sync)
+                                  # (local steps across torchft workers share their metrics at rounds' ends only)
+                                  metrics_at_sync=sync.metrics_at_sync or (
+                                      hasattr(elastic, "engine") and sync.sync_every not in (1, "auto")))
     if sync.shard_params:  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py): its refusals, before anything is built
         from jaxdp.step import fsdp
 
@@ -170,9 +172,13 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     def step_for(spec: Any) -> Any:  # one compiled step per choice (compression "auto" switches)
         if spec not in plan.steps_by_spec and elastic is not None:
             make = make_elastic_step
+            more = {"strategy": spec.strategy, "compression": spec.compression} if hasattr(elastic, "engine") else {}
             if hasattr(elastic, "engine"):  # an elastic run on torchft (jaxdp/cluster/ft.py)
                 from jaxdp.step.elastic_ft import make_ft_step as make
-            more = {"strategy": spec.strategy, "compression": spec.compression} if hasattr(elastic, "engine") else {}
+            if hasattr(elastic, "engine") and spec.local:  # its local steps (jaxdp/step/elastic_ft_rounds.py)
+                from jaxdp.step.elastic_ft_rounds import make_ft_round_step as make
+
+                more.update(sync_every=spec.sync_every, outer_tx=spec.outer_tx)
             # (torchft: any summing strategy inside a worker, a codec of host.HOST_CODED across workers)
             plan.steps_by_spec[spec] = make(loss_fn, tx, mesh, elastic, plan.shard_data, stateful=stateful,
                                             grad_accum=sync.grad_accum, grad_norm=True, **more)

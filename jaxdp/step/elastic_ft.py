@@ -49,6 +49,32 @@ def to_bytes(arrays: list[np.ndarray]) -> bytes:
     return b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
 
 
+def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
+    """What a live worker hands a behind one in a quorum: a byte that says whether `state` is at a
+    round's end before its exchange (local steps: jaxdp/step/elastic_ft_rounds.py), then its arrays."""
+    return lambda: (b"\1" if pending else b"\0") + to_bytes(state_arrays(state))
+
+
+def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False) -> tuple[TrainState | None, bool]:
+    """This step's (or round end's: `pending`) quorum: (a live peer's state if this worker was behind,
+    else None; whether that state is at a round's end before its exchange). No quorum of
+    --min-workers for --quorum-timeout: elastic.HubGone (the loop saves and exits 75)."""
+    from jaxdp.cluster import elastic, ft
+    from jaxdp.step.elastic import state_from_arrays
+
+    try:
+        received = member.engine.quorum(at, offer(state, pending))
+    except ft.QuorumLost as err:  # the loop stops with `state` (the lead saves it), exit 75
+        why = (f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
+               f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at}")
+        if member.lead:  # (the loop names only the other ranks' reason)
+            print(f"jaxdp: {why}; saving and stopping", file=sys.stderr, flush=True)
+        raise elastic.HubGone(f"{why} ({err})") from None
+    if received is None:
+        return None, False
+    return state_from_arrays(state, memoryview(received)[1:]), received[:1] == b"\1"
+
+
 def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
                  grad_norm: bool = False, strategy: Any = "host", compression: Any = None) -> TrainStep:
@@ -129,28 +155,18 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         at = int(jax.device_get(state.step))
         batch_of = lambda shard: batch if shard == rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
         while True:
-            try:
-                if member.fresh_quorum:
-                    member.fresh_quorum = False
-                else:
-                    healed = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
-                    if healed is not None:  # behind after a commit only the others made: their state
-                        from jaxdp.step.elastic import state_from_arrays
-
-                        new = state_from_arrays(state, healed)
-                        further = int(jax.device_get(new.step))
-                        if further > at and "metrics" in layout:  # (a stalled worker that runs again)
-                            layout["skip"] = further - at - 1  # the loop's next calls catch up with the state
-                            print(f"jaxdp: rank {rank} healed from step {at} to {further} with a live worker's state",
-                                  file=sys.stderr, flush=True)
-                            return new, layout["metrics"]
-                        state, at = new, further
-            except ft.QuorumLost as err:  # the loop stops with `state` (the lead saves it), exit 75
-                why = (f"rank {rank}: fewer than --min-workers={member.min_workers} live workers for "
-                       f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at}")
-                if member.lead:  # (the loop names only the other ranks' reason)
-                    print(f"jaxdp: {why}; saving and stopping", file=sys.stderr, flush=True)
-                raise elastic.HubGone(f"{why} ({err})") from None
+            if member.fresh_quorum:
+                member.fresh_quorum = False
+            else:
+                healed, _ = take_quorum(member, state, at)
+                if healed is not None:  # behind after a commit only the others made: their state
+                    further = int(jax.device_get(healed.step))
+                    if further > at and "metrics" in layout:  # (a stalled worker that runs again)
+                        layout["skip"] = further - at - 1  # the loop's next calls catch up with the state
+                        print(f"jaxdp: rank {rank} healed from step {at} to {further} with a live worker's state",
+                              file=sys.stderr, flush=True)
+                        return healed, layout["metrics"]
+                    state, at = healed, further
             if "like" not in layout:
                 treedef, like = shard_sum(state, batch)
                 exact = len(like) - treedef.children()[2].num_leaves  # (metrics, model state) | grads
@@ -243,7 +259,7 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
 
     at = int(jax.device_get(state.step))
     try:
-        received = member.engine.quorum(at, lambda: to_bytes(state_arrays(state)))
+        received = member.engine.quorum(at, offer(state))
     except ft.QuorumLost as err:
         print(f"jaxdp: rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err}); exit code "
               f"{EXIT_PREEMPTED}", file=sys.stderr)
@@ -258,9 +274,10 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
               f"{EXIT_PREEMPTED}", file=sys.stderr)
         member.close()
         raise SystemExit(EXIT_PREEMPTED)
+    member.pending_round = received is not None and received[:1] == b"\1"  # a peer's round end: its exchange next
     if received is None:
         return state, False
-    state = state_from_arrays(state, received)
+    state = state_from_arrays(state, memoryview(received)[1:])
     if not member.lead:  # (the loop says it for rank 0)
         print(f"jaxdp: rank {member.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
               f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)

@@ -168,8 +168,18 @@ RULES: tuple[Rule, ...] = (
          "bf16, int8 or int4, not --compression={compression}",
          "an elastic run on torchft codes each worker's sum once, as bytes every worker decodes: use compression "
          "'bf16', 'int8' or 'int4', not {compression!r}", "compression"),
-    Rule("elastic-local", lambda c: c.elastic and c.sync_every != 1,
-         _ELASTIC + "--sync-every={sync_every}", _ELASTIC + "sync_every={sync_every!r}", "sync_every"),
+    Rule("elastic-local", lambda c: c.elastic and c.sync_every != 1 and not c.ft,
+         _ELASTIC + "--sync-every={sync_every} on the launcher's hub (with --elastic-engine torchft it does)",
+         _ELASTIC + "sync_every={sync_every!r} on the launcher's hub (on torchft it does)", "sync_every"),
+    # -- local steps across torchft workers (jaxdp/step/elastic_ft_rounds.py): rounds of a fixed H
+    Rule("elastic-ft-auto", lambda c: c.ft and c.sync_every == AUTO,
+         "an elastic run on torchft needs a number of local steps: --sync-every N, not auto",
+         "an elastic run on torchft needs a number of local steps: sync_every=N, not 'auto'", "sync_every"),
+    Rule("elastic-ft-local-state", lambda c: c.ft and c.sync_every != 1 and c.float_state,
+         "an elastic run on torchft keeps no float model state across local steps (BatchNorm statistics would "
+         "differ per worker): use a model without it, or --sync-every 1",
+         "an elastic run on torchft keeps no float model state across local steps (BatchNorm statistics would "
+         "differ per worker): use a model without it, or sync_every=1", "sync_every"),
     Rule("elastic-paced", lambda c: c.elastic and c.sync_seconds is not None,
          _ELASTIC + "--sync-seconds", _ELASTIC + "sync_seconds", "sync_seconds"),
     Rule("elastic-fragments", lambda c: c.elastic and c.sync_fragments != 1,
@@ -299,7 +309,8 @@ RULES: tuple[Rule, ...] = (
          "--metrics-at-sync needs local steps with a fixed --sync-every N (no --sync-seconds): between syncs nothing "
          "else crosses the link",
          "metrics_at_sync needs local steps with a fixed sync_every (no sync_seconds)", "metrics_at_sync"),
-    Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.elastic or c.compression == AUTO),
+    Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.compression == AUTO or (
+        c.elastic and not (c.ft and c.sync_every != 1))),  # (local steps on torchft: at rounds' ends, always)
          "--metrics-at-sync does not combine with --overlap, --compression auto or an elastic run (each reads or "
          "sends the averaged scalars every step); drop one of them",
          "metrics_at_sync does not combine with overlap, compression 'auto' or an elastic run (each reads or sends "

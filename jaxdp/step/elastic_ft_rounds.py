@@ -1,0 +1,255 @@
+"""Local steps across the workers of an elastic run on torchft (`--sync-every H`): DiLoCo rounds whose
+membership may change at every round's end (jaxdp/cluster/ft.py has the engine, elastic_ft.py the
+every-step exchange whose pieces this reuses).
+
+Inside a worker nothing changes from a plain run of local steps (jaxdp/step/local_sgd.py): every device
+of the worker is a replica with its own inner optimizer state, training on its slice of the worker's
+batch with no collective but the scalars' mean over the worker's devices. Across workers there is no
+traffic at all between round ends. At the end of each round of H steps:
+
+1. A quorum (torchft's Lighthouse): who takes part. A worker that is behind (a new, restarted or
+   stalled one) receives a live peer's state here, as it stands at that peer's round end before the
+   exchange, and then takes part in that exchange as a listener (its row carries no pseudo-gradient).
+2. One all-gather of one row per worker: the sum over its devices of the pseudo-gradient (global
+   parameters - replica), as float32 bytes or a codec's message (bf16, int8, int4: host.RowCoder,
+   its error feedback per worker in the worker's memory).
+3. torchft's commit. A failed one (a worker died or stalled in the round or in the exchange) does the
+   exchange again over a new quorum: the round completes with the others. Each worker's row counts
+   the replicas that did all of the round's steps, so the mean is weighted by the examples actually
+   done; a lost worker's steps of that round are lost with it (they are not computed by another
+   worker, unlike an every-step run's lost shard: the replicas' states are not transferable), and a
+   row whose values are not finite is left out and named.
+4. Every worker adds the rows in rank order on the host (the same bits everywhere), divides by the
+   replicas counted, and applies the outer optimizer to the global parameters; every replica restarts
+   from them. The inner optimizer states stay per replica (a healed worker's are its peer's).
+
+A worker joins only at a round's end; a worker lost in a round misses the rest of it. At the run's
+start every worker waits, as in an every-step run, for rank 0, which restored the checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxdp.mesh import data_axes, replicate
+from jaxdp.step.elastic_ft import ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, take_quorum
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
+from jaxdp.step.round_programs import outer_step
+from jaxdp.step.state import TrainState
+from jaxdp.mesh import state_specs
+from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
+from jaxdp.sync import host
+from jaxdp.sync.codecs.base import bytes_sent
+from jaxdp.sync.spec import SyncSpec
+
+Batch = Any
+Metrics = dict
+
+
+def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+                       shard_data: Callable[[int, int], Batch], *, sync_every: int,
+                       outer_tx: optax.GradientTransformation | None, stateful: bool = False, grad_accum: int = 1,
+                       grad_norm: bool = False, strategy: Any = "psum", compression: Any = None) -> TrainStep:
+    """The step of local steps across torchft workers: `sync_every` inner steps on each of this
+    worker's devices, then the pseudo-gradients' exchange described above. `strategy` sums the
+    pseudo-gradient over this worker's devices (psum or the ring); `compression` codes each worker's
+    row (bf16, int8, int4). `shard_data` is not read: a lost worker's steps are not redone."""
+    from jaxdp.cluster import elastic
+
+    del shard_data
+    axis, n, rank, size = data_axes(mesh), mesh.size, member.rank, member.size
+    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
+    spec = SyncSpec(strategy=strategy, compression=compression, sync_every=sync_every, outer_tx=outer_tx,
+                    metrics_at_sync=True).validate(elastic=True, elastic_engine="torchft")
+    codec, total, outer = spec.codec, spec.collective.sum, default_outer(outer_tx)
+    layout: dict[str, Any] = {}
+
+    def device_inner(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        rows = state.sync.per_device[STATE_NAME]
+        mine = jax.tree.map(lambda x: x[0], rows)  # this device's replica and inner optimizer state
+        metrics, model_state, grads = local_grads(state.replace(params=mine["params"]), batch)
+        if grad_norm:
+            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        updates, inner = tx.update(grads, mine["opt_state"], mine["params"])
+        new = {"params": optax.apply_updates(mine["params"], updates), "opt_state": inner}
+        sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: jax.tree.map(lambda x: x[None], new)})
+        metrics = jax.tree.map(lambda x: jax.lax.pmean(x, axis), metrics)  # the worker's devices' mean
+        return state.replace(step=state.step + 1, model_state=model_state, sync=sync), metrics
+
+    def device_delta(state: TrainState) -> Any:
+        replica = jax.tree.map(lambda x: x[0], state.sync.per_device[STATE_NAME]["params"])
+        return total(jax.tree.map(lambda g, r: g - r, state.params, replica), axis)  # summed over the devices
+
+    def apply(state: TrainState, mean: Any) -> TrainState:
+        params, kept = outer_step(outer, state, mean, jnp.bool_(True))
+        rows = state.sync.per_device[STATE_NAME]
+        rows = {"params": jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params), "opt_state": rows["opt_state"]}
+        sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows},
+                                  shared={**state.sync.shared, OUTER_NAME: (kept,)})
+        return state.replace(params=params, sync=sync)
+
+    def build(state: TrainState, batch: Batch) -> None:
+        specs = state_specs(state, axis)
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        layout["inner"] = jax.jit(jax.shard_map(device_inner, mesh=mesh, in_specs=(specs, P(axis)),
+                                                out_specs=(specs, P()), check_vma=False), donate_argnums=0)
+        layout["delta"] = jax.jit(jax.shard_map(device_delta, mesh=mesh, in_specs=(specs,), out_specs=P(),
+                                                check_vma=False))
+        layout["apply"] = jax.jit(apply, out_shardings=shardings, donate_argnums=0)
+        leaves = jax.tree.leaves(state.params)
+        values = sum(int(np.prod(x.shape)) for x in leaves)
+        coder = host.RowCoder(codec, values) if codec is not None else None
+        keys = sorted(jax.eval_shape(layout["inner"], state, batch)[1])  # the metrics, shared at rounds' ends
+        layout.update(treedef=jax.tree.structure(state.params), shapes=[x.shape for x in leaves], values=values,
+                      coder=coder, keys=keys, head=8 * (1 + len(keys)),  # the replica count and the metrics, float64
+                      nbytes=8 * (1 + len(keys)) + (coder.nbytes if coder else 4 * values))
+        layout["wire"] = float(bytes_sent(layout["nbytes"] * size // 2, size)) if size > 1 else 0.0
+
+    def row(delta: np.ndarray | None, metrics: np.ndarray | None, flags: int, kept: dict) -> np.ndarray:
+        """This worker's row: a header (rank + 1 where it takes part, negated for values that are not
+        finite; its flags), then the replicas it counts and its metrics of the round's last step
+        (float64), and the pseudo-gradient's values (or a codec's message). No `delta` (the run's
+        start): zeros, which count nothing."""
+        piece = np.zeros((1, HEADER + layout["nbytes"]), np.uint8)
+        piece[0, 8:16] = np.frombuffer(np.int64(flags).tobytes(), np.uint8)
+        finite = delta is None or bool(np.isfinite(delta).all() and np.isfinite(metrics).all())
+        if flags & TAKES_PART:
+            piece[0, :8] = np.frombuffer(np.int64(rank + 1 if finite else -rank - 1).tobytes(), np.uint8)
+        if delta is not None and finite and flags & TAKES_PART:
+            coder = layout["coder"]
+            if coder is None:
+                body = delta.tobytes()
+            else:
+                body, kept[rank] = coder.encode(delta, rank)
+            head = np.concatenate([[float(n)], metrics]).astype(np.float64).tobytes()
+            piece[0, HEADER:] = np.frombuffer(head + body, np.uint8)
+        return piece
+
+    def values_of(payload: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """(replicas counted, their metrics, the pseudo-gradient's values) of a row's payload."""
+        head = np.frombuffer(payload[:layout["head"]].tobytes(), np.float64)
+        if not head[0]:
+            return 0.0, head[1:], np.zeros(layout["values"], np.float32)
+        coder, body = layout["coder"], payload[layout["head"]:].tobytes()
+        return head[0], head[1:], (np.frombuffer(body, np.float32) if coder is None else coder.decode(body))
+
+    def exchange(state: TrainState, at: int, delta: np.ndarray | None, metrics: np.ndarray | None = None
+                 ) -> tuple[TrainState, bool, np.ndarray | None]:
+        """One round's end (no `delta`: the run's start, where only who takes part is exchanged), done
+        again over a new quorum until it commits. Returns (the state, whether a live peer's further on
+        replaced it, the metrics' mean over the rows counted: NaN where none was finite)."""
+        healed_any, start = False, delta is None
+        while True:
+            kept: dict = {}
+            if member.fresh_quorum:  # settle's quorum is this exchange's
+                member.fresh_quorum = False
+                if member.pending_round:  # healed at a peer's round end: its exchange, as a listener
+                    member.pending_round, start = False, False
+            else:
+                healed, pending = take_quorum(member, state, at, pending=not start)
+                if healed is not None:  # behind: the peer's state, and its exchange as a listener
+                    state, at, healed_any, delta, start = healed, int(jax.device_get(healed.step)), True, None, not pending
+            takes_part = member.engine.participating() and (start or delta is not None)
+            flags = TAKES_PART * takes_part | ASKS_STOP * member.stop_asked | FRESH * member.fresh
+            rows = cut(member.engine.allgather(row(delta, metrics, flags, kept)))
+            if not member.engine.commit() or not rows:
+                continue  # someone failed in the round or the exchange: again, over the new quorum
+            heads = [(tag, flags) for tag, flags, _ in rows]
+            live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
+            if start and live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
+                # At the start every worker waits for rank 0, which restored the checkpoint (elastic_ft.py).
+                waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
+                if waited > member.quorum_timeout_s:
+                    raise elastic.HubGone(f"rank {rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
+                                          f"(--quorum-timeout) at the run's start")
+                time.sleep(0.1)
+                continue
+            break
+        member.stop = member.stop or any(flags & ASKS_STOP for _, flags in heads)
+        member.fresh = False
+        if start:
+            report(at, live, [])
+            return state, healed_any, None
+        for key, feedback in kept.items():  # the exchange went through: this round's feedback is owed
+            layout["coder"].keep(key, feedback)
+        acc, counted, bad = np.zeros(layout["values"], np.float32), 0.0, []
+        shared = np.zeros(len(layout["keys"]), np.float64)
+        for tag, _, payload in sorted(rows, key=lambda r: abs(r[0])):  # in rank order: the same bits everywhere
+            if tag > 0:
+                replicas, scalars, values = values_of(payload)
+                if replicas:
+                    acc += values
+                    counted += replicas
+                    shared += replicas * scalars
+            elif tag < 0:
+                bad.append(-tag - 1)
+        report(at, live, sorted(bad))
+        if counted:
+            mean = acc / np.float32(counted)
+            leaves = np.split(mean, np.cumsum([int(np.prod(s)) for s in layout["shapes"]])[:-1])
+            tree = jax.tree.unflatten(layout["treedef"], [x.reshape(s) for x, s in zip(leaves, layout["shapes"])])
+            state = layout["apply"](state, replicate(tree, mesh))
+        return state, healed_any, shared / counted if counted else np.full_like(shared, np.nan)
+
+    def report(at: int, live: list[int], bad: list[int]) -> None:
+        if live != member.live:
+            gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
+            member.live = live
+            member.say(f"step {at}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
+                       if gone else "") + (f"; back {back}" if back else ""))
+        if bad != layout.get("bad", []):
+            member.say(f"step {at}: the pseudo-gradient of rank(s) {bad} is not finite: left out of the round, the "
+                       f"mean taken over the others" if bad else f"step {at}: every rank's pseudo-gradient is finite again")
+            layout["bad"] = bad
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        if layout.get("skip"):  # healed past these steps: the state already holds them
+            layout["skip"] -= 1
+            return state, layout["metrics"]
+        if "inner" not in layout:
+            build(state, batch)
+        at = int(jax.device_get(state.step))
+        if member.fresh_quorum:  # the first call after settle: the run's start, or a round's end it healed at
+            state, _, _ = exchange(state, at, None)
+            further = int(jax.device_get(state.step))
+            if further > at and "metrics" in layout:
+                layout["skip"] = further - at - 1
+                return state, layout["metrics"]
+            at = further
+        state, metrics = layout["inner"](state, batch)
+        metrics = {**metrics, "synced": jnp.float32(0), "comm_bytes_per_step": jnp.float32(layout["wire"] / sync_every)}
+        if (at + 1) % sync_every == 0:
+            delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
+                                    jax.tree.leaves(jax.device_get(layout["delta"](state)))])
+            own = np.array([float(metrics[k]) for k in layout["keys"]], np.float64)
+            state, healed, shared = exchange(state, at + 1, delta, own)
+            # the round's metrics, every worker the same (what the loop's NaN guard reads: --metrics-at-sync)
+            metrics = {**metrics, **{k: jnp.asarray(v, metrics[k].dtype) for k, v in zip(layout["keys"], shared)},
+                       "synced": jnp.float32(1)}
+            further = int(jax.device_get(state.step))
+            if healed and further > at + 1:
+                layout["skip"] = further - at - 1
+                print(f"jaxdp: rank {rank} healed from step {at + 1} to {further} with a live worker's state",
+                      file=sys.stderr, flush=True)
+        layout["metrics"] = metrics
+        return state, metrics
+
+    made = TrainStep(step, None, tx, spec, local_grads)
+
+    def warm_up(state: TrainState, batch: Batch) -> None:
+        build(state, batch)
+        copy = jax.tree.map(jnp.copy, state)
+        copy, _ = layout["inner"](copy, batch)
+        jax.device_get(layout["delta"](copy))
+        jax.block_until_ready(layout["apply"](copy, state.params))
+
+    made.warm_up = warm_up
+    return made

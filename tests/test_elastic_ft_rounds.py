@@ -1,0 +1,117 @@
+"""Local steps across the workers of an elastic run on torchft (`--sync-every H`,
+jaxdp/step/elastic_ft_rounds.py): real worker processes and a real Lighthouse. Undisturbed, the run is a
+one-process run of as many devices, bit for bit; a worker killed with -9 (rank 0 included) is left out
+of the round, restarts, heals from the live one at a round's end and the run ends near the undisturbed
+one; a stalled worker is left out and heals when it runs again; a worker whose pseudo-gradient is not
+finite is left out of every round and named once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, cli_env, elastic_rank
+from jaxdp.bench.goodput import training_processes
+
+pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+
+from test_elastic_ft import NAN_ON_RANK_1, Run, finish  # noqa: E402
+
+PY = sys.executable
+ROUNDS = ("--sync-every", "4")
+
+
+def params_of(tmp_path, name: str, steps: int) -> dict:
+    """The global parameters' and the outer optimizer's checksums of a run's last checkpoint (each
+    process's replicas are its own: an elastic run's checkpoint holds rank 0's)."""
+    sums = json.loads((tmp_path / name / str(steps) / "jaxdp_checksums.json").read_text())
+    return {k: v for k, v in sums.items() if "per_device" not in k}
+
+
+def done_of(tmp_path, name: str) -> dict:
+    return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines() if '"done"' in line][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_undisturbed_local_steps_across_workers_are_a_one_process_run_bit_for_bit(tmp_path):
+    steps = 40
+    finish(Run(tmp_path, steps, strategy="psum", train_args=ROUNDS))
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "psum", "--devices", "2", *ROUNDS, "--steps",
+                                str(steps), "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"),
+                                "--save-every", str(steps)], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    final = params_of(tmp_path, "ckpt", steps)
+    assert final == params_of(tmp_path, "reference", steps)
+    assert any(k.startswith("params") for k in final) and any("outer" in k for k in final), final
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_each_worker_killed_in_a_round_rank_0_included_heals_at_a_rounds_end_and_the_run_ends_near_an_undisturbed_one(
+        tmp_path):
+    steps = 4000  # local steps make about 200 a second here: a restart under load can take 15 s
+    run = Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=ROUNDS)
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.kill(1)  # rank 0 finishes the round alone, and trains on
+        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
+        run.kill(0)  # rank 0, which writes the metrics and checkpoints: the run goes on without it
+        run.wait_for(lambda: "rank 0 joined the run at step" in run.text(), "rank 0's rejoin")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
+    joined = [int(line.split("joined the run at step ")[1].split()[0]) for line in text.splitlines()
+              if "joined the run at step" in line]
+    assert joined and all(at % 4 == 0 for at in joined), joined  # at a round's end
+    finish(Run(tmp_path, steps, strategy="psum", train_args=ROUNDS, name="calm"))
+    disturbed, calm = done_of(tmp_path, "ckpt"), done_of(tmp_path, "calm")
+    # Not to the bit: the lost worker's steps of its round are lost with it. The two runs are the same
+    # to the first kill and then part (this MLP ends near zero training loss either way: its held-out
+    # loss is a few examples' worth), so the test holds them to the accuracy.
+    assert abs(disturbed["eval_accuracy"] - calm["eval_accuracy"]) <= 0.02, (disturbed, calm)
+    assert disturbed["eval_loss"] < 0.15 and calm["eval_loss"] < 0.15, (disturbed, calm)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stopped_worker_is_left_out_of_the_rounds_and_heals_at_a_rounds_end_when_it_runs_again(tmp_path):
+    run = Run(tmp_path, 1500, "--max-restarts", "0", strategy="psum",
+              train_args=(*ROUNDS, "--compression", "int8", "--stall-timeout", "10"))
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
+        os.kill(stopped, signal.SIGSTOP)
+        run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps without rank 1")
+        os.kill(stopped, signal.SIGCONT)
+        run.wait_for(lambda: "rank 1 healed from step" in run.text(), "rank 1's heal")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "all 2 workers ended (0 restarts); exit code 0" in text and "back [1]" in text, text
+    assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.8, text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_worker_whose_pseudo_gradient_is_not_finite_is_left_out_of_the_rounds_and_named_once(tmp_path):
+    (tmp_path / "nan_models.py").write_text(NAN_ON_RANK_1)
+    run = Run(tmp_path, 60, strategy="psum", train_args=(*ROUNDS, "--model", "nan_models:Net", "--model-path",
+                                                          str(tmp_path)))
+    try:
+        assert run.proc.wait(timeout=150) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "step 4: the pseudo-gradient of rank(s) [1] is not finite: left out of the round" in text, text
+    assert text.count("is not finite") == 1, text
+    assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.25, text
