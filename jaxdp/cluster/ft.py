@@ -83,7 +83,7 @@ class TorchftEngine:
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._save,
-            min_replica_size=min_workers, use_async_quorum=False, timeout=timeout,
+            min_replica_size=min_workers, use_async_quorum=True, timeout=timeout,
             quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timedelta(seconds=30),
             rank=0, world_size=1, store_addr=host or "127.0.0.1", store_port=self.store.port,
             lighthouse_addr=lighthouse, replica_id=f"jaxdp_{rank}", init_sync=False,
@@ -97,16 +97,33 @@ class TorchftEngine:
         self._received = state["state"].numpy().tobytes()
 
     def quorum(self, step: int, state_fn: Callable[[], bytes] | None) -> bytes | None:
-        """Start this step's quorum; the state's bytes if this worker was behind and got them from a peer."""
+        """This step's quorum; the state's bytes if this worker was behind and got them from a peer."""
+        self.begin(step, state_fn)
+        return self.settled()
+
+    def begin(self, step: int, state_fn: Callable[[], bytes] | None) -> None:
+        """Start this step's quorum on torchft's thread (the caller computes meanwhile; `settled` waits
+        for it). `state_fn` gives this worker's state to a peer that is behind."""
         self._state_fn, self._received = state_fn, None
         if self.manager.current_step() != step:  # (the source after restoring a checkpoint)
             self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         try:
             self.manager.start_quorum(allow_heal=True)
+        except Exception as err:  # (the previous quorum's error)
+            raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+
+    def settled(self) -> bytes | None:
+        """Wait for the quorum `begin` started; the state's bytes if this worker was behind and got them
+        from a peer (it then sits this step out: `participating` is False)."""
+        manager = self.manager
+        try:
+            manager.wait_quorum()
         except Exception as err:  # torchft raises RuntimeError / TimeoutError from its quorum thread
             raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+        if manager._healing:  # the state now, as torchft's synchronous quorum does (not at the commit)
+            manager._apply_pending_state_dict()
+            manager._healing = False
         return self._received
-
     def participating(self) -> bool:
         """Whether this worker takes part in this step's collectives (torchft: not while it heals)."""
         return bool(self.manager.is_participating())

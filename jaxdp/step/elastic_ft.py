@@ -1,6 +1,7 @@
 """The step of an elastic run on torchft (jaxdp/cluster/ft.py): the hub's host path with a torchft transport.
 
-Each call: the quorum (who takes part; a behind worker is healed there); every worker taking part sums
+Each call: the quorum (who takes part; a behind worker is healed there), every QUORUM_EVERY steps while
+nothing fails and started on torchft's thread while this worker computes its shard; every worker taking part sums
 its own shard over its devices (on the host, or in-graph by psum or the ring) and sends it as raw bytes in
 one row, whose header also says that it takes part and whether it asks to stop: one all-gather gives
 every worker the live ranks and their sums. Only when a rank is missing does a second all-gather carry
@@ -37,6 +38,12 @@ Metrics = dict
 
 HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
 TAKES_PART, ASKS_STOP, FRESH = 1, 2, 4  # FRESH: a worker at the run's start that has applied no step yet
+# Steps per quorum while nothing fails. A lost or stalled worker makes the step's exchange fail, and
+# the step is done again after a new quorum at once; only a joiner (a new or restarted worker, which
+# waits in its own quorum) waits for the next one, up to this many steps. Every step's quorum cost a
+# Lighthouse round trip a step: over a 100 Mbit/s link, 0.73x the plain run's steps/s against 0.80x
+# (docs/multihost.md).
+QUORUM_EVERY = 8
 
 
 def cut(pieces: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
@@ -55,15 +62,19 @@ def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
     return lambda: (b"\1" if pending else b"\0") + to_bytes(state_arrays(state))
 
 
-def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False) -> tuple[TrainState | None, bool]:
+def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
+                meanwhile: Callable[[], Any] | None = None) -> tuple[TrainState | None, bool, Any]:
     """This step's (or round end's: `pending`) quorum: (a live peer's state if this worker was behind,
-    else None; whether that state is at a round's end before its exchange). No quorum of
-    --min-workers for --quorum-timeout: elastic.HubGone (the loop saves and exits 75)."""
+    else None; whether that state is at a round's end before its exchange; what `meanwhile` returned,
+    computed while torchft's thread asked the Lighthouse). No quorum of --min-workers for
+    --quorum-timeout: elastic.HubGone (the loop saves and exits 75)."""
     from jaxdp.cluster import elastic, ft
     from jaxdp.step.elastic import state_from_arrays
 
     try:
-        received = member.engine.quorum(at, offer(state, pending))
+        member.engine.begin(at, offer(state, pending))
+        early = meanwhile() if meanwhile is not None else None
+        received = member.engine.settled()
     except ft.QuorumLost as err:  # the loop stops with `state` (the lead saves it), exit 75
         why = (f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
                f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at}")
@@ -71,8 +82,8 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False) 
             print(f"jaxdp: {why}; saving and stopping", file=sys.stderr, flush=True)
         raise elastic.HubGone(f"{why} ({err})") from None
     if received is None:
-        return None, False
-    return state_from_arrays(state, memoryview(received)[1:]), received[:1] == b"\1"
+        return None, False, early
+    return state_from_arrays(state, memoryview(received)[1:]), received[:1] == b"\1", None
 
 
 def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
@@ -124,7 +135,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         return to_bytes(leaves[:exact]) + message
 
     def rows_of(state: TrainState, batch_of: Callable, shards: list[int], count: int, kept: dict,
-                taking_part: bool = False, stop: bool = False, fresh: bool = False) -> np.ndarray:
+                taking_part: bool = False, stop: bool = False, fresh: bool = False, ready: Any = None) -> np.ndarray:
         """`count` rows, the first ones `shards`' sums: a 16-byte header each (the shard + 1, negated for
         sums that are not finite, which are left out, 0 for none; then TAKES_PART, ASKS_STOP, FRESH),
         then the sums' bytes (a codec's message for the gradient)."""
@@ -132,7 +143,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         flags = TAKES_PART * taking_part | ASKS_STOP * stop | FRESH * fresh
         piece[:, 8:16] = np.frombuffer(np.int64(flags).tobytes(), np.uint8)
         for i, shard in enumerate(shards):
-            sums = shard_sum(state, batch_of(shard))[1]
+            sums = ready if ready is not None and shard == rank else shard_sum(state, batch_of(shard))[1]
             finite = all(np.isfinite(a).all() for a in sums if np.issubdtype(a.dtype, np.inexact))
             piece[i, :8] = np.frombuffer(np.int64(shard + 1 if finite else -shard - 1).tobytes(), np.uint8)
             if finite:
@@ -154,11 +165,17 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             return state, layout["metrics"]
         at = int(jax.device_get(state.step))
         batch_of = lambda shard: batch if shard == rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
+        retry = False
         while True:
+            own = None  # this worker's shard's sums, computed while the quorum forms
             if member.fresh_quorum:
                 member.fresh_quorum = False
+            elif layout.get("quiet", 0) > 0 and not retry and member.engine.participating():
+                layout["quiet"] -= 1  # the last quorum's members: a failure shows as a failed exchange
             else:
-                healed, _ = take_quorum(member, state, at)
+                layout["quiet"] = QUORUM_EVERY - 1
+                healed, _, own = take_quorum(member, state, at, meanwhile=(
+                    (lambda: shard_sum(state, batch)[1]) if "like" in layout else None))
                 if healed is not None:  # behind after a commit only the others made: their state
                     further = int(jax.device_get(healed.step))
                     if further > at and "metrics" in layout:  # (a stalled worker that runs again)
@@ -178,9 +195,9 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             # header also says that it takes part and whether it asks to stop, so the live ranks come with
             # the sums (one collective). Only if a rank is missing, a second round computes its shard.
             kept, taking_part = {}, member.engine.participating()
-            own = [rank] if taking_part else []
-            first = cut(member.engine.allgather(rows_of(state, batch_of, own, 1, kept, taking_part, member.stop_asked,
-                                                        member.fresh)))
+            mine = [rank] if taking_part else []
+            first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept, taking_part, member.stop_asked,
+                                                        member.fresh, ready=own)))
             heads = [(tag, flags) for tag, flags, _ in first]
             live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
             stop = any(flags & ASKS_STOP for _, flags in heads)
@@ -189,6 +206,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 # (another node's launcher came up first) they would train from their own step 0 and then,
                 # being further on, hand that state to rank 0. Nobody applies this step; the quorum again.
                 member.engine.commit()
+                retry = True
                 waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
                 if waited > member.quorum_timeout_s:
                     raise elastic.HubGone(f"rank {rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
@@ -203,6 +221,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 count = max(collections.Counter(owner[s] for s in missing).values())
                 second = cut(member.engine.allgather(rows_of(state, batch_of, extra, count, kept)))
             if not member.engine.commit() or not live:  # someone failed mid-step: again, over the new quorum
+                retry = True
                 continue
             rows, bad = np.zeros((size, layout["nbytes"]), np.uint8), []
             for tag, _, payload in first + second:

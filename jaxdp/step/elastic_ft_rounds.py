@@ -154,7 +154,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                 if member.pending_round:  # healed at a peer's round end: its exchange, as a listener
                     member.pending_round, start = False, False
             else:
-                healed, pending = take_quorum(member, state, at, pending=not start)
+                healed, pending, _ = take_quorum(member, state, at, pending=not start)
                 if healed is not None:  # behind: the peer's state, and its exchange as a listener
                     state, at, healed_any, delta, start = healed, int(jax.device_get(healed.step)), True, None, not pending
             takes_part = member.engine.participating() and (start or delta is not None)
