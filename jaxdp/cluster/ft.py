@@ -8,7 +8,8 @@ Across workers everything goes through an `Engine`:
 
 * `quorum(step, state_fn)`: agree on who takes part in this step (torchft's Lighthouse); a worker that is
   behind (a new or restarted one) gets the live state from a peer here (`state_fn` of the peer: never a
-  checkpoint). Returns the received state's bytes, or None.
+  checkpoint). Returns the received state's bytes, or None. `begin` and `settled` are its two halves:
+  the quorum runs on torchft's thread in between, while the worker computes.
 * `participating()`: whether this worker takes part in this step (the step's rows say so to the others).
 * `allgather(piece)`: every worker's `piece` (the step's rows of the shards each computed).
 * `commit()`: whether this step's exchanges all went through (else the step is done again, over the new quorum).

@@ -38,9 +38,11 @@ Metrics = dict
 
 HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
 TAKES_PART, ASKS_STOP, FRESH = 1, 2, 4  # FRESH: a worker at the run's start that has applied no step yet
-# Steps per quorum while nothing fails. A lost or stalled worker makes the step's exchange fail, and
-# the step is done again after a new quorum at once; only a joiner (a new or restarted worker, which
-# waits in its own quorum) waits for the next one, up to this many steps. Every step's quorum cost a
+# Steps per quorum while nothing fails: a quorum at the steps that are multiples of it, and the step
+# after one where a worker sat out (every worker reads that from the same rows, so all agree). A lost
+# or stalled worker makes the step's exchange fail, and the step is done again after a new quorum at
+# once; only a joiner (a new or restarted worker, which waits in its own quorum) waits for the next
+# one, up to this many steps. Every step's quorum cost a
 # Lighthouse round trip a step: over a 100 Mbit/s link, 0.73x the plain run's steps/s against 0.80x
 # (docs/multihost.md).
 QUORUM_EVERY = 8
@@ -170,10 +172,9 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             own = None  # this worker's shard's sums, computed while the quorum forms
             if member.fresh_quorum:
                 member.fresh_quorum = False
-            elif layout.get("quiet", 0) > 0 and not retry and member.engine.participating():
-                layout["quiet"] -= 1  # the last quorum's members: a failure shows as a failed exchange
+            elif not retry and not layout.get("quorum_next", True):
+                pass  # the last quorum's members, as every worker's rows said (a failure fails the exchange)
             else:
-                layout["quiet"] = QUORUM_EVERY - 1
                 healed, _, own = take_quorum(member, state, at, meanwhile=(
                     (lambda: shard_sum(state, batch)[1]) if "like" in layout else None))
                 if healed is not None:  # behind after a commit only the others made: their state
@@ -200,6 +201,9 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                                                         member.fresh, ready=own)))
             heads = [(tag, flags) for tag, flags, _ in first]
             live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
+            # The next step's quorum, decided from what every worker received alike: every QUORUM_EVERY
+            # steps, and at once after a step with a worker that sat it out (one that just healed).
+            layout["quorum_next"] = (at + 1) % QUORUM_EVERY == 0 or any(not flags & TAKES_PART for _, flags in heads)
             stop = any(flags & ASKS_STOP for _, flags in heads)
             if live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
                 # At the start every worker waits for rank 0, which restored the checkpoint: without it
