@@ -58,6 +58,18 @@ def to_bytes(arrays: list[np.ndarray]) -> bytes:
     return b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
 
 
+def wait_for_rank_0(member: Any, layout: dict) -> None:
+    """A moment's wait for rank 0 at the run's start (its quorum again next); elastic.HubGone once
+    --quorum-timeout has passed since the first."""
+    from jaxdp.cluster import elastic
+
+    waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
+    if waited > member.quorum_timeout_s:
+        raise elastic.HubGone(f"rank {member.rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
+                              f"(--quorum-timeout) at the run's start")
+    time.sleep(0.1)
+
+
 def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
     """What a live worker hands a behind one in a quorum: a byte that says whether `state` is at a
     round's end before its exchange (local steps: jaxdp/step/elastic_ft_rounds.py), then its arrays."""
@@ -211,11 +223,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 # being further on, hand that state to rank 0. Nobody applies this step; the quorum again.
                 member.engine.commit()
                 retry = True
-                waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
-                if waited > member.quorum_timeout_s:
-                    raise elastic.HubGone(f"rank {rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
-                                          f"(--quorum-timeout) at the run's start")
-                time.sleep(0.1)
+                wait_for_rank_0(member, layout)
                 continue
             owner = ft.assign(live, size) if live else {}
             missing = [s for s in range(size) if s not in live]

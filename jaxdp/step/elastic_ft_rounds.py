@@ -30,7 +30,6 @@ start every worker waits, as in an every-step run, for rank 0, which restored th
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, Callable
 
 import jax
@@ -39,12 +38,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp.mesh import data_axes, replicate
-from jaxdp.step.elastic_ft import ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, take_quorum
+from jaxdp.mesh import data_axes, replicate, state_specs
+from jaxdp.step.elastic_ft import ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, take_quorum, wait_for_rank_0
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import outer_step
 from jaxdp.step.state import TrainState
-from jaxdp.mesh import state_specs
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync import host
 from jaxdp.sync.codecs.base import bytes_sent
@@ -62,7 +60,6 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
     worker's devices, then the pseudo-gradients' exchange described above. `strategy` sums the
     pseudo-gradient over this worker's devices (psum or the ring); `compression` codes each worker's
     row (bf16, int8, int4). `shard_data` is not read: a lost worker's steps are not redone."""
-    from jaxdp.cluster import elastic
 
     del shard_data
     axis, n, rank, size = data_axes(mesh), mesh.size, member.rank, member.size
@@ -165,12 +162,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
             heads = [(tag, flags) for tag, flags, _ in rows]
             live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
             if start and live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
-                # At the start every worker waits for rank 0, which restored the checkpoint (elastic_ft.py).
-                waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
-                if waited > member.quorum_timeout_s:
-                    raise elastic.HubGone(f"rank {rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
-                                          f"(--quorum-timeout) at the run's start")
-                time.sleep(0.1)
+                wait_for_rank_0(member, layout)  # at the start, rank 0 restored the checkpoint (elastic_ft.py)
                 continue
             break
         member.stop = member.stop or any(flags & ASKS_STOP for _, flags in heads)
