@@ -42,9 +42,8 @@ TAKES_PART, ASKS_STOP, FRESH = 1, 2, 4  # FRESH: a worker at the run's start tha
 # after one where a worker sat out (every worker reads that from the same rows, so all agree). A lost
 # or stalled worker makes the step's exchange fail, and the step is done again after a new quorum at
 # once; only a joiner (a new or restarted worker, which waits in its own quorum) waits for the next
-# one, up to this many steps. Every step's quorum cost a
-# Lighthouse round trip a step: over a 100 Mbit/s link, 0.73x the plain run's steps/s against 0.80x
-# (docs/multihost.md).
+# one, up to this many steps. A quorum every step, waited for, cost a Lighthouse round trip a step:
+# over a 100 Mbit/s link with int8, 0.61x the plain run's steps/s, 0.76x now (docs/multihost.md).
 QUORUM_EVERY = 8
 
 
