@@ -98,6 +98,40 @@ def kill_1_and_rejoin(run: Run) -> None:
     assert "worker 1 was killed by SIGKILL" in run.text(), run.text()
 
 
+def kill_each_and_rejoin(run: Run) -> str:
+    """Worker 1 killed at step 30, then, once it rejoined, worker 0 (which writes the metrics and
+    checkpoints: the run goes on without it); both restarted, the run ends. Returns its output."""
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.kill(1)  # rank 0 trains on, computing shard 1 too
+        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
+        run.kill(0)  # rank 0, which writes the metrics and checkpoints: the run goes on without it
+        run.wait_for(lambda: "rank 0 joined the run at step" in run.text(), "rank 0's rejoin")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
+    return text
+
+
+def stop_1_and_go_on(run: Run) -> None:
+    """Worker 1 stopped (SIGSTOP) at step 30 until the others have left it out and trained 20 steps
+    without it, then continued; it heals from a live worker and the run ends."""
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
+        os.kill(stopped, signal.SIGSTOP)
+        run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
+        at = run.reached()
+        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps without rank 1")
+        os.kill(stopped, signal.SIGCONT)
+        run.wait_for(lambda: "rank 1 healed from step" in run.text(), "rank 1's heal")
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+
+
 def finish(run: Run) -> None:
     """An undisturbed run to its end."""
     try:
@@ -111,17 +145,7 @@ def finish(run: Run) -> None:
 def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_with_a_one_process_runs_parameters(tmp_path):
     steps = 800  # each restart takes ~15 s here (rank 0 rejoins by step ~460); the rest is margin for a loaded machine
     run = Run(tmp_path, steps, "--max-restarts", "10")
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        run.kill(1)  # rank 0 trains on, computing shard 1 too
-        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
-        run.kill(0)  # rank 0, which writes the metrics and checkpoints: the run goes on without it
-        run.wait_for(lambda: "rank 0 joined the run at step" in run.text(), "rank 0's rejoin")
-        assert run.proc.wait(timeout=120) == 0, run.text()
-    finally:
-        run.close()
-    text = run.text()
-    assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
+    kill_each_and_rejoin(run)
     # (The survivor computes both shards, "left out [r]", only where the restarted worker is back after
     # the Lighthouse's heartbeat timeout; with torch preloaded in the zygote it is often back before.)
     assert_ends_as_one_process(tmp_path, steps)
@@ -183,18 +207,7 @@ def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_
     # jaxdp.train's --stall-timeout (default 20 s): the all-reduce in flight with the stopped worker
     # fails after it. 10 s here: half the test's wait, still far above a step of this run
     run = Run(tmp_path, steps, "--max-restarts", "0", train_args=("--stall-timeout", "10"))
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
-        os.kill(stopped, signal.SIGSTOP)
-        run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
-        at = run.reached()
-        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps without rank 1")
-        os.kill(stopped, signal.SIGCONT)
-        run.wait_for(lambda: "rank 1 healed from step" in run.text(), "rank 1's heal")
-        assert run.proc.wait(timeout=120) == 0, run.text()
-    finally:
-        run.close()
+    stop_1_and_go_on(run)
     text = run.text()
     assert "all 2 workers ended (0 restarts); exit code 0" in text, text
     reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),

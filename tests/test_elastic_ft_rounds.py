@@ -6,19 +6,16 @@ one; a stalled worker is left out and heals when it runs again; a worker whose p
 finite is left out of every round and named once."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT, cli_env, elastic_rank
-from jaxdp.bench.goodput import training_processes
+from helpers import ROOT, cli_env
 
 pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
 
-from test_elastic_ft import NAN_ON_RANK_1, Run, finish  # noqa: E402
+from test_elastic_ft import NAN_ON_RANK_1, Run, finish, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
 
 PY = sys.executable
 ROUNDS = ("--sync-every", "4")
@@ -56,17 +53,7 @@ def test_each_worker_killed_in_a_round_rank_0_included_heals_at_a_rounds_end_and
         tmp_path):
     steps = 4000  # local steps make about 200 a second here: a restart under load can take 15 s
     run = Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=ROUNDS)
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        run.kill(1)  # rank 0 finishes the round alone, and trains on
-        run.wait_for(lambda: "rank 1 joined the run at step" in run.text(), "rank 1's rejoin")
-        run.kill(0)  # rank 0, which writes the metrics and checkpoints: the run goes on without it
-        run.wait_for(lambda: "rank 0 joined the run at step" in run.text(), "rank 0's rejoin")
-        assert run.proc.wait(timeout=120) == 0, run.text()
-    finally:
-        run.close()
-    text = run.text()
-    assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
+    text = kill_each_and_rejoin(run)  # rank 0 finishes a round alone, then rank 1 does
     joined = [int(line.split("joined the run at step ")[1].split()[0]) for line in text.splitlines()
               if "joined the run at step" in line]
     assert joined and all(at % 4 == 0 for at in joined), joined  # at a round's end
@@ -84,18 +71,7 @@ def test_each_worker_killed_in_a_round_rank_0_included_heals_at_a_rounds_end_and
 def test_a_stopped_worker_is_left_out_of_the_rounds_and_heals_at_a_rounds_end_when_it_runs_again(tmp_path):
     run = Run(tmp_path, 1500, "--max-restarts", "0", strategy="psum",
               train_args=(*ROUNDS, "--compression", "int8", "--stall-timeout", "10"))
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
-        os.kill(stopped, signal.SIGSTOP)
-        run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
-        at = run.reached()
-        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps without rank 1")
-        os.kill(stopped, signal.SIGCONT)
-        run.wait_for(lambda: "rank 1 healed from step" in run.text(), "rank 1's heal")
-        assert run.proc.wait(timeout=120) == 0, run.text()
-    finally:
-        run.close()
+    stop_1_and_go_on(run)
     text = run.text()
     assert "all 2 workers ended (0 restarts); exit code 0" in text and "back [1]" in text, text
     assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.8, text
