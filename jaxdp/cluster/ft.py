@@ -125,6 +125,7 @@ class TorchftEngine:
             manager._apply_pending_state_dict()
             manager._healing = False
         return self._received
+
     def participating(self) -> bool:
         """Whether this worker takes part in this step's collectives (torchft: not while it heals)."""
         return bool(self.manager.is_participating())

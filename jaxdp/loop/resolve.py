@@ -175,7 +175,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             more = {"strategy": spec.strategy, "compression": spec.compression} if hasattr(elastic, "engine") else {}
             if hasattr(elastic, "engine"):  # an elastic run on torchft (jaxdp/cluster/ft.py)
                 from jaxdp.step.elastic_ft import make_ft_step as make
-            if hasattr(elastic, "engine") and spec.local:  # its local steps (jaxdp/step/elastic_ft_rounds.py)
+            if hasattr(elastic, "engine") and spec.sync_every != 1:  # its local steps (jaxdp/step/elastic_ft_rounds.py)
                 from jaxdp.step.elastic_ft_rounds import make_ft_round_step as make
 
                 more.update(sync_every=spec.sync_every, outer_tx=spec.outer_tx)
