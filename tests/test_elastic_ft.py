@@ -252,18 +252,24 @@ class Net(nn.Module):  # a linear classifier whose every output is NaN on worker
 """
 
 
+def run_nan_on_rank_1(tmp_path, *train_args: str, strategy: str = "host") -> str:
+    """60 steps of a linear classifier whose every output is NaN on worker 1, to the end; its output."""
+    (tmp_path / "nan_models.py").write_text(NAN_ON_RANK_1)
+    run = Run(tmp_path, 60, strategy=strategy,
+              train_args=(*train_args, "--model", "nan_models:Net", "--model-path", str(tmp_path)))
+    try:
+        assert run.proc.wait(timeout=150) == 0, run.text()
+    finally:
+        run.close()
+    return run.text()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_worker_whose_sums_are_not_finite_is_left_out_and_named_and_the_run_trains_on_the_others(tmp_path):
     """Worker 1's model gives NaN: its shard is left out of every step (the mean over the other shard),
     named in one line, and the run ends with a finite loss, where the NaN guard would have stopped it."""
-    (tmp_path / "nan_models.py").write_text(NAN_ON_RANK_1)
-    run = Run(tmp_path, 60, train_args=("--model", "nan_models:Net", "--model-path", str(tmp_path)))
-    try:
-        assert run.proc.wait(timeout=150) == 0, run.text()
-    finally:
-        run.close()
-    text = run.text()
+    text = run_nan_on_rank_1(tmp_path)
     assert "step 0: the sums of shard(s) [1] (computed by rank(s) [1]) are not finite: left out" in text, text
     assert text.count("are not finite") == 1, text  # named once, not every step
     done = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines() if '"done"' in line]

@@ -15,7 +15,7 @@ from helpers import ROOT, cli_env
 
 pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
 
-from test_elastic_ft import NAN_ON_RANK_1, Run, finish, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
+from test_elastic_ft import Run, finish, kill_each_and_rejoin, run_nan_on_rank_1, stop_1_and_go_on  # noqa: E402
 
 PY = sys.executable
 ROUNDS = ("--sync-every", "4")
@@ -80,14 +80,7 @@ def test_a_stopped_worker_is_left_out_of_the_rounds_and_heals_at_a_rounds_end_wh
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_worker_whose_pseudo_gradient_is_not_finite_is_left_out_of_the_rounds_and_named_once(tmp_path):
-    (tmp_path / "nan_models.py").write_text(NAN_ON_RANK_1)
-    run = Run(tmp_path, 60, strategy="psum", train_args=(*ROUNDS, "--model", "nan_models:Net", "--model-path",
-                                                          str(tmp_path)))
-    try:
-        assert run.proc.wait(timeout=150) == 0, run.text()
-    finally:
-        run.close()
-    text = run.text()
+    text = run_nan_on_rank_1(tmp_path, *ROUNDS, strategy="psum")
     assert "step 4: the pseudo-gradient of rank(s) [1] is not finite: left out of the round" in text, text
     assert text.count("is not finite") == 1, text
     assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.25, text

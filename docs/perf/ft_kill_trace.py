@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from jaxdp.bench.goodput import training_processes
+
 steps = sys.argv[1] if len(sys.argv) > 1 else "4000"
 tree = os.environ.get("TREE", os.getcwd())
 heartbeat = ["--heartbeat-timeout", os.environ["HB"]] if os.environ.get("HB") else []
@@ -36,14 +38,13 @@ def echo() -> None:
 threading.Thread(target=echo, daemon=True).start()
 time.sleep(float(os.environ.get("KILL_AT", "20")))
 rank1 = None
-for pid in filter(str.isdigit, os.listdir("/proc")):
+for pid in training_processes(proc.pid):  # this launcher's workers (the zygote's children included)
     try:
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if b"JAXDP_ELASTIC_RANK=1" in f.read().split(b"\0"):
+                rank1 = pid
     except OSError:
         continue
-    if b"JAXDP_ELASTIC_RANK=1" in environ and b"jaxdp.train" in cmdline:
-        rank1 = int(pid)
 if rank1 is None:
     proc.kill()
     sys.exit("worker 1 was not found (did the run start?)")

@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             plain = _run(args, os.path.join(scratch, "plain"), None)
         calm = _run(args, os.path.join(scratch, "calm"), None, elastic=args.elastic)
         killed = _run(args, os.path.join(scratch, "killed"), args.kill_every, elastic=args.elastic)
+    done = 1 - killed["missed"] / (2 * args.steps)  # (local steps: the worker-steps trained, of all)
     row = {"mode": f"elastic ({args.elastic_engine})" if args.elastic else "restart all", "steps": args.steps,
            "save_every": args.save_every,
            "kill_every_s": args.kill_every,
@@ -181,8 +182,7 @@ def run(args: argparse.Namespace) -> list[dict]:
            "goodput": calm["wall_s"] / killed["wall_s"],
            "lost_per_kill_s": (killed["wall_s"] - calm["wall_s"]) / killed["kills"] if killed["kills"] else None,
            "same_final_params": calm["checksums"] == killed["checksums"] and bool(calm["checksums"]),
-           **({"examples_done": 1 - killed["missed"] / (2 * args.steps),
-               "goodput_examples": calm["wall_s"] / killed["wall_s"] * (1 - killed["missed"] / (2 * args.steps))}
+           **({"examples_done": done, "goodput_examples": calm["wall_s"] / killed["wall_s"] * done}
               if _rounds(args.train_args) and args.elastic else {}),
            **({"auto_undisturbed": calm["chosen"], "auto_with_kills": killed["chosen"]} if args.save_every == "auto" else {})}
     if args.elastic:  # what the elastic mode costs when nothing fails, and goodput against the plain run

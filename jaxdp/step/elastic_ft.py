@@ -69,6 +69,17 @@ def wait_for_rank_0(member: Any, layout: dict) -> None:
     time.sleep(0.1)
 
 
+def say_live(member: Any, at: int, live: list[int], more: str = "") -> None:
+    """Where the live ranks changed, one line from the lowest live rank ("step S: live ranks [...]": the
+    goodput bench reads them, jaxdp/bench/goodput.py), and `member.live` updated."""
+    if live == member.live:
+        return
+    gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
+    member.live = live
+    member.say(f"step {at}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
+               if gone else "") + (f"; back {back}" if back else "") + more)
+
+
 def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
     """What a live worker hands a behind one in a quorum: a byte that says whether `state` is at a
     round's end before its exchange (local steps: jaxdp/step/elastic_ft_rounds.py), then its arrays."""
@@ -245,13 +256,8 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         member.fresh = False
         for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
             layout["coder"].keep(shard, feedback)
-        if live != member.live:
-            gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
-            member.live = live
-            moved = {s: o for s, o in owner.items() if o != s}
-            member.say(f"step {at}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
-                       if gone else "") + (f"; back {back}" if back else "") + (f"; shards computed elsewhere {moved}"
-                       if moved else ""))
+        moved = {s: o for s, o in owner.items() if o != s}
+        say_live(member, at, live, f"; shards computed elsewhere {moved}" if moved else "")
         bad = sorted(bad)
         if bad != layout.get("bad", []):  # a worker's non-finite sums: left out of the step, named once
             member.say(f"step {at}: the sums of shard(s) {bad} (computed by rank(s) {sorted({owner[b] for b in bad})}) "

@@ -39,7 +39,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicate, state_specs
-from jaxdp.step.elastic_ft import ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, take_quorum, wait_for_rank_0
+from jaxdp.step.elastic_ft import ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, say_live, take_quorum, wait_for_rank_0
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import outer_step
 from jaxdp.step.state import TrainState
@@ -192,11 +192,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
         return state, healed_any, shared / counted if counted else np.full_like(shared, np.nan)
 
     def report(at: int, live: list[int], bad: list[int]) -> None:
-        if live != member.live:
-            gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
-            member.live = live
-            member.say(f"step {at}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
-                       if gone else "") + (f"; back {back}" if back else ""))
+        say_live(member, at, live)
         if bad != layout.get("bad", []):
             member.say(f"step {at}: the pseudo-gradient of rank(s) {bad} is not finite: left out of the round, the "
                        f"mean taken over the others" if bad else f"step {at}: every rank's pseudo-gradient is finite again")
