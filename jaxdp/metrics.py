@@ -123,20 +123,48 @@ class MetricsWriter:
         self._per_step = {"examples_per_sec": examples_per_step, "tokens_per_sec": tokens_per_step}
         self._flops_per_step, self._peak_flops = flops_per_step, peak_flops
         self.compile_s: float | None = None
-        if not is_main:
-            return
+        self._sinks = (metrics_file, log_dir, wandb_project, wandb_id_dir)
+        if is_main:
+            self._open(start_step, resumed=bool(start_step))
+
+    def _open(self, step: int, resumed: bool) -> None:
+        metrics_file, log_dir, wandb_project, wandb_id_dir = self._sinks
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             # A resumed run continues the file of the run it resumes, from the checkpoint's step.
-            if start_step:
-                _keep_records_up_to(metrics_file, start_step)
-            self._jsonl = open(metrics_file, "a" if start_step else "w", buffering=1)
+            if resumed:
+                _keep_records_up_to(metrics_file, step)
+            self._jsonl = open(metrics_file, "a" if resumed else "w", buffering=1)
         if log_dir:
             from tensorboardX import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir)
         if wandb_project:
-            self._wandb = WandbSink(wandb_project, wandb_id_dir, resumed=bool(start_step))
+            self._wandb = WandbSink(wandb_project, wandb_id_dir, resumed=resumed)
+
+    def take_over(self, step: int, logged: list[dict[str, Any]] = ()) -> None:
+        """This process writes from `step` on (an elastic run's lead moved here: jaxdp/loop/lead.py): the
+        file continues from `step` (records past it, and a torn last line, dropped), TensorBoard gets a
+        new event file in its directory, a W&B run goes on by its id, and the progress bar starts at
+        `step`. `logged`: this process's own records of the steps so far (what `log` returned), written
+        where the file's last step is older (the steps the former lead took but did not write)."""
+        if self.is_main:
+            return
+        self.is_main = True
+        self._open(step, resumed=True)
+        last = _last_step(self._sinks[0]) if self._sinks[0] else step
+        for record in logged:
+            if last < record["step"] <= step:
+                self._write(record)
+                self._scalars("train", record, record["step"])
+        if self._progress and self.compile_s is not None and step < self._total:
+            self._bar = tqdm(total=self._total, initial=step, unit="step", dynamic_ncols=True,
+                             file=sys.stderr, mininterval=BAR_MININTERVAL)
+
+    def hand_over(self) -> None:
+        """This process writes no more (an elastic run's lead moved elsewhere); `take_over` undoes it."""
+        self.close()
+        self.is_main = False
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._jsonl:
@@ -326,6 +354,12 @@ def _keep_records_up_to(path: str, step: int) -> None:
                 line = json.dumps({**record, "event": "eval", "finished": True}) + "\n"
             kept.append(line if line.endswith("\n") else line + "\n")
     write_text_atomically(path, "".join(kept))
+
+
+def _last_step(path: str) -> int:
+    """The highest "step" of the records in a metrics file (0: none)."""
+    with open(path) as f:
+        return max((json.loads(line).get("step") or 0 for line in f if line.strip()), default=0)
 
 
 def write_text_atomically(path: str, text: str) -> None:

@@ -112,21 +112,22 @@ def kill_each_and_rejoin(run: Run) -> str:
         run.close()
     text = run.text()
     assert "restarting it alone (2 of 10)" in text and "all 2 workers ended (2 restarts); exit code 0" in text, text
+    assert "rank 1 leads from step" in text, text  # (and keeps the lead once rank 0 is back: it saves the end)
     return text
 
 
-def stop_1_and_go_on(run: Run) -> None:
-    """Worker 1 stopped (SIGSTOP) at step 30 until the others have left it out and trained 20 steps
+def stop_1_and_go_on(run: Run, rank: int = 1) -> None:
+    """Worker `rank` stopped (SIGSTOP) at step 30 until the others have left it out and trained 20 steps
     without it, then continued; it heals from a live worker and the run ends."""
     try:
         run.wait_for(lambda: run.reached() >= 30, "step 30")
-        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
+        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == rank)
         os.kill(stopped, signal.SIGSTOP)
-        run.wait_for(lambda: "left out [1]" in run.text(), "rank 1 left out")
+        run.wait_for(lambda: f"left out [{rank}]" in run.text(), f"rank {rank} left out")
         at = run.reached()
-        run.wait_for(lambda: run.reached() >= at + 20, "20 more steps without rank 1")
+        run.wait_for(lambda: run.reached() >= at + 20, f"20 more steps without rank {rank}")
         os.kill(stopped, signal.SIGCONT)
-        run.wait_for(lambda: "rank 1 healed from step" in run.text(), "rank 1's heal")
+        run.wait_for(lambda: f"rank {rank} healed from step" in run.text(), f"rank {rank}'s heal")
         assert run.proc.wait(timeout=120) == 0, run.text()
     finally:
         run.close()
@@ -186,11 +187,14 @@ def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_path):
+@pytest.mark.parametrize("lost", [1, 0])
+def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_path, lost):
+    """The survivor saves the state it holds, also where the worker lost is the lead (rank 0): it takes
+    the directory's lock. (--save-every is the run's length: every checkpoint here is that save.)"""
     run = Run(tmp_path, 100000, "--min-workers", "2", "--quorum-timeout", "5")  # no restarts
     try:
         run.wait_for(lambda: run.reached() >= 20, "step 20")
-        run.kill(1)
+        run.kill(lost)
         assert run.proc.wait(timeout=90) == 75, run.text()
     finally:
         run.close()
@@ -202,14 +206,44 @@ def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_runs_again(tmp_path):
-    steps = 1500  # rank 1 waits out its --stall-timeout after SIGCONT while rank 0 trains on alone: under load, 700 ended first
+def test_rank_0_lost_for_good_the_lowest_live_rank_leads_saves_and_evaluates_and_ends_as_one_process(tmp_path):
+    """Rank 0 (the lead: metrics, checkpoints, evaluation) is killed and not restarted: rank 1 leads from
+    the next step, continues the metrics file, saves the run's end and evaluates it; the final
+    parameters are a one-process run's, bit for bit (rank 1 computes both shards, added in shard order)."""
+    steps = 300
+    run = Run(tmp_path, steps)  # no restarts
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.kill(0)
+        assert run.proc.wait(timeout=150) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "rank 1 leads from step" in text and "all 2 workers ended (0 restarts); exit code 0" in text, text
+    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    lead = [r for r in records if r.get("event") == "lead"]
+    assert len(lead) == 1 and lead[0]["rank"] == 1 and lead[0]["step"] >= 30, lead
+    logged = [r["step"] for r in records if "event" not in r]
+    assert logged == list(range(1, steps + 1)), logged  # every step once: the file continued where rank 0 stopped
+    assert records[-1]["event"] == "done" and records[-1]["eval_accuracy"] > 0.5, records[-1]
+    assert_ends_as_one_process(tmp_path, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_runs_again(tmp_path, rank):
+    """Rank 0 stopped is the lead stopped: rank 1 leads, and saves once rank 0, running again and healed,
+    has let go of the directory's lock."""
+    steps = 1500  # the stopped rank waits out its --stall-timeout after SIGCONT while the other trains alone: 700 ended first
     # jaxdp.train's --stall-timeout (default 20 s): the all-reduce in flight with the stopped worker
     # fails after it. 10 s here: half the test's wait, still far above a step of this run
     run = Run(tmp_path, steps, "--max-restarts", "0", train_args=("--stall-timeout", "10"))
-    stop_1_and_go_on(run)
+    stop_1_and_go_on(run, rank)
     text = run.text()
     assert "all 2 workers ended (0 restarts); exit code 0" in text, text
+    if rank == 0:
+        assert "rank 1 leads from step" in text and "still locked by the former lead" in text, text
     reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(steps),
                                 "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", str(steps)],
                                cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)

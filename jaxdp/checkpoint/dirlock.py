@@ -29,6 +29,11 @@ _KEY = "jaxdp/checkpoint_dir/"
 _IDS = itertools.count()  # every process opens its checkpointers in the same order
 
 
+class DirectoryInUse(InputError):
+    """Another process holds the directory's lock (another run; in an elastic run, possibly the
+    former lead: jaxdp/loop/lead.py)."""
+
+
 class DirectoryLock:
     """Hold `directory`'s lock (process 0) and check that every process sees the same directory."""
 
@@ -102,8 +107,8 @@ def _lock(fd: int, what: str, directory: str) -> int:
         return fd
     except BlockingIOError:
         os.close(fd)
-        raise InputError(f"checkpoint directory {directory!r} is in use by another run (it holds {what}); wait for "
-                         f"it to finish or use another directory", argument="directory") from None
+        raise DirectoryInUse(f"checkpoint directory {directory!r} is in use by another run (it holds {what}); wait "
+                             f"for it to finish or use another directory", argument="directory") from None
     except OSError:
         os.close(fd)
         raise

@@ -188,10 +188,12 @@ class FtMember:
         self.fresh = False          # at the run's start, no step applied yet: its first steps wait for rank 0
         self.live: list[int] = list(range(size))
         self.restarted = False      # started again by the launcher while other workers were live
+        self.leader: int | None = 0  # the rank that leads, as the last exchange's rows said (None: not known yet)
 
     @property
     def lead(self) -> bool:
-        return self.rank == 0
+        """Whether this worker writes the metrics, saves the checkpoints and evaluates (jaxdp/loop/lead.py)."""
+        return self.leader == self.rank
 
     def start(self) -> None:
         """Create the engine: from here on the Lighthouse sees this worker's heartbeats (and a quorum at
@@ -240,6 +242,8 @@ def from_env(environ: dict | None = None) -> FtMember | None:
     member = FtMember(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
                       float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
     member.restarted = bool(environ.get(ENV_RESTART))
-    if not member.restarted:  # the start: heartbeat now, so the first quorum waits for every worker
+    if member.restarted:  # the live workers' rows say who leads
+        member.leader = None
+    else:  # the start: heartbeat now, so the first quorum waits for every worker
         member.start()
     return member

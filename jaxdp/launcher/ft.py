@@ -11,7 +11,8 @@ again brings its workers back, and they heal from a live worker like restarted o
 A worker that exits 0 or 75 (the run ended, or lost its quorum and saved) is not restarted; a lost
 one is, up to --max-restarts times in all (per launcher), and with none left the others go on
 without it (they stop themselves, exit 75, when fewer than --min-workers remain for
---quorum-timeout seconds).
+--quorum-timeout seconds). Once a worker has finished, only a lost rank 0 is restarted. The run's
+exit code is 0 once any worker finished: the lead (whichever rank, jaxdp/loop/lead.py) saved the end.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                 code, rank = child.poll(), first + index
                 if index in ended or code is None:
                     continue
-                if code in (0, EXIT_PREEMPTED) or launcher.stop is not None or ended.get(0) == 0:  # (rank 0 saves the end)
+                # the run ended: a worker finished (a lost rank 0 still restarts: it restores the last
+                # checkpoint and saves the end, in case it was the lead, killed after the others finished)
+                if code in (0, EXIT_PREEMPTED) or launcher.stop is not None or (0 in ended.values() and rank):
                     ended[index] = code
                     continue
                 if not launcher.lost(code):  # bad input, divergence, a failed save: not transient
@@ -104,7 +107,7 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                     ended[index] = code
             if len(ended) == local:
                 codes = list(ended.values())
-                code = 0 if ended.get(0) == 0 or (first and 0 in codes) else EXIT_PREEMPTED if EXIT_PREEMPTED in codes \
+                code = 0 if 0 in codes else EXIT_PREEMPTED if EXIT_PREEMPTED in codes \
                     else next((shell_code(c) for c in codes if c), 0)  # (75: the live ones saved; the lost ones' codes are not the run's)
                 if launcher.stop is not None and code in (0, EXIT_PREEMPTED):
                     code = stop_code(launcher.stop) if code else 0

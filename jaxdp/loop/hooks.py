@@ -143,11 +143,16 @@ class Loop:
 
 def periodic(loop: Loop, log: Hook) -> Hooks:
     """The hooks of a run, in order: `log` (the loop's own record), then evaluate, save, stop, re-decide."""
+    from jaxdp.loop import lead
+
     hooks, plan = Hooks(), loop.plan
+    moves = lead.follows(plan)  # an elastic run on torchft: the lead (metrics, saves, evaluation) may move here
+    if moves:
+        hooks.add(lead.follow, at=("start", *TICKS))
     hooks.hooks.append(log)
     if plan.evaluate is not None:
         hooks.add(evaluate, every=loop.options["evaluation"].every)
-    if plan.checkpointer:
+    if plan.checkpointer or (moves and plan.checkpoint.directory):
         hooks.add(report_save_decision, at=("start",))
         hooks.add(save_when_due, at=TICKS)
         hooks.add(save_now, at=("stop",))
@@ -171,7 +176,7 @@ def log_step(loop: Loop) -> None:
 
 def evaluate(loop: Loop) -> None:
     """Held-out metrics during training (the last step's come with the final record instead)."""
-    if loop.done >= loop.steps:
+    if loop.done >= loop.steps or not (loop.plan.elastic is None or loop.plan.is_main):  # (the lead evaluates)
         return
     loop.window.check()
     loop.plan.beat.phase(f"the evaluation after {loop.where}")
@@ -181,12 +186,15 @@ def evaluate(loop: Loop) -> None:
 
 def report_save_decision(loop: Loop) -> None:
     """--save-every auto, resumed: decided from the recorded save cost."""
-    loop.plan.checkpointer.report_decision(loop.writer, loop.start)
+    if loop.plan.checkpointer:  # (an elastic run: the lead's)
+        loop.plan.checkpointer.report_decision(loop.writer, loop.start)
 
 
 def save_when_due(loop: Loop) -> None:
     """The checkpointer as a hook with its own frequency (every N steps, or --save-every auto's)."""
     checkpointer = loop.plan.checkpointer
+    if checkpointer is None:  # an elastic run's worker that does not lead
+        return
     checkpointer.poll()  # a background save that failed stops the run here (exit 73)
     if checkpointer.due(loop.before, loop.done):
         loop.saveable()  # never write a non-finite state over a good checkpoint
@@ -196,7 +204,8 @@ def save_when_due(loop: Loop) -> None:
 
 def save_now(loop: Loop) -> None:
     """A stop signal: save the state reached (a no-op if it was just saved; `stop_on_signal` checked it)."""
-    loop.plan.checkpointer.save(loop.state)
+    if loop.plan.checkpointer:  # (an elastic run: the lead's)
+        loop.plan.checkpointer.save(loop.state)
 
 
 def stop_on_signal(loop: Loop) -> None:
@@ -236,7 +245,7 @@ class ElasticStop:
 
     def __init__(self, preemption: Any, member: Any):
         self._preemption, self._member = preemption, member
-        self.gone = False  # the launcher (the hub) went away
+        self.gone: bool | str = False  # the launcher (the hub) went away; torchft: why the quorum is lost
 
     def should_stop(self, state: Any) -> bool:
         if self._preemption.signal is not None:
@@ -246,7 +255,7 @@ class ElasticStop:
     @property
     def reason(self) -> str:
         if self.gone:
-            return "the launcher is gone"
+            return self.gone if isinstance(self.gone, str) else "the launcher is gone"
         return self._preemption.reason if self._preemption.signal else "a stop signal to the launcher or another rank"
 
     def close(self) -> None:

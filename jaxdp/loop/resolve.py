@@ -21,7 +21,7 @@ class Plan:
 
     mesh: Any
     steps: int
-    is_main: bool                   # process 0 (rank 0 of an elastic run): prints and writes logs
+    is_main: bool                   # process 0 (an elastic run's lead, which may move: jaxdp/loop/lead.py)
     n_processes: int
     devices: int                    # every process's, of the whole run
     started: float
@@ -29,7 +29,9 @@ class Plan:
     data: Any                       # data(step) -> this process's rows (an elastic run: its shard's)
     batch_at: Callable[[int], Any]  # step -> device batch
     cache_hits: Any                 # compiled programs loaded from JAX's persistent cache
-    checkpointer: Any = None
+    checkpointer: Any = None        # (an elastic run: the lead's only)
+    checkpoint: Any = None          # CheckpointOptions
+    lead_retry_at: float = 0.0      # a new lead's next try at a directory still locked (jaxdp/loop/lead.py)
     shard_data: Any = None          # an elastic run's data(step, shard)
     sync_auto: bool = False         # sync_every "auto"
     rounds_run: bool = False        # host-driven rounds (jaxdp/step/rounds.py): sync_seconds, or overlap with H >= 2
@@ -44,10 +46,25 @@ class Plan:
     config: Any = None              # as resolved: checkpoints record sync_every auto's choices
     requested_config: Any = None    # as given: config.toml says "auto", so a rerun resumes as this run did
     plain_comm: dict = dataclasses.field(default_factory=dict)  # what plain averaging sends per step
-    evaluate: Callable | None = None  # state -> held-out metrics (None: no eval_fn, or not the evaluating rank)
+    evaluate: Callable | None = None  # state -> held-out metrics (None: no eval_fn, or a rank that never leads)
     elastic: Any = None             # this process's member of an elastic run
     preemption: Any = None          # an elastic run's stop signals, caught from before it joins
     exits_after: bool = False       # the command line: the process ends when fit returns
+
+    def open_checkpointer(self) -> Any:
+        """The run's Checkpointer on its directory (InputError: in use, or not writable), recording the
+        run's config and sync choices."""
+        from jaxdp.checkpoint.checkpointer import Checkpointer
+        from jaxdp.data import grain as grain_data
+
+        checkpoint = self.checkpoint
+        checkpointer = Checkpointer(checkpoint.directory, save_every=checkpoint.save_every, keep=checkpoint.keep,
+                                    config=self.config)
+        checkpointer.extra_meta.update(checkpoint.meta or {})
+        if self.begun is not None:  # (a lead that took over: resolved already)
+            checkpointer.extra_meta["sync_every_auto"] = bool(self.begun.sync_every_auto)
+        grain_data.attach(self.data, checkpointer)  # a grain iterator's state: saved with each checkpoint, resumed
+        return checkpointer
 
     def abandon(self) -> None:
         """Bad input before the loop: stop the watch, close the checkpointer (nothing was written: the
@@ -67,10 +84,11 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
     """The Plan of a run: checks every choice (InputError), resolves the sync choices, builds the state."""
     import jax
 
-    from jaxdp.checkpoint.checkpointer import Checkpointer
+    from jaxdp.checkpoint.dirlock import DirectoryInUse
     from jaxdp.cluster import heartbeat, runtime
     from jaxdp.data import grain as grain_data
     from jaxdp.errors import InputError
+    from jaxdp.loop import lead
     from jaxdp.mesh import make_mesh
     from jaxdp.step import local_sgd, rounds as paced
     from jaxdp.sync import exchange, spec as syncspec
@@ -113,11 +131,17 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                 batch_at=batch_function(data, mesh), cache_hits=runtime.CacheHits(), shard_data=shard_data,
                 sync_auto=sync_auto, rounds_run=rounds_run, overlap=overlap, tx=tx, outer_tx=outer_tx,
                 config=run.config, requested_config=run.config, elastic=elastic, exits_after=run.exits_after)
-    if checkpoint.directory and (elastic is None or plan.is_main):  # an elastic run: rank 0 saves
-        plan.checkpointer = Checkpointer(checkpoint.directory, save_every=checkpoint.save_every, keep=checkpoint.keep,
-                                         config=run.config)
-        plan.checkpointer.extra_meta.update(checkpoint.meta or {})
-        grain_data.attach(data, plan.checkpointer)  # a grain iterator's state: saved with each checkpoint, resumed
+    plan.checkpoint = checkpoint
+    if checkpoint.directory and (elastic is None or plan.is_main):  # an elastic run: its lead saves
+        plan.checkpointer = plan.open_checkpointer()
+    elif checkpoint.directory and lead.follows(plan) and elastic.rank == 0:
+        # rank 0 restarted: it restores the checkpoint, as at the start, unless a live worker leads and
+        # holds the directory (then it takes the live state: jaxdp/step/elastic_ft.py, settle)
+        try:
+            plan.checkpointer = plan.open_checkpointer()
+            plan.is_main, elastic.leader = True, 0
+        except DirectoryInUse:
+            pass
     try:
         resolve_sync(plan, loss_fn, params, tx, stateful, {} if model_state is None else dict(model_state), seed, sync)
         plan.evaluate = evaluator(plan, evaluation)
@@ -228,13 +252,15 @@ def default_summarize(totals: dict[str, float]) -> dict[str, float]:
 
 def evaluator(plan: Plan, evaluation: EvalOptions) -> Callable | None:
     """`evaluate(state) -> held-out metrics` over every eval batch, padded to the device count with
-    masked rows; None without an eval_fn (or on an elastic run's other ranks)."""
+    masked rows; None without an eval_fn (or on a hub-elastic run's other ranks: rank 0 leads there)."""
     import jax
 
     from jaxdp.mesh import pad_batch, shard_batch
     from jaxdp.step.train_step import make_eval_step
 
-    if evaluation.fn is None or not (plan.elastic is None or plan.is_main):
+    from jaxdp.loop import lead
+
+    if evaluation.fn is None or not (plan.elastic is None or plan.is_main or lead.follows(plan)):
         return None
     eval_step, mesh = make_eval_step(evaluation.fn, plan.mesh), plan.mesh
 

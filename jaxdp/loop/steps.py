@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 
+from jaxdp.loop import lead
 from jaxdp.loop.hooks import Hook, Loop, log_step, periodic
 
 
@@ -53,9 +54,11 @@ def run_steps(loop: Loop) -> None:
             try:
                 state, metrics = train_step(loop.state, batch)
             except hub_gone as gone:  # an elastic run whose launcher went away: stop with the state held
-                if not (plan.is_main and plan.checkpointer):  # (rank 0 says what it saved: fit's stopped())
+                if lead.follows(plan):  # (torchft: the quorum is lost; a worker that takes the lock saves)
+                    plan.is_main = lead.claim(loop)
+                if not (plan.is_main and plan.checkpointer):  # (the lead says what it saved: fit's stopped())
                     print(f"jaxdp: {gone}: stopping after step {loop.done}, exit code 75", file=sys.stderr)
-                loop.preemption.gone, loop.stop = True, True
+                loop.preemption.gone, loop.stop = (str(gone) if lead.follows(plan) else True), True
                 loop.saveable()
                 hooks.run(loop, "stop")  # rank 0 saves the state it holds
                 return

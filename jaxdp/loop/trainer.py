@@ -121,6 +121,10 @@ def restore(plan: Plan) -> bool:
         plan.preemption = Preemption()  # a SIGTERM while joining (compiling can take a minute) stops it with 75
         plan.state, joined = _join(plan.elastic, plan.state, checkpointer, plan.step_for(plan.spec), plan.batch_at,
                                    plan.preemption)
+        if plan.is_main and not plan.elastic.lead:  # (a restarted rank 0 that took the live state: it follows)
+            plan.is_main = False
+            checkpointer.close()
+            plan.checkpointer = checkpointer = None
     elif checkpointer:
         plan.state = checkpointer.restore(plan.state)  # the latest complete checkpoint, or `state` if none
         if int(plan.state.step) > plan.steps:
@@ -202,7 +206,8 @@ def finish(loop: Loop, evaluation: EvalOptions) -> dict[str, Any]:
     plan.beat.phase("the final save and evaluation")
     if plan.checkpointer:  # the final state, before evaluating: bad held-out input loses no training
         plan.checkpointer.save(loop.state)  # (a no-op if the last step was just saved)
-    held_out = plan.evaluate(loop.state) if plan.evaluate is not None and evaluation.data is not None else {}
+    evaluates = plan.evaluate is not None and evaluation.data is not None and (plan.elastic is None or plan.is_main)
+    held_out = plan.evaluate(loop.state) if evaluates else {}
     summary = {**held_out, "strategy": syncspec.strategy_name(loop.spec.strategy), "devices": plan.devices,
                "processes": plan.n_processes, "startup_s": loop.startup_s, "compile_s": loop.writer.compile_s,
                "compile_cache_hits": plan.cache_hits.hits}

@@ -37,7 +37,7 @@ Metrics = dict
 
 
 HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
-TAKES_PART, ASKS_STOP, FRESH = 1, 2, 4  # FRESH: a worker at the run's start that has applied no step yet
+TAKES_PART, ASKS_STOP, FRESH, LEADS = 1, 2, 4, 8  # FRESH: at the run's start, no step applied yet; LEADS: the lead
 # Steps per quorum while nothing fails: a quorum at the steps that are multiples of it, and the step
 # after one where a worker sat out (every worker reads that from the same rows, so all agree). A lost
 # or stalled worker makes the step's exchange fail, and the step is done again after a new quorum at
@@ -80,6 +80,22 @@ def say_live(member: Any, at: int, live: list[int], more: str = "") -> None:
                if gone else "") + (f"; back {back}" if back else "") + more)
 
 
+def lead_of(heads: list[tuple[int, int]], now: int | None) -> int | None:
+    """The rank that leads after an exchange whose rows have these (tag, flags) (every worker reads the
+    same): the lowest taking part whose row says it leads (jaxdp/loop/lead.py); where none does (the
+    lead was lost or left out, or the rows came from restarted workers only) the lowest live rank,
+    which then keeps the role while it lives. `now`: the lead so far, where no rank took part."""
+    live = sorted(abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag)
+    leading = [abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and flags & LEADS and tag]
+    return min(leading) if leading else live[0] if live else now
+
+
+def flags_of(member: Any, taking_part: bool) -> int:
+    """This worker's row flags: whether it takes part, asks to stop, is at the run's start, leads."""
+    return (TAKES_PART * taking_part | ASKS_STOP * member.stop_asked | FRESH * member.fresh
+            | LEADS * (taking_part and member.lead))
+
+
 def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
     """What a live worker hands a behind one in a quorum: a byte that says whether `state` is at a
     round's end before its exchange (local steps: jaxdp/step/elastic_ft_rounds.py), then its arrays."""
@@ -99,14 +115,12 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
         member.engine.begin(at, offer(state, pending))
         early = meanwhile() if meanwhile is not None else None
         received = member.engine.settled()
-    except ft.QuorumLost as err:  # the loop stops with `state` (the lead saves it), exit 75
-        why = (f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
-               f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at}")
-        if member.lead:  # (the loop names only the other ranks' reason)
-            print(f"jaxdp: {why}; saving and stopping", file=sys.stderr, flush=True)
-        raise elastic.HubGone(f"{why} ({err})") from None
+    except ft.QuorumLost as err:  # the loop stops with `state` (the worker that takes the lock saves it), exit 75
+        raise elastic.HubGone(f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
+                              f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at} ({err})") from None
     if received is None:
         return None, False, early
+    member.leader = None  # behind, so not leading any more: the next exchange's rows say who does
     return state_from_arrays(state, memoryview(received)[1:]), received[:1] == b"\1", None
 
 
@@ -159,12 +173,11 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         return to_bytes(leaves[:exact]) + message
 
     def rows_of(state: TrainState, batch_of: Callable, shards: list[int], count: int, kept: dict,
-                taking_part: bool = False, stop: bool = False, fresh: bool = False, ready: Any = None) -> np.ndarray:
+                flags: int = 0, ready: Any = None) -> np.ndarray:
         """`count` rows, the first ones `shards`' sums: a 16-byte header each (the shard + 1, negated for
-        sums that are not finite, which are left out, 0 for none; then TAKES_PART, ASKS_STOP, FRESH),
-        then the sums' bytes (a codec's message for the gradient)."""
+        sums that are not finite, which are left out, 0 for none; then `flags`: `flags_of`), then the
+        sums' bytes (a codec's message for the gradient)."""
         piece = np.zeros((count, HEADER + layout["nbytes"]), np.uint8)
-        flags = TAKES_PART * taking_part | ASKS_STOP * stop | FRESH * fresh
         piece[:, 8:16] = np.frombuffer(np.int64(flags).tobytes(), np.uint8)
         for i, shard in enumerate(shards):
             sums = ready if ready is not None and shard == rank else shard_sum(state, batch_of(shard))[1]
@@ -219,8 +232,8 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             # the sums (one collective). Only if a rank is missing, a second round computes its shard.
             kept, taking_part = {}, member.engine.participating()
             mine = [rank] if taking_part else []
-            first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept, taking_part, member.stop_asked,
-                                                        member.fresh, ready=own)))
+            first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept, flags_of(member, taking_part),
+                                                        ready=own)))
             heads = [(tag, flags) for tag, flags, _ in first]
             live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
             # The next step's quorum, decided from what every worker received alike: every QUORUM_EVERY
@@ -253,7 +266,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                     bad.append(-tag - 1)
             mine = [s for s in range(size) if owner[s] == rank]
             break
-        member.fresh = False
+        member.fresh, member.leader = False, lead_of(heads, member.leader)
         for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
             layout["coder"].keep(shard, feedback)
         moved = {s: o for s, o in owner.items() if o != s}
@@ -305,7 +318,8 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     member.fresh = not member.restarted and received is None  # at the run's start: it waits for rank 0 (step)
     if received is None and member.restarted and not member.lead and member.engine.manager.num_participants() <= 1:
         # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
-        # rank 0 goes on from the checkpoint it restored instead (it saves the run's end)
+        # a restarted rank 0 that took the directory's lock goes on from the checkpoint it restored instead
+        # (it leads: jaxdp/loop/resolve.py), and saves the run's end
         print(f"jaxdp: rank {member.rank}: restarted, but no live worker to take the state from; exit code "
               f"{EXIT_PREEMPTED}", file=sys.stderr)
         member.close()
@@ -313,8 +327,8 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     member.pending_round = received is not None and received[:1] == b"\1"  # a peer's round end: its exchange next
     if received is None:
         return state, False
+    member.leader = None  # (a restarted rank 0 that restored a checkpoint too: the live workers' lead stays)
     state = state_from_arrays(state, memoryview(received)[1:])
-    if not member.lead:  # (the loop says it for rank 0)
-        print(f"jaxdp: rank {member.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
+    print(f"jaxdp: rank {member.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
               f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
     return state, True

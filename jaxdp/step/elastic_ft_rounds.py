@@ -39,7 +39,9 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicate, state_specs
-from jaxdp.step.elastic_ft import ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, say_live, take_quorum, wait_for_rank_0
+from jaxdp.step.elastic_ft import (
+    ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, say_live, take_quorum, wait_for_rank_0,
+)
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import outer_step
 from jaxdp.step.state import TrainState
@@ -155,8 +157,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                 if healed is not None:  # behind: the peer's state, and its exchange as a listener
                     state, at, healed_any, delta, start = healed, int(jax.device_get(healed.step)), True, None, not pending
             takes_part = member.engine.participating() and (start or delta is not None)
-            flags = TAKES_PART * takes_part | ASKS_STOP * member.stop_asked | FRESH * member.fresh
-            rows = cut(member.engine.allgather(row(delta, metrics, flags, kept)))
+            rows = cut(member.engine.allgather(row(delta, metrics, flags_of(member, takes_part), kept)))
             if not member.engine.commit() or not rows:
                 continue  # someone failed in the round or the exchange: again, over the new quorum
             heads = [(tag, flags) for tag, flags, _ in rows]
@@ -166,7 +167,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                 continue
             break
         member.stop = member.stop or any(flags & ASKS_STOP for _, flags in heads)
-        member.fresh = False
+        member.fresh, member.leader = False, lead_of(heads, member.leader)
         if start:
             report(at, live, [])
             return state, healed_any, None

@@ -1,0 +1,85 @@
+"""The lead of an elastic run on torchft: the one worker that writes the metrics, saves the checkpoints
+and evaluates. Losing it does not stop the run, nor its metrics and saves: the role moves.
+
+Who leads is agreed in the step's own exchange (jaxdp/step/elastic_ft.py, `lead_of`): the lead's row
+says so; where no live worker's row does (the lead was lost, or left out as stalled), the lowest live
+rank leads from that step on, and keeps the role while it lives, also once rank 0 is back (handing it
+back would leave the run without saves while the lock changes hands). A worker healed from a live
+peer leads no more until the rows say so. At the run's start rank 0 leads (it restored the checkpoint).
+
+The loop follows, at each step or round (`follow`, the first hook): a worker that now leads opens the
+checkpointer, takes over the metrics writer (jaxdp/metrics.py, `take_over`: the JSONL file from this
+step on, TensorBoard, W&B, the progress bar) and evaluates from now on, with one console line and a
+"lead" record; one that leads no more closes them. The checkpoint directory's lock
+(jaxdp/checkpoint/dirlock.py) stays the guard against two writers: a former lead that is stopped
+rather than dead still holds it, and the new lead's saves wait, retried each second, until it is
+gone. With several nodes the directory must be one they share (as for any multi-host run's saves).
+
+A quorum lost (fewer than --min-workers for --quorum-timeout): every worker that stops tries to take
+the lock and save (`claim`), so the run's state is saved even when the lead was the worker lost; the
+lock lets one of them write.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+RETRY_S = 1.0  # a new lead whose directory is still locked tries again after this long
+
+
+def follows(plan: Any) -> bool:
+    """Whether the lead of this run can move (an elastic run on torchft)."""
+    return plan.elastic is not None and hasattr(plan.elastic, "engine")
+
+
+def follow(loop: Any) -> None:
+    """The hook: the lead role here exactly while the workers' rows say this worker leads."""
+    plan, member = loop.plan, loop.plan.elastic
+    if member.lead and not plan.is_main:
+        plan.is_main = True
+        loop.writer.take_over(loop.done, loop.history)  # (the steps the former lead took but did not write too)
+        loop.writer.decision("lead", loop.done, f"rank {member.rank} leads from step {loop.done}: it writes the "
+                             f"metrics, saves the checkpoints and evaluates", rank=member.rank)
+    elif not member.lead and plan.is_main:
+        plan.is_main = False
+        loop.writer.hand_over()
+        if plan.checkpointer is not None:
+            plan.checkpointer.close()  # (its saves written: the new lead's open waits for this lock)
+            plan.checkpointer = None
+    if plan.is_main and plan.checkpointer is None and plan.checkpoint.directory:
+        open_checkpointer(loop)
+
+
+def open_checkpointer(loop: Any) -> bool:
+    """The lead's checkpointer, unless the directory is still locked (then again in RETRY_S; one line)."""
+    from jaxdp.checkpoint.dirlock import DirectoryInUse
+
+    plan, now = loop.plan, time.monotonic()
+    if now < plan.lead_retry_at:
+        return False
+    try:
+        plan.checkpointer = plan.open_checkpointer()
+    except DirectoryInUse:
+        if not plan.lead_retry_at:
+            print(f"jaxdp: rank {plan.elastic.rank} leads, but the checkpoint directory is still locked by the "
+                  f"former lead (stopped, not gone?): its saves wait until the lock is free", file=sys.stderr)
+        plan.lead_retry_at = now + RETRY_S
+        return False
+    plan.lead_retry_at = 0.0
+    return True
+
+
+def claim(loop: Any) -> bool:
+    """The quorum is lost: this worker saves its state if it can take the directory's lock (the lead
+    it was may be the worker lost). Returns whether it holds the checkpointer."""
+    from jaxdp.checkpoint.dirlock import DirectoryInUse
+
+    plan = loop.plan
+    if plan.checkpointer is None and plan.checkpoint.directory:
+        try:
+            plan.checkpointer = plan.open_checkpointer()
+        except DirectoryInUse:  # another worker saves it
+            pass
+    return plan.checkpointer is not None
