@@ -206,6 +206,36 @@ def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_run_stopped_by_a_lost_quorum_resumes_from_its_checkpoint_and_ends_as_one_process(tmp_path):
+    """Rank 0 killed with --min-workers 2: rank 1 saves the step it holds and the run exits 75. The same
+    command again resumes from that checkpoint (rank 0 restores it, rank 1 takes it from rank 0), and
+    the run ends with a one-process run's parameters, bit for bit; the metrics file has every step once."""
+    steps = 300
+    command = (tmp_path, steps, "--min-workers", "2", "--quorum-timeout", "5")  # no restarts
+    run = Run(*command)
+    try:
+        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.kill(0)
+        assert run.proc.wait(timeout=90) == 75, run.text()
+    finally:
+        run.close()
+    saved = max(int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit())
+    assert 30 <= saved < steps, (saved, run.text())
+    again = Run(*command)
+    try:
+        assert again.proc.wait(timeout=150) == 0, again.text()
+    finally:
+        again.close()
+    assert "all 2 workers ended (0 restarts); exit code 0" in again.text(), again.text()
+    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    assert [r["resumed_from"] for r in records if r.get("event") == "start"] == [None, saved], records
+    logged = [r["step"] for r in records if "event" not in r]
+    assert logged == list(range(1, steps + 1)), logged
+    assert_ends_as_one_process(tmp_path, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_rank_0_lost_for_good_the_lowest_live_rank_leads_saves_and_evaluates_and_ends_as_one_process(tmp_path):
     """Rank 0 (the lead: metrics, checkpoints, evaluation) is killed and not restarted: rank 1 leads from
     the next step, continues the metrics file, saves the run's end and evaluates it; the final

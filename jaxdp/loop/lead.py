@@ -73,7 +73,8 @@ def open_checkpointer(loop: Any) -> bool:
 
 def claim(loop: Any) -> bool:
     """The quorum is lost: this worker saves its state if it can take the directory's lock (the lead
-    it was may be the worker lost). Returns whether it holds the checkpointer."""
+    it was may be the worker lost), and writes the steps the metrics file lacks. Returns whether it
+    holds the checkpointer."""
     from jaxdp.checkpoint.dirlock import DirectoryInUse
 
     plan = loop.plan
@@ -81,5 +82,6 @@ def claim(loop: Any) -> bool:
         try:
             plan.checkpointer = plan.open_checkpointer()
         except DirectoryInUse:  # another worker saves it
-            pass
+            return False
+        loop.writer.take_over(loop.done, loop.history)
     return plan.checkpointer is not None
