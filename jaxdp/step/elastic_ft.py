@@ -1,6 +1,6 @@
 """The step of an elastic run on torchft (jaxdp/cluster/ft.py): the hub's host path with a torchft transport.
 
-Each call: the quorum (who takes part; a behind worker is healed there), every QUORUM_EVERY steps while
+Each call: the quorum (who takes part; a behind worker is healed there), every QUORUM_SECONDS while
 nothing fails and started on torchft's thread while this worker computes its shard; every worker taking part sums
 its own shard over its devices (on the host, or in-graph by psum or the ring) and sends it as raw bytes in
 one row, whose header also says that it takes part and whether it asks to stop: one all-gather gives
@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp.mesh import data_axes, replicate, shard_batch
+from jaxdp.mesh import data_axes, replicated_sharding, shard_batch
 from jaxdp.step.state import TrainState
 from jaxdp.step.elastic import state_arrays, warm_up_fn
 from jaxdp.step.train_step import TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn
@@ -38,13 +38,15 @@ Metrics = dict
 
 HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
 TAKES_PART, ASKS_STOP, FRESH, LEADS = 1, 2, 4, 8  # FRESH: at the run's start, no step applied yet; LEADS: the lead
-# Steps per quorum while nothing fails: a quorum at the steps that are multiples of it, and the step
-# after one where a worker sat out (every worker reads that from the same rows, so all agree). A lost
-# or stalled worker makes the step's exchange fail, and the step is done again after a new quorum at
-# once; only a joiner (a new or restarted worker, which waits in its own quorum) waits for the next
-# one, up to this many steps. A quorum every step, waited for, cost a Lighthouse round trip a step:
-# over a 100 Mbit/s link with int8, 0.61x the plain run's steps/s, 0.76x now (docs/multihost.md).
-QUORUM_EVERY = 8
+QUORUM_DUE = 16  # (every-step exchange) this worker's last quorum is QUORUM_SECONDS old: one next step
+# While nothing fails, a quorum once QUORUM_SECONDS have passed since the last, and at the step after
+# one where a worker sat out: every worker reads both from the same rows (QUORUM_DUE, TAKES_PART), so
+# all agree. A lost or stalled worker makes the step's exchange fail, and the step is done again after
+# a new quorum at once; only a joiner (a new or restarted worker, which waits in its own quorum) waits
+# for the next one, up to this long. Over a 100 Mbit/s link with int8 (docs/multihost.md) a quorum
+# every step, waited for, made 0.61x the plain run's steps/s; one every 8 steps 0.76-0.82x; one every
+# 64 (about half a second there) 0.90-0.95x. In time, not steps: a slow step pays one a step at most.
+QUORUM_SECONDS = 0.5
 
 
 def cut(pieces: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
@@ -146,6 +148,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
     grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
     devices = member.size * mesh.size
     size, rank = member.size, member.rank
+    replicated = replicated_sharding(mesh)
     layout: dict[str, Any] = {}
 
     if "host" in spec.abilities:
@@ -187,14 +190,16 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 piece[i, HEADER:] = np.frombuffer(pack(sums, shard, kept), np.uint8)
         return piece
 
-    def unpack(row: bytes, totals: list[np.ndarray]) -> list[np.ndarray]:
+    def unpack(rows: np.ndarray, totals: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """Each row's sums (as `totals`' flat arrays); a codec's messages decoded in one program."""
         coder, exact = layout["coder"], layout["exact"]
         flat = [((a.size,), a.dtype) for a in totals]
         if coder is None:
-            return elastic.unpack(row, flat)
+            return [elastic.unpack(row.tobytes(), flat) for row in rows]
         head = sum(a.nbytes for a in totals[:exact])
-        grads = coder.decode(row[head:])
-        return elastic.unpack(row[:head], flat[:exact]) + np.split(grads, np.cumsum([a.size for a in totals[exact:]])[:-1])
+        grads = coder.decode_rows(rows[:, head:])
+        cuts = np.cumsum([a.size for a in totals[exact:]])[:-1]
+        return [elastic.unpack(row[:head].tobytes(), flat[:exact]) + np.split(g, cuts) for row, g in zip(rows, grads)]
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         if layout.get("skip"):  # healed past these steps: the state already holds them
@@ -210,6 +215,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             elif not retry and not layout.get("quorum_next", True):
                 pass  # the last quorum's members, as every worker's rows said (a failure fails the exchange)
             else:
+                layout["quorum_at"] = time.monotonic()
                 healed, _, own = take_quorum(member, state, at, meanwhile=(
                     (lambda: shard_sum(state, batch)[1]) if "like" in layout else None))
                 if healed is not None:  # behind after a commit only the others made: their state
@@ -232,13 +238,14 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             # the sums (one collective). Only if a rank is missing, a second round computes its shard.
             kept, taking_part = {}, member.engine.participating()
             mine = [rank] if taking_part else []
-            first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept, flags_of(member, taking_part),
-                                                        ready=own)))
+            due = QUORUM_DUE * (time.monotonic() - layout.get("quorum_at", 0.0) >= QUORUM_SECONDS)
+            first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept,
+                                                        flags_of(member, taking_part) | due, ready=own)))
             heads = [(tag, flags) for tag, flags, _ in first]
             live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
-            # The next step's quorum, decided from what every worker received alike: every QUORUM_EVERY
-            # steps, and at once after a step with a worker that sat it out (one that just healed).
-            layout["quorum_next"] = (at + 1) % QUORUM_EVERY == 0 or any(not flags & TAKES_PART for _, flags in heads)
+            # The next step's quorum, decided from what every worker received alike: once a worker's last
+            # is QUORUM_SECONDS old, and at once after a step with a worker that sat it out (one that just healed).
+            layout["quorum_next"] = any(not flags & TAKES_PART or flags & QUORUM_DUE for _, flags in heads)
             stop = any(flags & ASKS_STOP for _, flags in heads)
             if live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
                 # At the start every worker waits for rank 0, which restored the checkpoint: without it
@@ -279,8 +286,9 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             layout["bad"] = bad
         member.shards, member.stop = mine, member.stop or stop
         totals = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype) for shape, dtype in layout["like"]]
-        for shard in (s for s in range(size) if s not in bad):  # in shard order, as the hub adds them: the
-            for acc, part in zip(totals, unpack(rows[shard].tobytes(), totals)):  # same bits whoever computed each
+        counted_shards = [s for s in range(size) if s not in bad]
+        for parts in unpack(rows[counted_shards], totals):  # in shard order, as the hub adds them: the
+            for acc, part in zip(totals, parts):  # same bits whoever computed each
                 acc += part
         totals = [t.reshape(shape) for t, (shape, _) in zip(totals, layout["like"])]
         counted = devices * (size - len(bad)) // size  # (every shard not finite: NaN, which stops the run as ever)
@@ -288,7 +296,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                  np.full(t.shape, np.nan, t.dtype) if np.issubdtype(t.dtype, np.inexact) else t for t in totals]
         metrics, model_state, grads = jax.tree.unflatten(layout["treedef"], means)
         metrics = _host_metrics(dict(metrics), grads, grad_norm)
-        grads, model_state = replicate((grads, model_state), mesh)
+        grads, model_state = jax.device_put((grads, model_state), replicated)  # (one process: no global arrays)
         state = update_fn(state, grads, model_state)
         layout["metrics"] = metrics
         return state, metrics

@@ -154,8 +154,14 @@ class RowCoder:
         chunk, block = codec.chunking(size, 1)
         wire = codec.wire(chunk, block)
         pad = chunk - size
-        self._encode = jax.jit(lambda x: wire.encode(jnp.pad(x, (0, pad))))
-        self._decode = jax.jit(lambda message: wire.decode(message)[:size])
+
+        def encode(values: jax.Array, owed: jax.Array) -> tuple[jax.Array, jax.Array]:
+            message, left = wire.encode(jnp.pad(values + owed, (0, pad)))
+            return message, left[:size]
+
+        self._encode = jax.jit(encode)  # (one program a message: a worker's step waits on it)
+        self._decode = jax.jit(jax.vmap(lambda message: wire.decode(message)[:size]))
+        self._zeros = np.zeros(size, np.float32)
         self.nbytes = codec.message_bytes(chunk, block)
 
     def encode(self, values: np.ndarray, key: int) -> tuple[bytes, np.ndarray | None]:
@@ -164,14 +170,18 @@ class RowCoder:
         if self.codec.name == "bf16":
             return values.astype(jax.numpy.bfloat16).tobytes(), None
         owed = self.feedback.get(key)
-        message, left = self._encode(values if owed is None else values + owed)
-        return np.asarray(message).tobytes(), np.asarray(left[:self.size])
+        message, left = self._encode(values, self._zeros if owed is None else owed)
+        return np.asarray(message).tobytes(), np.asarray(left)
 
     def keep(self, key: int, feedback: np.ndarray | None) -> None:
         if feedback is not None:
             self.feedback[key] = feedback
 
     def decode(self, message: bytes) -> np.ndarray:
+        return self.decode_rows(np.frombuffer(message, np.uint8)[None])[0]
+
+    def decode_rows(self, messages: np.ndarray) -> np.ndarray:
+        """Each row of `messages` (uint8, one message a row) decoded: (rows, size) float32, in one program."""
         if self.codec.name == "bf16":
-            return np.frombuffer(message, jax.numpy.bfloat16).astype(np.float32)
-        return np.asarray(self._decode(np.frombuffer(message, np.uint8)), np.float32)
+            return np.ascontiguousarray(messages).view(jax.numpy.bfloat16).astype(np.float32)
+        return np.asarray(self._decode(messages), np.float32)
