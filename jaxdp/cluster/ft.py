@@ -155,10 +155,25 @@ class TorchftEngine:
         self.manager._pg.set_timeout(timedelta(seconds=seconds))
 
     def commit(self) -> bool:
+        """Whether this step's exchanges all went through; if so the step counts (the step a behind
+        worker is healed to). torchft's `should_commit` less its round trip to this worker's own
+        manager server, whose vote is of the worker's replica group: here one process, this one. That
+        round trip was about 8 % of a step of the default MLP (py-spy, docs/multihost.md)."""
+        manager = self.manager
         try:
-            return bool(self.manager.should_commit())
+            if err := manager._pg.errored():
+                manager.report_error(err)
+            if manager._healing:
+                manager._apply_pending_state_dict()
+                manager._healing = False
+            ok = manager.num_participants() >= manager._min_replica_size and manager._errored is None
+            manager._checkpoint_transport.disallow_checkpoint()
         except Exception:
             return False
+        if ok:
+            manager._step += 1
+            manager._batches_committed += manager.num_participants()
+        return ok
 
     def step(self) -> int:
         return self.manager.current_step()
