@@ -34,6 +34,24 @@ def follows(plan: Any) -> bool:
     return plan.elastic is not None and hasattr(plan.elastic, "engine")
 
 
+def prepare(plan: Any) -> None:
+    """A worker that does not lead at its start (`plan.checkpointer` None). orbax is imported now: at a
+    takeover its import (about 0.8 s here) would stall the whole run. A restarted rank 0 takes the
+    directory's lock if it is free and then leads, as at the start: it restores the checkpoint (the
+    run's only state where no worker is live) unless a live worker's state is further on
+    (jaxdp/step/elastic_ft.py, settle); where a live lead holds the lock it follows."""
+    import jaxdp.checkpoint.checkpointer  # noqa: F401
+    from jaxdp.checkpoint.dirlock import DirectoryInUse
+
+    if plan.elastic.rank != 0:
+        return
+    try:
+        plan.checkpointer = plan.open_checkpointer()
+    except DirectoryInUse:
+        return
+    plan.is_main, plan.elastic.leader = True, 0
+
+
 def follow(loop: Any) -> None:
     """The hook: the lead role here exactly while the workers' rows say this worker leads."""
     plan, member = loop.plan, loop.plan.elastic

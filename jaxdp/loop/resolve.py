@@ -84,7 +84,6 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
     """The Plan of a run: checks every choice (InputError), resolves the sync choices, builds the state."""
     import jax
 
-    from jaxdp.checkpoint.dirlock import DirectoryInUse
     from jaxdp.cluster import heartbeat, runtime
     from jaxdp.data import grain as grain_data
     from jaxdp.errors import InputError
@@ -134,14 +133,8 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
     plan.checkpoint = checkpoint
     if checkpoint.directory and (elastic is None or plan.is_main):  # an elastic run: its lead saves
         plan.checkpointer = plan.open_checkpointer()
-    elif checkpoint.directory and lead.follows(plan) and elastic.rank == 0:
-        # rank 0 restarted: it restores the checkpoint, as at the start, unless a live worker leads and
-        # holds the directory (then it takes the live state: jaxdp/step/elastic_ft.py, settle)
-        try:
-            plan.checkpointer = plan.open_checkpointer()
-            plan.is_main, elastic.leader = True, 0
-        except DirectoryInUse:
-            pass
+    elif checkpoint.directory and lead.follows(plan):  # a worker that does not lead now may later
+        lead.prepare(plan)
     try:
         resolve_sync(plan, loss_fn, params, tx, stateful, {} if model_state is None else dict(model_state), seed, sync)
         plan.evaluate = evaluator(plan, evaluation)
