@@ -2,10 +2,12 @@
 line with its time since the kill (seconds). Run from the repository root, torchft installed:
 
     python docs/perf/ft_kill_trace.py [STEPS]                 # KILL_AT=20 (s after the start), HB=0.5 (heartbeat)
+                                                              # RANK=0: kill the lead instead of worker 1
+                                                              # SAVE_EVERY=100: save as the goodput bench does
 
 It starts `python -m jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2 --max-restarts 10
 [--heartbeat-timeout HB] -- python -m jaxdp.train --strategy psum --devices 1 --steps STEPS`, kills worker
-1 with SIGKILL KILL_AT seconds in, and prints the lines after the kill: when the survivor left it out
+RANK (default 1) with SIGKILL KILL_AT seconds in, and prints the lines after the kill: when the survivor left it out
 ("live ranks [0]"), when the restarted worker joined with a live worker's state, when both train again.
 TREE: the checkout to run (default: the current directory).
 """
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,7 +26,9 @@ tree = os.environ.get("TREE", os.getcwd())
 heartbeat = ["--heartbeat-timeout", os.environ["HB"]] if os.environ.get("HB") else []
 cmd = [sys.executable, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2",
        "--max-restarts", "10", *heartbeat, "--", sys.executable, "-m", "jaxdp.train", "--strategy", "psum",
-       "--devices", "1", "--steps", steps, "--no-progress", "--log-every", "100"]
+       "--devices", "1", "--steps", steps, "--no-progress", "--log-every", "100",
+       *(["--checkpoint-dir", tempfile.mkdtemp(), "--save-every", os.environ["SAVE_EVERY"]]
+         if os.environ.get("SAVE_EVERY") else [])]
 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree,
                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
 killed: list[float] = []
@@ -37,18 +42,19 @@ def echo() -> None:
 
 threading.Thread(target=echo, daemon=True).start()
 time.sleep(float(os.environ.get("KILL_AT", "20")))
-rank1 = None
+rank = os.environ.get("RANK", "1")
+victim = None
 for pid in training_processes(proc.pid):  # this launcher's workers (the zygote's children included)
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            if b"JAXDP_ELASTIC_RANK=1" in f.read().split(b"\0"):
-                rank1 = pid
+            if f"JAXDP_ELASTIC_RANK={rank}".encode() in f.read().split(b"\0"):
+                victim = pid
     except OSError:
         continue
-if rank1 is None:
+if victim is None:
     proc.kill()
-    sys.exit("worker 1 was not found (did the run start?)")
+    sys.exit(f"worker {rank} was not found (did the run start?)")
 killed.append(time.monotonic())
-print(f"  +0.00 SIGKILL to worker 1 (pid {rank1})", flush=True)
-os.kill(rank1, signal.SIGKILL)
+print(f"  +0.00 SIGKILL to worker {rank} (pid {victim})", flush=True)
+os.kill(victim, signal.SIGKILL)
 sys.exit(proc.wait())

@@ -204,6 +204,7 @@ class FtMember:
         self.live: list[int] = list(range(size))
         self.restarted = False      # started again by the launcher while other workers were live
         self.leader: int | None = 0  # the rank that leads, as the last exchange's rows said (None: not known yet)
+        self.alone = False          # restarted, and its first quorum found no live worker
 
     @property
     def lead(self) -> bool:

@@ -35,21 +35,30 @@ def follows(plan: Any) -> bool:
 
 
 def prepare(plan: Any) -> None:
-    """A worker that does not lead at its start (`plan.checkpointer` None). orbax is imported now: at a
-    takeover its import (about 0.8 s here) would stall the whole run. A restarted rank 0 takes the
-    directory's lock if it is free and then leads, as at the start: it restores the checkpoint (the
-    run's only state where no worker is live) unless a live worker's state is further on
-    (jaxdp/step/elastic_ft.py, settle); where a live lead holds the lock it follows."""
+    """A worker that does not lead at its start: orbax imported now, since at a takeover its import
+    (about 0.8 s here) would stall the whole run. (A restarted worker takes the directory's lock only
+    where it finds no live worker: `alone`.)"""
     import jaxdp.checkpoint.checkpointer  # noqa: F401
-    from jaxdp.checkpoint.dirlock import DirectoryInUse
 
-    if plan.elastic.rank != 0:
-        return
-    try:
-        plan.checkpointer = plan.open_checkpointer()
-    except DirectoryInUse:
-        return
-    plan.is_main, plan.elastic.leader = True, 0
+
+def alone(plan: Any) -> None:
+    """A restarted rank 0 whose first quorum found no live worker (the run ended meanwhile, or every
+    worker is being restarted): it leads, as at the start, from the latest checkpoint. Another
+    process holding the directory (a lead that is stopped, not gone): exit 75."""
+    from jaxdp.checkpoint.dirlock import DirectoryInUse
+    from jaxdp.errors import EXIT_PREEMPTED
+
+    member = plan.elastic
+    if plan.checkpoint.directory:
+        try:
+            plan.checkpointer = plan.open_checkpointer()
+        except DirectoryInUse:
+            print(f"jaxdp: rank {member.rank}: restarted, no live worker, and the checkpoint directory is held by "
+                  f"another process; exit code {EXIT_PREEMPTED}", file=sys.stderr)
+            member.close()
+            raise SystemExit(EXIT_PREEMPTED) from None
+        plan.state = plan.checkpointer.restore(plan.state)
+    plan.is_main, member.leader = True, member.rank
 
 
 def follow(loop: Any) -> None:

@@ -121,10 +121,11 @@ def restore(plan: Plan) -> bool:
         plan.preemption = Preemption()  # a SIGTERM while joining (compiling can take a minute) stops it with 75
         plan.state, joined = _join(plan.elastic, plan.state, checkpointer, plan.step_for(plan.spec), plan.batch_at,
                                    plan.preemption)
-        if plan.is_main and not plan.elastic.lead:  # (a restarted rank 0 that took the live state: it follows)
-            plan.is_main = False
-            checkpointer.close()
-            plan.checkpointer = checkpointer = None
+        if getattr(plan.elastic, "alone", False):  # a restarted rank 0 with no live worker (jaxdp/loop/lead.py)
+            from jaxdp.loop import lead
+
+            lead.alone(plan)
+            checkpointer = plan.checkpointer
     elif checkpointer:
         plan.state = checkpointer.restore(plan.state)  # the latest complete checkpoint, or `state` if none
         if int(plan.state.step) > plan.steps:

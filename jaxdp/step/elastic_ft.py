@@ -324,10 +324,10 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
         raise SystemExit(EXIT_PREEMPTED) from None
     member.fresh_quorum = True  # this quorum's collectives are the first step's
     member.fresh = not member.restarted and received is None  # at the run's start: it waits for rank 0 (step)
-    if received is None and member.restarted and not member.lead and member.engine.manager.num_participants() <= 1:
+    member.alone = received is None and member.restarted and member.engine.manager.num_participants() <= 1
+    if member.alone and member.rank != 0:
         # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
-        # a restarted rank 0 that took the directory's lock goes on from the checkpoint it restored instead
-        # (it leads: jaxdp/loop/resolve.py), and saves the run's end
+        # a restarted rank 0 goes on from the checkpoint instead, and leads (jaxdp/loop/lead.py, `alone`)
         print(f"jaxdp: rank {member.rank}: restarted, but no live worker to take the state from; exit code "
               f"{EXIT_PREEMPTED}", file=sys.stderr)
         member.close()
@@ -335,7 +335,7 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     member.pending_round = received is not None and received[:1] == b"\1"  # a peer's round end: its exchange next
     if received is None:
         return state, False
-    member.leader = None  # (a restarted rank 0 that restored a checkpoint too: the live workers' lead stays)
+    member.leader = None  # (the live workers' rows say who leads)
     state = state_from_arrays(state, memoryview(received)[1:])
     print(f"jaxdp: rank {member.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
               f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
