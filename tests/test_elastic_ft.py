@@ -133,6 +133,25 @@ def stop_1_and_go_on(run: Run, rank: int = 1) -> None:
         run.close()
 
 
+def kill_and_end(run: Run, rank: int, code: int, at: int = 30, timeout: float = 150) -> str:
+    """Worker `rank` killed once the run reached step `at`; the launcher must end with `code`. Returns its output."""
+    try:
+        run.wait_for(lambda: run.reached() >= at, f"step {at}")
+        run.kill(rank)
+        assert run.proc.wait(timeout=timeout) == code, run.text()
+    finally:
+        run.close()
+    return run.text()
+
+
+def logged_once(tmp_path, steps: int) -> list[dict]:
+    """The run's metrics records, asserting that every step 1..steps is logged exactly once."""
+    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in records if "event" not in r]
+    assert logged == list(range(1, steps + 1)), logged
+    return records
+
+
 def finish(run: Run) -> None:
     """An undisturbed run to its end."""
     try:
@@ -194,14 +213,7 @@ def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_
 def test_fewer_than_min_workers_for_the_quorum_timeout_saves_and_exits_75(tmp_path, lost):
     """The survivor saves the state it holds, also where the worker lost is the lead (rank 0): it takes
     the directory's lock. (--save-every is the run's length: every checkpoint here is that save.)"""
-    run = Run(tmp_path, 100000, "--min-workers", "2", "--quorum-timeout", "5")  # no restarts
-    try:
-        run.wait_for(lambda: run.reached() >= 20, "step 20")
-        run.kill(lost)
-        assert run.proc.wait(timeout=90) == 75, run.text()
-    finally:
-        run.close()
-    text = run.text()
+    text = kill_and_end(Run(tmp_path, 100000, "--min-workers", "2", "--quorum-timeout", "5"), lost, 75, at=20)
     assert "fewer than --min-workers=2 live workers" in text and "all 2 workers ended (0 restarts); exit code 75" in text, text
     saved = [int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit()]
     assert saved and max(saved) >= 20, (saved, text)
@@ -215,25 +227,17 @@ def test_a_run_stopped_by_a_lost_quorum_resumes_from_its_checkpoint_and_ends_as_
     the run ends with a one-process run's parameters, bit for bit; the metrics file has every step once."""
     steps = 300
     command = (tmp_path, steps, "--min-workers", "2", "--quorum-timeout", "5")  # no restarts
-    run = Run(*command)
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        run.kill(0)
-        assert run.proc.wait(timeout=90) == 75, run.text()
-    finally:
-        run.close()
+    text = kill_and_end(Run(*command), 0, 75)
     saved = max(int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit())
-    assert 30 <= saved < steps, (saved, run.text())
+    assert 30 <= saved < steps, (saved, text)
     again = Run(*command)
     try:
         assert again.proc.wait(timeout=150) == 0, again.text()
     finally:
         again.close()
     assert "all 2 workers ended (0 restarts); exit code 0" in again.text(), again.text()
-    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    records = logged_once(tmp_path, steps)
     assert [r["resumed_from"] for r in records if r.get("event") == "start"] == [None, saved], records
-    logged = [r["step"] for r in records if "event" not in r]
-    assert logged == list(range(1, steps + 1)), logged
     assert_ends_as_one_process(tmp_path, steps)
 
 
@@ -244,20 +248,11 @@ def test_rank_0_lost_for_good_the_lowest_live_rank_leads_saves_and_evaluates_and
     the next step, continues the metrics file, saves the run's end and evaluates it; the final
     parameters are a one-process run's, bit for bit (rank 1 computes both shards, added in shard order)."""
     steps = 300
-    run = Run(tmp_path, steps)  # no restarts
-    try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
-        run.kill(0)
-        assert run.proc.wait(timeout=150) == 0, run.text()
-    finally:
-        run.close()
-    text = run.text()
+    text = kill_and_end(Run(tmp_path, steps), 0, 0)  # no restarts
     assert "rank 1 leads from step" in text and "all 2 workers ended (0 restarts); exit code 0" in text, text
-    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    records = logged_once(tmp_path, steps)  # the file continued where rank 0 stopped
     lead = [r for r in records if r.get("event") == "lead"]
     assert len(lead) == 1 and lead[0]["rank"] == 1 and lead[0]["step"] >= 30, lead
-    logged = [r["step"] for r in records if "event" not in r]
-    assert logged == list(range(1, steps + 1)), logged  # every step once: the file continued where rank 0 stopped
     assert records[-1]["event"] == "done" and records[-1]["eval_accuracy"] > 0.5, records[-1]
     assert_ends_as_one_process(tmp_path, steps)
 
