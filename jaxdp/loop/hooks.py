@@ -241,7 +241,7 @@ def redecide(loop: Loop) -> None:
 
 class ElasticStop:
     """An elastic run's preemption: a signal here asks the launcher to stop every rank, and all
-    stop after the step whose total says so (rank 0 saves it)."""
+    stop after the step whose total says so (the lead saves it: rank 0, or on torchft whichever leads)."""
 
     def __init__(self, preemption: Any, member: Any):
         self._preemption, self._member = preemption, member

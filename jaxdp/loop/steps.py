@@ -60,7 +60,7 @@ def run_steps(loop: Loop) -> None:
                     print(f"jaxdp: {gone}: stopping after step {loop.done}, exit code 75", file=sys.stderr)
                 loop.preemption.gone, loop.stop = (str(gone) if lead.follows(plan) else True), True
                 loop.saveable()
-                hooks.run(loop, "stop")  # rank 0 saves the state it holds
+                hooks.run(loop, "stop")  # the lead (torchft: the worker that took the lock) saves the state it holds
                 return
             done = step + 1
             phantom = made_up and step == loop.start  # (every-step overlap: nothing applied yet)
