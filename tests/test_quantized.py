@@ -184,6 +184,8 @@ def test_host_rows_code_a_workers_sum_once_with_error_feedback_per_shard(bits):
     owed, _ = coder.encode(x, key=1)  # key 1 now adds what its last message left out
     np.testing.assert_allclose(coder.decode(owed), reference(x + feedback), rtol=0, atol=1e-6)
     assert coder.encode(x, key=0)[0] == message  # another key (shard) owes nothing
+    rows = np.stack([np.frombuffer(m, np.uint8) for m in (message, owed)])  # every row in one program: the same
+    np.testing.assert_array_equal(coder.decode_rows(rows), np.stack([coder.decode(message), coder.decode(owed)]))
 
 
 def test_host_rows_in_bf16_are_the_cast_and_other_codecs_are_refused():
@@ -197,5 +199,7 @@ def test_host_rows_in_bf16_are_the_cast_and_other_codecs_are_refused():
     message, feedback = coder.encode(x, key=0)
     assert feedback is None and len(message) == coder.nbytes == 202
     np.testing.assert_array_equal(coder.decode(message), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    rows = np.stack([np.frombuffer(message, np.uint8)] * 2)
+    np.testing.assert_array_equal(coder.decode_rows(rows), np.stack([coder.decode(message)] * 2))
     with pytest.raises(ValueError, match="codes only bf16, int8, int4, not 'powersgd"):
         RowCoder(codecs.parse("powersgd:2"), x.size)
