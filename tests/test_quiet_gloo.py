@@ -50,3 +50,45 @@ def test_what_counts_as_a_gloo_line():
     assert is_gloo_line(LINE.format(r=5).rstrip("\n").encode())
     assert is_gloo_line(b"7 peer ranks. Expected number of connected peer ranks is : 7")
     assert not is_gloo_line(b"12345") and not is_gloo_line(b"[Gloo] Rank 0 is connected to nothing")
+
+
+def test_http_access_lines_are_dropped_and_errors_kept(capsys, monkeypatch):
+    """torchft's checkpoint server logs each state transfer through http.server's access line:
+    quiet_http_requests drops those lines (without --debug) and keeps its error lines."""
+    import http.server
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from jaxdp.cluster import quiet
+
+    handler = http.server.BaseHTTPRequestHandler
+    monkeypatch.setattr(handler, "log_request", handler.log_request)  # (put back after the test)
+
+    class Serve(handler):
+        def do_GET(self):
+            if self.path == "/fail":
+                self.send_error(500, "no state here")
+                return
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"state")
+
+    def get(server, path):
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}{path}", timeout=10).read()
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert get(server, "/checkpoint/1/full") == b"state"
+        assert '"GET /checkpoint/1/full HTTP/1.1" 200' in capsys.readouterr().err  # the access line, by default
+        quiet.quiet_http_requests()
+        assert get(server, "/checkpoint/2/full") == b"state" and get(server, "/fail") == 500
+        err = capsys.readouterr().err
+        assert "/checkpoint/2/full" not in err and "no state here" in err, err
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -73,9 +73,12 @@ class TorchftEngine:
         require_torchft()
         import torch
         from torch.distributed import TCPStore
+
+        from jaxdp.cluster import quiet
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        quiet.quiet_http_requests()  # (a heal's state transfer: no access line on the console)
         self.torch, self.rank, self.size = torch, rank, size
         self._received: bytes | None = None
         self._state_fn: Callable[[], bytes] | None = None

@@ -7,6 +7,7 @@ one line instead of hundreds (--debug, the INFO level, keeps everything).
     silence_asyncio()                    # after a failed save, for the rest of the process
     ignore_closed_event_loop_errors()    # after a failed restore's late reads
     filter_gloo_lines(enabled)           # multi-process CPU runs: no "[Gloo] Rank N is connected to ..."
+    quiet_http_requests()                # an elastic run on torchft: no access line per state transfer
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def silence_asyncio() -> None:
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger("asyncio").addFilter(_DROP_ALL)
         warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+
+
+def quiet_http_requests() -> None:
+    """torchft's checkpoint server (a heal's state transfer: jaxdp/cluster/ft.py) writes an access line
+    per request to stderr (`::ffff:127.0.0.1 - - [...] "GET /checkpoint/42/full HTTP/1.1" 200 -`):
+    dropped in this process, since Python's http.server has no logger to set (not with --debug). Its
+    errors still print."""
+    if logging.getLogger().isEnabledFor(logging.INFO):
+        return
+    from http.server import BaseHTTPRequestHandler
+
+    BaseHTTPRequestHandler.log_request = lambda self, code="-", size="-": None
 
 
 _NOISY_LOGGERS = ("absl", "asyncio", "orbax", "jax._src.distributed")
