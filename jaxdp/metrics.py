@@ -127,13 +127,15 @@ class MetricsWriter:
         if is_main:
             self._open(start_step, resumed=bool(start_step))
 
-    def _open(self, step: int, resumed: bool) -> None:
+    def _open(self, step: int, resumed: bool) -> int:
+        """Open the sinks; returns the highest step the metrics file holds (`step` where there is none to keep)."""
         metrics_file, log_dir, wandb_project, wandb_id_dir = self._sinks
+        last = step
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             # A resumed run continues the file of the run it resumes, from the checkpoint's step.
             if resumed:
-                _keep_records_up_to(metrics_file, step)
+                last = _keep_records_up_to(metrics_file, step)
             self._jsonl = open(metrics_file, "a" if resumed else "w", buffering=1)
         if log_dir:
             from tensorboardX import SummaryWriter
@@ -141,6 +143,7 @@ class MetricsWriter:
             self._tensorboard = SummaryWriter(log_dir)
         if wandb_project:
             self._wandb = WandbSink(wandb_project, wandb_id_dir, resumed=resumed)
+        return last
 
     def take_over(self, step: int, logged: list[dict[str, Any]] = ()) -> None:
         """This process writes from `step` on (an elastic run's lead moved here: jaxdp/loop/lead.py): the
@@ -151,8 +154,7 @@ class MetricsWriter:
         if self.is_main:
             return
         self.is_main = True
-        self._open(step, resumed=True)
-        last = _last_step(self._sinks[0]) if self._sinks[0] else step
+        last = self._open(step, resumed=True)
         for record in logged:
             if last < record["step"] <= step:
                 self._write(record)
@@ -333,15 +335,15 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _keep_records_up_to(path: str, step: int) -> None:
+def _keep_records_up_to(path: str, step: int) -> int:
     """Drop what a resumed run will write again: records after `step` (a crashed run got past its
     last checkpoint) and a torn last line. A finished run's "done" record at or before `step` (the
     run is being extended) keeps its held-out metrics as an "eval" record marked `"finished": true`,
     so the file still ends with one "done" record. Replaces the file atomically, so a crash here
-    leaves the old file."""
+    leaves the old file. Returns the highest step kept (0: none, or no file)."""
     if not os.path.exists(path):
-        return
-    kept = []
+        return 0
+    kept, last = [], 0
     with open(path) as f:
         for line in f:
             try:
@@ -353,13 +355,9 @@ def _keep_records_up_to(path: str, step: int) -> None:
             if record.get("event") == "done":
                 line = json.dumps({**record, "event": "eval", "finished": True}) + "\n"
             kept.append(line if line.endswith("\n") else line + "\n")
+            last = max(last, record.get("step") or 0)
     write_text_atomically(path, "".join(kept))
-
-
-def _last_step(path: str) -> int:
-    """The highest "step" of the records in a metrics file (0: none)."""
-    with open(path) as f:
-        return max((json.loads(line).get("step") or 0 for line in f if line.strip()), default=0)
+    return last
 
 
 def write_text_atomically(path: str, text: str) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -66,6 +66,13 @@ def advertised_host(lighthouse: str, environ: dict | None = None) -> str | None:
     return endpoint.address
 
 
+def _apply_heal(manager: Any) -> None:
+    """A state received from a peer in the quorum, applied (once) through torchft's load_state_dict."""
+    if manager._healing:
+        manager._apply_pending_state_dict()
+        manager._healing = False
+
+
 class TorchftEngine:
     """The Engine on torchft: a Manager (its own one-process replica group) over ProcessGroupGloo."""
 
@@ -73,10 +80,10 @@ class TorchftEngine:
         require_torchft()
         import torch
         from torch.distributed import TCPStore
-
-        from jaxdp.cluster import quiet
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
+
+        from jaxdp.cluster import quiet
 
         quiet.quiet_http_requests()  # (a heal's state transfer: no access line on the console)
         self.torch, self.rank, self.size = torch, rank, size
@@ -124,9 +131,7 @@ class TorchftEngine:
             manager.wait_quorum()
         except Exception as err:  # torchft raises RuntimeError / TimeoutError from its quorum thread
             raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
-        if manager._healing:  # the state now, as torchft's synchronous quorum does (not at the commit)
-            manager._apply_pending_state_dict()
-            manager._healing = False
+        _apply_heal(manager)  # the state now, as torchft's synchronous quorum does (not at the commit)
         return self._received
 
     def participating(self) -> bool:
@@ -166,9 +171,7 @@ class TorchftEngine:
         try:
             if err := manager._pg.errored():
                 manager.report_error(err)
-            if manager._healing:
-                manager._apply_pending_state_dict()
-                manager._healing = False
+            _apply_heal(manager)
             ok = manager.num_participants() >= manager._min_replica_size and manager._errored is None
             manager._checkpoint_transport.disallow_checkpoint()
         except Exception:

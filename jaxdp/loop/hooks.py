@@ -176,7 +176,7 @@ def log_step(loop: Loop) -> None:
 
 def evaluate(loop: Loop) -> None:
     """Held-out metrics during training (the last step's come with the final record instead)."""
-    if loop.done >= loop.steps or not (loop.plan.elastic is None or loop.plan.is_main):  # (the lead evaluates)
+    if loop.done >= loop.steps or not loop.plan.evaluates:
         return
     loop.window.check()
     loop.plan.beat.phase(f"the evaluation after {loop.where}")

@@ -51,6 +51,11 @@ class Plan:
     preemption: Any = None          # an elastic run's stop signals, caught from before it joins
     exits_after: bool = False       # the command line: the process ends when fit returns
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether this process evaluates: every process of a run, one of an elastic run (its lead)."""
+        return self.elastic is None or self.is_main
+
     def open_checkpointer(self) -> Any:
         """The run's Checkpointer on its directory (InputError: in use, or not writable), recording the
         run's config and sync choices."""

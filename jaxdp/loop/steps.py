@@ -54,11 +54,12 @@ def run_steps(loop: Loop) -> None:
             try:
                 state, metrics = train_step(loop.state, batch)
             except hub_gone as gone:  # an elastic run whose launcher went away: stop with the state held
-                if lead.follows(plan):  # (torchft: the quorum is lost; a worker that takes the lock saves)
+                moves = lead.follows(plan)  # (torchft: the quorum is lost; a worker that takes the lock saves)
+                if moves:
                     plan.is_main = lead.claim(loop)
                 if not (plan.is_main and plan.checkpointer):  # (the lead says what it saved: fit's stopped())
                     print(f"jaxdp: {gone}: stopping after step {loop.done}, exit code 75", file=sys.stderr)
-                loop.preemption.gone, loop.stop = (str(gone) if lead.follows(plan) else True), True
+                loop.preemption.gone, loop.stop = (str(gone) if moves else True), True
                 loop.saveable()
                 hooks.run(loop, "stop")  # the lead (torchft: the worker that took the lock) saves the state it holds
                 return

@@ -82,12 +82,17 @@ def say_live(member: Any, at: int, live: list[int], more: str = "") -> None:
                if gone else "") + (f"; back {back}" if back else "") + more)
 
 
+def live_of(heads: list[tuple[int, int]]) -> list[int]:
+    """The ranks taking part in an exchange whose rows have these (tag, flags), in order."""
+    return sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
+
+
 def lead_of(heads: list[tuple[int, int]], now: int | None) -> int | None:
     """The rank that leads after an exchange whose rows have these (tag, flags) (every worker reads the
     same): the lowest taking part whose row says it leads (jaxdp/loop/lead.py); where none does (the
     lead was lost or left out, or the rows came from restarted workers only) the lowest live rank,
     which then keeps the role while it lives. `now`: the lead so far, where no rank took part."""
-    live = sorted(abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag)
+    live = live_of(heads)
     leading = [abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and flags & LEADS and tag]
     return min(leading) if leading else live[0] if live else now
 
@@ -242,7 +247,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept,
                                                         flags_of(member, taking_part) | due, ready=own)))
             heads = [(tag, flags) for tag, flags, _ in first]
-            live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
+            live = live_of(heads)
             # The next step's quorum, decided from what every worker received alike: once a worker's last
             # is QUORUM_SECONDS old, and at once after a step with a worker that sat it out (one that just healed).
             layout["quorum_next"] = any(not flags & TAKES_PART or flags & QUORUM_DUE for _, flags in heads)
@@ -338,5 +343,5 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     member.leader = None  # (the live workers' rows say who leads)
     state = state_from_arrays(state, memoryview(received)[1:])
     print(f"jaxdp: rank {member.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
-              f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
+          f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
     return state, True

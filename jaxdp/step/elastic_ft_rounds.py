@@ -40,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicate, state_specs
 from jaxdp.step.elastic_ft import (
-    ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, say_live, take_quorum, wait_for_rank_0,
+    ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, say_live, take_quorum, wait_for_rank_0,
 )
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import outer_step
@@ -161,7 +161,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
             if not member.engine.commit() or not rows:
                 continue  # someone failed in the round or the exchange: again, over the new quorum
             heads = [(tag, flags) for tag, flags, _ in rows]
-            live = sorted({abs(tag) - 1 for tag, flags in heads if flags & TAKES_PART and tag})
+            live = live_of(heads)
             if start and live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
                 wait_for_rank_0(member, layout)  # at the start, rank 0 restored the checkpoint (elastic_ft.py)
                 continue
