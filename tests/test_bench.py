@@ -339,3 +339,18 @@ def test_goodput_counts_the_worker_steps_an_elastic_run_of_local_steps_missed():
     assert missed_steps("", 800, 2) == 0
     assert _rounds("--strategy psum --sync-every 8") and _rounds("--sync-every=4")
     assert not _rounds("--sync-every 1") and not _rounds("--strategy psum")
+
+
+def test_goodput_summarises_its_pairs_by_their_medians():
+    from jaxdp.bench.goodput import median_row
+
+    pairs = [{"mode": "elastic (torchft)", "steps": 10, "save_every": "100", "kill_every_s": 10.0, "undisturbed_s": u,
+              "disturbed_s": d, "kills": k, "goodput": u / d, "lost_per_kill_s": (d - u) / k, "same_final_params": same}
+             for u, d, k, same in ((100.0, 110.0, 10, True), (90.0, 120.0, 12, True), (110.0, 115.0, 11, True))]
+    row = median_row(pairs)
+    assert row["repeat"] == "median" and row["same_final_params"]
+    assert row["goodput"] == 100 / 110  # the median of the pairs' ratios, not 100 / 115 (the ratio of the medians)
+    assert row["undisturbed_s"] == 100.0 and row["disturbed_s"] == 115.0 and row["kills"] == 11
+    assert "examples_done" not in row
+    pairs[1]["same_final_params"] = False
+    assert not median_row(pairs)["same_final_params"]

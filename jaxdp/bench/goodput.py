@@ -42,7 +42,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--save-every", default="100", help="steps, or auto (jaxdp/checkpoint/saveplan.py: chosen from the measured save "
                    "cost and, after a restart, the failures seen)")
     p.add_argument("--train-args", default="", help="more jaxdp.train flags, as one string")
-    p.add_argument("--seed", type=int, default=0, help="of the choice of worker to kill")
+    p.add_argument("--seed", type=int, default=0, help="of the choice of worker to kill (repeat i: seed + i)")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of runs, undisturbed then with kills, one after the "
+                   "other; the summary row is the median of the pairs' goodputs (this machine's run-to-run spread is "
+                   "about as large as what the kills cost)")
     p.add_argument("--elastic", action="store_true", help="`jaxdp.launch --elastic` (--strategy host): a lost process "
                    "restarts alone; the plain run's undisturbed time is measured too")
     p.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="with --elastic: the launcher's "
@@ -92,7 +95,7 @@ def _trained(directory: str, steps: int) -> bool:
 
 
 def _run(args: argparse.Namespace, directory: str, kill_every: float | None, steps: int | None = None,
-         elastic: bool = False) -> dict:
+         elastic: bool = False, seed: int = 0) -> dict:
     import shlex
 
     steps = args.steps if steps is None else steps
@@ -109,7 +112,7 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
     stop = threading.Event()
 
     def killer() -> None:
-        chooser = random.Random(args.seed)
+        chooser = random.Random(seed)
         while not stop.wait(kill_every) and not _trained(directory, steps):  # kills while it trains
             workers = training_processes(proc.pid)
             if workers:
@@ -164,19 +167,14 @@ def _rounds(train_args: str) -> bool:
     return bool(found) and int(found.group(1)) > 1
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    if args.kill_every <= 0:
-        raise SystemExit(f"jaxdp.bench: goodput: --kill-every must be a positive number of seconds, got {args.kill_every}")
-    with tempfile.TemporaryDirectory(prefix="jaxdp-goodput-") as scratch:
-        _run(args, os.path.join(scratch, "warm"), None, steps=2)  # the compile cache: every later start finds it warm
-        if args.elastic:
-            _run(args, os.path.join(scratch, "warm-elastic"), None, steps=2, elastic=True)
-            plain = _run(args, os.path.join(scratch, "plain"), None)
-        calm = _run(args, os.path.join(scratch, "calm"), None, elastic=args.elastic)
-        killed = _run(args, os.path.join(scratch, "killed"), args.kill_every, elastic=args.elastic)
+def _pair(args: argparse.Namespace, scratch: str, repeat: int, plain: dict | None) -> dict:
+    """One undisturbed run and one with kills (seed + repeat), as a row."""
+    calm = _run(args, os.path.join(scratch, f"calm-{repeat}"), None, elastic=args.elastic)
+    killed = _run(args, os.path.join(scratch, f"killed-{repeat}"), args.kill_every, elastic=args.elastic,
+                  seed=args.seed + repeat)
     done = 1 - killed["missed"] / (2 * args.steps)  # (local steps: the worker-steps trained, of all)
-    row = {"mode": f"elastic ({args.elastic_engine})" if args.elastic else "restart all", "steps": args.steps,
-           "save_every": args.save_every,
+    row = {"mode": f"elastic ({args.elastic_engine})" if args.elastic else "restart all", "repeat": repeat,
+           "seed": args.seed + repeat, "steps": args.steps, "save_every": args.save_every,
            "kill_every_s": args.kill_every,
            "undisturbed_s": calm["wall_s"], "disturbed_s": killed["wall_s"], "kills": killed["kills"],
            "goodput": calm["wall_s"] / killed["wall_s"],
@@ -185,21 +183,56 @@ def run(args: argparse.Namespace) -> list[dict]:
            **({"examples_done": done, "goodput_examples": calm["wall_s"] / killed["wall_s"] * done}
               if _rounds(args.train_args) and args.elastic else {}),
            **({"auto_undisturbed": calm["chosen"], "auto_with_kills": killed["chosen"]} if args.save_every == "auto" else {})}
-    if args.elastic:  # what the elastic mode costs when nothing fails, and goodput against the plain run
+    if plain is not None:  # what the elastic mode costs when nothing fails, and goodput against the plain run
         row.update(plain_undisturbed_s=plain["wall_s"], goodput_vs_plain=plain["wall_s"] / killed["wall_s"])
+    return row
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The pairs' medians: of every figure, each over the pairs (the goodput is the median of the pairs'
+    goodputs, not a ratio of medians); the final parameters equal only where every pair's did."""
+    import statistics
+
+    row = {"mode": rows[0]["mode"], "repeat": "median", "steps": rows[0]["steps"], "save_every": rows[0]["save_every"],
+           "kill_every_s": rows[0]["kill_every_s"], "same_final_params": all(r["same_final_params"] for r in rows)}
+    for key in ("undisturbed_s", "disturbed_s", "kills", "goodput", "lost_per_kill_s", "examples_done",
+                "goodput_examples", "plain_undisturbed_s", "goodput_vs_plain"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            row[key] = statistics.median(values)
+    return row
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    if args.kill_every <= 0:
+        raise SystemExit(f"jaxdp.bench: goodput: --kill-every must be a positive number of seconds, got {args.kill_every}")
+    if args.repeats < 1:
+        raise SystemExit(f"jaxdp.bench: goodput: --repeats must be at least 1, got {args.repeats}")
+    with tempfile.TemporaryDirectory(prefix="jaxdp-goodput-") as scratch:
+        _run(args, os.path.join(scratch, "warm"), None, steps=2)  # the compile cache: every later start finds it warm
+        plain = None
+        if args.elastic:
+            _run(args, os.path.join(scratch, "warm-elastic"), None, steps=2, elastic=True)
+            plain = _run(args, os.path.join(scratch, "plain"), None)
+        rows = [_pair(args, scratch, repeat, plain) for repeat in range(args.repeats)]
+    if args.repeats > 1:
+        rows.append(median_row(rows))
     engine = f" --elastic --elastic-engine {args.elastic_engine}" if args.elastic else ""
     print(f"2 processes x 1 device under `python -m jaxdp.launch{engine}`, "
           f"`python -m jaxdp.train --steps {args.steps} "
           f"--save-every {args.save_every} {args.train_args}`; a random worker killed every {args.kill_every:g} s "
-          f"(the compile cache warmed by a first run)")
-    print_table([row], [("undisturbed_s", "undisturbed s", ".1f"), ("disturbed_s", "with kills s", ".1f"),
-                        ("kills", "kills", "d"), ("goodput", "goodput", ".3f"), ("lost_per_kill_s", "lost per kill s", ".2f"),
-                        ("same_final_params", "final params equal", "")]
+          f"(the compile cache warmed by a first run)" + (f"; {args.repeats} pairs of runs, then their medians"
+                                                          if args.repeats > 1 else ""))
+    print_table(rows, ([("repeat", "pair", "")] if args.repeats > 1 else [])
+                + [("undisturbed_s", "undisturbed s", ".1f"), ("disturbed_s", "with kills s", ".1f"),
+                   ("kills", "kills", "g"), ("goodput", "goodput", ".3f"), ("lost_per_kill_s", "lost per kill s", ".2f"),
+                   ("same_final_params", "final params equal", "")]
                + ([("examples_done", "examples done", ".3f"), ("goodput_examples", "goodput x examples", ".3f")]
-                  if "examples_done" in row else [])
+                  if "examples_done" in rows[0] else [])
                + ([("plain_undisturbed_s", "plain undisturbed s", ".1f"), ("goodput_vs_plain", "goodput vs plain", ".3f")]
                   if args.elastic else []))
-    if args.save_every == "auto":
-        print(f"--save-every auto chose {calm['chosen']} undisturbed and {killed['chosen']} with kills")
-    write_json(args.json, [row])
-    return [row]
+    for row in rows:
+        if args.save_every == "auto" and "auto_undisturbed" in row:
+            print(f"--save-every auto chose {row['auto_undisturbed']} undisturbed and {row['auto_with_kills']} with kills")
+    write_json(args.json, rows)
+    return rows
