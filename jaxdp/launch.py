@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quorum-timeout", type=float, default=60.0, help="torchft: seconds to wait for --min-workers "
                         "(default 60)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS", help="torchft: the "
-                        "Lighthouse this launcher starts leaves out a worker whose heartbeats stop this long (default 1)")
+                        "Lighthouse this launcher starts leaves out a worker whose heartbeats stop this long (default 0.5 on one node, 1 "
+                        "with --nnodes > 1)")
     parser.add_argument("--no-bind", dest="bind", action="store_false", help="do not bind each process to its own cores")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the run, each with its own launcher (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1; its processes "
@@ -155,9 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "that one runs")
         return EXIT_BAD_INPUT
     if torchft and args.heartbeat_timeout is None:
-        from jaxdp.launcher.ft import HEARTBEAT_TIMEOUT_S
+        from jaxdp.launcher.ft import heartbeat_timeout
 
-        args.heartbeat_timeout = HEARTBEAT_TIMEOUT_S
+        args.heartbeat_timeout = heartbeat_timeout(args.nnodes)
     launcher = Launcher(command, args.nproc_per_node, args.bind and not has_accelerator())
     for signum in FORWARDED:
         signal.signal(signum, launcher.forward)

@@ -27,10 +27,21 @@ from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, InputError
 from jaxdp.launcher.workers import Launcher, describe, say, shell_code, stop_code
 
 # The Lighthouse leaves out a worker whose heartbeats (every 100 ms, from torchft's own thread) stop this
-# long: a dead or stopped one. Each kill costs the survivors about this much (goodput, 2 workers, a kill
-# every 10 s: 0.83 at 2 s, 0.93-0.94 at 1 s; docs/multihost.md); 10 missed heartbeats is still far
-# from a busy machine's or a home link's hiccups. --heartbeat-timeout sets it.
-HEARTBEAT_TIMEOUT_S = 1.0
+# long: a dead or stopped one. Each kill costs the survivors about this much: the Lighthouse counts a dead
+# worker as alive until then, and torchft's rule against a split brain holds the survivor back meanwhile
+# (docs/multihost.md). On one node the heartbeats cross no link, and a worker left out by mistake (a
+# heartbeat late on a starved core) heals from a peer over loopback in a fraction of a second: 0.5 s
+# (goodput, 2 workers, a kill every 10 s, median of 3 pairs: 0.97, where 1 s made 0.85-0.90). Across
+# nodes a heartbeat can be half a second late on a home link without the worker being gone, and a
+# needless heal sends the whole state over that link: 1 s. --heartbeat-timeout sets it.
+HEARTBEAT_TIMEOUT_S = {"one node": 0.5, "several nodes": 1.0}
+
+
+def heartbeat_timeout(nnodes: int) -> float:
+    """The default --heartbeat-timeout for a run of `nnodes` machines (HEARTBEAT_TIMEOUT_S)."""
+    return HEARTBEAT_TIMEOUT_S["one node" if nnodes == 1 else "several nodes"]
+
+
 JOIN_TIMEOUT_S = 60.0       # a quorum waits this long for heartbeating workers that have not asked yet
 # What a worker on torchft imports beside the zygote's own list: a restart forked from the zygote does
 # not pay for them again (torch and torchft: about 2.4 s of CPU, taken from the survivors' cores).
@@ -74,7 +85,8 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
                 return EXIT_BAD_INPUT if launcher.stop is None else stop_code(launcher.stop)
         launcher.start_zygote(PRELOAD)  # restarts fork from it, with JAX, torch and the rest imported
         say(f"started {local} workers (elastic on torchft: a lost one restarts alone and heals from a live one), "
-            f"Lighthouse {address}" + (f"; ranks {first}..{first + local - 1} of {size}" if args.nnodes > 1 else ""))
+            f"Lighthouse {address}" + (f" (heartbeat timeout {args.heartbeat_timeout:g} s)" if lighthouse else "")
+            + (f"; ranks {first}..{first + local - 1} of {size}" if args.nnodes > 1 else ""))
         restarts, ended = 0, {}
         while True:
             time.sleep(0.05)
