@@ -2,15 +2,17 @@
 
 Each call: the quorum (who takes part; a behind worker is healed there), every QUORUM_SECONDS while
 nothing fails and started on torchft's thread while this worker computes its shard; every worker taking part sums
-its own shard over its devices (on the host, or in-graph by psum or the ring) and sends it as raw bytes in
+its own shard over its devices (in device order, or by psum or the ring) and sends it as raw bytes in
 one row, whose header also says that it takes part and whether it asks to stop: one all-gather gives
 every worker the live ranks and their sums. Only when a rank is missing does a second all-gather carry
 its shard, computed by the live rank `ft.assign` names. Then torchft's commit. A failed commit (a worker died or
 stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
-shard of that step is computed by a survivor, and no shard is counted twice. The total is added in
-shard order on the host, so the result is the same to the bit whoever computed what (with --strategy
-host, the hub's: jaxdp/cluster/elastic.py). A shard whose sums are not finite crosses as a tag alone and
-is left out of the step's mean (named once by the lowest live rank), instead of stopping the run.
+shard of that step is computed by a survivor, and no shard is counted twice. A row is made, and the
+rows are read and applied, on the devices (jaxdp/step/ft_rows.py: one program each way; a step
+crosses to the host once each way, as bytes); the total is added in shard order, so the result is
+the same to the bit whoever computed what (with --strategy host, the hub's: jaxdp/cluster/elastic.py).
+A shard whose sums are not finite crosses as a tag alone and is left out of the step's mean (named
+once by the lowest live rank), instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
-from jaxdp.mesh import data_axes, replicated_sharding, shard_batch
+from jaxdp.mesh import data_axes, shard_batch
 from jaxdp.step.state import TrainState
-from jaxdp.step.elastic import state_arrays, warm_up_fn
-from jaxdp.step.train_step import TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn
+from jaxdp.step.elastic import state_arrays
+from jaxdp.step.train_step import TrainStep, _accumulated, _host_programs, _local_grads_fn
 from jaxdp.sync import host
 from jaxdp.sync.spec import SyncSpec
 
@@ -134,77 +136,50 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
 def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
                  grad_norm: bool = False, strategy: Any = "host", compression: Any = None) -> TrainStep:
-    """`strategy`: how a worker sums its own devices' gradients: "host" (each device's to the host,
-    added there in device order), or an in-graph one (psum, the ring: summed on the devices, one
-    copy to the host). Across workers it is always the byte rows below.
+    """`strategy`: how a worker sums its own devices' gradients: "host" (each device's added in device
+    order, as the host path and the hub add them), or a collective (psum, the ring). Across workers
+    it is always the byte rows below.
 
     `compression` ("bf16", "int8", "int4" or their codecs; None: none) codes what crosses between
     workers: each shard's gradient sum travels as the codec's message (the metrics and model state
     exactly), and every worker decodes every row and adds them in shard order, so the result is
     still the same on every worker. int8 / int4 keep error feedback per shard in this worker's
-    memory (host.RowCoder): a worker that joins, or computes a lost worker's shard, starts that
-    shard's feedback at zero."""
-    from jaxdp.cluster import elastic, ft
+    device memory (host.RowCoder): a worker that joins, or computes a lost worker's shard, starts
+    that shard's feedback at zero."""
+    from jaxdp.cluster import ft
+    from jaxdp.step.ft_rows import RowPrograms
 
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
     spec = SyncSpec(strategy=strategy, compression=compression).validate(elastic=True, elastic_engine="torchft")
     codec = spec.codec
-    grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
+    grads_fn, update_fn, _ = _host_programs(local_grads, tx, mesh)
     devices = member.size * mesh.size
     size, rank = member.size, member.rank
-    replicated = replicated_sharding(mesh)
+    programs = RowPrograms(local_grads, mesh, spec, lambda values: host.RowCoder(codec, values) if codec else None,
+                           grad_norm, size, update_fn)
     layout: dict[str, Any] = {}
 
-    if "host" in spec.abilities:
-        def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
-            return host.device_sum(to_host(state, batch))
-    else:
-        total = spec.collective.sum
-
-        def device_total(state: TrainState, batch: Batch) -> Any:
-            return total(local_grads(state, batch), axis)  # (metrics, model state, grads) summed over the devices
-
-        summed = jax.jit(jax.shard_map(device_total, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(),
-                                       check_vma=False))
-
-        def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
-            leaves, treedef = jax.tree.flatten(jax.device_get(summed(state, batch)))
-            return treedef, [np.array(leaf, copy=True) for leaf in leaves]
-
-    def pack(leaves: list[np.ndarray], shard: int, kept: dict) -> bytes:
-        """One shard's row: its sums' bytes, the gradient's as the codec's message (`kept`: its feedback)."""
-        coder, exact = layout["coder"], layout["exact"]
-        if coder is None:
-            return to_bytes(leaves)
-        message, kept[shard] = coder.encode(np.concatenate([a.ravel() for a in leaves[exact:]]), shard)
-        return to_bytes(leaves[:exact]) + message
+    def row_of(state: TrainState, batch: Batch, shard: int) -> tuple[np.ndarray, bool, Any]:
+        """One shard's row (its sums' bytes), whether they are finite, and its new error feedback."""
+        coder = programs.coder
+        return programs.send(state, batch, coder.feedback.get(shard) if coder is not None else None)
 
     def rows_of(state: TrainState, batch_of: Callable, shards: list[int], count: int, kept: dict,
                 flags: int = 0, ready: Any = None) -> np.ndarray:
         """`count` rows, the first ones `shards`' sums: a 16-byte header each (the shard + 1, negated for
         sums that are not finite, which are left out, 0 for none; then `flags`: `flags_of`), then the
         sums' bytes (a codec's message for the gradient)."""
-        piece = np.zeros((count, HEADER + layout["nbytes"]), np.uint8)
+        programs.layout(state, batch_of(rank))
+        piece = np.zeros((count, HEADER + programs.nbytes), np.uint8)
         piece[:, 8:16] = np.frombuffer(np.int64(flags).tobytes(), np.uint8)
         for i, shard in enumerate(shards):
-            sums = ready if ready is not None and shard == rank else shard_sum(state, batch_of(shard))[1]
-            finite = all(np.isfinite(a).all() for a in sums if np.issubdtype(a.dtype, np.inexact))
+            payload, finite, kept[shard] = ready if ready is not None and shard == rank else \
+                row_of(state, batch_of(shard), shard)
             piece[i, :8] = np.frombuffer(np.int64(shard + 1 if finite else -shard - 1).tobytes(), np.uint8)
             if finite:
-                piece[i, HEADER:] = np.frombuffer(pack(sums, shard, kept), np.uint8)
+                piece[i, HEADER:] = payload
         return piece
-
-    def unpack(rows: np.ndarray, totals: list[np.ndarray]) -> list[list[np.ndarray]]:
-        """Each row's sums (as `totals`' flat arrays); a codec's messages decoded in one program."""
-        coder, exact = layout["coder"], layout["exact"]
-        flat = [((a.size,), a.dtype) for a in totals]
-        if coder is None:
-            return [elastic.unpack(row.tobytes(), flat) for row in rows]
-        head = sum(a.nbytes for a in totals[:exact])
-        grads = coder.decode_rows(rows[:, head:])
-        cuts = np.cumsum([a.size for a in totals[exact:]])[:-1]
-        return [elastic.unpack(row[:head].tobytes(), flat[:exact]) + np.split(g, cuts) for row, g in zip(rows, grads)]
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         if layout.get("skip"):  # healed past these steps: the state already holds them
@@ -222,7 +197,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             else:
                 layout["quorum_at"] = time.monotonic()
                 healed, _, own = take_quorum(member, state, at, meanwhile=(
-                    (lambda: shard_sum(state, batch)[1]) if "like" in layout else None))
+                    (lambda: row_of(state, batch, rank)) if "started" in layout else None))
                 if healed is not None:  # behind after a commit only the others made: their state
                     further = int(jax.device_get(healed.step))
                     if further > at and "metrics" in layout:  # (a stalled worker that runs again)
@@ -231,13 +206,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                               file=sys.stderr, flush=True)
                         return healed, layout["metrics"]
                     state, at = healed, further
-            if "like" not in layout:
-                treedef, like = shard_sum(state, batch)
-                exact = len(like) - treedef.children()[2].num_leaves  # (metrics, model state) | grads
-                coder = host.RowCoder(codec, sum(a.size for a in like[exact:])) if codec is not None else None
-                layout.update(treedef=treedef, like=[(a.shape, a.dtype) for a in like], exact=exact, coder=coder,
-                              nbytes=sum(a.nbytes for a in like[:exact if coder else None])
-                              + (coder.nbytes if coder else 0))
+            layout["started"] = True
             # First round: every worker taking part computes its own shard and sends it in one row whose
             # header also says that it takes part and whether it asks to stop, so the live ranks come with
             # the sums (one collective). Only if a rank is missing, a second round computes its shard.
@@ -270,7 +239,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             if not member.engine.commit() or not live:  # someone failed mid-step: again, over the new quorum
                 retry = True
                 continue
-            rows, bad = np.zeros((size, layout["nbytes"]), np.uint8), []
+            rows, bad = np.zeros((size, programs.nbytes), np.uint8), []
             for tag, _, payload in first + second:
                 if tag > 0:
                     rows[tag - 1] = payload
@@ -280,7 +249,8 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             break
         member.fresh, member.leader = False, lead_of(heads, member.leader)
         for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
-            layout["coder"].keep(shard, feedback)
+            if programs.coder is not None:
+                programs.coder.keep(shard, feedback)
         moved = {s: o for s, o in owner.items() if o != s}
         say_live(member, at, live, f"; shards computed elsewhere {moved}" if moved else "")
         bad = sorted(bad)
@@ -290,24 +260,13 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                        f"step {at}: every shard's sums are finite again")
             layout["bad"] = bad
         member.shards, member.stop = mine, member.stop or stop
-        totals = [np.zeros(int(np.prod(shape, dtype=np.int64)), dtype) for shape, dtype in layout["like"]]
-        counted_shards = [s for s in range(size) if s not in bad]
-        for parts in unpack(rows[counted_shards], totals):  # in shard order, as the hub adds them: the
-            for acc, part in zip(totals, parts):  # same bits whoever computed each
-                acc += part
-        totals = [t.reshape(shape) for t, (shape, _) in zip(totals, layout["like"])]
         counted = devices * (size - len(bad)) // size  # (every shard not finite: NaN, which stops the run as ever)
-        means = [(t / counted).astype(t.dtype, copy=False) if counted else
-                 np.full(t.shape, np.nan, t.dtype) if np.issubdtype(t.dtype, np.inexact) else t for t in totals]
-        metrics, model_state, grads = jax.tree.unflatten(layout["treedef"], means)
-        metrics = _host_metrics(dict(metrics), grads, grad_norm)
-        grads, model_state = jax.device_put((grads, model_state), replicated)  # (one process: no global arrays)
-        state = update_fn(state, grads, model_state)
+        state, metrics = programs.apply(state, rows, np.isin(np.arange(size), bad, invert=True), counted)
         layout["metrics"] = metrics
         return state, metrics
 
     made = TrainStep(step, grads_fn, tx, spec, local_grads)
-    made.warm_up = warm_up_fn(shard_sum, update_fn, mesh)
+    made.warm_up = programs.warm_up
     return made
 
 

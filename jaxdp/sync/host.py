@@ -140,7 +140,9 @@ class RowCoder:
     (bf16, int8, int4: `HOST_CODED`), and back. int8 / int4 keep error feedback per key (the data
     shard the sum is of): what a message leaves out is added to that key's next vector, as the ring's
     coded sum does per device; bf16 keeps none, as its in-graph codec. `encode` returns the new
-    feedback beside the message; `keep` makes it the key's (once the exchange went through)."""
+    feedback beside the message; `keep` makes it the key's (once the exchange went through).
+    `encode_traced(values, owed)` and `decode_traced(message)` are the same inside a caller's jit
+    (owed: the key's feedback, zeros for none; bf16 returns it unchanged)."""
 
     def __init__(self, codec: Any, size: int) -> None:
         import jax.numpy as jnp
@@ -148,8 +150,13 @@ class RowCoder:
         if codec.name not in HOST_CODED:
             raise ValueError(f"a host exchange codes only {', '.join(HOST_CODED)}, not {codec.name!r}")
         self.codec, self.size, self.feedback = codec, size, {}
+        self.keeps_feedback = codec.name != "bf16"
         if codec.name == "bf16":
             self.nbytes = 2 * size
+            self.encode_traced = lambda values, owed: (
+                jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint8).ravel(), owed)
+            self.decode_traced = lambda message: jax.lax.bitcast_convert_type(
+                message.reshape(-1, 2), jnp.bfloat16).astype(jnp.float32)
             return
         chunk, block = codec.chunking(size, 1)
         wire = codec.wire(chunk, block)
@@ -159,8 +166,10 @@ class RowCoder:
             message, left = wire.encode(jnp.pad(values + owed, (0, pad)))
             return message, left[:size]
 
+        # (traced: for a program of the caller's, jaxdp/step/elastic_ft.py's rows, made and read on the devices)
+        self.encode_traced, self.decode_traced = encode, lambda message: wire.decode(message)[:size]
         self._encode = jax.jit(encode)  # (one program a message: a worker's step waits on it)
-        self._decode = jax.jit(jax.vmap(lambda message: wire.decode(message)[:size]))
+        self._decode = jax.jit(jax.vmap(self.decode_traced))
         self._zeros = np.zeros(size, np.float32)
         self.nbytes = codec.message_bytes(chunk, block)
 

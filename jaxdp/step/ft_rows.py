@@ -1,0 +1,161 @@
+"""The two programs of an every-step elastic exchange on torchft (jaxdp/step/elastic_ft.py), each row
+made and every row read on the devices: a step crosses to the host once each way, as bytes.
+
+    rows = RowPrograms(local_grads, mesh, spec, coder_of, grad_norm, workers, update)
+    payload, finite, feedback = rows.send(state, batch, owed)   # one shard's row: its sums' bytes
+    state, metrics = rows.apply(state, all_rows, counted_mask, count)   # their mean, and the update
+
+`send`: the shard's (metrics, model state, gradients), summed over this worker's devices (in device
+order with --strategy host, as jaxdp.sync.host.device_sum adds them; in-graph by psum or the ring
+otherwise), as one uint8 row: every leaf's bytes, the gradient's as the codec's message (host.RowCoder,
+with `owed`, the shard's error feedback, and the new feedback beside it), and whether every sum is
+finite. `receive`: the rows decoded and added in shard order (the counted ones), each leaf divided by
+`count` (what the host path computed with numpy, the same operations in the same order, so the same
+bits: float32 additions and one division, no multiplication for a contraction to join); then
+`update(state, grads, model_state)`, a program of its own: inside the same one, XLA fused the mean
+into the optimizer's arithmetic and the parameters no longer matched a one-process run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxdp.mesh import data_axes, replicated_sharding
+from jaxdp.sync.spec import SyncSpec
+
+
+def to_bytes(x: jax.Array) -> jax.Array:
+    """`x`'s bytes in C order (numpy's `tobytes`), traced."""
+    x = x.ravel()
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).ravel()
+
+
+def from_bytes(raw: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
+    """The array of `shape` and `dtype` whose bytes `raw` (uint8) holds, traced."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return (raw != 0).reshape(shape)
+    if dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(raw, dtype).reshape(shape)
+    return jax.lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize), dtype).reshape(shape)
+
+
+def worker_sum_fn(local_grads: Callable, mesh: Mesh, spec: SyncSpec) -> Callable:
+    """(state, batch) -> (metrics, model state, grads) summed over this worker's devices, traced."""
+    axis = data_axes(mesh)
+    if "host" in spec.abilities:  # each device's, added in device order (the hub's sum, host.device_sum)
+        def per_device(state: Any, batch: Any) -> Any:
+            return jax.tree.map(lambda x: x[None], local_grads(state, batch))
+
+        stacked = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(axis), check_vma=False)
+        return lambda state, batch: jax.tree.map(
+            lambda x: functools.reduce(operator.add, [x[d] for d in range(x.shape[0])]), stacked(state, batch))
+    total = spec.collective.sum
+    return jax.shard_map(lambda state, batch: total(local_grads(state, batch), axis), mesh=mesh,
+                         in_specs=(P(), P(axis)), out_specs=P(), check_vma=False)
+
+
+class RowPrograms:
+    """`send` and `apply` (module docstring); `coder_of(size)`: the host.RowCoder of a gradient of
+    `size` values, or None to send float32 bytes; `size`: the workers (rows); `update(state, grads,
+    model_state) -> state`. Built on the first call's shapes (`layout`)."""
+
+    def __init__(self, local_grads: Callable, mesh: Mesh, spec: SyncSpec, coder_of: Callable[[int], Any],
+                 grad_norm: bool, size: int, update: Callable):
+        self.mesh, self.size, self.grad_norm, self.update = mesh, size, grad_norm, update
+        self.worker_sum = worker_sum_fn(local_grads, mesh, spec)
+        self.coder_of = coder_of
+        self.coder = None
+        self._send = self._mean = None
+
+    def layout(self, state: Any, batch: Any) -> None:
+        """The row's layout from the sums' shapes (no computation), and the two programs."""
+        if self._send is not None:
+            return
+        shapes = jax.eval_shape(self.worker_sum, state, batch)
+        leaves, self.treedef = jax.tree.flatten(shapes)
+        self.like = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+        self.exact = len(leaves) - self.treedef.children()[2].num_leaves  # (metrics, model state) | grads
+        values = sum(int(np.prod(s, dtype=np.int64)) for s, _ in self.like[self.exact:])
+        self.coder = self.coder_of(values)
+        head = [int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in self.like[:self.exact]]
+        tail = self.coder.nbytes if self.coder else sum(int(np.prod(s, dtype=np.int64)) * d.itemsize
+                                                         for s, d in self.like[self.exact:])
+        self.head, self.nbytes = sum(head), sum(head) + tail
+        self.zeros = jnp.zeros(values, jnp.float32) if self.coder and self.coder.keeps_feedback else None
+        self._send = jax.jit(self._send_fn)
+        self._mean = jax.jit(self._mean_fn, out_shardings=replicated_sharding(self.mesh))
+
+    def _send_fn(self, state: Any, batch: Any, owed: Any) -> tuple[jax.Array, jax.Array, Any]:
+        leaves = jax.tree.leaves(self.worker_sum(state, batch))
+        finite = functools.reduce(jnp.logical_and, [jnp.isfinite(x).all() for x in leaves
+                                                    if jnp.issubdtype(x.dtype, jnp.inexact)], jnp.bool_(True))
+        head = [to_bytes(x) for x in leaves[:self.exact]]
+        if self.coder is None:
+            return jnp.concatenate(head + [to_bytes(x) for x in leaves[self.exact:]]), finite, owed
+        flat = jnp.concatenate([x.ravel().astype(jnp.float32) for x in leaves[self.exact:]])
+        message, left = self.coder.encode_traced(flat, owed if owed is not None else jnp.zeros_like(flat))
+        return jnp.concatenate(head + [message]), finite, left
+
+    def send(self, state: Any, batch: Any, owed: Any = None) -> tuple[np.ndarray, bool, Any]:
+        """(this shard's row as uint8 host bytes, whether its sums are finite, the new error feedback
+        or None). `owed`: the shard's feedback so far (None: none yet)."""
+        self.layout(state, batch)
+        if self.zeros is not None and owed is None:
+            owed = self.zeros
+        payload, finite, left = self._send(state, batch, owed)
+        payload, finite = jax.device_get((payload, finite))
+        return payload, bool(finite), left if self.zeros is not None else None
+
+    def _parts(self, row: jax.Array) -> list[jax.Array]:
+        """One row's leaves: the exact ones from their bytes, the gradient's from the codec's message."""
+        parts, offset = [], 0
+        for shape, dtype in self.like[:self.exact] + (self.like[self.exact:] if self.coder is None else []):
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            parts.append(from_bytes(row[offset:offset + nbytes], shape, dtype))
+            offset += nbytes
+        if self.coder is not None:
+            flat, at = self.coder.decode_traced(row[self.head:]), 0
+            for shape, dtype in self.like[self.exact:]:
+                count = int(np.prod(shape, dtype=np.int64))
+                parts.append(flat[at:at + count].reshape(shape).astype(dtype))
+                at += count
+        return parts
+
+    def _mean_fn(self, rows: jax.Array, counted: jax.Array, count: jax.Array) -> tuple[Any, Any, dict]:
+        totals = [jnp.zeros(shape, dtype) for shape, dtype in self.like]
+        for shard in range(self.size):  # in shard order, the counted ones: the host path's additions
+            totals = [jnp.where(counted[shard], t + p, t) for t, p in zip(totals, self._parts(rows[shard]))]
+        means = []
+        for t in totals:
+            if jnp.issubdtype(t.dtype, jnp.inexact):  # (none counted: NaN, which stops the run as ever)
+                means.append(jnp.where(count > 0, t / count.astype(t.dtype), jnp.nan).astype(t.dtype))
+            else:
+                means.append(jnp.where(count > 0, (t / jnp.maximum(count, 1)).astype(t.dtype), t))
+        metrics, model_state, grads = jax.tree.unflatten(self.treedef, means)
+        metrics = dict(metrics)
+        if self.grad_norm:
+            metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        return grads, model_state, {k: v.astype(jnp.float32) for k, v in metrics.items()}
+
+    def apply(self, state: Any, rows: np.ndarray, counted: np.ndarray, count: int) -> tuple[Any, dict]:
+        """(`state` updated by the mean of `rows`' sums over the `counted` shards (a bool per row),
+        divided by `count` (the devices counted); the metrics, on the host). `update` may donate `state`."""
+        grads, model_state, metrics = self._mean(rows, counted, np.int32(count))
+        return self.update(state, grads, model_state), {k: np.float32(v) for k, v in jax.device_get(metrics).items()}
+
+    def warm_up(self, state: Any, batch: Any) -> None:
+        """Compile both programs and the update (on a copy of `state`)."""
+        payload, _, _ = self.send(state, batch)
+        rows = np.zeros((self.size, self.nbytes), np.uint8)
+        rows[0] = payload
+        jax.block_until_ready(self.apply(jax.tree.map(jnp.copy, state), rows, np.arange(self.size) == 0, 1))
