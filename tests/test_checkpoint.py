@@ -328,6 +328,39 @@ def test_a_second_ctrl_c_interrupts_at_once():
     assert after is signal.default_int_handler
 
 
+def test_a_signal_after_the_parent_died_is_told_apart_from_one_the_parent_sent(tmp_path):
+    """Preemption.orphaned: a worker's SIGTERM from PR_SET_PDEATHSIG (its launcher is gone) against a
+    signal while the launcher lives (a forwarded stop). An elastic run on torchft tells them apart:
+    an orphaned worker whose launcher did not host the Lighthouse leaves alone (jaxdp/cluster/ft.py)."""
+    worker = """if True:
+        import ctypes, pathlib, signal, sys, time
+        from jaxdp.cluster.preemption import Preemption
+        stop = Preemption()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        print("ready", flush=True)
+        while stop.signal is None:
+            time.sleep(0.01)
+        pathlib.Path(sys.argv[1]).write_text("orphaned" if stop.orphaned else "parent alive")
+    """
+    parent = f"""if True:
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", {worker!r}, sys.argv[1]], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        if sys.argv[2] == "signal":  # a stop while the parent lives; else the parent ends
+            child.terminate()
+            child.wait()
+    """
+    for how, said in (("signal", "parent alive"), ("die", "orphaned")):
+        verdict = tmp_path / how
+        proc = subprocess.run([sys.executable, "-c", parent, str(verdict), how], cwd=ROOT, env=cli_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        deadline = time.monotonic() + 30  # (a hang guard: the orphan writes after its parent's end)
+        while not (verdict.exists() and verdict.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert verdict.read_text() == said, how
+
+
 @pytest.mark.slow
 def test_kill_9_during_a_real_save_leaves_the_previous_checkpoint(tmp_path, caplog):
     """A 512 MiB state takes about a second to write: kill -9 lands while orbax is writing it."""

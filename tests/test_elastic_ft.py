@@ -371,16 +371,33 @@ class Node(LaunchedRun):
         self.proc.kill()
         self.proc.wait()
 
+    def kill_launcher(self) -> list[int]:
+        """The launcher alone, by SIGKILL (its workers get SIGTERM: PR_SET_PDEATHSIG). Returns its workers."""
+        workers = training_processes(self.proc.pid)
+        self.proc.kill()
+        self.proc.wait()
+        return workers
+
     def kill_worker(self) -> None:
         os.kill(training_processes(self.proc.pid)[0], signal.SIGKILL)
+
+
+def ended(pid: int) -> bool:
+    """The process has exited (gone, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_launchers_as_two_nodes_lose_a_whole_node_and_rank_0s_worker_and_end_with_a_one_process_runs_parameters(
         tmp_path):
-    """Node 0's launcher hosts the Lighthouse on --coordinator. Node 1 (its launcher and worker) is killed:
-    node 0 trains on, computing both shards; node 1's launcher started again brings its worker back, healed
+    """Node 0's launcher hosts the Lighthouse on --coordinator. Node 1's launcher is killed (kill -9): its
+    worker, whose launcher is gone and did not host the Lighthouse, leaves the run by itself, and node 0
+    trains on, computing both shards; node 1's launcher started again brings its worker back, healed
     from rank 0. Then rank 0's worker is killed: node 0's launcher restarts it and it heals from rank 1.
     The end: a one-process run's parameters over 2 devices, bit for bit."""
     steps, port = 6000, free_port()  # (node 1 must be back before node 0 ends: its start takes ~10 s under load,
@@ -388,7 +405,8 @@ def test_two_launchers_as_two_nodes_lose_a_whole_node_and_rank_0s_worker_and_end
     nodes = [Node(tmp_path, steps, 0, port, "node0"), Node(tmp_path, steps, 1, port, "node1")]
     try:
         nodes[0].wait_for(lambda: nodes[0].reached() >= 30, "step 30")
-        nodes[1].kill_all()
+        workers = nodes[1].kill_launcher()
+        nodes[0].wait_for(lambda: all(ended(pid) for pid in workers), "node 1's worker to leave")
         at = nodes[0].reached()
         nodes[0].wait_for(lambda: nodes[0].reached() >= at + 20, "20 steps of node 0 alone")
         nodes[1] = Node(tmp_path, steps, 1, port, "node1-again")
@@ -400,6 +418,8 @@ def test_two_launchers_as_two_nodes_lose_a_whole_node_and_rank_0s_worker_and_end
     finally:
         for node in nodes:
             node.close()
+    gone = (tmp_path / "node1.log").read_text()  # (the first node 1, whose worker wrote on after its launcher)
+    assert "rank 1: its launcher is gone: this worker leaves the run, the others train on" in gone, gone
     assert "left out [1]" in nodes[0].text(), nodes[0].text()  # node 0 alone: it computed shard 1 too
     assert "(heartbeat timeout 1 s)" in nodes[0].text(), nodes[0].text()  # several nodes: the longer default
     assert "worker 0 was killed by SIGKILL; restarting it alone" in nodes[0].text(), nodes[0].text()

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxdp.cluster.ft_env import (  # noqa: F401 (the run's variables and the Lighthouse: importable from here too)
-    ENV_LIGHTHOUSE, ENV_MIN, ENV_QUORUM_TIMEOUT, ENV_RANK, ENV_RESTART, ENV_SIZE, INSTALL, assign, require_torchft,
+    ENV_LIGHTHOUSE, ENV_LIGHTHOUSE_HERE, ENV_MIN, ENV_QUORUM_TIMEOUT, ENV_RANK, ENV_RESTART, ENV_SIZE, INSTALL, assign, require_torchft,
     start_lighthouse,
 )
 
@@ -211,6 +211,7 @@ class FtMember:
         self.restarted = False      # started again by the launcher while other workers were live
         self.leader: int | None = 0  # the rank that leads, as the last exchange's rows said (None: not known yet)
         self.alone = False          # restarted, and its first quorum found no live worker
+        self.lighthouse_here = True  # its launcher hosts the Lighthouse: that launcher's end ends the run (`leave`)
 
     @property
     def lead(self) -> bool:
@@ -248,6 +249,23 @@ class FtMember:
     def ask_stop(self) -> None:
         self.stop_asked = True
 
+    def leaves(self, orphaned: bool) -> bool:
+        """Whether a stop signal means this worker alone leaves the run, rather than a stop of every
+        worker: its launcher is gone (`orphaned`: the signal was its PR_SET_PDEATHSIG, as when a node's
+        launcher is killed or its machine goes down) and did not host the Lighthouse (another node's
+        launcher, or --lighthouse, does): the others train on without it, as after a kill. Where the
+        launcher hosted the Lighthouse, the run cannot go on without it: every worker stops, the lead saves."""
+        return orphaned and not self.lighthouse_here
+
+    def leave(self) -> None:
+        """Leave the run at once (`leaves`): no save, exit code 75 (nobody is left to restart it)."""
+        from jaxdp.errors import EXIT_PREEMPTED
+
+        print(f"jaxdp: rank {self.rank}: its launcher is gone: this worker leaves the run, the others train on "
+              f"without it; exit code {EXIT_PREEMPTED}", file=sys.stderr, flush=True)
+        self.close()
+        raise SystemExit(EXIT_PREEMPTED)
+
     def close(self, finished: bool = False) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -264,6 +282,7 @@ def from_env(environ: dict | None = None) -> FtMember | None:
     member = FtMember(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
                       float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
     member.restarted = bool(environ.get(ENV_RESTART))
+    member.lighthouse_here = bool(environ.get(ENV_LIGHTHOUSE_HERE))
     if member.restarted:  # the live workers' rows say who leads
         member.leader = None
     else:  # the start: heartbeat now, so the first quorum waits for every worker

@@ -18,6 +18,7 @@ ENV_SIZE = "JAXDP_ELASTIC_SIZE"
 ENV_MIN = "JAXDP_FT_MIN_WORKERS"
 ENV_QUORUM_TIMEOUT = "JAXDP_FT_QUORUM_TIMEOUT"
 ENV_RESTART = "JAXDP_FT_RESTART"             # set: a restarted worker (its engine starts once it has compiled)
+ENV_LIGHTHOUSE_HERE = "JAXDP_FT_LIGHTHOUSE_HERE"  # set: this worker's launcher hosts the Lighthouse (jaxdp/cluster/ft.py, `leave`)
 INSTALL = "an elastic run on torchft needs torchft: pip install 'jaxdp[elastic]'"
 
 

@@ -8,6 +8,7 @@ The stop agreement is JAX's own `multihost_utils.process_allgather`.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -33,6 +34,8 @@ class Preemption:
 
     def __init__(self):
         self.signal: int | None = None  # the signal received, if any
+        self.orphaned = False  # the process that started this one was gone when the signal came (PR_SET_PDEATHSIG)
+        self._parent = os.getppid()
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
             for signum in PREEMPTION_SIGNALS:
@@ -41,6 +44,7 @@ class Preemption:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signal is None or signum != signal.SIGINT:
             self.signal = signum  # only set a flag: the loop decides at the end of the step
+            self.orphaned = os.getppid() != self._parent
         if signum == signal.SIGINT:  # the next Ctrl-C is Python's own: it interrupts at once
             signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
 

@@ -73,7 +73,8 @@ def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:
     run_id = f"launch-{launcher.launch_id}-elastic" if args.nnodes == 1 else f"torchft-{args.coordinator}"
 
     def start(index: int, restart: bool = False) -> bool:
-        env = {**({ft.ENV_RESTART: "1"} if restart else {}), ft.ENV_LIGHTHOUSE: address, ft.ENV_RANK: str(first + index),
+        env = {**({ft.ENV_RESTART: "1"} if restart else {}), **({ft.ENV_LIGHTHOUSE_HERE: "1"} if lighthouse else {}),
+               ft.ENV_LIGHTHOUSE: address, ft.ENV_RANK: str(first + index),
                ft.ENV_SIZE: str(size), ft.ENV_MIN: str(args.min_workers), ft.ENV_QUORUM_TIMEOUT: str(args.quorum_timeout),
                ENV_RUN_ID: run_id}
         return launcher.start_one(index, env)
