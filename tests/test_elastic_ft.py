@@ -358,8 +358,8 @@ class Node(LaunchedRun):
 
     def kill_all(self) -> None:
         """The launcher and its workers, as when the machine goes away: all stopped first, so that none
-        reacts to another's end (a worker whose launcher dies gets SIGTERM, PR_SET_PDEATHSIG, and would
-        ask the whole run to stop), then killed."""
+        reacts to another's end (a worker whose launcher dies gets SIGTERM, PR_SET_PDEATHSIG, and acts
+        on it: `kill_launcher`), then killed."""
         os.kill(self.proc.pid, signal.SIGSTOP)
         workers = training_processes(self.proc.pid)
         for sig in (signal.SIGSTOP, signal.SIGKILL):

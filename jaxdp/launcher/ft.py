@@ -31,9 +31,9 @@ from jaxdp.launcher.workers import Launcher, describe, say, shell_code, stop_cod
 # worker as alive until then, and torchft's rule against a split brain holds the survivor back meanwhile
 # (docs/multihost.md). On one node the heartbeats cross no link, and a worker left out by mistake (a
 # heartbeat late on a starved core) heals from a peer over loopback in a fraction of a second: 0.5 s
-# (goodput, 2 workers, a kill every 10 s, median of 3 pairs: 0.97, where 1 s made 0.85-0.90). Across
-# nodes a heartbeat can be half a second late on a home link without the worker being gone, and a
-# needless heal sends the whole state over that link: 1 s. --heartbeat-timeout sets it.
+# (goodput, 2 workers, a kill every 10 s, the median of 3 pairs: 0.98 with psum; single runs at 1 s made
+# 0.85-0.92). Across nodes a heartbeat can be half a second late on a home link without the worker being
+# gone, and a needless heal sends the whole state over that link: 1 s. --heartbeat-timeout sets it.
 HEARTBEAT_TIMEOUT_S = {"one node": 0.5, "several nodes": 1.0}
 
 

@@ -8,7 +8,7 @@ every worker the live ranks and their sums. Only when a rank is missing does a s
 its shard, computed by the live rank `ft.assign` names. Then torchft's commit. A failed commit (a worker died or
 stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
 shard of that step is computed by a survivor, and no shard is counted twice. A row is made, and the
-rows are read and applied, on the devices (jaxdp/step/ft_rows.py: one program each way; a step
+rows are read, on the devices (jaxdp/step/ft_rows.py: one program each, then the update; a step
 crosses to the host once each way, as bytes); the total is added in shard order, so the result is
 the same to the bit whoever computed what (with --strategy host, the hub's: jaxdp/cluster/elastic.py).
 A shard whose sums are not finite crosses as a tag alone and is left out of the step's mean (named

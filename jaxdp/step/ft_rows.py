@@ -9,11 +9,13 @@ made and every row read on the devices: a step crosses to the host once each way
 order with --strategy host, as jaxdp.sync.host.device_sum adds them; in-graph by psum or the ring
 otherwise), as one uint8 row: every leaf's bytes, the gradient's as the codec's message (host.RowCoder,
 with `owed`, the shard's error feedback, and the new feedback beside it), and whether every sum is
-finite. `receive`: the rows decoded and added in shard order (the counted ones), each leaf divided by
-`count` (what the host path computed with numpy, the same operations in the same order, so the same
-bits: float32 additions and one division, no multiplication for a contraction to join); then
-`update(state, grads, model_state)`, a program of its own: inside the same one, XLA fused the mean
-into the optimizer's arithmetic and the parameters no longer matched a one-process run's bit for bit.
+finite. `apply`: the rows decoded and added in shard order (the counted ones), each leaf divided by
+`count`: without a codec what the host path computed with numpy, the same operations in the same
+order, so the same bits (float32 additions and one division, no multiplication for a contraction to
+join; a codec's dequantizing multiply may fuse with the addition: within float32 rounding of the host
+path, and the same on every worker). Then `update(state, grads, model_state)`, a program of its own:
+inside the same one, XLA fused the mean into the optimizer's arithmetic and the parameters no longer
+matched a one-process run's bit for bit.
 """
 
 from __future__ import annotations
