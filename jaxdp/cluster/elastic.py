@@ -134,6 +134,7 @@ class Member:
         self.stop = False        # the hub said stop after the last step
         self.stop_asked = False  # this process asked for a stop (a signal here)
         self.stall_timeout: float | None = None  # this run's --stall-timeout, for the hub (None: its default)
+        self.alone = False       # (torchft's restarted rank 0 with no live worker: the hub always sends a state)
 
     @property
     def lead(self) -> bool:
@@ -202,6 +203,11 @@ class Member:
 
     def send_state(self, step: int, arrays: Sequence[np.ndarray]) -> None:
         send(self.sock, {"op": "state", "step": step}, pack(arrays))
+
+    def leaves(self, orphaned: bool) -> bool:
+        """Never alone (jaxdp/cluster/ft.py's `leaves`): the hub is this worker's launcher, so a worker
+        whose launcher is gone has lost the run's sum, and stops with the state it holds."""
+        return False
 
     def ask_stop(self) -> None:
         if not self.stop_asked and self.sock is not None:

@@ -249,7 +249,7 @@ class ElasticStop:
 
     def should_stop(self, state: Any) -> bool:
         if self._preemption.signal is not None:
-            if getattr(self._member, "leaves", lambda orphaned: False)(self._preemption.orphaned):
+            if self._member.leaves(self._preemption.orphaned):
                 self._member.leave()  # its launcher is gone, the Lighthouse elsewhere: the others train on
             self._member.ask_stop()
         return self._member.stop

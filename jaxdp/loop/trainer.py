@@ -121,7 +121,7 @@ def restore(plan: Plan) -> bool:
         plan.preemption = Preemption()  # a SIGTERM while joining (compiling can take a minute) stops it with 75
         plan.state, joined = _join(plan.elastic, plan.state, checkpointer, plan.step_for(plan.spec), plan.batch_at,
                                    plan.preemption)
-        if getattr(plan.elastic, "alone", False):  # a restarted rank 0 with no live worker (jaxdp/loop/lead.py)
+        if plan.elastic.alone:  # a restarted rank 0 with no live worker (jaxdp/loop/lead.py)
             from jaxdp.loop import lead
 
             lead.alone(plan)

@@ -196,8 +196,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                 pass  # the last quorum's members, as every worker's rows said (a failure fails the exchange)
             else:
                 layout["quorum_at"] = time.monotonic()
-                healed, _, own = take_quorum(member, state, at, meanwhile=(
-                    (lambda: row_of(state, batch, rank)) if "started" in layout else None))
+                healed, _, own = take_quorum(member, state, at, meanwhile=lambda: row_of(state, batch, rank))
                 if healed is not None:  # behind after a commit only the others made: their state
                     further = int(jax.device_get(healed.step))
                     if further > at and "metrics" in layout:  # (a stalled worker that runs again)
@@ -206,7 +205,6 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
                               file=sys.stderr, flush=True)
                         return healed, layout["metrics"]
                     state, at = healed, further
-            layout["started"] = True
             # First round: every worker taking part computes its own shard and sends it in one row whose
             # header also says that it takes part and whether it asks to stop, so the live ranks come with
             # the sums (one collective). Only if a rank is missing, a second round computes its shard.

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicated_sharding
@@ -85,14 +86,13 @@ class RowPrograms:
             return
         shapes = jax.eval_shape(self.worker_sum, state, batch)
         leaves, self.treedef = jax.tree.flatten(shapes)
-        self.like = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+        self.like = [(tuple(x.shape), np.dtype(x.dtype), int(np.prod(x.shape, dtype=np.int64))) for x in leaves]
         self.exact = len(leaves) - self.treedef.children()[2].num_leaves  # (metrics, model state) | grads
-        values = sum(int(np.prod(s, dtype=np.int64)) for s, _ in self.like[self.exact:])
+        values = sum(count for _, _, count in self.like[self.exact:])
         self.coder = self.coder_of(values)
-        head = [int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in self.like[:self.exact]]
-        tail = self.coder.nbytes if self.coder else sum(int(np.prod(s, dtype=np.int64)) * d.itemsize
-                                                         for s, d in self.like[self.exact:])
-        self.head, self.nbytes = sum(head), sum(head) + tail
+        self.head = sum(count * dtype.itemsize for _, dtype, count in self.like[:self.exact])
+        self.nbytes = self.head + (self.coder.nbytes if self.coder else
+                                   sum(count * dtype.itemsize for _, dtype, count in self.like[self.exact:]))
         self.zeros = jnp.zeros(values, jnp.float32) if self.coder and self.coder.keeps_feedback else None
         self._send = jax.jit(self._send_fn)
         self._mean = jax.jit(self._mean_fn, out_shardings=replicated_sharding(self.mesh))
@@ -121,20 +121,18 @@ class RowPrograms:
     def _parts(self, row: jax.Array) -> list[jax.Array]:
         """One row's leaves: the exact ones from their bytes, the gradient's from the codec's message."""
         parts, offset = [], 0
-        for shape, dtype in self.like[:self.exact] + (self.like[self.exact:] if self.coder is None else []):
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            parts.append(from_bytes(row[offset:offset + nbytes], shape, dtype))
-            offset += nbytes
+        for shape, dtype, count in self.like[:self.exact] + (self.like[self.exact:] if self.coder is None else []):
+            parts.append(from_bytes(row[offset:offset + count * dtype.itemsize], shape, dtype))
+            offset += count * dtype.itemsize
         if self.coder is not None:
             flat, at = self.coder.decode_traced(row[self.head:]), 0
-            for shape, dtype in self.like[self.exact:]:
-                count = int(np.prod(shape, dtype=np.int64))
+            for shape, dtype, count in self.like[self.exact:]:
                 parts.append(flat[at:at + count].reshape(shape).astype(dtype))
                 at += count
         return parts
 
     def _mean_fn(self, rows: jax.Array, counted: jax.Array, count: jax.Array) -> tuple[Any, Any, dict]:
-        totals = [jnp.zeros(shape, dtype) for shape, dtype in self.like]
+        totals = [jnp.zeros(shape, dtype) for shape, dtype, _ in self.like]
         for shard in range(self.size):  # in shard order, the counted ones: the host path's additions
             totals = [jnp.where(counted[shard], t + p, t) for t, p in zip(totals, self._parts(rows[shard]))]
         means = []
@@ -146,7 +144,7 @@ class RowPrograms:
         metrics, model_state, grads = jax.tree.unflatten(self.treedef, means)
         metrics = dict(metrics)
         if self.grad_norm:
-            metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+            metrics["grad_norm"] = optax.global_norm(grads)
         return grads, model_state, {k: v.astype(jnp.float32) for k, v in metrics.items()}
 
     def apply(self, state: Any, rows: np.ndarray, counted: np.ndarray, count: int) -> tuple[Any, dict]:
@@ -159,5 +157,5 @@ class RowPrograms:
         """Compile both programs and the update (on a copy of `state`)."""
         payload, _, _ = self.send(state, batch)
         rows = np.zeros((self.size, self.nbytes), np.uint8)
-        rows[0] = payload
+        rows[0] = payload  # (the other rows' zeros decode to zeros: only the shapes matter here)
         jax.block_until_ready(self.apply(jax.tree.map(jnp.copy, state), rows, np.arange(self.size) == 0, 1))
