@@ -80,14 +80,21 @@ fi
 # 1c''. --optimizer muon against adamw at batch 16: what Newton-Schulz costs a step on the card.
 want muon && cli b16-adamw 120 --batch-size $B16 --steps 60
 want muon && cli b16-muon 120 --batch-size $B16 --steps 60 --optimizer muon
+# 1c'''. The optimizer update alone: AdamW, and Muon's Newton-Schulz under each matmul precision.
+if want muon-update; then
+  stage "muon update"
+  timeout "$(limit 90)" python docs/perf/gpu_tools.py muon --json "$W/muon-update.json" 2>&1 | tail -5 | tee -a "$LOG"
+fi
 # 1d. --shard-params on one card: the blocks gathered one at a time in a rematerialised scan.
 want shard && cli b16-shard 150 --batch-size $B16 --steps 60 --shard-params
 # 2. Where a step's time goes: the warm command line again, under JAX's profiler from its step 10.
+#    TRACE_FLAGS adds flags to the traced run (e.g. "--optimizer muon"), TRACE_NAME names its files.
 if want trace; then
-  stage "trace b16"
+  T=${TRACE_NAME:-b16}
+  stage "trace $T"
   timeout "$(limit 120)" python docs/perf/gpu_tools.py trace "$W/trace" --skip 10 -- "${GPT[@]}" --batch-size $B16 --steps $((TRACED + 10)) \
-    --metrics-file "$W/b16-trace.jsonl" --checkpoint-dir "$W/ckpt" 2>&1 | tail -2 | tee -a "$LOG"
-  timeout "$(limit 60)" python docs/perf/gpu_tools.py summarize "$W/trace" --steps $TRACED --json "$W/profile-b16.json" 2>&1 | tee -a "$LOG"
+    --metrics-file "$W/$T-trace.jsonl" --checkpoint-dir "$W/ckpt" ${TRACE_FLAGS:-} 2>&1 | tail -2 | tee -a "$LOG"
+  timeout "$(limit 60)" python docs/perf/gpu_tools.py summarize "$W/trace" --steps $TRACED --json "$W/profile-$T.json" 2>&1 | tee -a "$LOG"
 fi
 # 3. The model step against PyTorch (torch.compile), paired, at both batch sizes.
 if want vs-torch; then
@@ -154,7 +161,7 @@ python - "$W" <<'PY' 2>&1 | tee -a "$LOG"
 import json, os, sys
 w = sys.argv[1]
 import glob
-runs = ["b16-cold", "b16-warm", "b16-trace", "b32", "b16-shard", "b16-adamw", "b16-muon"]
+runs = ["b16-cold", "b16-warm", "b16-trace", "muon-trace", "b32", "b16-shard", "b16-adamw", "b16-muon"]
 runs += sorted(os.path.basename(p)[:-6] for p in glob.glob(f"{w}/warm-*.jsonl"))
 for run in runs:
     path = f"{w}/{run}.jsonl"

@@ -435,6 +435,50 @@ def select(densities: list[float], chunks: list[int], repeats: int) -> dict:
     return out
 
 
+def muon(precisions: list[str], repeats: int) -> dict:
+    """Median ms of one optimizer update on GPT-2 small's parameters (random gradients), one device:
+    AdamW, then --optimizer muon (Muon on the hidden matrices, Adam elsewhere) with its Newton-Schulz
+    products traced under each of `precisions` (jax.default_matmul_precision), and how far each one's
+    Muon updates are from those of the first precision (relative Frobenius norm, largest leaf)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.models.builtin import GPT
+    from jaxdp.step import optim
+
+    small = {"vocab_size": 512, "seq_len": 64, "layers": 2, "d_model": 64, "heads": 2} if os.environ.get("GPU_SMALL") else {}
+    model = GPT(dtype=jnp.bfloat16, **small)
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, model.seq_len), jnp.int32))["params"]
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(1), 2 * len(leaves))
+    params = jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, jnp.float32) * 0.02 for k, s in zip(keys, leaves)])
+    grads = jax.tree.unflatten(tree, [jax.random.normal(k, s.shape, jnp.float32) * 1e-3
+                                      for k, s in zip(keys[len(leaves):], leaves)])
+    out = {"device": jax.devices()[0].device_kind, "values": sum(s.size for s in leaves), "updates": {}}
+    reference = None
+    runs = [("adamw", "default", optim.adamw(1e-3, 0.9, 0.1))]
+    runs += [("muon", p, optim.muon(1e-3, 0.9, 0.0, on="hidden")) for p in precisions]
+    for name, precision, tx in runs:
+        state = tx.init(params)
+        with jax.default_matmul_precision(None if precision == "default" else precision):
+            update = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p)[0]).lower(grads, state, params).compile()
+        result = jax.block_until_ready(update(grads, state, params))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(update(grads, state, params))
+            times.append(time.perf_counter() - t)
+        row = {"ms": 1e3 * statistics.median(times)}
+        if name == "muon":
+            if reference is None:
+                reference = result
+            row["max_rel_diff"] = max(float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
+                                      for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(reference)))
+        out["updates"][f"{name} {precision}"] = row
+        print(f"{name:6s} {precision:16s} {row['ms']:8.2f} ms  {row.get('max_rel_diff', '')}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="docs/perf/gpu_tools.py")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -472,6 +516,11 @@ def main() -> None:
     p.add_argument("--chunks", default="4096,1024,256")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json")
+    p = sub.add_parser("muon")
+    p.add_argument("--precisions", default="highest;default;BF16_BF16_F32",
+                   help="jax.default_matmul_precision values separated by ';' (the first is the reference)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json")
     p = sub.add_parser("startup")
     p.add_argument("--json")
     argv = sys.argv[1:]
@@ -499,6 +548,11 @@ def main() -> None:
                 json.dump(s, f, indent=1)
     elif args.command == "select":
         s = select([float(v) for v in args.densities.split(",")], [int(v) for v in args.chunks.split(",")], args.repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(s, f, indent=1)
+    elif args.command == "muon":
+        s = muon([v.strip() for v in args.precisions.split(";") if v.strip()], args.repeats)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(s, f, indent=1)

@@ -1,0 +1,6 @@
+export PYTHONPATH=. PYTHONUNBUFFERED=1; D=$OUT; R=/tmp/res; rm -rf $R; mkdir -p $R
+OUT=$R/torch WORK=/tmp/w1 GPU_STAGES=vs-torch GPU_DEADLINE=${D1:-270} bash docs/perf/gpu_run.sh > $R/torch.out 2>&1
+tail -12 $R/torch.out
+OUT=$R/muon WORK=/tmp/w2 GPU_STAGES="muon-update trace" TRACE_NAME=muon TRACE_FLAGS="--optimizer muon" GPU_DEADLINE=${D2:-230} bash docs/perf/gpu_run.sh > $R/muon.out 2>&1
+tail -40 $R/muon.out
+rm -f $R/*/trace.json.gz; tar czf $D/lease6.tgz -C $R .; ls -la $D
