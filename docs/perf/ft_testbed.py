@@ -9,7 +9,9 @@ first) and the bytes host 0 sent per step (the link's counters).
 `--one-node`: no namespaces (no root needed): one launcher, `--nproc-per-node 2` on 127.0.0.1, each
 worker bound to its own core as the launcher does by default, as a user runs two processes on one
 machine; its bytes are the loopback interface's (every message, the Lighthouse's too). `--train-args`:
-the mode (default `--strategy ring --compression int8`).
+the mode (default `--strategy ring --compression int8`). `--pin`: on the testbed, node i's launcher
+and its worker on core i alone (a node's launcher binds its one worker to every core it has: without
+it both nodes' workers and their threads share both cores).
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--one-node", action="store_true", help="one launcher, 2 processes on 127.0.0.1")
+    parser.add_argument("--pin", action="store_true",
+                        help="each node's launcher (and so its worker) on a core of its own, as two machines would be")
     parser.add_argument("--train-args", default="--strategy ring --compression int8")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.one_node:
         return one_node(args)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out: dict = {"rate": args.rate, "steps": args.steps, "train_args": args.train_args, "runs": {}}
+    out: dict = {"rate": args.rate, "steps": args.steps, "train_args": args.train_args, "pinned": args.pin, "runs": {}}
     with tempfile.TemporaryDirectory() as scratch, Testbed(2, None if args.rate == "unshaped" else args.rate) as bed:
         port = 29400
         for repeat in range(args.repeats):
@@ -53,7 +57,9 @@ def main() -> None:
                                      sys.executable, "-m", "jaxdp.train", *args.train_args.split(),
                                      "--devices", "1", "--steps", str(args.steps), "--no-progress", "--log-every", "50",
                                      "--metrics-file", os.path.join(where, f"m{i}.jsonl")],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root) for i in range(2)]
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root,
+                                 preexec_fn=(lambda i=i: os.sched_setaffinity(0, {i})) if args.pin else None)
+                     for i in range(2)]
                 codes = [p.wait(timeout=900) for p in procs]
                 sent = [after - b for after, b in zip(bed.sent_bytes(), before)]
                 with open(os.path.join(where, "m0.jsonl")) as f:

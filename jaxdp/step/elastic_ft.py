@@ -185,7 +185,8 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         if layout.get("skip"):  # healed past these steps: the state already holds them
             layout["skip"] -= 1
             return state, layout["metrics"]
-        at = int(jax.device_get(state.step))
+        known = layout.get("known")  # (the state this step returned, its step number): no wait for the devices
+        at = known[1] if known is not None and state.step is known[0] else int(jax.device_get(state.step))
         batch_of = lambda shard: batch if shard == rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
         retry = False
         while True:
@@ -260,7 +261,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         member.shards, member.stop = mine, member.stop or stop
         counted = devices * (size - len(bad)) // size  # (every shard not finite: NaN, which stops the run as ever)
         state, metrics = programs.apply(state, rows, np.isin(np.arange(size), bad, invert=True), counted)
-        layout["metrics"] = metrics
+        layout["metrics"], layout["known"] = metrics, (state.step, at + 1)
         return state, metrics
 
     made = TrainStep(step, grads_fn, tx, spec, local_grads)

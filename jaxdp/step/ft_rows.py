@@ -149,9 +149,11 @@ class RowPrograms:
 
     def apply(self, state: Any, rows: np.ndarray, counted: np.ndarray, count: int) -> tuple[Any, dict]:
         """(`state` updated by the mean of `rows`' sums over the `counted` shards (a bool per row),
-        divided by `count` (the devices counted); the metrics, on the host). `update` may donate `state`."""
+        divided by `count` (the devices counted); the metrics). Nothing waits for the devices: the
+        metrics stay there, as a compiled step's do, so the update runs while the host goes on to the
+        next step. `update` may donate `state`."""
         grads, model_state, metrics = self._mean(rows, counted, np.int32(count))
-        return self.update(state, grads, model_state), {k: np.float32(v) for k, v in jax.device_get(metrics).items()}
+        return self.update(state, grads, model_state), metrics
 
     def warm_up(self, state: Any, batch: Any) -> None:
         """Compile both programs and the update (on a copy of `state`)."""
