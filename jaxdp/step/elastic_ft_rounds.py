@@ -205,7 +205,8 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
             return state, layout["metrics"]
         if "inner" not in layout:
             build(state, batch)
-        at = int(jax.device_get(state.step))
+        known = layout.get("known")  # (the state the last call returned, its step number): no wait for the devices
+        at = known[1] if known is not None and state.step is known[0] else int(jax.device_get(state.step))
         if member.fresh_quorum:  # the first call after settle: the run's start, or a round's end it healed at
             state, _, _ = exchange(state, at, None)
             further = int(jax.device_get(state.step))
@@ -214,7 +215,9 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                 return state, layout["metrics"]
             at = further
         state, metrics = layout["inner"](state, batch)
-        metrics = {**metrics, "synced": jnp.float32(0), "comm_bytes_per_step": jnp.float32(layout["wire"] / sync_every)}
+        if "between" not in layout:  # (the two constants of a step between rounds' ends, made once)
+            layout["between"] = {"synced": jnp.float32(0), "comm_bytes_per_step": jnp.float32(layout["wire"] / sync_every)}
+        metrics, done = {**metrics, **layout["between"]}, at + 1
         if (at + 1) % sync_every == 0:
             delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
                                     jax.tree.leaves(jax.device_get(layout["delta"](state)))])
@@ -223,12 +226,12 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
             # the round's metrics, every worker the same (what the loop's NaN guard reads: --metrics-at-sync)
             metrics = {**metrics, **{k: jnp.asarray(v, metrics[k].dtype) for k, v in zip(layout["keys"], shared)},
                        "synced": jnp.float32(1)}
-            further = int(jax.device_get(state.step))
-            if healed and further > at + 1:
-                layout["skip"] = further - at - 1
-                print(f"jaxdp: rank {rank} healed from step {at + 1} to {further} with a live worker's state",
+            done = int(jax.device_get(state.step))
+            if healed and done > at + 1:
+                layout["skip"] = done - at - 1
+                print(f"jaxdp: rank {rank} healed from step {at + 1} to {done} with a live worker's state",
                       file=sys.stderr, flush=True)
-        layout["metrics"] = metrics
+        layout["metrics"], layout["known"] = metrics, (state.step, done)  # (the skipped calls return this state)
         return state, metrics
 
     made = TrainStep(step, None, tx, spec, local_grads)
