@@ -117,5 +117,6 @@ def summarize(out: dict, path: str | None) -> None:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
 
+
 if __name__ == "__main__":
     main()
