@@ -188,6 +188,30 @@ def test_host_rows_code_a_workers_sum_once_with_error_feedback_per_shard(bits):
     np.testing.assert_array_equal(coder.decode_rows(rows), np.stack([coder.decode(message), coder.decode(owed)]))
 
 
+def test_host_rows_settle_keeps_only_the_feedback_of_the_exchange_just_made_and_finite():
+    """After an exchange the feedback owed is that of the keys coded in it with finite values, and no
+    other: a shard coded again later (a lost worker's shard once more, a worker's own after it
+    healed) starts at zero, and a shard whose sums were not finite does not carry the NaN on."""
+    from jaxdp.sync import codecs
+    from jaxdp.sync.host import RowCoder
+
+    coder = RowCoder(codecs.parse("int8"), 1000)
+    x = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    fresh, left = coder.encode(x, key=1)
+    coder.settle({0: left, 1: left})  # this worker coded shards 0 and 1 (1 was a lost worker's)
+    assert sorted(coder.feedback) == [0, 1] and coder.encode(x, key=1)[0] != fresh
+    coder.settle({0: left})  # shard 1's worker is back: this worker coded shard 0 alone
+    assert sorted(coder.feedback) == [0] and coder.encode(x, key=1)[0] == fresh  # lost again: shard 1 from zero
+    _, poisoned = coder.encode(x * np.float32(np.nan), key=0)
+    coder.settle({0: poisoned}, left_out=[0])  # shard 0's sums were not finite: left out, its feedback too
+    assert coder.feedback == {} and np.isfinite(coder.decode(coder.encode(x, key=0)[0])).all()
+    coder.settle({})  # a step this worker only listened to (it healed): nothing owed
+    assert coder.feedback == {}
+    bf16 = RowCoder(codecs.parse("bf16"), 1000)  # (no feedback to keep)
+    bf16.settle({0: None})
+    assert bf16.feedback == {}
+
+
 def test_host_rows_in_bf16_are_the_cast_and_other_codecs_are_refused():
     import ml_dtypes
 

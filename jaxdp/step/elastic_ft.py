@@ -145,7 +145,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
     exactly), and every worker decodes every row and adds them in shard order, so the result is
     still the same on every worker. int8 / int4 keep error feedback per shard in this worker's
     device memory (host.RowCoder): a worker that joins, or computes a lost worker's shard, starts
-    that shard's feedback at zero."""
+    that shard's feedback at zero, and so does a shard whose sums were not finite."""
     from jaxdp.cluster import ft
     from jaxdp.step.ft_rows import RowPrograms
 
@@ -247,12 +247,11 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
             mine = [s for s in range(size) if owner[s] == rank]
             break
         member.fresh, member.leader = False, lead_of(heads, member.leader)
-        for shard, feedback in kept.items():  # the exchange went through: this step's feedback is owed
-            if programs.coder is not None:
-                programs.coder.keep(shard, feedback)
+        bad = sorted(bad)
+        if programs.coder is not None:  # the exchange went through: this step's feedback is owed, of the finite shards
+            programs.coder.settle(kept, bad)
         moved = {s: o for s, o in owner.items() if o != s}
         say_live(member, at, live, f"; shards computed elsewhere {moved}" if moved else "")
-        bad = sorted(bad)
         if bad != layout.get("bad", []):  # a worker's non-finite sums: left out of the step, named once
             member.say(f"step {at}: the sums of shard(s) {bad} (computed by rank(s) {sorted({owner[b] for b in bad})}) "
                        f"are not finite: left out of the step, the mean taken over the other shards" if bad else

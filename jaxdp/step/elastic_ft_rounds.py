@@ -171,8 +171,8 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
         if start:
             report(at, live, [])
             return state, healed_any, None
-        for key, feedback in kept.items():  # the exchange went through: this round's feedback is owed
-            layout["coder"].keep(key, feedback)
+        if layout["coder"] is not None:  # the exchange went through: this round's feedback is owed (none
+            layout["coder"].settle(kept)  # when this worker only listened: what it owed before is stale)
         acc, counted, bad = np.zeros(layout["values"], np.float32), 0.0, []
         shared = np.zeros(len(layout["keys"]), np.float64)
         for tag, _, payload in sorted(rows, key=lambda r: abs(r[0])):  # in rank order: the same bits everywhere

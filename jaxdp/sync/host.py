@@ -140,7 +140,8 @@ class RowCoder:
     (bf16, int8, int4: `HOST_CODED`), and back. int8 / int4 keep error feedback per key (the data
     shard the sum is of): what a message leaves out is added to that key's next vector, as the ring's
     coded sum does per device; bf16 keeps none, as its in-graph codec. `encode` returns the new
-    feedback beside the message; `keep` makes it the key's (once the exchange went through).
+    feedback beside the message; `keep` makes it the key's (once the exchange went through), and
+    `settle` makes an exchange's feedback the only feedback kept.
     `encode_traced(values, owed)` and `decode_traced(message)` are the same inside a caller's jit
     (owed: the key's feedback, zeros for none; bf16 returns it unchanged)."""
 
@@ -185,6 +186,15 @@ class RowCoder:
     def keep(self, key: int, feedback: np.ndarray | None) -> None:
         if feedback is not None:
             self.feedback[key] = feedback
+
+    def settle(self, kept: dict, left_out: Any = ()) -> None:
+        """After an exchange went through: the feedback owed is that of the keys coded in it (`kept`:
+        key -> new feedback), less those whose values were not finite (`left_out`: their feedback
+        would carry the NaN into every later message of the key). Every other key's is dropped, so a
+        key coded again later (an elastic run's lost worker's shard once more, a worker's own shard
+        after it healed) starts at zero, not from what it left out steps ago."""
+        left_out = set(left_out)
+        self.feedback = {key: f for key, f in kept.items() if f is not None and key not in left_out}
 
     def decode(self, message: bytes) -> np.ndarray:
         return self.decode_rows(np.frombuffer(message, np.uint8)[None])[0]
