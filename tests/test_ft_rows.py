@@ -117,6 +117,25 @@ def test_coded_rows_are_the_row_coders_messages_and_decode_to_its_mean(devices, 
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("name", [None, "int8"])
+def test_warm_up_compiles_every_program_the_steps_call_once(devices, name):
+    """After `warm_up`, steps compile nothing more: a shard's first row (no feedback yet) and its later
+    ones (the feedback `send` returned) are one program. A second one, compiled at a joiner's second
+    step, kept the other workers waiting in the exchange (a kill cost int8 runs more than psum runs)."""
+    state, programs, _, update, batches = problem(devices, "ring", codecs.parse(name) if name else None)
+    programs.update = update  # (the real update, which donates the state)
+    programs.warm_up(state, batches[0])
+    compiled = lambda: (programs._send._cache_size(), programs._mean._cache_size(), update._cache_size())  # noqa: E731
+    assert compiled() == (1, 1, 1)
+    owed = {}
+    for _ in range(3):
+        rows = np.zeros((2, programs.nbytes), np.uint8)
+        for shard in range(2):
+            rows[shard], _, owed[shard] = programs.send(state, batches[shard], owed.get(shard))
+        state, _ = programs.apply(state, rows, np.array([True, True]), 4)
+    assert compiled() == (1, 1, 1)
+
+
 def test_warm_up_compiles_both_programs_and_leaves_the_state_as_it_was(devices):
     state, programs, _, _, batches = problem(devices, "host")
     before = jax.tree.map(np.asarray, state.params)

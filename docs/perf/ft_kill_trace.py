@@ -4,6 +4,7 @@ line with its time since the kill (seconds). Run from the repository root, torch
     python docs/perf/ft_kill_trace.py [STEPS]                 # KILL_AT=20 (s after the start), HB=0.5 (heartbeat)
                                                               # RANK=0: kill the lead instead of worker 1
                                                               # SAVE_EVERY=100: save as the goodput bench does
+                                                              # TRAIN_ARGS="--strategy ring --compression int8": the mode
 
 It starts `python -m jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2 --max-restarts 10
 [--heartbeat-timeout HB] -- python -m jaxdp.train --strategy psum --devices 1 --steps STEPS`, kills worker
@@ -25,8 +26,8 @@ steps = sys.argv[1] if len(sys.argv) > 1 else "4000"
 tree = os.environ.get("TREE", os.getcwd())
 heartbeat = ["--heartbeat-timeout", os.environ["HB"]] if os.environ.get("HB") else []
 cmd = [sys.executable, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2",
-       "--max-restarts", "10", *heartbeat, "--", sys.executable, "-m", "jaxdp.train", "--strategy", "psum",
-       "--devices", "1", "--steps", steps, "--no-progress", "--log-every", "100",
+       "--max-restarts", "10", *heartbeat, "--", sys.executable, "-m", "jaxdp.train",
+       *os.environ.get("TRAIN_ARGS", "--strategy psum").split(), "--devices", "1", "--steps", steps, "--no-progress", "--log-every", "100",
        *(["--checkpoint-dir", tempfile.mkdtemp(), "--save-every", os.environ["SAVE_EVERY"]]
          if os.environ.get("SAVE_EVERY") else [])]
 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree,

@@ -93,7 +93,10 @@ class RowPrograms:
         self.head = sum(count * dtype.itemsize for _, dtype, count in self.like[:self.exact])
         self.nbytes = self.head + (self.coder.nbytes if self.coder else
                                    sum(count * dtype.itemsize for _, dtype, count in self.like[self.exact:]))
-        self.zeros = jnp.zeros(values, jnp.float32) if self.coder and self.coder.keeps_feedback else None
+        # (placed as `send` returns the feedback: one program for a shard's first row and every later one; an
+        # uncommitted zeros compiled a second program at a joiner's second step, with the others waiting on it)
+        self.zeros = jax.device_put(np.zeros(values, np.float32), replicated_sharding(self.mesh)) \
+            if self.coder and self.coder.keeps_feedback else None
         self._send = jax.jit(self._send_fn)
         self._mean = jax.jit(self._mean_fn, out_shardings=replicated_sharding(self.mesh))
 
