@@ -264,7 +264,9 @@ def test_rank_0_lost_for_good_the_lowest_live_rank_leads_saves_and_evaluates_and
 def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_runs_again(tmp_path, rank):
     """Rank 0 stopped is the lead stopped: rank 1 leads, and saves once rank 0, running again and healed,
     has let go of the directory's lock."""
-    steps = 1500  # the stopped rank waits out its --stall-timeout after SIGCONT while the other trains alone: 700 ended first
+    # The stopped rank waits out its --stall-timeout after SIGCONT while the other trains alone (up to about
+    # 300 steps/s here once the step stopped waiting for the devices): 700, then 1500 steps ended first.
+    steps = 5000
     # jaxdp.train's --stall-timeout (default 20 s): the all-reduce in flight with the stopped worker
     # fails after it. 10 s here: half the test's wait, still far above a step of this run
     run = Run(tmp_path, steps, "--max-restarts", "0", train_args=("--stall-timeout", "10"))
