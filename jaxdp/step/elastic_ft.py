@@ -99,6 +99,13 @@ def lead_of(heads: list[tuple[int, int]], now: int | None) -> int | None:
     return min(leading) if leading else live[0] if live else now
 
 
+def step_number(state: TrainState, layout: dict) -> int:
+    """`state`'s step number: the one recorded in `layout["known"]` when `state` is the state the last
+    call returned (no wait for the devices), read from the devices otherwise (a healed or restored one)."""
+    known = layout.get("known")
+    return known[1] if known is not None and state.step is known[0] else int(jax.device_get(state.step))
+
+
 def flags_of(member: Any, taking_part: bool) -> int:
     """This worker's row flags: whether it takes part, asks to stop, is at the run's start, leads."""
     return (TAKES_PART * taking_part | ASKS_STOP * member.stop_asked | FRESH * member.fresh
@@ -185,8 +192,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         if layout.get("skip"):  # healed past these steps: the state already holds them
             layout["skip"] -= 1
             return state, layout["metrics"]
-        known = layout.get("known")  # (the state this step returned, its step number): no wait for the devices
-        at = known[1] if known is not None and state.step is known[0] else int(jax.device_get(state.step))
+        at = step_number(state, layout)
         batch_of = lambda shard: batch if shard == rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
         retry = False
         while True:

@@ -40,7 +40,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, replicate, state_specs
 from jaxdp.step.elastic_ft import (
-    ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, say_live, take_quorum, wait_for_rank_0,
+    ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, say_live, step_number, take_quorum,
+    wait_for_rank_0,
 )
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import outer_step
@@ -111,6 +112,8 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                       coder=coder, keys=keys, head=8 * (1 + len(keys)),  # the replica count and the metrics, float64
                       nbytes=8 * (1 + len(keys)) + (coder.nbytes if coder else 4 * values))
         layout["wire"] = float(bytes_sent(layout["nbytes"] * size // 2, size)) if size > 1 else 0.0
+        # the metrics of a step between rounds' ends beside the inner step's own (made once, not each step)
+        layout["between"] = {"synced": jnp.float32(0), "comm_bytes_per_step": jnp.float32(layout["wire"] / sync_every)}
 
     def row(delta: np.ndarray | None, metrics: np.ndarray | None, flags: int, kept: dict) -> np.ndarray:
         """This worker's row: a header (rank + 1 where it takes part, negated for values that are not
@@ -205,8 +208,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
             return state, layout["metrics"]
         if "inner" not in layout:
             build(state, batch)
-        known = layout.get("known")  # (the state the last call returned, its step number): no wait for the devices
-        at = known[1] if known is not None and state.step is known[0] else int(jax.device_get(state.step))
+        at = step_number(state, layout)
         if member.fresh_quorum:  # the first call after settle: the run's start, or a round's end it healed at
             state, _, _ = exchange(state, at, None)
             further = int(jax.device_get(state.step))
@@ -215,10 +217,8 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                 return state, layout["metrics"]
             at = further
         state, metrics = layout["inner"](state, batch)
-        if "between" not in layout:  # (the two constants of a step between rounds' ends, made once)
-            layout["between"] = {"synced": jnp.float32(0), "comm_bytes_per_step": jnp.float32(layout["wire"] / sync_every)}
         metrics, done = {**metrics, **layout["between"]}, at + 1
-        if (at + 1) % sync_every == 0:
+        if done % sync_every == 0:
             delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
                                     jax.tree.leaves(jax.device_get(layout["delta"](state)))])
             own = np.array([float(metrics[k]) for k in layout["keys"]], np.float64)
