@@ -6,6 +6,7 @@ one; a stalled worker is left out and heals when it runs again; a worker whose p
 finite is left out of every round and named once."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from helpers import ROOT, cli_env
 
 pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
 
-from test_elastic_ft import Run, finish, kill_each_and_rejoin, run_nan_on_rank_1, stop_1_and_go_on  # noqa: E402
+from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin, run_nan_on_rank_1, stop_1_and_go_on  # noqa: E402
 
 PY = sys.executable
 ROUNDS = ("--sync-every", "4")
@@ -84,3 +85,15 @@ def test_a_worker_whose_pseudo_gradient_is_not_finite_is_left_out_of_the_rounds_
     assert "step 4: the pseudo-gradient of rank(s) [1] is not finite: left out of the round" in text, text
     assert text.count("is not finite") == 1, text
     assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.25, text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_quorum_in_a_round_ends_the_round_with_the_survivor_saves_and_exits_75(tmp_path):
+    """Rank 1 killed with --min-workers 2: rank 0's round ends with its own pseudo-gradient alone, it saves
+    that state (every replica the global parameters again) and the run exits 75."""
+    text = kill_and_end(Run(tmp_path, 400000, "--min-workers", "2", "--quorum-timeout", "5", strategy="psum",
+                            train_args=ROUNDS), 1, 75, at=40)
+    assert "fewer than --min-workers=2 live workers" in text and "exit code 75" in text, text
+    saved = [int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit()]
+    assert saved and max(saved) >= 40 and max(saved) % 4 == 0, (saved, text)  # at a round's end

@@ -112,3 +112,36 @@ def claim(loop: Any) -> bool:
             return False
         loop.writer.take_over(loop.done, loop.history)
     return plan.checkpointer is not None
+
+
+def stop_held(loop: Any, hooks: Any, gone: BaseException) -> None:
+    """An elastic run whose hub went away, or (torchft) whose quorum is lost: the loop stops with the
+    state it holds, exit code 75; the lead (torchft: the worker that takes the lock: `claim`) saves it."""
+    import jax
+
+    plan = loop.plan
+    if getattr(gone, "state", None) is not None:  # (rounds: the state the worker holds, the loop's given up)
+        loop.state = gone.state
+        loop.done = int(jax.device_get(loop.state.step))
+    moves = follows(plan)
+    if moves:
+        plan.is_main = claim(loop)
+    if not (plan.is_main and plan.checkpointer):  # (the lead says what it saved: fit's stopped())
+        print(f"jaxdp: {gone}: stopping after {loop.where or f'step {loop.done}'}, exit code 75", file=sys.stderr)
+    loop.preemption.gone, loop.stop = (str(gone) if moves else True), True
+    loop.saveable()
+    hooks.run(loop, "stop")
+
+
+class NeverRaised(Exception):
+    """(What a loop catches as `gone_error` in a run that is not elastic.)"""
+
+
+def gone_error(plan: Any) -> type[BaseException]:
+    """What a loop catches as "the hub went away" (torchft: "the quorum is lost"): elastic.HubGone in an
+    elastic run, nothing otherwise."""
+    if plan.elastic is None:
+        return NeverRaised
+    from jaxdp.cluster.elastic import HubGone
+
+    return HubGone

@@ -10,15 +10,10 @@ check at sync steps and, before a save, on the replicas).
 
 from __future__ import annotations
 
-import sys
 import time
 
 from jaxdp.loop import lead
 from jaxdp.loop.hooks import Hook, Loop, log_step, periodic
-
-
-class _NeverRaised(Exception):
-    """(What the loop catches for an elastic run's HubGone in a run that is not elastic.)"""
 
 
 def run_steps(loop: Loop) -> None:
@@ -44,9 +39,7 @@ def run_steps(loop: Loop) -> None:
     hooks = periodic(loop, Hook(log_step, every=loop.options["logging"].every, at=("last",)))
     hooks.run(loop, "start")
     batches = Prefetcher(plan.batch_at, loop.start, plan.steps, depth=loop.options["run"].prefetch)
-    hub_gone = _NeverRaised
-    if plan.elastic is not None:
-        from jaxdp.cluster.elastic import HubGone as hub_gone
+    hub_gone = lead.gone_error(plan)
     try:
         for step, batch in batches:
             train_step = loop.train_step
@@ -54,14 +47,7 @@ def run_steps(loop: Loop) -> None:
             try:
                 state, metrics = train_step(loop.state, batch)
             except hub_gone as gone:  # an elastic run whose launcher went away: stop with the state held
-                moves = lead.follows(plan)  # (torchft: the quorum is lost; a worker that takes the lock saves)
-                if moves:
-                    plan.is_main = lead.claim(loop)
-                if not (plan.is_main and plan.checkpointer):  # (the lead says what it saved: fit's stopped())
-                    print(f"jaxdp: {gone}: stopping after step {loop.done}, exit code 75", file=sys.stderr)
-                loop.preemption.gone, loop.stop = (str(gone) if moves else True), True
-                loop.saveable()
-                hooks.run(loop, "stop")  # the lead (torchft: the worker that took the lock) saves the state it holds
+                lead.stop_held(loop, hooks, gone)
                 return
             done = step + 1
             phantom = made_up and step == loop.start  # (every-step overlap: nothing applied yet)

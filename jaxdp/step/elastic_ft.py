@@ -73,14 +73,15 @@ def wait_for_rank_0(member: Any, layout: dict) -> None:
     time.sleep(0.1)
 
 
-def say_live(member: Any, at: int, live: list[int], more: str = "") -> None:
+def say_live(member: Any, at: int | str, live: list[int], more: str = "") -> None:
     """Where the live ranks changed, one line from the lowest live rank ("step S: live ranks [...]": the
     goodput bench reads them, jaxdp/bench/goodput.py), and `member.live` updated."""
     if live == member.live:
         return
     gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
     member.live = live
-    member.say(f"step {at}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
+    where = at if isinstance(at, str) else f"step {at}"
+    member.say(f"{where}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
                if gone else "") + (f"; back {back}" if back else "") + more)
 
 
@@ -104,6 +105,15 @@ def step_number(state: TrainState, layout: dict) -> int:
     call returned (no wait for the devices), read from the devices otherwise (a healed or restored one)."""
     known = layout.get("known")
     return known[1] if known is not None and state.step is known[0] else int(jax.device_get(state.step))
+
+
+def quorum_at(state: TrainState) -> int:
+    """The number a quorum compares (a worker behind it is healed): the step, or the round where the
+    workers' steps differ (timed rounds: jaxdp/step/elastic_ft_paced.py, whose state has a positions table)."""
+    paced = state.sync.shared.get("paced")
+    if paced is not None and "positions" in paced:
+        return int(jax.device_get(paced["round"]))
+    return int(jax.device_get(state.step))
 
 
 def flags_of(member: Any, taking_part: bool) -> int:
@@ -282,7 +292,7 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     from jaxdp.errors import EXIT_PREEMPTED
     from jaxdp.step.elastic import state_from_arrays
 
-    at = int(jax.device_get(state.step))
+    at = quorum_at(state)
     try:
         received = member.engine.quorum(at, offer(state))
     except ft.QuorumLost as err:

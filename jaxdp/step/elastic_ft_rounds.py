@@ -30,7 +30,7 @@ start every worker waits, as in an every-step run, for rank 0, which restored th
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxdp.cluster.elastic import HubGone
 from jaxdp.mesh import data_axes, replicate, state_specs
 from jaxdp.step.elastic_ft import (
     ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, say_live, step_number, take_quorum,
@@ -55,6 +56,145 @@ Batch = Any
 Metrics = dict
 
 
+class Ended(NamedTuple):
+    """What a round's end left: the state (a live peer's, where this worker was behind), whether it was
+    healed, whether this was the run's start (only who takes part was exchanged), the rows' weighted
+    mean (None where nothing was counted), the weight counted, the scalars' weighted mean (NaN where
+    nothing was counted), and each counted rank's (weight, scalars)."""
+
+    state: Any
+    healed: bool
+    start: bool
+    mean: np.ndarray | None
+    counted: float
+    shared: np.ndarray
+    by_rank: dict
+
+
+class RoundEnd:
+    """Steps 1-3 above and step 4's sum, for any rounds across torchft workers (these, and the timed
+    rounds of jaxdp/step/elastic_ft_paced.py). Each worker's row: a header (rank + 1 where it takes part,
+    negated for values that are not finite; its flags), then float64 `[weight, *scalars]` (`keys`
+    names the scalars), then `values` float32 values (or a codec's message). Every worker adds the
+    counted rows' values in rank order (the same bits everywhere) and divides by their weights' sum:
+    a row's values must already be its weight times what it averages. `at_of(state)` is the number
+    the quorum compares (a worker behind it is healed): the step, or the round."""
+
+    def __init__(self, member: Any, codec: Any, values: int, keys: list[str], at_of: Callable[[TrainState], int]):
+        self.member, self.values, self.keys, self.at_of = member, values, list(keys), at_of
+        self.coder = host.RowCoder(codec, values) if codec is not None else None
+        self.head = 8 * (1 + len(self.keys))
+        self.nbytes = self.head + (self.coder.nbytes if self.coder else 4 * values)
+        self.waiting: dict = {}   # (wait_for_rank_0's clock)
+        self.bad: list[int] = []  # the ranks named last as not finite
+        self.where: Callable[[TrainState, int], str] = lambda state, at: f"step {at}"  # (the console's words)
+
+    def wire(self) -> float:
+        """The bytes each worker sends per round end (an all-gather of one row each)."""
+        size = self.member.size
+        return float(bytes_sent(self.nbytes * size // 2, size)) if size > 1 else 0.0
+
+    def row(self, delta: np.ndarray | None, head: np.ndarray | None, flags: int, kept: dict) -> np.ndarray:
+        """This worker's row. No `delta` (the run's start, or a listener), or a weight of 0 (no step taken):
+        zeros, which count nothing; a weight of 0 still takes part."""
+        rank = self.member.rank
+        piece = np.zeros((1, HEADER + self.nbytes), np.uint8)
+        piece[0, 8:16] = np.frombuffer(np.int64(flags).tobytes(), np.uint8)
+        finite = delta is None or bool(np.isfinite(delta).all() and np.isfinite(head).all())
+        if flags & TAKES_PART:
+            piece[0, :8] = np.frombuffer(np.int64(rank + 1 if finite else -rank - 1).tobytes(), np.uint8)
+        if delta is not None and finite and flags & TAKES_PART and head[0]:  # (a weight of 0 counts nothing)
+            if self.coder is None:
+                body = delta.tobytes()
+            else:
+                body, kept[rank] = self.coder.encode(delta, rank)
+            piece[0, HEADER:] = np.frombuffer(np.asarray(head, np.float64).tobytes() + body, np.uint8)
+        return piece
+
+    def values_of(self, payload: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """(weight, scalars, values) of a row's payload."""
+        head = np.frombuffer(payload[:self.head].tobytes(), np.float64)
+        if not head[0]:
+            return 0.0, head[1:], np.zeros(self.values, np.float32)
+        body = payload[self.head:].tobytes()
+        return head[0], head[1:], (np.frombuffer(body, np.float32) if self.coder is None else self.coder.decode(body))
+
+    def exchange(self, state: TrainState, at: int, delta: np.ndarray | None, head: np.ndarray | None = None) -> Ended:
+        """One round's end (no `delta`: the run's start, where only who takes part is exchanged, or a
+        listener's), done again over a new quorum until it commits."""
+        try:
+            return self._exchange(state, at, delta, head)
+        except HubGone as gone:  # the quorum is lost: the state this worker holds now goes with it
+            gone.state = getattr(gone, "state", state)
+            raise
+
+    def _exchange(self, state: TrainState, at: int, delta: np.ndarray | None, head: np.ndarray | None) -> Ended:
+        member = self.member
+        healed_any, start = False, delta is None
+        while True:
+            kept: dict = {}
+            if member.fresh_quorum:  # settle's quorum is this exchange's
+                member.fresh_quorum = False
+                if member.pending_round:  # healed at a peer's round end: its exchange, as a listener
+                    member.pending_round, start = False, False
+            else:
+                try:
+                    healed, pending, _ = take_quorum(member, state, at, pending=not start)
+                except BaseException as err:
+                    err.state = state  # (a peer's, where this worker had healed: not the one it was given)
+                    raise
+                if healed is not None:  # behind: the peer's state, and its exchange as a listener
+                    state, at, healed_any, delta, start = healed, self.at_of(healed), True, None, not pending
+            takes_part = member.engine.participating() and (start or delta is not None)
+            rows = cut(member.engine.allgather(self.row(delta, head, flags_of(member, takes_part), kept)))
+            if not member.engine.commit() or not rows:
+                continue  # someone failed in the round or the exchange: again, over the new quorum
+            heads = [(tag, flags) for tag, flags, _ in rows]
+            live = live_of(heads)
+            if start and live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
+                wait_for_rank_0(member, self.waiting)  # at the start, rank 0 restored the checkpoint (elastic_ft.py)
+                continue
+            break
+        member.stop = member.stop or any(flags & ASKS_STOP for _, flags in heads)
+        member.fresh, member.leader = False, lead_of(heads, member.leader)
+        nothing = np.full(len(self.keys), np.nan)
+        if start:
+            self.report(self.where(state, at), live, [])
+            return Ended(state, healed_any, True, None, 0.0, nothing, {})
+        if self.coder is not None:  # the exchange went through: this round's feedback is owed (none
+            self.coder.settle(kept)  # when this worker only listened: what it owed before is stale)
+        acc, counted, bad, by_rank = np.zeros(self.values, np.float32), 0.0, [], {}
+        shared = np.zeros(len(self.keys), np.float64)
+        for tag, _, payload in sorted(rows, key=lambda r: abs(r[0])):  # in rank order: the same bits everywhere
+            if tag > 0:
+                weight, scalars, values = self.values_of(payload)
+                if weight:
+                    acc += values
+                    counted += weight
+                    shared += weight * scalars
+                    by_rank[tag - 1] = (weight, scalars)
+            elif tag < 0:
+                bad.append(-tag - 1)
+        self.report(self.where(state, at), live, sorted(bad))
+        if not counted:
+            return Ended(state, healed_any, False, None, 0.0, nothing, by_rank)
+        return Ended(state, healed_any, False, acc / np.float32(counted), counted, shared / counted, by_rank)
+
+    def report(self, where: str, live: list[int], bad: list[int]) -> None:
+        say_live(self.member, where, live)
+        if bad != self.bad:
+            self.member.say(f"{where}: the pseudo-gradient of rank(s) {bad} is not finite: left out of the round, "
+                            f"the mean taken over the others" if bad else
+                            f"{where}: every rank's pseudo-gradient is finite again")
+            self.bad = bad
+
+
+def tree_of(flat: np.ndarray, treedef: Any, shapes: list[tuple]) -> Any:
+    """A flat vector of values as the parameters' tree."""
+    leaves = np.split(flat, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    return jax.tree.unflatten(treedef, [x.reshape(s) for x, s in zip(leaves, shapes)])
+
+
 def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                        shard_data: Callable[[int, int], Batch], *, sync_every: int,
                        outer_tx: optax.GradientTransformation | None, stateful: bool = False, grad_accum: int = 1,
@@ -65,7 +205,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
     row (bf16, int8, int4). `shard_data` is not read: a lost worker's steps are not redone."""
 
     del shard_data
-    axis, n, rank, size = data_axes(mesh), mesh.size, member.rank, member.size
+    axis, n, rank = data_axes(mesh), mesh.size, member.rank
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
     spec = SyncSpec(strategy=strategy, compression=compression, sync_every=sync_every, outer_tx=outer_tx,
                     metrics_at_sync=True).validate(elastic=True, elastic_engine="torchft")
@@ -105,102 +245,12 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                                                 check_vma=False))
         layout["apply"] = jax.jit(apply, out_shardings=shardings, donate_argnums=0)
         leaves = jax.tree.leaves(state.params)
-        values = sum(int(np.prod(x.shape)) for x in leaves)
-        coder = host.RowCoder(codec, values) if codec is not None else None
         keys = sorted(jax.eval_shape(layout["inner"], state, batch)[1])  # the metrics, shared at rounds' ends
-        layout.update(treedef=jax.tree.structure(state.params), shapes=[x.shape for x in leaves], values=values,
-                      coder=coder, keys=keys, head=8 * (1 + len(keys)),  # the replica count and the metrics, float64
-                      nbytes=8 * (1 + len(keys)) + (coder.nbytes if coder else 4 * values))
-        layout["wire"] = float(bytes_sent(layout["nbytes"] * size // 2, size)) if size > 1 else 0.0
+        ends = RoundEnd(member, codec, sum(int(np.prod(x.shape)) for x in leaves), keys, lambda s: int(jax.device_get(s.step)))
+        layout.update(treedef=jax.tree.structure(state.params), shapes=[x.shape for x in leaves], ends=ends, keys=keys)
+        layout["wire"] = ends.wire()
         # the metrics of a step between rounds' ends beside the inner step's own (made once, not each step)
         layout["between"] = {"synced": jnp.float32(0), "comm_bytes_per_step": jnp.float32(layout["wire"] / sync_every)}
-
-    def row(delta: np.ndarray | None, metrics: np.ndarray | None, flags: int, kept: dict) -> np.ndarray:
-        """This worker's row: a header (rank + 1 where it takes part, negated for values that are not
-        finite; its flags), then the replicas it counts and its metrics of the round's last step
-        (float64), and the pseudo-gradient's values (or a codec's message). No `delta` (the run's
-        start): zeros, which count nothing."""
-        piece = np.zeros((1, HEADER + layout["nbytes"]), np.uint8)
-        piece[0, 8:16] = np.frombuffer(np.int64(flags).tobytes(), np.uint8)
-        finite = delta is None or bool(np.isfinite(delta).all() and np.isfinite(metrics).all())
-        if flags & TAKES_PART:
-            piece[0, :8] = np.frombuffer(np.int64(rank + 1 if finite else -rank - 1).tobytes(), np.uint8)
-        if delta is not None and finite and flags & TAKES_PART:
-            coder = layout["coder"]
-            if coder is None:
-                body = delta.tobytes()
-            else:
-                body, kept[rank] = coder.encode(delta, rank)
-            head = np.concatenate([[float(n)], metrics]).astype(np.float64).tobytes()
-            piece[0, HEADER:] = np.frombuffer(head + body, np.uint8)
-        return piece
-
-    def values_of(payload: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        """(replicas counted, their metrics, the pseudo-gradient's values) of a row's payload."""
-        head = np.frombuffer(payload[:layout["head"]].tobytes(), np.float64)
-        if not head[0]:
-            return 0.0, head[1:], np.zeros(layout["values"], np.float32)
-        coder, body = layout["coder"], payload[layout["head"]:].tobytes()
-        return head[0], head[1:], (np.frombuffer(body, np.float32) if coder is None else coder.decode(body))
-
-    def exchange(state: TrainState, at: int, delta: np.ndarray | None, metrics: np.ndarray | None = None
-                 ) -> tuple[TrainState, bool, np.ndarray | None]:
-        """One round's end (no `delta`: the run's start, where only who takes part is exchanged), done
-        again over a new quorum until it commits. Returns (the state, whether a live peer's further on
-        replaced it, the metrics' mean over the rows counted: NaN where none was finite)."""
-        healed_any, start = False, delta is None
-        while True:
-            kept: dict = {}
-            if member.fresh_quorum:  # settle's quorum is this exchange's
-                member.fresh_quorum = False
-                if member.pending_round:  # healed at a peer's round end: its exchange, as a listener
-                    member.pending_round, start = False, False
-            else:
-                healed, pending, _ = take_quorum(member, state, at, pending=not start)
-                if healed is not None:  # behind: the peer's state, and its exchange as a listener
-                    state, at, healed_any, delta, start = healed, int(jax.device_get(healed.step)), True, None, not pending
-            takes_part = member.engine.participating() and (start or delta is not None)
-            rows = cut(member.engine.allgather(row(delta, metrics, flags_of(member, takes_part), kept)))
-            if not member.engine.commit() or not rows:
-                continue  # someone failed in the round or the exchange: again, over the new quorum
-            heads = [(tag, flags) for tag, flags, _ in rows]
-            live = live_of(heads)
-            if start and live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
-                wait_for_rank_0(member, layout)  # at the start, rank 0 restored the checkpoint (elastic_ft.py)
-                continue
-            break
-        member.stop = member.stop or any(flags & ASKS_STOP for _, flags in heads)
-        member.fresh, member.leader = False, lead_of(heads, member.leader)
-        if start:
-            report(at, live, [])
-            return state, healed_any, None
-        if layout["coder"] is not None:  # the exchange went through: this round's feedback is owed (none
-            layout["coder"].settle(kept)  # when this worker only listened: what it owed before is stale)
-        acc, counted, bad = np.zeros(layout["values"], np.float32), 0.0, []
-        shared = np.zeros(len(layout["keys"]), np.float64)
-        for tag, _, payload in sorted(rows, key=lambda r: abs(r[0])):  # in rank order: the same bits everywhere
-            if tag > 0:
-                replicas, scalars, values = values_of(payload)
-                if replicas:
-                    acc += values
-                    counted += replicas
-                    shared += replicas * scalars
-            elif tag < 0:
-                bad.append(-tag - 1)
-        report(at, live, sorted(bad))
-        if counted:
-            mean = acc / np.float32(counted)
-            leaves = np.split(mean, np.cumsum([int(np.prod(s)) for s in layout["shapes"]])[:-1])
-            tree = jax.tree.unflatten(layout["treedef"], [x.reshape(s) for x, s in zip(leaves, layout["shapes"])])
-            state = layout["apply"](state, replicate(tree, mesh))
-        return state, healed_any, shared / counted if counted else np.full_like(shared, np.nan)
-
-    def report(at: int, live: list[int], bad: list[int]) -> None:
-        say_live(member, at, live)
-        if bad != layout.get("bad", []):
-            member.say(f"step {at}: the pseudo-gradient of rank(s) {bad} is not finite: left out of the round, the "
-                       f"mean taken over the others" if bad else f"step {at}: every rank's pseudo-gradient is finite again")
-            layout["bad"] = bad
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         if layout.get("skip"):  # healed past these steps: the state already holds them
@@ -210,7 +260,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
             build(state, batch)
         at = step_number(state, layout)
         if member.fresh_quorum:  # the first call after settle: the run's start, or a round's end it healed at
-            state, _, _ = exchange(state, at, None)
+            state = layout["ends"].exchange(state, at, None).state
             further = int(jax.device_get(state.step))
             if further > at and "metrics" in layout:
                 layout["skip"] = further - at - 1
@@ -222,7 +272,16 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
             delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
                                     jax.tree.leaves(jax.device_get(layout["delta"](state)))])
             own = np.array([float(metrics[k]) for k in layout["keys"]], np.float64)
-            state, healed, shared = exchange(state, at + 1, delta, own)
+            try:
+                end = layout["ends"].exchange(state, at + 1, delta, np.concatenate([[float(n)], own]))
+            except HubGone as gone:  # the quorum is lost: the round ends with this worker alone, to be saved
+                if gone.state is state and np.isfinite(delta).all():  # (the inner step gave up the loop's state)
+                    gone.state = layout["apply"](state, replicate(tree_of(delta / np.float32(n), layout["treedef"],
+                                                                          layout["shapes"]), mesh))
+                raise
+            state, healed, shared = end.state, end.healed, end.shared
+            if end.mean is not None:  # the outer step with the rows' mean; every replica restarts from it
+                state = layout["apply"](state, replicate(tree_of(end.mean, layout["treedef"], layout["shapes"]), mesh))
             # the round's metrics, every worker the same (what the loop's NaN guard reads: --metrics-at-sync)
             metrics = {**metrics, **{k: jnp.asarray(v, metrics[k].dtype) for k, v in zip(layout["keys"], shared)},
                        "synced": jnp.float32(1)}
