@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from jaxdp.loop import lead
 from jaxdp.loop.hooks import Hook, Loop, periodic
 
 
@@ -23,14 +24,17 @@ def make_rounds(loop: Loop) -> Any:
     from jaxdp.step import rounds as paced
 
     plan, sync, run = loop.plan, loop.options["sync"], loop.options["run"]
+    made = loop.train_step
+    if hasattr(made, "rounds"):  # timed rounds across torchft workers (jaxdp/step/elastic_ft_paced.py)
+        made.rounds.local_rows = run.examples_per_step // plan.elastic.size if run.examples_per_step else None
+        return made.rounds
     if plan.overlap and loop.spec.shard_params:  # each worker's state cut over its devices
         from jaxdp.step import hsdp_overlap
 
-        made = loop.train_step
         return hsdp_overlap.Overlapped(made.loss_fn, plan.tx, plan.mesh, loop.spec, plan.outer_tx,
                                        loop.spec.sync_every, plan.data, run.examples_per_step, stateful=made.stateful,
                                        grad_accum=made.grad_accum)
-    args = (loop.train_step.local_grads, plan.tx, plan.mesh, loop.spec.strategy, loop.spec.compression, plan.outer_tx)
+    args = (made.local_grads, plan.tx, plan.mesh, loop.spec.strategy, loop.spec.compression, plan.outer_tx)
     if plan.overlap:
         return paced.Overlapped(*args, loop.spec.sync_every, plan.data, run.examples_per_step)
     return paced.Rounds(*args, sync.sync_seconds, plan.data, run.examples_per_step)
@@ -57,6 +61,7 @@ def run_rounds(loop: Loop) -> None:
         loop.state = rounds.flush(loop.state)
 
     hooks = periodic(loop, Hook(log_round, at=("round",)))
+    hub_gone = lead.gone_error(plan)
     overlapped = isinstance(rounds, InFlight)  # (either overlapped rounds: an average in flight at the end)
     if overlapped:
         hooks.add(flush, at=("end",))
@@ -69,8 +74,12 @@ def run_rounds(loop: Loop) -> None:
         while done < plan.steps:
             before = done
             dispatch = time.perf_counter()
-            state, metrics, taken, seconds = rounds.round(state, round_index, warm=not first,
-                                                          limit=rounds.last_round_limit(last, plan.steps - done))
+            try:
+                state, metrics, taken, seconds = rounds.round(state, round_index, warm=not first,
+                                                              limit=rounds.last_round_limit(last, plan.steps - done))
+            except hub_gone as gone:  # torchft: the quorum is lost; a worker that takes the lock saves
+                lead.stop_held(loop, hooks, gone)
+                return
             host = jax.device_get(metrics)  # host sync point: one per round
             round_index, done = int(host["round"]), int(jax.device_get(state.step))
             plan.beat.dispatched(round_index, state.step, waited_s=time.perf_counter() - dispatch)
@@ -102,11 +111,13 @@ def _log_round(loop: Loop, rounds: Any, host: dict) -> None:
     done, round_index, seconds = loop.done, host["round_index"], host["round_s"]
     by_process = rounds.by_process(host["steps_by_device"])
     extra = {"round": round_index, "round_s": seconds, "round_steps_by_process": by_process}
+    if "positions_by_device" in host:  # each process's data position (torchft: each rank's stream's)
+        extra["positions_by_process"] = rounds.by_process(host["positions_by_device"])
     if rounds.local_rows:
         extra["examples_per_sec_by_process"] = [k * rounds.local_rows / seconds for k in by_process]
     loop.history.append(loop.writer.log(done, {"loss": host["loss"], **{k: v for k, v in host.items() if k in (
         "comm_bytes", "compression_ratio")}}, extra))
-    idle = [p for p, k in enumerate(by_process) if k == 0]
+    idle = [p for p, k in enumerate(by_process) if k == 0 and p not in getattr(rounds, "absent", ())]
     if idle and "positions_by_device" in host:  # (a process whose position reached `steps` is done, not idle)
         positions = rounds.by_process(host["positions_by_device"])
         idle = [p for p in idle if positions[p] < loop.steps]

@@ -180,8 +180,9 @@ RULES: tuple[Rule, ...] = (
          "differ per worker): use a model without it, or --sync-every 1",
          "an elastic run on torchft keeps no float model state across local steps (BatchNorm statistics would "
          "differ per worker): use a model without it, or sync_every=1", "sync_every"),
-    Rule("elastic-paced", lambda c: c.elastic and c.sync_seconds is not None,
-         _ELASTIC + "--sync-seconds", _ELASTIC + "sync_seconds", "sync_seconds"),
+    Rule("elastic-paced", lambda c: c.elastic and c.sync_seconds is not None and not c.ft,
+         _ELASTIC + "--sync-seconds on the launcher's hub (with --elastic-engine torchft it does)",
+         _ELASTIC + "sync_seconds on the launcher's hub (on torchft it does)", "sync_seconds"),
     Rule("elastic-fragments", lambda c: c.elastic and c.sync_fragments != 1,
          _ELASTIC + "--sync-fragments={sync_fragments}", _ELASTIC + "sync_fragments={sync_fragments}", "sync_fragments"),
     Rule("elastic-zero", lambda c: c.elastic and c.shard_optimizer,

@@ -1,0 +1,279 @@
+"""Workers at their own pace across an elastic run on torchft (`--sync-seconds S`): each worker takes as
+many local steps as it manages in S seconds, then the round ends as a fixed round's does
+(jaxdp/step/elastic_ft_rounds.py, `RoundEnd`: a quorum, one all-gather of one row per worker, torchft's
+commit, the rows added in rank order on every worker). The pseudo-gradients are averaged weighted by
+the examples each worker trained on in the round, as in one JAX program's timed rounds
+(jaxdp/step/rounds.py, whose docstring says why by examples):
+
+    mean = sum_w k_w * (sum over w's devices of (global - replica)) / sum_w k_w * devices_w
+
+Data: a stream per rank. The global batch of step k is cut into one shard per rank (--nproc-per-node x
+--nnodes of them, `data(step, shard)`); rank r's stream is its shards of batches 0, 1, 2, ..., and
+`positions[r]` (in the state: `shared["paced"]["positions"]`, checkpointed, handed to joiners) is how
+far it has been read. A worker reads its own stream; once that reaches --steps it reads in its place
+the stream of a rank that is not live (the live rank `ft.assign` names), so a worker lost for good
+leaves nothing unread. Each row says which stream it advanced and by how many steps, and every worker
+adds them to the table alike. A worker lost in a round loses that round's steps with it: its stream's
+position does not move, so those examples are read again later (by it when it is back, or by a live
+worker once its own stream is done). No example is counted twice, and at the end every stream has
+been read to --steps. `state.step` is floor(sum of positions / ranks): the training done, in global
+batches.
+
+The quorum compares rounds, not steps (the workers' step counts differ): a worker behind by a round (a
+new, restarted or stalled one) is healed at a round's end with a live peer's state as it stands before
+that round's exchange, and listens to the exchange. A time-bound round takes at least one step per
+worker, and none past --steps; `sync_seconds` may be a schedule `(round, rank) -> steps` that replays
+a run exactly (the tests' reference). Everything else is the fixed rounds' (their docstring): the
+worker's devices are replicas with no collective between round ends, a non-finite row is left out and
+named, bf16 / int8 / int4 code the rows with error feedback per worker.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxdp.errors import InputError
+from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
+from jaxdp.step.elastic_ft_rounds import RoundEnd, tree_of
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
+from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
+from jaxdp.step.state import TrainState
+from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
+from jaxdp.sync.spec import SyncSpec
+
+KEYS = ["loss", "steps", "stream"]  # a row's scalars: its mean loss, the steps it took, the stream it read
+
+
+def init_sync(workers: int) -> dict:
+    """shared[PACE_NAME] of a new state: round 0, every stream at 0."""
+    return {PACE_NAME: {"round": np.int32(0), "positions": np.zeros(workers, np.int32)}}
+
+
+def round_of(state: TrainState) -> int:
+    """The round `state` is at: what the quorum compares."""
+    return int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
+
+
+def positions_of(state: TrainState) -> np.ndarray:
+    return np.array(jax.device_get(state.sync.shared[PACE_NAME]["positions"]), np.int64)
+
+
+class FtRounds:
+    """The timed rounds of one worker; `round` is what the round loop (jaxdp/loop/rounds.py) runs."""
+
+    def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+                 shard_data: Callable[[int, int], Any], *, pace: Any, outer_tx: Any, stateful: bool = False,
+                 grad_accum: int = 1, strategy: Any = "psum", compression: Any = None):
+        from jaxdp.step import rounds as paced
+
+        paced.check(pace, mesh)
+        self.mesh, self.member, self.shard_data, self.pace, self.tx = mesh, member, shard_data, pace, tx
+        self.axis, self.n = data_axes(mesh), mesh.size
+        self.local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, self.axis), grad_accum)
+        self.spec = SyncSpec(strategy=strategy, compression=compression, outer_tx=outer_tx).validate(
+            sync_seconds=pace, elastic=True, elastic_engine="torchft")
+        self.outer = default_outer(outer_tx)
+        self.steps: int | None = None  # --steps: no stream is read past it (the round loop sets it)
+        self.stopping: Callable[[], bool] = lambda: False
+        self.local_rows: int | None = None  # each worker's rows of a global batch (the round loop sets it)
+        self.absent: set[int] = set()  # the ranks that were not live at the last round's end
+        self.layout: dict[str, Any] = {}
+
+    # ---- the programs ----
+
+    def build(self, state: TrainState) -> None:
+        mesh, axis, n, outer, size = self.mesh, self.axis, self.n, self.outer, self.member.size
+        total = self.spec.collective.sum
+
+        def device_delta(state: TrainState) -> Any:  # sum over this worker's devices of (global - replica)
+            replica = jax.tree.map(lambda x: x[0], state.sync.per_device[STATE_NAME]["params"])
+            return total(jax.tree.map(lambda g, r: g - r, state.params, replica), axis)
+
+        def apply(state: TrainState, mean: Any, moved: jax.Array, positions: jax.Array, round_: jax.Array
+                  ) -> TrainState:
+            params, kept = outer_step(outer, state, mean, moved)
+            rows = state.sync.per_device[STATE_NAME]
+            rows = {"params": jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *p.shape)), params),
+                    "opt_state": rows["opt_state"]}
+            sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows}, shared={
+                **state.sync.shared, OUTER_NAME: (kept,), PACE_NAME: {"round": round_, "positions": positions}})
+            return state.replace(step=(jnp.sum(positions) // size).astype(state.step.dtype), params=params, sync=sync)
+
+        specs = state_specs(state, axis)
+        leaves = jax.tree.leaves(state.params)
+        self.layout.update(
+            inner=make_inner(self.local_grads, self.tx, mesh),
+            delta=jax.jit(jax.shard_map(device_delta, mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False)),
+            apply=jax.jit(apply, out_shardings=jax.tree.map(lambda x: x.sharding, state), donate_argnums=0),
+            treedef=jax.tree.structure(state.params), shapes=[x.shape for x in leaves],
+            zeros=replicate(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params), mesh),
+            rows=NamedSharding(mesh, P(axis)),
+            ends=RoundEnd(self.member, self.spec.codec, sum(int(np.prod(x.shape)) for x in leaves), KEYS, round_of))
+        self.wire = self.layout["ends"].wire()
+        self.layout["ends"].where = lambda state, at: f"round {at}, step {int(jax.device_get(state.step))}"
+
+    def warm_up(self, state: TrainState, batch: Any) -> None:
+        """Every program compiled, on a copy (a joiner stalls the others until its first round's end)."""
+        self.build(state)
+        copy = jax.tree.map(jnp.copy, state)
+        rows, position, loss_sum = self._inner(copy.sync.per_device[STATE_NAME], self._view(copy),
+                                               self._rows(0), self._rows(0.0), batch)
+        copy = copy.replace(sync=copy.sync.replace(per_device={**copy.sync.per_device, STATE_NAME: rows}))
+        jax.device_get((self.layout["delta"](copy), position, loss_sum))
+        jax.block_until_ready(self._apply(copy, None, positions_of(copy), round_of(copy)))
+
+    def close(self) -> None:
+        pass
+
+    def _inner(self, rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any) -> Any:
+        return self.layout["inner"](rows, view, position, loss_sum, batch)
+
+    def _rows(self, value: Any) -> jax.Array:
+        """`value` on each of this worker's devices, as per-device rows."""
+        host = np.full(self.n, value, np.int32 if isinstance(value, int) else np.float32)
+        return jax.make_array_from_callback(host.shape, self.layout["rows"], lambda index: host[index])
+
+    def _view(self, state: TrainState) -> TrainState:
+        """What the inner step reads besides the rows (model state, rng: this worker's own dropout keys)."""
+        view = state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={}))
+        return view.replace(rng=jax.random.fold_in(view.rng, self.member.rank))
+
+    def _apply(self, state: TrainState, mean: np.ndarray | None, positions: np.ndarray, round_: int) -> TrainState:
+        layout = self.layout
+        tree = layout["zeros"] if mean is None else replicate(tree_of(mean, layout["treedef"], layout["shapes"]), self.mesh)
+        return layout["apply"](state, tree, replicate(np.bool_(mean is not None), self.mesh),
+                               replicate(positions.astype(np.int32), self.mesh), replicate(np.int32(round_), self.mesh))
+
+    # ---- a round ----
+
+    def stream(self, positions: np.ndarray) -> int:
+        """The stream this worker reads: its own, or once that reached --steps, one of a rank not live."""
+        rank, live = self.member.rank, self.member.live
+        if self.steps is None or positions[rank] < self.steps or rank not in live:
+            return rank
+        from jaxdp.cluster.ft_env import assign
+
+        owner = assign(live, self.member.size)
+        mine = [r for r in range(self.member.size) if r not in live and owner[r] == rank and positions[r] < self.steps]
+        return mine[0] if mine else rank
+
+    def _end(self, state: TrainState, delta: np.ndarray | None, head: np.ndarray | None) -> tuple[TrainState, Any]:
+        """A round's end: the exchange, then the outer step and the table, as every worker applies them."""
+        from jaxdp.cluster.elastic import HubGone
+
+        at = round_of(state)
+        try:
+            end = self.layout["ends"].exchange(state, at, delta, head)
+        except HubGone as gone:  # the quorum is lost: the round ends with this worker alone, held to be saved
+            gone.state = self._alone(gone.state, delta if gone.state is state else None, head)
+            raise
+        state = end.state
+        if end.healed and round_of(state) != at:
+            print(f"jaxdp: rank {self.member.rank} healed from round {at} to {round_of(state)} with a live worker's "
+                  f"state", file=sys.stderr, flush=True)
+        if end.start:
+            return state, end
+        positions = positions_of(state)
+        by_rank = [0] * self.member.size
+        for rank, (_, scalars) in end.by_rank.items():
+            steps, stream = int(scalars[1]), int(scalars[2])
+            positions[stream] += steps
+            by_rank[rank] = steps
+        state = self._apply(state, end.mean, positions, round_of(state) + 1)
+        self.absent = set(range(self.member.size)) - set(self.member.live)
+        return state, (end, by_rank, positions)
+
+    def _alone(self, state: TrainState, delta: np.ndarray | None, head: np.ndarray | None) -> TrainState:
+        """The round ended with this worker's row alone (its quorum lost): its pseudo-gradient applied and
+        its stream advanced, as a round whose other workers were all lost mid-round; without a row of
+        its own (a listener), the round's start again. Every replica restarts from the global parameters:
+        the state a save may hold (the inner step gave up the round start's buffers)."""
+        positions = positions_of(state)
+        if delta is None or not head[0] or not np.isfinite(delta).all():
+            return self._apply(state, None, positions, round_of(state))
+        positions[int(head[3])] += int(head[2])
+        return self._apply(state, delta / np.float32(head[0]), positions, round_of(state) + 1)
+
+    def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
+              ) -> tuple[TrainState, dict, int, float]:
+        """A round: (the run's start, or a round's end this worker healed at: that exchange first), inner
+        steps until the time (or the schedule, or `limit`) says stop, then the round's end. Returns
+        (state, the round's metrics on the host, this worker's steps, the round's seconds)."""
+        member, rank = self.member, self.member.rank
+        if "inner" not in self.layout:
+            self.build(state)
+        if member.fresh_quorum:
+            state, _ = self._end(state, None, None)
+        round_index, positions = round_of(state), positions_of(state)
+        stream = self.stream(positions)
+        at = int(positions[stream])
+        budget = None if callable(self.pace) else float(self.pace)
+        planned = int(self.pace(round_index, rank)) if callable(self.pace) else None
+        if planned is not None and not any(self.pace(round_index, r) for r in range(member.size)):
+            raise InputError(f"the sync_seconds schedule gives no rank a step in round {round_index}: such a round "
+                             f"trains nothing, and a run of them never ends; give some rank a step", setting="sync_seconds")
+        if limit is not None and planned is None:
+            planned, budget = limit, None
+        room = None if self.steps is None else max(self.steps - at, 0)
+        rows, view = state.sync.per_device[STATE_NAME], self._view(state)
+        position, loss_sum = self._rows(at), self._rows(0.0)
+        started, taken, previous = time.perf_counter(), 0, None
+        while True:
+            if (room is not None and taken >= room) or (planned is not None and taken >= planned):
+                break
+            if planned is None and taken and (time.perf_counter() - started >= budget or self.stopping()):
+                break
+            batch = shard_batch(self.shard_data(at + taken, stream), self.mesh)
+            rows, position, loss_sum = self._inner(rows, view, position, loss_sum, batch)
+            taken += 1
+            if budget is not None:  # one step in flight: wait for the one before, then read the clock
+                if previous is not None or not warm:
+                    jax.block_until_ready(previous if previous is not None else loss_sum)
+                if not warm and taken == 1:
+                    started, warm = time.perf_counter(), True  # compiled: the round's time starts now
+                previous = loss_sum
+        state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows}))
+        delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
+                                jax.tree.leaves(jax.device_get(self.layout["delta"](state)))]) * np.float32(taken)
+        loss = float(np.sum(jax.device_get(loss_sum))) / max(taken * self.n, 1)
+        state, ended = self._end(state, delta, np.array([taken * self.n, loss, taken, stream], np.float64))
+        end, by_rank, positions = ended
+        metrics = {"round": round_of(state), "loss": float(end.shared[0]), "steps_by_device": by_rank,
+                   "positions_by_device": [int(p) for p in positions], "comm_bytes": self.wire}
+        return state, metrics, taken, time.perf_counter() - started
+
+    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
+        """This worker's steps in what will be the last round (jaxdp/step/rounds.py's rule, by rank)."""
+        if not last or sum(last) == 0 or sum(last) < remaining * len(last):
+            return None
+        return math.ceil(last[self.member.rank] * remaining * len(last) / sum(last))
+
+    def by_process(self, values: Any) -> list[int]:
+        return [int(v) for v in values]
+
+
+def make_ft_paced(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+                  shard_data: Callable[[int, int], Any], *, pace: Any, outer_tx: Any, stateful: bool = False,
+                  grad_accum: int = 1, grad_norm: bool = False, strategy: Any = "psum", compression: Any = None
+                  ) -> TrainStep:
+    """The run's step object: not called step by step (the round loop runs `made.rounds`), it carries
+    the rounds, their warm-up (compiled before the worker joins) and their close."""
+    del grad_norm  # (the inner step's metrics are the loss alone, as in jaxdp/step/rounds.py)
+    rounds = FtRounds(loss_fn, tx, mesh, member, shard_data, pace=pace, outer_tx=outer_tx, stateful=stateful,
+                      grad_accum=grad_accum, strategy=strategy, compression=compression)
+
+    def step(state: TrainState, batch: Any) -> Any:
+        raise TypeError("timed rounds across torchft workers run in rounds (jaxdp/loop/rounds.py), not step by step")
+
+    made = TrainStep(step, None, tx, rounds.spec, rounds.local_grads)
+    made.rounds, made.warm_up, made.close = rounds, rounds.warm_up, rounds.close
+    return made

@@ -1,0 +1,119 @@
+"""Workers at their own pace across an elastic run on torchft (`--sync-seconds S`,
+jaxdp/step/elastic_ft_paced.py): real worker processes and a real Lighthouse. With a schedule of steps
+by (round, rank) the run equals the timed-rounds rule written out (test_paced.py's reference); a worker
+killed with -9, rank 0 included, heals at a round's end and every rank's stream is read exactly to
+--steps, once; a rank lost for good leaves its stream to a live worker; a lost quorum saves the
+positions table and the same command resumes from it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from helpers import ROOT, cli_env, mlp_batches, mlp_problem
+
+pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+
+from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin  # noqa: E402
+from test_paced import _reference  # noqa: E402
+
+PY = sys.executable
+PACED = ("--sync-seconds", "0.2")
+
+
+def rounds_of(tmp_path, name: str = "ckpt") -> dict[int, dict]:
+    """The run's round records by round (a former lead's and its successor's copies are one round)."""
+    records = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    return {r["round"]: r for r in records if "round" in r and "event" not in r}
+
+
+def done_of(tmp_path, name: str = "ckpt") -> dict:
+    return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines() if '"done"' in line][-1]
+
+
+def assert_every_stream_read_once(tmp_path, steps: int) -> dict[int, dict]:
+    """Every rank's stream read to `steps` and no further, and every step a round counted advanced one
+    stream by one: the steps of all rounds add up to the streams' total (none counted twice)."""
+    rounds = rounds_of(tmp_path)
+    assert sorted(rounds) == list(range(1, max(rounds) + 1)), sorted(rounds)  # every round logged
+    last = rounds[max(rounds)]
+    assert last["positions_by_process"] == [steps, steps] and last["step"] == steps, last
+    assert sum(sum(r["round_steps_by_process"]) for r in rounds.values()) == 2 * steps, rounds
+    return rounds
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_schedule_of_steps_by_round_and_rank_equals_the_timed_rounds_rule_written_out(tmp_path):
+    out = tmp_path / "params.npy"
+    proc = subprocess.run([PY, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2",
+                           "--", PY, str(ROOT / "tests" / "scripts" / "ft_paced_run.py"), str(out)],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "process 1 took no step in round 2" in proc.stderr, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == ["step=5 positions=5,5"] * 2, proc.stdout
+    params, loss_fn = mlp_problem()
+    expected, position = _reference(params, loss_fn, optax.sgd(0.1, momentum=0.9), list(mlp_batches(12, batch=64)),
+                                    [[3, 1], [2, 0], [0, 4]], processes=2, per_process=1)
+    assert position == [5, 5]
+    flat = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(expected)])
+    assert np.max(np.abs(np.load(out) - flat)) < 1e-5
+    assert np.max(np.abs(np.asarray(jax.tree.leaves(params)[0]).ravel()[:8] - flat[:8])) > 1e-3  # (it trained)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_each_worker_killed_rank_0_included_heals_at_a_rounds_end_and_every_stream_is_read_once(tmp_path):
+    steps = 20000  # about 2,400 a second here undisturbed: long enough for two restarts
+    text = kill_each_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=PACED))
+    assert "left out [1]" in text and "left out [0]" in text, text
+    assert_every_stream_read_once(tmp_path, steps)
+    finish(Run(tmp_path, steps, strategy="psum", train_args=PACED, name="calm"))
+    disturbed, calm = done_of(tmp_path), done_of(tmp_path, "calm")
+    # Timed rounds differ from run to run anyway; the held-out accuracy is what both must reach.
+    assert abs(disturbed["eval_accuracy"] - calm["eval_accuracy"]) <= 0.03, (disturbed, calm)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_rank_0_lost_for_good_leaves_its_stream_to_the_live_worker_which_reads_it_to_the_end(tmp_path):
+    steps = 3000
+    text = kill_and_end(Run(tmp_path, steps, strategy="psum", train_args=PACED), 0, 0, at=100)  # no restarts
+    assert "rank 1 leads from step" in text and "all 2 workers ended (0 restarts); exit code 0" in text, text
+    rounds = assert_every_stream_read_once(tmp_path, steps)
+    # once its own stream was done, rank 1 read rank 0's: rounds where rank 1 took steps past its own
+    alone = [r for r in rounds.values() if r["round_steps_by_process"][0] == 0]
+    assert alone and sum(r["round_steps_by_process"][1] for r in alone) > 0, rounds
+    assert done_of(tmp_path)["eval_accuracy"] > 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_quorum_saves_the_positions_and_the_same_command_resumes_from_them(tmp_path):
+    steps = 400000
+    command = (tmp_path, steps, "--min-workers", "2", "--quorum-timeout", "5")
+    text = kill_and_end(Run(*command, strategy="psum", train_args=PACED), 1, 75, at=500)
+    assert "fewer than --min-workers=2 live workers" in text, text
+    saved = max(int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit())
+    assert saved >= 500, (saved, text)
+    last = max(rounds_of(tmp_path).values(), key=lambda r: r["round"])  # the last round logged before the loss
+    further = saved + 300  # resumed with a nearer end: from the saved positions to it
+    again = Run(tmp_path, further, *command[2:], strategy="psum", train_args=PACED)
+    try:
+        assert again.proc.wait(timeout=150) == 0, again.text()
+    finally:
+        again.close()
+    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    assert [r["resumed_from"] for r in records if r.get("event") == "start"] == [None, saved], records
+    resumed = [r for r in records if "round" in r and "event" not in r and r["round"] > last["round"]]
+    assert resumed and resumed[-1]["positions_by_process"] == [further] * 2, resumed[-1:]
+    # The first round after the resume went on from the saved table: the round the survivor ended alone
+    # (its own steps counted, the lost worker's not), saved at floor(sum of positions / 2).
+    first = resumed[0]
+    before = sum(first["positions_by_process"]) - sum(first["round_steps_by_process"])
+    assert before // 2 == saved and before >= sum(last["positions_by_process"]), (first, last, saved)
