@@ -116,7 +116,7 @@ def kill_each_and_rejoin(run: Run) -> str:
     return text
 
 
-def stop_1_and_go_on(run: Run, rank: int = 1) -> None:
+def stop_1_and_go_on(run: Run, rank: int = 1, healed: str = "healed from step") -> None:
     """Worker `rank` stopped (SIGSTOP) at step 30 until the others have left it out and trained 20 steps
     without it, then continued; it heals from a live worker and the run ends."""
     try:
@@ -127,7 +127,7 @@ def stop_1_and_go_on(run: Run, rank: int = 1) -> None:
         at = run.reached()
         run.wait_for(lambda: run.reached() >= at + 20, f"20 more steps without rank {rank}")
         os.kill(stopped, signal.SIGCONT)
-        run.wait_for(lambda: f"rank {rank} healed from step" in run.text(), f"rank {rank}'s heal")
+        run.wait_for(lambda: f"rank {rank} {healed}" in run.text(), f"rank {rank}'s heal")
         assert run.proc.wait(timeout=120) == 0, run.text()
     finally:
         run.close()

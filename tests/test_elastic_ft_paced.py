@@ -7,8 +7,10 @@ positions table and the same command resumes from it."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -19,7 +21,7 @@ from helpers import ROOT, cli_env, mlp_batches, mlp_problem
 
 pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
 
-from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin  # noqa: E402
+from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
 from test_paced import _reference  # noqa: E402
 
 PY = sys.executable
@@ -117,3 +119,42 @@ def test_a_lost_quorum_saves_the_positions_and_the_same_command_resumes_from_the
     first = resumed[0]
     before = sum(first["positions_by_process"]) - sum(first["round_steps_by_process"])
     assert before // 2 == saved and before >= sum(last["positions_by_process"]), (first, last, saved)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stopped_worker_coding_int8_is_left_out_and_heals_at_a_rounds_end_when_it_runs_again(tmp_path):
+    steps = 40000
+    run = Run(tmp_path, steps, "--max-restarts", "0", strategy="psum",
+              train_args=(*PACED, "--compression", "int8", "--stall-timeout", "10"))
+    stop_1_and_go_on(run, healed="healed from round")
+    text = run.text()
+    assert "all 2 workers ended (0 restarts); exit code 0" in text and "back [1]" in text, text
+    assert_every_stream_read_once(tmp_path, steps)
+    assert done_of(tmp_path)["eval_accuracy"] > 0.9, text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_ends_the_round_in_flight_saves_and_the_run_resumes(tmp_path):
+    """Rounds of 60 s: a SIGTERM in the first ends it at once (not a minute later), every worker stops
+    after it, the lead saves it and the run exits 75; the same command resumes from it."""
+    run = Run(tmp_path, 10 ** 7, strategy="psum", train_args=("--sync-seconds", "60"))
+    try:
+        run.wait_for(lambda: (tmp_path / "ckpt.jsonl").exists() and '"start"' in (tmp_path / "ckpt.jsonl").read_text(),
+                     "the start record")
+        time.sleep(2)  # (in the first round's 60 s)
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(timeout=120) == 75, run.text()
+    finally:
+        run.close()
+    rounds = rounds_of(tmp_path)
+    assert list(rounds) == [1] and rounds[1]["round_s"] < 60, rounds  # the round the signal arrived in, cut short
+    saved = max(int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit())
+    assert saved == rounds[1]["step"] > 0, (saved, rounds)
+    again = Run(tmp_path, saved + 50, strategy="psum", train_args=("--sync-seconds", "60"))  # (--steps ends it)
+    try:
+        assert again.proc.wait(timeout=150) == 0, again.text()
+    finally:
+        again.close()
+    assert done_of(tmp_path)["step"] == saved + 50

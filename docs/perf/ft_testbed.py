@@ -5,6 +5,7 @@ first) and the bytes host 0 sent per step (the link's counters).
 
     python docs/perf/ft_testbed.py --rate 100mbit --steps 600 --repeats 2 --json out.json
     python docs/perf/ft_testbed.py --one-node --train-args "--strategy psum" --steps 3000 --repeats 3
+    python docs/perf/ft_testbed.py --one-node --train-args "--strategy psum --sync-seconds 0.5" --steps 30000 --repeats 5
 
 `--one-node`: no namespaces (no root needed): one launcher, `--nproc-per-node 2` on 127.0.0.1, each
 worker bound to its own core as the launcher does by default, as a user runs two processes on one
@@ -74,9 +75,13 @@ def main() -> None:
 
 
 def windows_median(path: str) -> float:
-    """The median steps/s of a metrics file's 50-step windows after the first (compilation)."""
+    """The median steps/s of a metrics file's 50-step windows after the first (compilation); for rounds
+    (--sync-seconds), the global steps over the seconds from the first round's end to the last's."""
     with open(path) as f:
         rows = [json.loads(line) for line in f]
+    rounds = [r for r in rows if "round" in r and "event" not in r]
+    if rounds:
+        return (rounds[-1]["step"] - rounds[0]["step"]) / (rounds[-1]["elapsed_s"] - rounds[0]["elapsed_s"])
     return statistics.median([r["steps_per_sec"] for r in rows if "steps_per_sec" in r and "event" not in r][1:])
 
 

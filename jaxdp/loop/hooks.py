@@ -255,6 +255,11 @@ class ElasticStop:
         return self._member.stop
 
     @property
+    def signal(self) -> int | None:
+        """The stop signal this process received, if any (timed rounds end the round at it)."""
+        return self._preemption.signal
+
+    @property
     def reason(self) -> str:
         if self.gone:
             return self.gone if isinstance(self.gone, str) else "the launcher is gone"

@@ -241,6 +241,8 @@ class FtRounds:
                 if not warm and taken == 1:
                     started, warm = time.perf_counter(), True  # compiled: the round's time starts now
                 previous = loss_sum
+        if self.stopping():  # a stop signal ended the round early: this round's row asks every worker to stop
+            member.ask_stop()
         state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows}))
         delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
                                 jax.tree.leaves(jax.device_get(self.layout["delta"](state)))]) * np.float32(taken)
