@@ -349,10 +349,11 @@ class Node(LaunchedRun):
 
     wait_timeout = 90.0
 
-    def __init__(self, tmp_path, steps: int, node: int, port: int, log: str, save_every: int = 0):
+    def __init__(self, tmp_path, steps: int, node: int, port: int, log: str, save_every: int = 0,
+                 train_args: tuple[str, ...] = ("--strategy", "host")):
         super().__init__(["--elastic", "--elastic-engine", "torchft", "--nnodes", "2", "--node-rank", str(node),
                           "--coordinator", f"127.0.0.1:{port}", "--nproc-per-node", "1", "--max-restarts", "10",
-                          "--", PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "1", "--steps", str(steps),
+                          "--", PY, "-m", "jaxdp.train", *train_args, "--devices", "1", "--steps", str(steps),
                           "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(save_every or steps),
                           "--no-progress",
                           "--log-every", "1", "--metrics-file", str(tmp_path / "ckpt.jsonl")],

@@ -21,7 +21,8 @@ from helpers import ROOT, cli_env, mlp_batches, mlp_problem
 
 pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
 
-from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
+from test_elastic_ft import Node, Run, ended, finish, kill_and_end, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
+from jaxdp.launcher.workers import free_port  # noqa: E402
 from test_paced import _reference  # noqa: E402
 
 PY = sys.executable
@@ -152,9 +153,35 @@ def test_sigterm_to_the_launcher_ends_the_round_in_flight_saves_and_the_run_resu
     assert list(rounds) == [1] and rounds[1]["round_s"] < 60, rounds  # the round the signal arrived in, cut short
     saved = max(int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit())
     assert saved == rounds[1]["step"] > 0, (saved, rounds)
-    again = Run(tmp_path, saved + 50, strategy="psum", train_args=("--sync-seconds", "60"))  # (--steps ends it)
+    further = max(rounds[1]["positions_by_process"]) + 50  # (past every stream: each ends there, so does the run)
+    again = Run(tmp_path, further, strategy="psum", train_args=("--sync-seconds", "60"))  # (--steps ends the round)
     try:
         assert again.proc.wait(timeout=150) == 0, again.text()
     finally:
         again.close()
-    assert done_of(tmp_path)["step"] == saved + 50
+    assert done_of(tmp_path)["step"] == further and rounds_of(tmp_path)[2]["positions_by_process"] == [further] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_launchers_as_two_nodes_lose_a_whole_node_which_rejoins_at_a_rounds_end(tmp_path):
+    """Node 1's launcher killed: its worker leaves, node 0 trains on alone; node 1 started again heals
+    from rank 0 at a round's end; the run ends with every stream read once."""
+    steps, port, args = 40000, free_port(), ("--strategy", "psum", *PACED)
+    nodes = [Node(tmp_path, steps, 0, port, "node0", train_args=args), Node(tmp_path, steps, 1, port, "node1",
+                                                                          train_args=args)]
+    try:
+        nodes[0].wait_for(lambda: nodes[0].reached() >= 500, "step 500")
+        workers = nodes[1].kill_launcher()
+        nodes[0].wait_for(lambda: all(ended(pid) for pid in workers), "node 1's worker to leave")
+        nodes[0].wait_for(lambda: "left out [1]" in nodes[0].text(), "node 0 alone")
+        nodes[1] = Node(tmp_path, steps, 1, port, "node1-again", train_args=args)
+        nodes[1].wait_for(lambda: "rank 1 joined the run at step" in nodes[1].text(), "node 1's rejoin")
+        assert nodes[0].proc.wait(timeout=150) == 0, nodes[0].text()
+        assert nodes[1].proc.wait(timeout=60) == 0, nodes[1].text()
+    finally:
+        for node in nodes:
+            node.close()
+    assert "rank 1: its launcher is gone: this worker leaves the run" in (tmp_path / "node1.log").read_text()
+    assert "back [1]" in nodes[0].text(), nodes[0].text()
+    assert_every_stream_read_once(tmp_path, steps)

@@ -50,6 +50,8 @@ def run_rounds(loop: Loop) -> None:
     rounds.steps = plan.steps  # no process's position goes past --steps
     if loop.preemption is not None:  # SIGTERM ends a time-bound round at once: what was trained is averaged, saved
         rounds.stopping = lambda: getattr(loop.preemption, "signal", None) is not None
+        if plan.elastic is not None:  # (timed rounds on torchft: ask the others to stop, or leave: ElasticStop)
+            rounds.on_stop = lambda: loop.preemption.should_stop(loop.state)
     loop.in_flight = check_in_flight  # the replicas (and the delta) in flight: the loss lands a round late
     landed: dict[str, Any] = {}  # the last round's figures on the host (empty: none landed yet, --overlap)
 

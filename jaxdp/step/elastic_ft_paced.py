@@ -83,7 +83,8 @@ class FtRounds:
             sync_seconds=pace, elastic=True, elastic_engine="torchft")
         self.outer = default_outer(outer_tx)
         self.steps: int | None = None  # --steps: no stream is read past it (the round loop sets it)
-        self.stopping: Callable[[], bool] = lambda: False
+        self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived (the round loop sets both)
+        self.on_stop: Callable[[], Any] = member.ask_stop
         self.local_rows: int | None = None  # each worker's rows of a global batch (the round loop sets it)
         self.absent: set[int] = set()  # the ranks that were not live at the last round's end
         self.layout: dict[str, Any] = {}
@@ -242,7 +243,7 @@ class FtRounds:
                     started, warm = time.perf_counter(), True  # compiled: the round's time starts now
                 previous = loss_sum
         if self.stopping():  # a stop signal ended the round early: this round's row asks every worker to stop
-            member.ask_stop()
+            self.on_stop()  # (or, its launcher gone and the Lighthouse elsewhere, this worker leaves: ElasticStop)
         state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows}))
         delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
                                 jax.tree.leaves(jax.device_get(self.layout["delta"](state)))]) * np.float32(taken)
