@@ -6,6 +6,7 @@ sums are added in shard order). Too few workers for the quorum timeout: the run 
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,14 +117,21 @@ def kill_each_and_rejoin(run: Run) -> str:
     return text
 
 
+def is_live(text: str, rank: int) -> bool:
+    """Whether the last "live ranks [...]" line of a run's output names `rank` (no such line: all are)."""
+    said = re.findall(r"live ranks \[([\d, ]*)\]", text)
+    return not said or str(rank) in said[-1].replace(" ", "").split(",")
+
+
 def stop_1_and_go_on(run: Run, rank: int = 1, healed: str = "healed from step") -> None:
-    """Worker `rank` stopped (SIGSTOP) at step 30 until the others have left it out and trained 20 steps
-    without it, then continued; it heals from a live worker and the run ends."""
+    """Worker `rank` stopped (SIGSTOP) at step 30, once it takes part (under load a worker may still be
+    starting while the others train), until the others have left it out and trained 20 steps without it,
+    then continued; it heals from a live worker and the run ends."""
     try:
-        run.wait_for(lambda: run.reached() >= 30, "step 30")
+        run.wait_for(lambda: run.reached() >= 30 and is_live(run.text(), rank), f"step 30 with rank {rank} live")
         stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == rank)
         os.kill(stopped, signal.SIGSTOP)
-        run.wait_for(lambda: f"left out [{rank}]" in run.text(), f"rank {rank} left out")
+        run.wait_for(lambda: not is_live(run.text(), rank), f"rank {rank} left out")
         at = run.reached()
         run.wait_for(lambda: run.reached() >= at + 20, f"20 more steps without rank {rank}")
         os.kill(stopped, signal.SIGCONT)

@@ -46,6 +46,7 @@ from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
 from jaxdp.step.elastic_ft_rounds import RoundEnd, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
+from jaxdp.step.rounds import check as paced_check, timed_inner
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync.spec import SyncSpec
@@ -73,9 +74,7 @@ class FtRounds:
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Any], *, pace: Any, outer_tx: Any, stateful: bool = False,
                  grad_accum: int = 1, strategy: Any = "psum", compression: Any = None):
-        from jaxdp.step import rounds as paced
-
-        paced.check(pace, mesh)
+        paced_check(pace, mesh)
         self.mesh, self.member, self.shard_data, self.pace, self.tx = mesh, member, shard_data, pace, tx
         self.axis, self.n = data_axes(mesh), mesh.size
         self.local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, self.axis), grad_accum)
@@ -227,21 +226,10 @@ class FtRounds:
         room = None if self.steps is None else max(self.steps - at, 0)
         rows, view = state.sync.per_device[STATE_NAME], self._view(state)
         position, loss_sum = self._rows(at), self._rows(0.0)
-        started, taken, previous = time.perf_counter(), 0, None
-        while True:
-            if (room is not None and taken >= room) or (planned is not None and taken >= planned):
-                break
-            if planned is None and taken and (time.perf_counter() - started >= budget or self.stopping()):
-                break
-            batch = shard_batch(self.shard_data(at + taken, stream), self.mesh)
-            rows, position, loss_sum = self._inner(rows, view, position, loss_sum, batch)
-            taken += 1
-            if budget is not None:  # one step in flight: wait for the one before, then read the clock
-                if previous is not None or not warm:
-                    jax.block_until_ready(previous if previous is not None else loss_sum)
-                if not warm and taken == 1:
-                    started, warm = time.perf_counter(), True  # compiled: the round's time starts now
-                previous = loss_sum
+        (rows, position, loss_sum), taken, started = timed_inner(
+            lambda rows, position, loss_sum, batch: self._inner(rows, view, position, loss_sum, batch),
+            (rows, position, loss_sum), lambda k: shard_batch(self.shard_data(at + k, stream), self.mesh),
+            budget=budget, planned=planned, room=room, warm=warm, stopping=self.stopping)
         if self.stopping():  # a stop signal ended the round early: this round's row asks every worker to stop
             self.on_stop()  # (or, its launcher gone and the Lighthouse elsewhere, this worker leaves: ElasticStop)
         state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows}))

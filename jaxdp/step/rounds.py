@@ -135,6 +135,31 @@ def process_rows(mesh: Mesh, rows_per_step: int | None) -> tuple[dict[int, int],
     return first_row, rows_per_step // len(first_row) if rows_per_step else None
 
 
+def timed_inner(inner: Callable, carry: tuple, batch_at: Callable[[int], Any], *, budget: float | None,
+                planned: int | None, room: int | None, warm: bool, stopping: Callable[[], bool],
+                started: float | None = None) -> tuple[tuple, int, float]:
+    """A round's inner steps, `carry = inner(*carry, batch_at(k))` for k = 0, 1, ..., until `room` or the
+    schedule (`planned` steps) or, with neither, the time (`budget` seconds, at least one step) or a stop
+    signal (`stopping`) says stop. Returns (the carry, the steps taken, when the round's clock started:
+    after the first step's compilation when not `warm`). The carry's last element is what the host waits
+    on (one step in flight: it waits for the one before, then reads the clock)."""
+    started, taken, previous = time.perf_counter() if started is None else started, 0, None
+    while True:
+        if (room is not None and taken >= room) or (planned is not None and taken >= planned):
+            break
+        if planned is None and taken and (time.perf_counter() - started >= budget or stopping()):
+            break
+        carry = inner(*carry, batch_at(taken))
+        taken += 1
+        if budget is not None:
+            if previous is not None or not warm:
+                jax.block_until_ready(previous if previous is not None else carry[-1])
+            if not warm and taken == 1:
+                started, warm = time.perf_counter(), True  # compiled: the round's time starts now
+            previous = carry[-1]
+    return carry, taken, started
+
+
 class Rounds:
     """The inner and sync programs of one run, and one round of them (`round`); the loop that
     runs them round after round is jaxdp/loop/rounds.py."""
@@ -178,23 +203,10 @@ class Rounds:
         if limit is not None and planned is None:  # (a schedule is followed as it is: it replays a run)
             planned, budget = limit, None
         room = None if self.steps is None else max(self.steps - at, 0)  # never past --steps
-        taken, previous = 0, None
-        while True:
-            if room is not None and taken >= room:
-                break
-            if planned is not None:
-                if taken >= planned:
-                    break
-            elif taken and (time.perf_counter() - started >= budget or self.stopping()):  # (at least 1 step)
-                break
-            rows, position, loss_sum = self.inner(rows, view, position, loss_sum, self._batch(at + taken))
-            taken += 1
-            if budget is not None:  # one step in flight: wait for the one before, then read the clock
-                if previous is not None or not warm:
-                    jax.block_until_ready(previous if previous is not None else loss_sum)
-                if not warm and taken == 1:
-                    started, warm = time.perf_counter(), True  # compiled: the round's time starts now
-                previous = loss_sum
+        (rows, position, loss_sum), taken, started = timed_inner(
+            lambda rows, position, loss_sum, batch: self.inner(rows, view, position, loss_sum, batch), (rows, position, loss_sum),
+            lambda k: self._batch(at + k), budget=budget, planned=planned, room=room, warm=warm,
+            stopping=self.stopping, started=started)
         steps = jnp.full(local.size, taken, jnp.int32, device=NamedSharding(local, P(data_axes(local))))
         sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows_to(rows, self.mesh),
                                               PACE_NAME: {"position": rows_to(position, self.mesh)}})
