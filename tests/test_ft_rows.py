@@ -142,3 +142,21 @@ def test_warm_up_compiles_both_programs_and_leaves_the_state_as_it_was(devices):
     programs.warm_up(state, batches[0])
     assert programs.nbytes > 0
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+
+
+def test_a_row_that_takes_no_part_says_whose_it_is_and_its_rank_is_healing_not_left_out(capsys):
+    """A worker healed in this exchange's quorum sends a row that takes no part: the line names it as
+    healing, and only a rank with no row at all as left out."""
+    from types import SimpleNamespace
+
+    from jaxdp.step import elastic_ft
+
+    said = []
+    member = SimpleNamespace(rank=0, live=[0, 1, 2], stop_asked=False, fresh=False, lead=True, say=said.append)
+    rows = [(1, elastic_ft.flags_of(member, True)),
+            (0, elastic_ft.flags_of(SimpleNamespace(rank=1, stop_asked=False, fresh=False, lead=False), False))]
+    assert elastic_ft.live_of(rows) == [0] and elastic_ft.present_of(rows) == [0, 1]
+    assert elastic_ft.lead_of(rows, None) == 0
+    elastic_ft.say_live(member, 7, elastic_ft.live_of(rows), present=elastic_ft.present_of(rows))
+    assert said == ["step 7: live ranks [0]; left out [2] (lost, or stalled past --stall-timeout); healing [1] (it took "
+                    "a live worker's state: it takes part from the next exchange)"], said

@@ -41,6 +41,7 @@ Metrics = dict
 HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
 TAKES_PART, ASKS_STOP, FRESH, LEADS = 1, 2, 4, 8  # FRESH: at the run's start, no step applied yet; LEADS: the lead
 QUORUM_DUE = 16  # (every-step exchange) this worker's last quorum is QUORUM_SECONDS old: one next step
+RANK_SHIFT = 32  # the flags' bits from here on: the row's worker's rank + 1 (`flags_of`, `present_of`)
 # While nothing fails, a quorum once QUORUM_SECONDS have passed since the last, and at the step after
 # one where a worker sat out: every worker reads both from the same rows (QUORUM_DUE, TAKES_PART), so
 # all agree. A lost or stalled worker makes the step's exchange fail, and the step is done again after
@@ -73,16 +74,24 @@ def wait_for_rank_0(member: Any, layout: dict) -> None:
     time.sleep(0.1)
 
 
-def say_live(member: Any, at: int | str, live: list[int], more: str = "") -> None:
+def say_live(member: Any, at: int | str, live: list[int], more: str = "", present: list[int] | tuple = ()) -> None:
     """Where the live ranks changed, one line from the lowest live rank ("step S: live ranks [...]": the
-    goodput bench reads them, jaxdp/bench/goodput.py), and `member.live` updated."""
+    goodput bench reads them, jaxdp/bench/goodput.py), and `member.live` updated. `present`: the ranks
+    whose rows came (`present_of`); one present but not live is healing, not lost."""
     if live == member.live:
         return
     gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
+    healing, gone = [r for r in gone if r in present], [r for r in gone if r not in present]
     member.live = live
     where = at if isinstance(at, str) else f"step {at}"
     member.say(f"{where}: live ranks {live}" + (f"; left out {gone} (lost, or stalled past --stall-timeout)"
-               if gone else "") + (f"; back {back}" if back else "") + more)
+               if gone else "") + (f"; healing {healing} (it took a live worker's state: it takes part from the "
+                                   f"next exchange)" if healing else "") + (f"; back {back}" if back else "") + more)
+
+
+def present_of(heads: list[tuple[int, int]]) -> list[int]:
+    """The ranks whose rows an exchange's (tag, flags) come from, taking part or not (`flags_of`)."""
+    return sorted({(flags >> RANK_SHIFT) - 1 for _, flags in heads if flags >> RANK_SHIFT})
 
 
 def live_of(heads: list[tuple[int, int]]) -> list[int]:
@@ -117,9 +126,10 @@ def quorum_at(state: TrainState) -> int:
 
 
 def flags_of(member: Any, taking_part: bool) -> int:
-    """This worker's row flags: whether it takes part, asks to stop, is at the run's start, leads."""
+    """This worker's row flags: whether it takes part, asks to stop, is at the run's start, leads; and
+    its rank + 1 from bit RANK_SHIFT on (a row that takes no part still says whose it is)."""
     return (TAKES_PART * taking_part | ASKS_STOP * member.stop_asked | FRESH * member.fresh
-            | LEADS * (taking_part and member.lead))
+            | LEADS * (taking_part and member.lead) | (member.rank + 1) << RANK_SHIFT)
 
 
 def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
@@ -267,7 +277,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         if programs.coder is not None:  # the exchange went through: this step's feedback is owed, of the finite shards
             programs.coder.settle(kept, bad)
         moved = {s: o for s, o in owner.items() if o != s}
-        say_live(member, at, live, f"; shards computed elsewhere {moved}" if moved else "")
+        say_live(member, at, live, f"; shards computed elsewhere {moved}" if moved else "", present_of(heads))
         if bad != layout.get("bad", []):  # a worker's non-finite sums: left out of the step, named once
             member.say(f"step {at}: the sums of shard(s) {bad} (computed by rank(s) {sorted({owner[b] for b in bad})}) "
                        f"are not finite: left out of the step, the mean taken over the other shards" if bad else

@@ -41,8 +41,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxdp.cluster.elastic import HubGone
 from jaxdp.mesh import data_axes, replicate, state_specs
 from jaxdp.step.elastic_ft import (
-    ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, say_live, step_number, take_quorum,
-    wait_for_rank_0,
+    ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, present_of, say_live, step_number,
+    take_quorum, wait_for_rank_0,
 )
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import outer_step
@@ -159,7 +159,7 @@ class RoundEnd:
         member.fresh, member.leader = False, lead_of(heads, member.leader)
         nothing = np.full(len(self.keys), np.nan)
         if start:
-            self.report(self.where(state, at), live, [])
+            self.report(self.where(state, at), live, [], present_of(heads))
             return Ended(state, healed_any, True, None, 0.0, nothing, {})
         if self.coder is not None:  # the exchange went through: this round's feedback is owed (none
             self.coder.settle(kept)  # when this worker only listened: what it owed before is stale)
@@ -175,13 +175,13 @@ class RoundEnd:
                     by_rank[tag - 1] = (weight, scalars)
             elif tag < 0:
                 bad.append(-tag - 1)
-        self.report(self.where(state, at), live, sorted(bad))
+        self.report(self.where(state, at), live, sorted(bad), present_of(heads))
         if not counted:
             return Ended(state, healed_any, False, None, 0.0, nothing, by_rank)
         return Ended(state, healed_any, False, acc / np.float32(counted), counted, shared / counted, by_rank)
 
-    def report(self, where: str, live: list[int], bad: list[int]) -> None:
-        say_live(self.member, where, live)
+    def report(self, where: str, live: list[int], bad: list[int], present: list[int]) -> None:
+        say_live(self.member, where, live, present=present)
         if bad != self.bad:
             self.member.say(f"{where}: the pseudo-gradient of rank(s) {bad} is not finite: left out of the round, "
                             f"the mean taken over the others" if bad else
