@@ -180,9 +180,9 @@ class FtRounds:
         if end.healed and round_of(state) != at:
             print(f"jaxdp: rank {self.member.rank} healed from round {at} to {round_of(state)} with a live worker's "
                   f"state", file=sys.stderr, flush=True)
-        if end.start:
-            return state, end
         positions = positions_of(state)
+        if end.start:  # (only who takes part was exchanged: nothing moves)
+            return state, (end, [0] * self.member.size, positions)
         by_rank = [0] * self.member.size
         for rank, (_, scalars) in end.by_rank.items():
             steps, stream = int(scalars[1]), int(scalars[2])
@@ -238,7 +238,10 @@ class FtRounds:
         loss = float(np.sum(jax.device_get(loss_sum))) / max(taken * self.n, 1)
         state, ended = self._end(state, delta, np.array([taken * self.n, loss, taken, stream], np.float64))
         end, by_rank, positions = ended
-        metrics = {"round": round_of(state), "loss": float(end.shared[0]), "steps_by_device": by_rank,
+        # The rows' weighted loss; no row counted: NaN where some row was not finite (the guard stops the
+        # run only if every row was), else 0, as one program's timed rounds report a round without steps.
+        loss = float(end.shared[0]) if end.counted or self.layout["ends"].bad else 0.0
+        metrics = {"round": round_of(state), "loss": loss, "steps_by_device": by_rank,
                    "positions_by_device": [int(p) for p in positions], "comm_bytes": self.wire}
         return state, metrics, taken, time.perf_counter() - started
 
