@@ -156,14 +156,17 @@ class FtRounds:
     # ---- a round ----
 
     def stream(self, positions: np.ndarray) -> int:
-        """The stream this worker reads: its own, or once that reached --steps, one of a rank not live."""
-        rank, live = self.member.rank, self.member.live
+        """The stream this worker reads: its own, or once that reached --steps, one of a rank whose row did
+        not come at the last round's end. (Not merely one not live: a rank that healed there sent a row
+        that took no part, and reads its own stream this round.)"""
+        rank, live, present = self.member.rank, self.member.live, self.layout["ends"].present
         if self.steps is None or positions[rank] < self.steps or rank not in live:
             return rank
         from jaxdp.cluster.ft_env import assign
 
         owner = assign(live, self.member.size)
-        mine = [r for r in range(self.member.size) if r not in live and owner[r] == rank and positions[r] < self.steps]
+        mine = [r for r in range(self.member.size)
+                if r not in live and r not in present and owner[r] == rank and positions[r] < self.steps]
         return mine[0] if mine else rank
 
     def _end(self, state: TrainState, delta: np.ndarray | None, head: np.ndarray | None) -> tuple[TrainState, Any]:

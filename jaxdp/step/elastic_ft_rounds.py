@@ -87,6 +87,7 @@ class RoundEnd:
         self.nbytes = self.head + (self.coder.nbytes if self.coder else 4 * values)
         self.waiting: dict = {}   # (wait_for_rank_0's clock)
         self.bad: list[int] = []  # the ranks named last as not finite
+        self.present: list[int] = list(range(member.size))  # the ranks whose rows came in the last exchange
         self.where: Callable[[TrainState, int], str] = lambda state, at: f"step {at}"  # (the console's words)
 
     def wire(self) -> float:
@@ -155,6 +156,7 @@ class RoundEnd:
                 wait_for_rank_0(member, self.waiting)  # at the start, rank 0 restored the checkpoint (elastic_ft.py)
                 continue
             break
+        self.present = present_of(heads)
         member.stop = member.stop or any(flags & ASKS_STOP for _, flags in heads)
         member.fresh, member.leader = False, lead_of(heads, member.leader)
         nothing = np.full(len(self.keys), np.nan)
