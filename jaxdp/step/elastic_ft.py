@@ -119,7 +119,9 @@ def step_number(state: TrainState, layout: dict) -> int:
 def quorum_at(state: TrainState) -> int:
     """The number a quorum compares (a worker behind it is healed): the step, or the round where the
     workers' steps differ (timed rounds: jaxdp/step/elastic_ft_paced.py, whose state has a positions table)."""
-    paced = state.sync.shared.get("paced")
+    from jaxdp.step.round_programs import PACE_NAME
+
+    paced = state.sync.shared.get(PACE_NAME)
     if paced is not None and "positions" in paced:
         return int(jax.device_get(paced["round"]))
     return int(jax.device_get(state.step))
