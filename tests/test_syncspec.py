@@ -38,6 +38,10 @@ def test_the_table_names_the_first_clash():
     # torchft's workers may sum their own devices in-graph; across workers it is the host still
     assert clash("ring", elastic=True, elastic_engine="torchft") is None
     assert clash("psum", elastic=True, elastic_engine="torchft", compression="int8") is None  # coded between workers
+    # torchft overlaps rounds of local steps (jaxdp/step/elastic_ft_overlap.py), not every step's exchange
+    assert clash("psum", elastic=True, elastic_engine="torchft", sync_every=4, overlap=True) is None
+    assert clash("psum", elastic=True, elastic_engine="torchft", overlap=True) == "elastic-overlap"
+    assert clash("psum", elastic=True, elastic_engine="torchft", sync_seconds=1.0, overlap=True) == "elastic-overlap"
     assert clash("psum", elastic=True, elastic_engine="torchft", compression="powersgd:4") == "elastic-ft-codec"
     assert clash("host", elastic=True, compression="int8") == "elastic-compression"  # the hub: none
     assert elastic_of({"JAXDP_FT_LIGHTHOUSE": "http://127.0.0.1:1"}) == {"elastic": True, "elastic_engine": "torchft"}

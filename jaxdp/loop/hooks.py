@@ -125,6 +125,11 @@ class Loop:
     decided_s: float = 0.0              # the controller's own time
     startup_s: float = 0.0              # from the process's start to the loop's
     in_flight: Callable[[Any, int], None] | None = None  # (state, step) -> Diverged if what is in flight is not finite
+    held: Callable[[Any], Any] | None = None  # state -> what a save holds (None: the state itself)
+
+    def to_save(self) -> Any:
+        """The state a save writes: the loop's, or what `held` makes of it (jaxdp/step/elastic_ft_overlap.py)."""
+        return self.state if self.held is None else self.held(self.state)
 
     def saveable(self) -> None:
         """Before a save: the pending metrics, then what is in flight (Diverged instead of a non-finite save)."""
@@ -198,14 +203,14 @@ def save_when_due(loop: Loop) -> None:
     checkpointer.poll()  # a background save that failed stops the run here (exit 73)
     if checkpointer.due(loop.before, loop.done):
         loop.saveable()  # never write a non-finite state over a good checkpoint
-        checkpointer.save(loop.state)
+        checkpointer.save(loop.to_save())
         checkpointer.report_decision(loop.writer, loop.done)  # --save-every auto: the measuring save chose
 
 
 def save_now(loop: Loop) -> None:
     """A stop signal: save the state reached (a no-op if it was just saved; `stop_on_signal` checked it)."""
     if loop.plan.checkpointer:  # (an elastic run: the lead's)
-        loop.plan.checkpointer.save(loop.state)
+        loop.plan.checkpointer.save(loop.to_save())
 
 
 def stop_on_signal(loop: Loop) -> None:

@@ -181,11 +181,12 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             return step_for(spec).prepare(made, plan.batch_at(0))
         if not plan.rounds_run or (plan.overlap and spec.sync_every == 1):  # (sync_every auto's measuring state)
             return made
-        if hasattr(elastic, "engine"):  # timed rounds across torchft workers: a position per rank's stream
-            from jaxdp.mesh import replicate
-            from jaxdp.step import elastic_ft_paced
+        if hasattr(elastic, "engine"):  # rounds across torchft workers: timed (a position per rank's stream) or
+            from jaxdp.mesh import replicate  # overlapped (the round; each worker's row in flight is its own)
+            from jaxdp.step import elastic_ft_overlap, elastic_ft_paced
 
-            shared = replicate(elastic_ft_paced.init_sync(elastic.size), mesh)
+            shared = replicate(elastic_ft_overlap.init_sync() if plan.overlap else elastic_ft_paced.init_sync(
+                elastic.size), mesh)
             return made.replace(sync=made.sync.replace(shared={**made.sync.shared, **shared}))
         rows, shared = paced.init_sync(mesh)
         if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/hsdp_overlap.py)
@@ -207,7 +208,12 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
                 from jaxdp.step.elastic_ft_rounds import make_ft_round_step as make
 
                 more.update(sync_every=spec.sync_every, outer_tx=spec.outer_tx)
-            if hasattr(elastic, "engine") and plan.rounds_run:  # its timed rounds (jaxdp/step/elastic_ft_paced.py)
+            if hasattr(elastic, "engine") and plan.rounds_run and plan.overlap:  # (jaxdp/step/elastic_ft_overlap.py)
+                from jaxdp.step.elastic_ft_overlap import make_ft_overlapped as make
+
+                more = {"strategy": spec.strategy, "compression": spec.compression, "every": spec.sync_every,
+                        "outer_tx": plan.outer_tx}
+            elif hasattr(elastic, "engine") and plan.rounds_run:  # its timed rounds (jaxdp/step/elastic_ft_paced.py)
                 from jaxdp.step.elastic_ft_paced import make_ft_paced as make
 
                 more.update(pace=sync.sync_seconds, outer_tx=plan.outer_tx)

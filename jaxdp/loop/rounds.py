@@ -44,7 +44,7 @@ def run_rounds(loop: Loop) -> None:
     """Rounds until `state.step` reaches the plan's `steps`, or until a hook stops the loop."""
     import jax
 
-    from jaxdp.step.rounds import PACE_NAME, InFlight, check_in_flight
+    from jaxdp.step.rounds import PACE_NAME, check_in_flight
 
     plan, rounds = loop.plan, make_rounds(loop)
     rounds.steps = plan.steps  # no process's position goes past --steps
@@ -53,6 +53,8 @@ def run_rounds(loop: Loop) -> None:
         if plan.elastic is not None:  # (timed rounds on torchft: ask the others to stop, or leave: ElasticStop)
             rounds.on_stop = lambda: loop.preemption.should_stop(loop.state)
     loop.in_flight = check_in_flight  # the replicas (and the delta) in flight: the loss lands a round late
+    if hasattr(rounds, "held"):  # (overlapped rounds on torchft: a save holds what every worker agrees on)
+        loop.held = rounds.held
     landed: dict[str, Any] = {}  # the last round's figures on the host (empty: none landed yet, --overlap)
 
     def log_round(loop: Loop) -> None:
@@ -64,7 +66,7 @@ def run_rounds(loop: Loop) -> None:
 
     hooks = periodic(loop, Hook(log_round, at=("round",)))
     hub_gone = lead.gone_error(plan)
-    overlapped = isinstance(rounds, InFlight)  # (either overlapped rounds: an average in flight at the end)
+    overlapped = hasattr(rounds, "flush")  # (overlapped rounds: an average in flight at the end)
     if overlapped:
         hooks.add(flush, at=("end",))
     try:
@@ -97,6 +99,12 @@ def run_rounds(loop: Loop) -> None:
             loop.state, loop.before, loop.done, loop.where = state, before, done, f"round {round_index}"
             hooks.run(loop, "round")
             if loop.stop:
+                if getattr(rounds, "flush_at_stop", False):  # (torchft: every worker stops at this round)
+                    try:
+                        loop.state = rounds.flush(loop.state)
+                    except hub_gone as gone:
+                        lead.stop_held(loop, hooks, gone)
+                        return
                 hooks.run(loop, "stop")
                 return
             last = rounds.by_process(host["steps_by_device"]) if landed else last

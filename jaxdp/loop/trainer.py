@@ -206,7 +206,7 @@ def finish(loop: Loop, evaluation: EvalOptions) -> dict[str, Any]:
     loop.saveable()
     plan.beat.phase("the final save and evaluation")
     if plan.checkpointer:  # the final state, before evaluating: bad held-out input loses no training
-        plan.checkpointer.save(loop.state)  # (a no-op if the last step was just saved)
+        plan.checkpointer.save(loop.to_save())  # (a no-op if the last step was just saved)
     evaluates = plan.evaluate is not None and evaluation.data is not None and plan.evaluates
     held_out = plan.evaluate(loop.state) if evaluates else {}
     summary = {**held_out, "strategy": syncspec.strategy_name(loop.spec.strategy), "devices": plan.devices,

@@ -187,7 +187,9 @@ RULES: tuple[Rule, ...] = (
          _ELASTIC + "--sync-fragments={sync_fragments}", _ELASTIC + "sync_fragments={sync_fragments}", "sync_fragments"),
     Rule("elastic-zero", lambda c: c.elastic and c.shard_optimizer,
          _ELASTIC + "--shard-optimizer", _ELASTIC + "shard_optimizer (ZeRO-1)", "shard_optimizer"),
-    Rule("elastic-overlap", lambda c: c.elastic and c.overlap, _ELASTIC + "--overlap", _ELASTIC + "overlap", "overlap"),
+    Rule("elastic-overlap", lambda c: c.elastic and c.overlap and not (c.ft and c.sync_every != 1),
+         _ELASTIC + "every-step --overlap (with --elastic-engine torchft it overlaps rounds: --sync-every N --overlap)",
+         _ELASTIC + "every-step overlap (with torchft it overlaps rounds: sync_every N)", "overlap"),
     # -- sync_seconds: rounds of wall-clock time (jaxdp/step/rounds.py)
     Rule("paced-local", lambda c: c.sync_seconds is not None and c.sync_every != 1,
          "--sync-seconds does not combine with --sync-every={sync_every}" + _PACED,

@@ -1,0 +1,116 @@
+"""Overlapped rounds across the workers of an elastic run on torchft (`--sync-every H --overlap`,
+jaxdp/step/elastic_ft_overlap.py): real worker processes and a real Lighthouse. Undisturbed, the run is a
+one-process `--overlap` run of as many devices, bit for bit, and so is what a save in the middle of it
+holds (the last average that landed, at the step where the round in flight started) and what a stop
+signal saves (every worker averages what is in flight first); a worker killed with -9, rank 0 included,
+heals at a round's start and listens to that round's exchange; a stalled one is left out and trains
+its round again from a live worker's state; a lost quorum saves the survivor's state and exits 75."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, cli_env
+
+pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+
+from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
+from test_elastic_ft_rounds import done_of, params_of  # noqa: E402
+
+PY = sys.executable
+OVERLAP = ("--sync-every", "4", "--overlap")
+
+
+def reference(tmp_path, steps: int) -> dict:
+    """A one-process `--overlap` run of `steps` over 2 devices, saved only at its end (after its last
+    average landed): its global parameters' and outer optimizer's checksums."""
+    name = f"reference-{steps}"
+    proc = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "psum", "--devices", "2", *OVERLAP, "--steps",
+                           str(steps), "--no-progress", "--checkpoint-dir", str(tmp_path / name), "--save-every",
+                           str(10 ** 6)], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return params_of(tmp_path, name, steps)
+
+
+def saved_steps(tmp_path) -> list[int]:
+    return sorted(int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_undisturbed_overlapped_rounds_and_a_save_in_the_middle_are_a_one_process_run_bit_for_bit(tmp_path):
+    """--save-every 40 falls due at the end of round 10, with round 10's rows in flight: that save holds
+    the last average that landed, at step 36, which is a 36-step run's end. The run's own end averages
+    round 10's rows and saves step 40."""
+    finish(Run(tmp_path, 40, strategy="psum", train_args=OVERLAP))
+    assert saved_steps(tmp_path) == [36, 40]
+    final = params_of(tmp_path, "ckpt", 40)
+    assert any(k.startswith("params") for k in final) and any("outer" in k for k in final), final
+    assert final == reference(tmp_path, 40)
+    assert params_of(tmp_path, "ckpt", 36) == reference(tmp_path, 36)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_each_worker_killed_rank_0_included_heals_at_a_rounds_start_and_the_run_ends_near_an_undisturbed_one(
+        tmp_path):
+    steps = 4000
+    text = kill_each_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=OVERLAP))
+    joined = [int(line.split("joined the run at step ")[1].split()[0]) for line in text.splitlines()
+              if "joined the run at step" in line]
+    assert joined and all(at % 4 == 0 for at in joined), joined  # at a round's start
+    finish(Run(tmp_path, steps, strategy="psum", train_args=OVERLAP, name="calm"))
+    disturbed, calm = done_of(tmp_path, "ckpt"), done_of(tmp_path, "calm")
+    assert abs(disturbed["eval_accuracy"] - calm["eval_accuracy"]) <= 0.02, (disturbed, calm)
+    assert disturbed["eval_loss"] < 0.15 and calm["eval_loss"] < 0.15, (disturbed, calm)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stopped_worker_is_left_out_and_trains_its_round_again_from_a_live_workers_state(tmp_path):
+    run = Run(tmp_path, 1500, "--max-restarts", "0", strategy="psum",
+              train_args=(*OVERLAP, "--compression", "int8", "--stall-timeout", "10"))
+    stop_1_and_go_on(run)
+    text = run.text()
+    assert "all 2 workers ended (0 restarts); exit code 0" in text and "back [1]" in text, text
+    assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.8, text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lost_quorum_saves_the_survivors_state_at_a_rounds_end_and_exits_75(tmp_path):
+    """Rank 1 killed with --min-workers 2: rank 0 applies its own rows alone (the one in flight, then its
+    round's), saves that state and the run exits 75."""
+    text = kill_and_end(Run(tmp_path, 400000, "--min-workers", "2", "--quorum-timeout", "5", strategy="psum",
+                            train_args=OVERLAP), 1, 75, at=40)
+    assert "fewer than --min-workers=2 live workers" in text and "exit code 75" in text, text
+    saved = saved_steps(tmp_path)
+    assert saved and saved[-1] >= 40 and saved[-1] % 4 == 0, (saved, text)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_stop_signal_averages_what_is_in_flight_saves_a_one_process_runs_state_and_the_run_resumes(tmp_path):
+    """SIGTERM to the launcher: the stop rides the next round's rows, every worker stops after that round
+    and averages the rows in flight, and the lead saves: a one-process run of as many steps, bit for
+    bit. The same command, with more steps, resumes from it."""
+    run = Run(tmp_path, 10 ** 7, strategy="psum", train_args=OVERLAP)
+    try:
+        run.wait_for(lambda: run.reached() >= 40, "step 40")
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(timeout=120) == 75, run.text()
+    finally:
+        run.close()
+    stopped = saved_steps(tmp_path)[-1]
+    assert stopped >= 40 and stopped % 4 == 0, saved_steps(tmp_path)
+    assert params_of(tmp_path, "ckpt", stopped) == reference(tmp_path, stopped)
+    further = stopped + 40
+    finish(Run(tmp_path, further, strategy="psum", train_args=OVERLAP))
+    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    resumed = [r["step"] for r in records if "round" in r and "event" not in r and r["step"] > stopped]
+    assert resumed and resumed[0] == stopped + 8, resumed  # (its first round's figures land with its second)
+    assert done_of(tmp_path, "ckpt")["step"] == further, records[-3:]
