@@ -208,14 +208,19 @@ class FtRounds:
 
     def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
               ) -> tuple[TrainState, dict, int, float]:
-        """A round: (the run's start, or a round's end this worker healed at: that exchange first), inner
-        steps until the time (or the schedule, or `limit`) says stop, then the round's end. Returns
-        (state, the round's metrics on the host, this worker's steps, the round's seconds)."""
+        """A round: inner steps until the time (or the schedule, or `limit`) says stop, then the round's
+        end. The first call after a join is that join's exchange first: at the run's start, then the
+        round; where the worker healed at a round's end, that round alone (its figures are the call's,
+        so a lead lost before it wrote them leaves them to this worker). Returns (state, the round's
+        metrics on the host, this worker's steps, the round's seconds)."""
         member, rank = self.member, self.member.rank
         if "inner" not in self.layout:
             self.build(state)
         if member.fresh_quorum:
-            state, _ = self._end(state, None, None)
+            started = time.perf_counter()
+            state, ended = self._end(state, None, None)
+            if not ended[0].start:  # it listened to a round's end (it healed there): that round's figures are
+                return state, self._figures(state, *ended), 0, time.perf_counter() - started  # this call's
         round_index, positions = round_of(state), positions_of(state)
         stream = self.stream(positions)
         at = int(positions[stream])
@@ -240,13 +245,15 @@ class FtRounds:
                                 jax.tree.leaves(jax.device_get(self.layout["delta"](state)))]) * np.float32(taken)
         loss = float(np.sum(jax.device_get(loss_sum))) / max(taken * self.n, 1)
         state, ended = self._end(state, delta, np.array([taken * self.n, loss, taken, stream], np.float64))
-        end, by_rank, positions = ended
-        # The rows' weighted loss; no row counted: NaN where some row was not finite (the guard stops the
-        # run only if every row was), else 0, as one program's timed rounds report a round without steps.
+        return state, self._figures(state, *ended), taken, time.perf_counter() - started
+
+    def _figures(self, state: TrainState, end: Any, by_rank: list[int], positions: np.ndarray) -> dict:
+        """A round's metrics, the same on every worker (a worker that healed at its end listened to it).
+        The rows' weighted loss; no row counted: NaN where some row was not finite (the guard stops the
+        run only if every row was), else 0, as one program's timed rounds report a round without steps."""
         loss = float(end.shared[0]) if end.counted or self.layout["ends"].bad else 0.0
-        metrics = {"round": round_of(state), "loss": loss, "steps_by_device": by_rank,
-                   "positions_by_device": [int(p) for p in positions], "comm_bytes": self.wire}
-        return state, metrics, taken, time.perf_counter() - started
+        return {"round": round_of(state), "loss": loss, "steps_by_device": by_rank,
+                "positions_by_device": [int(p) for p in positions], "comm_bytes": self.wire}
 
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
         """This worker's steps in what will be the last round (jaxdp/step/rounds.py's rule, by rank)."""
