@@ -77,8 +77,10 @@ def wait_for_rank_0(member: Any, layout: dict) -> None:
 def say_live(member: Any, at: int | str, live: list[int], more: str = "", present: list[int] | tuple = ()) -> None:
     """Where the live ranks changed, one line from the lowest live rank ("step S: live ranks [...]": the
     goodput bench reads them, jaxdp/bench/goodput.py), and `member.live` updated. `present`: the ranks
-    whose rows came (`present_of`); one present but not live is healing, not lost."""
-    if live == member.live:
+    whose rows came (`present_of`); one present but not live is healing, not lost. An exchange in which
+    no rank took part (a joiner listened, and the worker it healed from was lost in it) says nothing of
+    who is live: the ranks known live stay so, and the next exchange names the lost one."""
+    if live == member.live or not live:
         return
     gone, back = sorted(set(member.live) - set(live)), sorted(set(live) - set(member.live))
     healing, gone = [r for r in gone if r in present], [r for r in gone if r not in present]
