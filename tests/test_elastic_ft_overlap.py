@@ -18,8 +18,8 @@ from helpers import ROOT, cli_env
 
 pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
 
-from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
-from test_elastic_ft_rounds import done_of, params_of  # noqa: E402
+from test_elastic_ft import Run, finish, kill_and_end  # noqa: E402
+from test_elastic_ft_rounds import done_of, kill_each_and_end_near_a_calm_run, params_of, stop_1_coding_int8  # noqa: E402
 
 PY = sys.executable
 OVERLAP = ("--sync-every", "4", "--overlap")
@@ -58,26 +58,13 @@ def test_undisturbed_overlapped_rounds_and_a_save_in_the_middle_are_a_one_proces
 @pytest.mark.multiprocess
 def test_each_worker_killed_rank_0_included_heals_at_a_rounds_start_and_the_run_ends_near_an_undisturbed_one(
         tmp_path):
-    steps = 4000
-    text = kill_each_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=OVERLAP))
-    joined = [int(line.split("joined the run at step ")[1].split()[0]) for line in text.splitlines()
-              if "joined the run at step" in line]
-    assert joined and all(at % 4 == 0 for at in joined), joined  # at a round's start
-    finish(Run(tmp_path, steps, strategy="psum", train_args=OVERLAP, name="calm"))
-    disturbed, calm = done_of(tmp_path, "ckpt"), done_of(tmp_path, "calm")
-    assert abs(disturbed["eval_accuracy"] - calm["eval_accuracy"]) <= 0.02, (disturbed, calm)
-    assert disturbed["eval_loss"] < 0.15 and calm["eval_loss"] < 0.15, (disturbed, calm)
+    kill_each_and_end_near_a_calm_run(tmp_path, OVERLAP)  # (a joiner listens to the exchange it healed in)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_stopped_worker_is_left_out_and_trains_its_round_again_from_a_live_workers_state(tmp_path):
-    run = Run(tmp_path, 1500, "--max-restarts", "0", strategy="psum",
-              train_args=(*OVERLAP, "--compression", "int8", "--stall-timeout", "10"))
-    stop_1_and_go_on(run)
-    text = run.text()
-    assert "all 2 workers ended (0 restarts); exit code 0" in text and "back [1]" in text, text
-    assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.8, text
+    stop_1_coding_int8(tmp_path, OVERLAP)  # (healed by its own exchange on the thread: the round again)
 
 
 @pytest.mark.slow

@@ -48,34 +48,45 @@ def test_undisturbed_local_steps_across_workers_are_a_one_process_run_bit_for_bi
     assert any(k.startswith("params") for k in final) and any("outer" in k for k in final), final
 
 
+def kill_each_and_end_near_a_calm_run(tmp_path, train_args: tuple[str, ...], steps: int = 4000) -> None:
+    """Each worker killed with -9 (rank 0 too) and restarted: each rejoins at a round's boundary (a step
+    that is a multiple of the rounds' 4), and the run ends near an undisturbed one. Not to the bit: the
+    lost worker's steps of its round are lost with it. The two runs are the same to the first kill and
+    then part (this MLP ends near zero training loss either way: its held-out loss is a few examples'
+    worth), so they are held to the accuracy. (Local steps make about 200 a second here: a restart
+    under load can take 15 s.)"""
+    text = kill_each_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=train_args))
+    joined = [int(line.split("joined the run at step ")[1].split()[0]) for line in text.splitlines()
+              if "joined the run at step" in line]
+    assert joined and all(at % 4 == 0 for at in joined), joined
+    finish(Run(tmp_path, steps, strategy="psum", train_args=train_args, name="calm"))
+    disturbed, calm = done_of(tmp_path, "ckpt"), done_of(tmp_path, "calm")
+    assert abs(disturbed["eval_accuracy"] - calm["eval_accuracy"]) <= 0.02, (disturbed, calm)
+    assert disturbed["eval_loss"] < 0.15 and calm["eval_loss"] < 0.15, (disturbed, calm)
+
+
+def stop_1_coding_int8(tmp_path, train_args: tuple[str, ...]) -> None:
+    """Rank 1, its rows coded int8, stopped with SIGSTOP and continued (`stop_1_and_go_on`): the run ends
+    with no restart, rank 1 back, and trained."""
+    run = Run(tmp_path, 1500, "--max-restarts", "0", strategy="psum",
+              train_args=(*train_args, "--compression", "int8", "--stall-timeout", "10"))
+    stop_1_and_go_on(run)
+    text = run.text()
+    assert "all 2 workers ended (0 restarts); exit code 0" in text and "back [1]" in text, text
+    assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.8, text
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_each_worker_killed_in_a_round_rank_0_included_heals_at_a_rounds_end_and_the_run_ends_near_an_undisturbed_one(
         tmp_path):
-    steps = 4000  # local steps make about 200 a second here: a restart under load can take 15 s
-    run = Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=ROUNDS)
-    text = kill_each_and_rejoin(run)  # rank 0 finishes a round alone, then rank 1 does
-    joined = [int(line.split("joined the run at step ")[1].split()[0]) for line in text.splitlines()
-              if "joined the run at step" in line]
-    assert joined and all(at % 4 == 0 for at in joined), joined  # at a round's end
-    finish(Run(tmp_path, steps, strategy="psum", train_args=ROUNDS, name="calm"))
-    disturbed, calm = done_of(tmp_path, "ckpt"), done_of(tmp_path, "calm")
-    # Not to the bit: the lost worker's steps of its round are lost with it. The two runs are the same
-    # to the first kill and then part (this MLP ends near zero training loss either way: its held-out
-    # loss is a few examples' worth), so the test holds them to the accuracy.
-    assert abs(disturbed["eval_accuracy"] - calm["eval_accuracy"]) <= 0.02, (disturbed, calm)
-    assert disturbed["eval_loss"] < 0.15 and calm["eval_loss"] < 0.15, (disturbed, calm)
+    kill_each_and_end_near_a_calm_run(tmp_path, ROUNDS)  # (rank 0 finishes a round alone, then rank 1 does)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_stopped_worker_is_left_out_of_the_rounds_and_heals_at_a_rounds_end_when_it_runs_again(tmp_path):
-    run = Run(tmp_path, 1500, "--max-restarts", "0", strategy="psum",
-              train_args=(*ROUNDS, "--compression", "int8", "--stall-timeout", "10"))
-    stop_1_and_go_on(run)
-    text = run.text()
-    assert "all 2 workers ended (0 restarts); exit code 0" in text and "back [1]" in text, text
-    assert done_of(tmp_path, "ckpt")["eval_accuracy"] > 0.8, text
+    stop_1_coding_int8(tmp_path, ROUNDS)
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.cluster.elastic import HubGone
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
-from jaxdp.step.elastic_ft_rounds import Ended, RoundEnd, tree_of
+from jaxdp.step.elastic_ft_rounds import Ended, Replicas, RoundEnd, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
 from jaxdp.step.state import TrainState
@@ -74,7 +74,7 @@ def round_of(state: TrainState) -> int:
     return int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
 
 
-class FtOverlapped:
+class FtOverlapped(Replicas):
     """The overlapped rounds of one worker; `round` is what the round loop (jaxdp/loop/rounds.py) runs,
     `flush` applies the rows in flight (a stop, the run's end), `held` is what a save holds."""
 
@@ -148,17 +148,6 @@ class FtOverlapped:
 
     def close(self) -> None:
         self.thread.shutdown(wait=True)
-
-    def _inner(self, rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any) -> Any:
-        return self.layout["inner"](rows, view, position, loss_sum, batch)
-
-    def _rows(self, value: Any) -> jax.Array:
-        host = np.full(self.n, value, np.int32 if isinstance(value, int) else np.float32)
-        return jax.make_array_from_callback(host.shape, self.layout["rows"], lambda index: host[index])
-
-    def _view(self, state: TrainState) -> TrainState:
-        view = state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={}))
-        return view.replace(rng=jax.random.fold_in(view.rng, self.member.rank))
 
     def _apply(self, state: TrainState, mean: np.ndarray | None, anchor: Any, steps: int) -> TrainState:
         layout = self.layout

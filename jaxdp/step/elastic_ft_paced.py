@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
-from jaxdp.step.elastic_ft_rounds import RoundEnd, tree_of
+from jaxdp.step.elastic_ft_rounds import Replicas, RoundEnd, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
 from jaxdp.step.rounds import check as paced_check, timed_inner
@@ -68,7 +68,7 @@ def positions_of(state: TrainState) -> np.ndarray:
     return np.array(jax.device_get(state.sync.shared[PACE_NAME]["positions"]), np.int64)
 
 
-class FtRounds:
+class FtRounds(Replicas):
     """The timed rounds of one worker; `round` is what the round loop (jaxdp/loop/rounds.py) runs."""
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
@@ -133,19 +133,6 @@ class FtRounds:
 
     def close(self) -> None:
         pass
-
-    def _inner(self, rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any) -> Any:
-        return self.layout["inner"](rows, view, position, loss_sum, batch)
-
-    def _rows(self, value: Any) -> jax.Array:
-        """`value` on each of this worker's devices, as per-device rows."""
-        host = np.full(self.n, value, np.int32 if isinstance(value, int) else np.float32)
-        return jax.make_array_from_callback(host.shape, self.layout["rows"], lambda index: host[index])
-
-    def _view(self, state: TrainState) -> TrainState:
-        """What the inner step reads besides the rows (model state, rng: this worker's own dropout keys)."""
-        view = state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={}))
-        return view.replace(rng=jax.random.fold_in(view.rng, self.member.rank))
 
     def _apply(self, state: TrainState, mean: np.ndarray | None, positions: np.ndarray, round_: int) -> TrainState:
         layout = self.layout

@@ -197,6 +197,30 @@ def tree_of(flat: np.ndarray, treedef: Any, shapes: list[tuple]) -> Any:
     return jax.tree.unflatten(treedef, [x.reshape(s) for x, s in zip(leaves, shapes)])
 
 
+class Replicas:
+    """What the host-driven rounds of one torchft worker share (the timed rounds of
+    jaxdp/step/elastic_ft_paced.py, the overlapped ones of elastic_ft_overlap.py): the inner step over the
+    worker's replicas (`layout["inner"]`: round_programs.make_inner), per-device rows of a value, and the
+    view of the state the inner step reads."""
+
+    layout: dict
+    n: int       # this worker's devices
+    member: Any
+
+    def _inner(self, rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any) -> Any:
+        return self.layout["inner"](rows, view, position, loss_sum, batch)
+
+    def _rows(self, value: Any) -> jax.Array:
+        """`value` on each of this worker's devices, as per-device rows."""
+        host = np.full(self.n, value, np.int32 if isinstance(value, int) else np.float32)
+        return jax.make_array_from_callback(host.shape, self.layout["rows"], lambda index: host[index])
+
+    def _view(self, state: TrainState) -> TrainState:
+        """What the inner step reads besides the rows (model state, rng: this worker's own dropout keys)."""
+        view = state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={}))
+        return view.replace(rng=jax.random.fold_in(view.rng, self.member.rank))
+
+
 def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                        shard_data: Callable[[int, int], Batch], *, sync_every: int,
                        outer_tx: optax.GradientTransformation | None, stateful: bool = False, grad_accum: int = 1,
