@@ -50,9 +50,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.cluster.elastic import HubGone
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
-from jaxdp.step.elastic_ft_rounds import Ended, Replicas, RoundEnd, tree_of
+from jaxdp.step.elastic_ft_paced import round_of
+from jaxdp.step.elastic_ft_rounds import Ended, Replicas, RoundEnd, flat_of, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
+from jaxdp.step.rounds import timed_inner
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync.spec import SyncSpec
@@ -68,10 +70,6 @@ def init_sync() -> dict:
 def step_of(state: TrainState) -> int:
     """What the quorum compares: the step (every live worker's is the same at a round's start)."""
     return int(jax.device_get(state.step))
-
-
-def round_of(state: TrainState) -> int:
-    return int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
 
 
 class FtOverlapped(Replicas):
@@ -149,19 +147,18 @@ class FtOverlapped(Replicas):
     def close(self) -> None:
         self.thread.shutdown(wait=True)
 
-    def _apply(self, state: TrainState, mean: np.ndarray | None, anchor: Any, steps: int) -> TrainState:
+    def _apply(self, state: TrainState, mean: np.ndarray | None, anchor: Any, steps: int, next_round: int = 1
+               ) -> TrainState:
         layout = self.layout
         tree = layout["zeros"] if mean is None else replicate(tree_of(mean, layout["treedef"], layout["shapes"]), self.mesh)
         return layout["apply"](state, tree, replicate(np.bool_(mean is not None), self.mesh), anchor,
                                replicate(np.asarray(steps, state.step.dtype), self.mesh),
-                               replicate(np.int32(round_of(state) + 1), self.mesh))
+                               replicate(np.int32(round_of(state) + next_round), self.mesh))
 
     def _settled(self, state: TrainState) -> TrainState:
         """`state` with every replica the global parameters, nothing applied, the step and round as they are."""
         anchor = self.layout["copy"](state.sync.per_device[STATE_NAME]["params"])  # (apply gives `state` up)
-        return self.layout["apply"](state, self.layout["zeros"], replicate(np.bool_(False), self.mesh), anchor,
-                                    replicate(np.asarray(0, state.step.dtype), self.mesh),
-                                    replicate(np.int32(round_of(state)), self.mesh))
+        return self._apply(state, None, anchor, 0, next_round=0)
 
     # ---- a round ----
 
@@ -174,10 +171,10 @@ class FtOverlapped(Replicas):
         anchor = self.layout["copy"](state.sync.per_device[STATE_NAME]["params"])
         at, rank = step_of(state), self.member.rank
         rows, view = state.sync.per_device[STATE_NAME], self._view(state)
-        position, loss_sum = self._rows(at), self._rows(0.0)
-        for k in range(planned):
-            rows, position, loss_sum = self._inner(rows, view, position, loss_sum,
-                                                   shard_batch(self.shard_data(at + k, rank), self.mesh))
+        (rows, _, loss_sum), _, _ = timed_inner(
+            lambda rows, position, loss_sum, batch: self._inner(rows, view, position, loss_sum, batch),
+            (rows, self._rows(at), self._rows(0.0)), lambda k: shard_batch(self.shard_data(at + k, rank), self.mesh),
+            budget=None, planned=planned, room=None, warm=True, stopping=self.stopping)
         loss = float(np.sum(jax.device_get(loss_sum))) / max(planned * self.n, 1)
         state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows}))
         return state, anchor, loss
@@ -188,8 +185,7 @@ class FtOverlapped(Replicas):
 
     def _row(self, progress: Any, planned: int, loss: float) -> tuple[np.ndarray, np.ndarray]:
         """This worker's row of a round: its progress as float32 values, and [weight, loss, steps]."""
-        values = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(jax.device_get(progress))])
-        return values, np.array([self.n if planned else 0, loss, planned], np.float64)
+        return flat_of(progress), np.array([self.n if planned else 0, loss, planned], np.float64)
 
     def _alone(self, trained: TrainState, anchor: Any, planned: int, loss: float, flight: Any) -> TrainState:
         """The quorum is lost: this worker's own row in flight applied alone, then its round's progress
@@ -239,11 +235,8 @@ class FtOverlapped(Replicas):
         for rank, (_, scalars) in (landed.by_rank.items() if landed is not None else ()):
             by_rank[rank] = int(scalars[1])
         self.absent = {rank for rank, steps in enumerate(by_rank) if not steps}  # (lost, or listening: not idle)
-        # The rows' weighted loss; none counted: NaN where some row was not finite (the guard stops the run
-        # only if every row was), else 0 (jaxdp/step/elastic_ft_paced.py's rule)
-        counted = landed is not None and (landed.counted or self.layout["ends"].bad)
         metrics = {"round": round_of(state), "landed": landed is not None and not landed.start,
-                   "loss": float(landed.shared[0]) if counted else 0.0,
+                   "loss": self.layout["ends"].loss(landed) if landed is not None else 0.0,
                    "steps_by_device": by_rank, "comm_bytes": self.wire}
         return state, metrics, planned, time.perf_counter() - started
 

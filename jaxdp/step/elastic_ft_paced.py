@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
-from jaxdp.step.elastic_ft_rounds import Replicas, RoundEnd, tree_of
+from jaxdp.step.elastic_ft_rounds import Replicas, RoundEnd, flat_of, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
 from jaxdp.step.rounds import check as paced_check, timed_inner
@@ -228,18 +228,14 @@ class FtRounds(Replicas):
         if self.stopping():  # a stop signal ended the round early: this round's row asks every worker to stop
             self.on_stop()  # (or, its launcher gone and the Lighthouse elsewhere, this worker leaves: ElasticStop)
         state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows}))
-        delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
-                                jax.tree.leaves(jax.device_get(self.layout["delta"](state)))]) * np.float32(taken)
+        delta = flat_of(self.layout["delta"](state)) * np.float32(taken)
         loss = float(np.sum(jax.device_get(loss_sum))) / max(taken * self.n, 1)
         state, ended = self._end(state, delta, np.array([taken * self.n, loss, taken, stream], np.float64))
         return state, self._figures(state, *ended), taken, time.perf_counter() - started
 
     def _figures(self, state: TrainState, end: Any, by_rank: list[int], positions: np.ndarray) -> dict:
-        """A round's metrics, the same on every worker (a worker that healed at its end listened to it).
-        The rows' weighted loss; no row counted: NaN where some row was not finite (the guard stops the
-        run only if every row was), else 0, as one program's timed rounds report a round without steps."""
-        loss = float(end.shared[0]) if end.counted or self.layout["ends"].bad else 0.0
-        return {"round": round_of(state), "loss": loss, "steps_by_device": by_rank,
+        """A round's metrics, the same on every worker (a worker that healed at its end listened to it)."""
+        return {"round": round_of(state), "loss": self.layout["ends"].loss(end), "steps_by_device": by_rank,
                 "positions_by_device": [int(p) for p in positions], "comm_bytes": self.wire}
 
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:

@@ -182,6 +182,12 @@ class RoundEnd:
             return Ended(state, healed_any, False, None, 0.0, nothing, by_rank)
         return Ended(state, healed_any, False, acc / np.float32(counted), counted, shared / counted, by_rank)
 
+    def loss(self, end: Ended) -> float:
+        """A round's loss, the rows' weighted one; no row counted: NaN where some row was not finite (the
+        guard stops the run only if every row was), else 0, as one program's timed rounds report a round
+        without steps."""
+        return float(end.shared[0]) if end.counted or self.bad else 0.0
+
     def report(self, where: str, live: list[int], bad: list[int], present: list[int]) -> None:
         say_live(self.member, where, live, present=present)
         if bad != self.bad:
@@ -189,6 +195,11 @@ class RoundEnd:
                             f"the mean taken over the others" if bad else
                             f"{where}: every rank's pseudo-gradient is finite again")
             self.bad = bad
+
+
+def flat_of(tree: Any) -> np.ndarray:
+    """A tree of device values as one flat float32 vector on the host (what a row carries; `tree_of` undoes it)."""
+    return np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(jax.device_get(tree))])
 
 
 def tree_of(flat: np.ndarray, treedef: Any, shapes: list[tuple]) -> Any:
@@ -295,8 +306,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
         state, metrics = layout["inner"](state, batch)
         metrics, done = {**metrics, **layout["between"]}, at + 1
         if done % sync_every == 0:
-            delta = np.concatenate([np.asarray(x, np.float32).ravel() for x in
-                                    jax.tree.leaves(jax.device_get(layout["delta"](state)))])
+            delta = flat_of(layout["delta"](state))
             own = np.array([float(metrics[k]) for k in layout["keys"]], np.float64)
             try:
                 end = layout["ends"].exchange(state, at + 1, delta, np.concatenate([[float(n)], own]))
