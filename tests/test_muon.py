@@ -1,6 +1,7 @@
 """--optimizer muon (optax.contrib.muon, Adam for the leaves that are not matrices): it trains the GPT,
 and its state checkpoints and resumes bit-identically."""
 
+import numpy as np
 import pytest
 
 from helpers import records, write_corpus
@@ -12,15 +13,53 @@ TINY_GPT = ["--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4"
             "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1", "--optimizer", "muon"]
 
 
-def test_muon_is_optax_contrib_muon():
+@pytest.mark.parametrize("on", ["hidden", "all"])
+def test_muon_is_optax_contrib_muon_with_the_same_state(on):
+    """make_optimizer("muon") batches Newton-Schulz by matrix shape (jaxdp/step/muon.py); its state is
+    optax.contrib.muon's, leaf for leaf (so checkpoints of either resume with the other), and four
+    updates of a 3-layer GPT's parameters agree with optax's to float32 rounding."""
+    import jax
     import jax.numpy as jnp
     import optax
 
-    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
-    grads = {"w": jnp.arange(12.0).reshape(4, 3), "b": jnp.arange(3.0)}
-    mine, theirs = make_optimizer("muon", 0.01), optax.contrib.muon(0.01)
-    ours, ref = mine.update(grads, mine.init(params), params)[0], theirs.update(grads, theirs.init(params), params)[0]
-    assert all((ours[k] == ref[k]).all() for k in params)
+    from jaxdp.models.builtin import GPT
+    from jaxdp.step.optim import hidden_matrices
+
+    params = GPT(vocab_size=64, seq_len=16, layers=3, d_model=32, heads=4).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    mine = make_optimizer("muon", 3e-3, muon_lr=0.02, muon_on=on)
+    theirs = optax.contrib.muon(0.02, adam_learning_rate=3e-3,
+                                muon_weight_dimension_numbers=hidden_matrices if on == "hidden" else None)
+    ours, ref = mine.init(params), theirs.init(params)
+    assert jax.tree.structure(ours) == jax.tree.structure(ref)
+    for step in range(4):
+        grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(step), x.shape), params)
+        a, ours = jax.jit(mine.update)(grads, ours, params)
+        b, ref = jax.jit(theirs.update)(grads, ref, params)
+        for x, y in zip(jax.tree.leaves((a, ours)), jax.tree.leaves((b, ref))):
+            np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-7)
+
+
+def test_batched_newton_schulz_is_each_matrix_s_own():
+    """One batched Newton-Schulz over matrices of one shape equals optax's, one matrix at a time; a tall
+    matrix is orthogonalised through its transpose, and a [d, 3, h, hd] kernel as three matrices."""
+    import jax
+    import jax.numpy as jnp
+    from optax.contrib import MuonDimensionNumbers as Dims
+    from optax.contrib._muon import orthogonalize_via_newton_schulz as one
+
+    from jaxdp.step.muon import NS_COEFFS, orthogonalize
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    tree = {"wide": jax.random.normal(keys[0], (8, 24)), "tall": jax.random.normal(keys[1], (24, 8)),
+            "qkv": jax.random.normal(keys[2], (8, 3, 2, 4)), "other": jax.random.normal(keys[3], (5, 6))}
+    dims = {"wide": Dims(), "tall": Dims(), "qkv": Dims(reduction_axis=0, output_axis=(2, 3)), "other": Dims()}
+    coeffs = jnp.asarray(NS_COEFFS)
+    got = orthogonalize(tree, dims, coeffs)
+    for name, x in tree.items():
+        np.testing.assert_allclose(got[name], one(x, coeffs, 5, "frobenius", 1e-8, dims[name]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="name 3 matrices for 4 updates"):
+        orthogonalize(tree, {**dims, "other": None}, coeffs)
 
 
 @pytest.mark.slow

@@ -438,10 +438,12 @@ def select(densities: list[float], chunks: list[int], repeats: int) -> dict:
 def muon(precisions: list[str], repeats: int) -> dict:
     """Median ms of one optimizer update on GPT-2 small's parameters (random gradients), one device:
     AdamW, then --optimizer muon (Muon on the hidden matrices, Adam elsewhere) with its Newton-Schulz
-    products traced under each of `precisions` (jax.default_matmul_precision), and how far each one's
-    Muon updates are from those of the first precision (relative Frobenius norm, largest leaf)."""
+    products traced under each of `precisions` (jax.default_matmul_precision), then optax.contrib.muon
+    itself (one Newton-Schulz per parameter) under each, and how far each one's Muon updates are from
+    those of the first (relative Frobenius norm, largest leaf)."""
     import jax
     import jax.numpy as jnp
+    import optax
 
     from jaxdp.models.builtin import GPT
     from jaxdp.step import optim
@@ -458,6 +460,9 @@ def muon(precisions: list[str], repeats: int) -> dict:
     reference = None
     runs = [("adamw", "default", optim.adamw(1e-3, 0.9, 0.1))]
     runs += [("muon", p, optim.muon(1e-3, 0.9, 0.0, on="hidden")) for p in precisions]
+    # optax's own muon, one Newton-Schulz per parameter (jaxdp's batches them by shape: jaxdp/step/muon.py)
+    runs += [("optax-muon", p, optax.contrib.muon(1e-3, muon_weight_dimension_numbers=optim.hidden_matrices))
+             for p in precisions]
     for name, precision, tx in runs:
         state = tx.init(params)
         with jax.default_matmul_precision(None if precision == "default" else precision):
@@ -469,13 +474,13 @@ def muon(precisions: list[str], repeats: int) -> dict:
             jax.block_until_ready(update(grads, state, params))
             times.append(time.perf_counter() - t)
         row = {"ms": 1e3 * statistics.median(times)}
-        if name == "muon":
+        if name.endswith("muon"):
             if reference is None:
                 reference = result
             row["max_rel_diff"] = max(float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
                                       for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(reference)))
         out["updates"][f"{name} {precision}"] = row
-        print(f"{name:6s} {precision:16s} {row['ms']:8.2f} ms  {row.get('max_rel_diff', '')}", flush=True)
+        print(f"{name:10s} {precision:16s} {row['ms']:8.2f} ms  {row.get('max_rel_diff', '')}", flush=True)
     return out
 
 

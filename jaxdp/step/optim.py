@@ -44,16 +44,16 @@ def momentum(lr: Any, momentum: float, weight_decay: float) -> optax.GradientTra
 
 def muon(lr: Any, momentum: float, weight_decay: float, *, muon_lr: Any = None, on: str = "all"
          ) -> optax.GradientTransformation:
-    """Muon (optax.contrib.muon): momentum orthogonalised by Newton-Schulz for weight matrices, Adam
-    (its usual fallback, at `lr`) for every other leaf. `muon_lr`: the matrices' learning rate
-    (None: `lr`). `on`: which leaves are Muon's: "hidden" (`hidden_matrices`: the hidden layers'
-    kernels, the GPT's attention kernels as matrices too; embeddings, the head, biases and norms
-    Adam's, as Muon's authors and MuLoCo use it) or "all" (optax's default: every 2-D leaf)."""
-    from optax import contrib
+    """Muon (optax.contrib.muon's update and state, its Newton-Schulz batched by matrix shape:
+    jaxdp/step/muon.py): momentum orthogonalised by Newton-Schulz for weight matrices, Adam (its
+    usual fallback, at `lr`) for every other leaf. `muon_lr`: the matrices' learning rate (None:
+    `lr`). `on`: which leaves are Muon's: "hidden" (`hidden_matrices`: the hidden layers' kernels,
+    the GPT's attention kernels as matrices too; embeddings, the head, biases and norms Adam's, as
+    Muon's authors and MuLoCo use it) or "all" (optax's default: every 2-D leaf)."""
+    from jaxdp.step.muon import muon as batched_muon
 
-    dims = hidden_matrices if on == "hidden" else None
-    return contrib.muon(lr if muon_lr is None else muon_lr, adam_learning_rate=None if muon_lr is None else lr,
-                        muon_weight_dimension_numbers=dims)
+    return batched_muon(lr if muon_lr is None else muon_lr, adam_learning_rate=None if muon_lr is None else lr,
+                        dimension_numbers=hidden_matrices if on == "hidden" else None)
 
 
 def hidden_matrices(params: Any) -> Any:
