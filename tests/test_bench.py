@@ -214,12 +214,15 @@ def test_plan_predicts_and_says_what_auto_would_choose(tmp_path):
     # 10 Mbit/s against 15 ms of compute: the MLP's top-k fits at every step (the guard then checks it)
     assert plain["sync_every"] == 1 and plain["compression"].startswith("topk:") and "quality guard" in plain["summary"]
     assert hidden["compression"] == plain["compression"] and not hidden["overlap"]
-    # 1 Mbit/s against 1 ms: nothing fits at every step; local steps with a quantized pseudo-gradient;
+    # 1 Mbit/s against 1 ms: nothing fits at every step; local steps with a top-k pseudo-gradient (with
+    # SparseLoCo's outer settings, which the plan names; with DiLoCo's outer momentum, a quantized one);
     # overlapped, fewer steps
     slow = run_cli("plan", "--nodes", "2", "--link", "1mbit", "--compute-ms", "1", "--json", str(out), module="jaxdp.bench")
     assert slow.returncode == 0, slow.stderr
     plain, hidden = json.loads(out.read_text())["auto"]
-    assert plain["sync_every"] > 1 and plain["compression"] in ("int8", "int4")
+    assert plain["sync_every"] > 1 and plain["compression"].startswith("topk:") and ":2:gather:decay=" in plain["compression"]
+    assert "--outer-momentum 0" in plain["summary"] and re.search(r"Nesterov\): --sync-every \d+, pseudo-gradient int[48]",
+                                                                   plain["summary"])
     assert hidden["overlap"] and hidden["sync_every"] <= plain["sync_every"]
     rows = written["results"]
     assert rows == sorted(rows, key=lambda r: r["step_s"]) and {r["hierarchy"] for r in rows} == {"flat"}

@@ -95,10 +95,45 @@ def test_a_guard_that_steps_back_past_the_target_leads_to_local_steps(devices, m
     # bandwidth-bound: int4 (1/8 of the bytes) predicts 1/8 s against a target of 0.25 x 0.1 s
     controller = far_too_slow_a_link(devices, monkeypatch, count=2, strategy=jaxdp.sync.collectives.ring_mean, compute_s=0.1)
     monkeypatch.setattr(Controller, "truth", lambda self, state, batches: ([], {}, {}))
-    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.5)  # every rank refused
+    # every rank refused, and every top-k pseudo-gradient (0.7 against PSEUDO_GUARD_THRESHOLD)
+    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: 0.7 if candidate.name.startswith("topk") else 0.5)
     decision, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
     assert decision.record["planned"].startswith("powersgd") and decision.record["choice"] == "int4"
     assert not decision.record["fits"] and record["sync_every"] > 1 and record["pseudo_gradient"] in ("int8", "int4")
+    assert [c["candidate"] for c in record["quality_checks"]] and "kept none of them" in record["why"]
+
+
+def test_local_steps_choose_a_top_k_pseudo_gradient_the_guard_keeps(devices, monkeypatch):
+    """A slow link, local steps, an outer optimizer without momentum: a top-k pseudo-gradient (2 bits,
+    error feedback decayed) needs the fewest local steps. The link here lets topk:0.01 average every
+    2 steps and topk:0.03 every 8 (int4 only every 16): the choice is 0.01 (the densest at H = 2);
+    the guard refuses it (0.7 above PSEUDO_GUARD_THRESHOLD), with it every sparser one, and the
+    choice made again is 0.03 at H = 8, which passes. With DiLoCo's Nesterov outer optimizer top-k
+    is not offered."""
+    controller = far_too_slow_a_link(devices, monkeypatch, count=2, strategy=jaxdp.sync.collectives.ring_mean)
+    by_name = {c.name: c for c in controller.pseudo_topk}
+    assert list(by_name)[:2] == ["topk:0.03:2:gather:decay=0.98", "topk:0.01:2:gather:decay=0.98"]  # 2 devices: gathered
+    dense, sparse = (by_name[n].payload_bytes(controller.abstract) / controller.grad_bytes for n in list(by_name)[:2])
+    compute_s = sparse / (0.25 * 1.5)  # bandwidth-bound, 1 s for the whole gradient: 0.01 needs H = 2
+    assert 4 < dense / (0.25 * compute_s) <= 8  # ... and 0.03 H = 8
+    monkeypatch.setattr(Controller, "measure", bandwidth_bound(compute_s))
+    truths = []
+    monkeypatch.setattr(Controller, "truth", lambda self, state, batches: truths.append(1) or ([], {}, {}))
+    monkeypatch.setattr(Controller, "replay", lambda self, candidate, truth: (
+        0.5 if candidate.name in ("topk:0.03:2:gather:decay=0.98", "int4") else 0.7))
+    _, record = controller.decide_sync_every(None, [None], 0, auto_compression=True)
+    assert [c["candidate"] for c in record["quality_checks"]] == list(by_name)[1::-1] and len(truths) == 1
+    assert (record["pseudo_gradient"], record["sync_every"]) == ("topk:0.03:2:gather:decay=0.98", 8)
+    assert "kept topk:0.03:2:gather:decay=0.98" in record["why"]
+    assert record["options"]["int4"]["sync_every"] == 16 and "topk:0.01:2:gather:decay=0.98" not in record["options"]
+
+    import optax
+    _, nesterov = controller.decide_sync_every(None, [None], 0, auto_compression=True, outer_momentum_free=False)
+    assert not nesterov["pseudo_gradient"].startswith("topk") and "top-k pseudo-gradients were not offered" in nesterov["why"]
+    from jaxdp.sync.controller import momentum_free
+    from jaxdp.step.optim import make_outer_optimizer
+    assert momentum_free(None) and momentum_free(make_outer_optimizer("sgd", 1.0, 0.0)) and momentum_free(optax.sgd(0.7))
+    assert not momentum_free(make_outer_optimizer("nesterov", 0.7, 0.9)) and not momentum_free(optax.adam(1e-3))
 
 
 def test_the_guard_steps_back_through_denser_topk_then_powersgd_s_ranks(devices, monkeypatch):
@@ -354,6 +389,32 @@ def test_overlap_with_auto_chooses_h_and_a_quantized_pseudo_gradient_and_resumes
     resumed = run(*flags, *auto, "--metrics-file", tmp_path / "resumed.jsonl")
     [again] = decisions(tmp_path / "resumed.jsonl")
     assert (again["sync_every"], again["pseudo_gradient"]) == (16, "int4") and "resumed from" in again["why"]
+    jax.tree.map(lambda x, y: jnp.array_equal(x, y) or pytest.fail("state differs"), resumed.state, whole.state)
+
+
+@pytest.mark.slow
+def test_auto_chooses_a_top_k_pseudo_gradient_trains_like_it_and_resumes_bit_identically(tmp_path, monkeypatch):
+    """--sync-every auto --compression auto with SparseLoCo's outer settings on a slow link: local
+    steps with a top-k pseudo-gradient the guard replayed (its real replay on the MLP; the threshold
+    raised, as the MLP is not what it was calibrated on), trained exactly as the explicit flags; a
+    resume keeps the checkpoint's choice, measures nothing and ends bit-identical."""
+    monkeypatch.setattr(Controller, "measure", bandwidth_bound(0.01))
+    monkeypatch.setattr(costmodel, "PSEUDO_GUARD_THRESHOLD", 1.0)
+    flags = ["--devices", 2, *PLAIN, "--steps", 16]
+    auto = ["--sync-every", "auto", "--compression", "auto", "--checkpoint-dir", tmp_path / "ckpt", "--save-every", 8]
+    whole = run(*flags, *auto, "--metrics-file", tmp_path / "auto.jsonl")
+    [record] = decisions(tmp_path / "auto.jsonl")
+    chosen, h = record["pseudo_gradient"], record["sync_every"]
+    assert chosen.startswith("topk:") and chosen.endswith(":2:gather:decay=0.98") and 8 % h == 0 and h >= 2
+    assert record["quality_checks"][-1]["candidate"] == chosen and f"kept {chosen}" in record["why"]
+    run(*flags, "--sync-every", h, "--compression", chosen, "--metrics-file", tmp_path / "fixed.jsonl")
+    assert losses(tmp_path / "auto.jsonl") == losses(tmp_path / "fixed.jsonl")
+
+    shutil.rmtree(tmp_path / "ckpt" / "16")
+    monkeypatch.setattr(Controller, "measure", lambda self, state, batch: pytest.fail("a resumed run measured"))
+    resumed = run(*flags, *auto, "--metrics-file", tmp_path / "resumed.jsonl")
+    [again] = decisions(tmp_path / "resumed.jsonl")
+    assert (again["sync_every"], again["pseudo_gradient"]) == (h, chosen) and "resumed from" in again["why"]
     jax.tree.map(lambda x, y: jnp.array_equal(x, y) or pytest.fail("state differs"), resumed.state, whole.state)
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdp.sync import codecs as C, costmodel
+from jaxdp.sync import codecs as C, costmodel, predict
 from jaxdp.sync.costmodel import CommModel
 
 
@@ -156,6 +156,27 @@ def test_local_steps_take_the_fewest_steps_first():
     assert record["predicted_step_s"] == pytest.approx(1 + 0.99 / 4) and "the pseudo-gradient goes int4" in record["why"]
 
 
+def test_a_top_k_pseudo_gradient_takes_at_least_two_local_steps():
+    """A top-k pseudo-gradient small enough for every step would, at H = 1, be every step's gradient
+    (which `plan` and its guard decide): `local_only` sizes it at H >= 2, and its record says so."""
+    sparse = ("topk:0.01:2:gather:decay=0.98", 2 ** 10, 1)  # 1 KiB: 1 ms per average, within the target
+    record = costmodel.choose_local_steps({**MIB_PER_S, "compute_s": 1.0}, [*OPTIONS, sparse], 0.25, local_only=[sparse[0]])
+    assert (record["pseudo_gradient"], record["sync_every"]) == (sparse[0], 2) and record["fits"]
+    assert record["why"].startswith("local steps, averaged every 2 steps, the fewest for a top-k pseudo-gradient")
+    assert costmodel.choose_local_steps({**MIB_PER_S, "compute_s": 1.0}, [*OPTIONS, sparse], 0.25)["sync_every"] == 1
+
+
+def test_top_k_pseudo_gradients_are_2_bit_decayed_and_settled_for_the_devices():
+    params = big_params()
+    two, three = costmodel.pseudo_topk(params, 2), costmodel.pseudo_topk(params, 3, {"sum", "halves"})
+    assert [c.density for c in two] == sorted((c.density for c in two), reverse=True) and len(two) > 1
+    assert all((c.bits, c.decay, c.form) == (2, 0.98, "gather") for c in two)
+    # from 3 devices the ring-summed form sends fewer bytes, and 2-bit values there need the ring's coded sum
+    assert costmodel.pseudo_topk(params, 3) and not three
+    rows = predict.predict(predict.Cluster(2, 1, 1e7), 0.01, params)
+    assert {r["sync_every"] for r in rows if r["compression"] == two[0].name} == {4, 16}  # local steps only
+
+
 @pytest.mark.parametrize("compute_s, expected", [
     (0.2, "int8"),   # all capped at 16: int8 0.324 s per step, int4 0.262: int8 within 20 % of int4
     (0.1, "int4"),   # int8 0.224, int4 0.162: int8 is 28 % slower, so int4
@@ -198,20 +219,20 @@ def test_quantized_codecs_join_the_ladder_within_their_error_bound():
 
 def test_a_cluster_s_all_reduce_is_a_node_ordered_ring():
     mbit = 1e6
-    two = costmodel.Cluster(nodes=2, devices=1, link_bits_per_s=100 * mbit, latency_s=1e-3)
+    two = predict.Cluster(nodes=2, devices=1, link_bits_per_s=100 * mbit, latency_s=1e-3)
     # a ring of 2: each link carries the whole buffer each way, in 2 messages
     assert two.allreduce().seconds(12_500_000) == pytest.approx(1.0 + 2e-3)
-    flat = costmodel.Cluster(nodes=2, devices=4, link_bits_per_s=100 * mbit, latency_s=1e-3)
+    flat = predict.Cluster(nodes=2, devices=4, link_bits_per_s=100 * mbit, latency_s=1e-3)
     # flat over 8: 2 x 7 / 8 of the buffer over each node's link, 14 messages; hierarchical: the ring of 2
     assert flat.allreduce().seconds(12_500_000) == pytest.approx(1.75 + 14e-3)
     assert flat.allreduce(hierarchical=True).seconds(12_500_000) == pytest.approx(1.0 + 2e-3)
-    inside = costmodel.Cluster(nodes=1, devices=4, link_bits_per_s=100 * mbit, local_bits_per_s=1000 * mbit)
+    inside = predict.Cluster(nodes=1, devices=4, link_bits_per_s=100 * mbit, local_bits_per_s=1000 * mbit)
     assert inside.allreduce().seconds(12_500_000) == pytest.approx(1.5 * 0.1)  # 2 x 3 / 4 at 10x the link
 
 
 def test_predict_covers_the_ladder_local_steps_overlap_and_hierarchy():
-    cluster = costmodel.Cluster(nodes=2, devices=4, link_bits_per_s=1e8)
-    rows = costmodel.predict(cluster, 0.01, big_params(), strategy="ring", sync_every=(1, 4))
+    cluster = predict.Cluster(nodes=2, devices=4, link_bits_per_s=1e8)
+    rows = predict.predict(cluster, 0.01, big_params(), strategy="ring", sync_every=(1, 4))
     kinds = {(r["compression"], r["sync_every"], r["overlap"], r["hierarchy"]) for r in rows}
     assert ("int4", 4, True, "auto") in kinds and ("none", 1, False, "flat") in kinds
     assert not any(r["compression"].startswith("powersgd") and r["sync_every"] > 1 for r in rows)

@@ -9,7 +9,7 @@ that model checked against the slow-network testbed.
 
 Prediction: every candidate of the controller's ladder (none, bf16, int8 and int4 on a ring,
 PowerSGD ranks), synchronous and with local steps (--sync-every 4, 16, with and without --overlap),
-flat and (several devices per node) hierarchical: the all-reduce time of `costmodel.Cluster`
+flat and (several devices per node) hierarchical: the all-reduce time of `predict.Cluster`
 (a bandwidth-optimal ring: 2 (P - 1) / P of the payload over each node's link, 2 (P - 1)
 messages of --latency) and the step it makes with the compute time (`costmodel.predicted_step_s`:
 compute plus the per-step share of one average, or the longer of the two with --overlap). The
@@ -119,12 +119,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.nodes < 1 or args.devices_per_node < 1:
         raise refuse("--nodes and --devices-per-node must be 1 or more")
     check_numbers(args)
-    from jaxdp.sync import costmodel
+    from jaxdp.sync import costmodel, predict
 
-    cluster = costmodel.Cluster(args.nodes, args.devices_per_node, bits_per_s(args.link), seconds(args.latency),
+    cluster = predict.Cluster(args.nodes, args.devices_per_node, bits_per_s(args.link), seconds(args.latency),
                                 bits_per_s(args.local_link) if args.local_link else math.inf)
     compute_s, params, measured = model_and_compute(args, args.nodes * args.devices_per_node)
-    rows = costmodel.predict(cluster, compute_s, params, strategy=args.strategy)
+    rows = predict.predict(cluster, compute_s, params, strategy=args.strategy)
     base = next(r["step_s"] for r in rows if (r["compression"], r["sync_every"], r["hierarchy"]) == ("none", 1, "flat"))
     for row in rows:
         row["steps_per_s"], row["vs_plain"] = 1 / row["step_s"], base / row["step_s"]
@@ -229,11 +229,20 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
         return {"overlap_flag": overlap, "compression": codec.name, "sync_every": 1, "overlap": False, "step_s": step,
                 "summary": f"synchronous, --compression {codec.name}{guard}: {reasons['why']}"}
     allowed = [c for c in candidates if costmodel.pseudo_gradient_codec(c)]
-    record = costmodel.choose_local_steps(figures, costmodel.options(allowed, params), fraction, overlap)
+    from jaxdp.sync.rules import abilities
+
+    sparse = costmodel.pseudo_topk(params, devices, abilities(strategy))
+    record = costmodel.choose_local_steps(figures, costmodel.options(allowed + sparse, params), fraction, overlap,
+                                          [c.name for c in sparse])
+    summary = (f"--sync-every {record['sync_every']}, pseudo-gradient {record['pseudo_gradient']}"
+               f"{', overlapped' if record['overlap'] else ''}")
+    if record["pseudo_gradient"] in {c.name for c in sparse}:  # what DiLoCo's outer momentum gets instead
+        dense = costmodel.choose_local_steps(figures, costmodel.options(allowed, params), fraction, overlap)
+        summary += (f" with --outer-optimizer sgd --outer-lr 1 --outer-momentum 0 (the quality guard then checks "
+                    f"it on the run's gradients and may step back); with an outer momentum (DiLoCo's Nesterov): "
+                    f"--sync-every {dense['sync_every']}, pseudo-gradient {dense['pseudo_gradient']}")
     return {"overlap_flag": overlap, "compression": record["pseudo_gradient"], "sync_every": record["sync_every"],
-            "overlap": record["overlap"], "step_s": record["predicted_step_s"],
-            "summary": f"--sync-every {record['sync_every']}, pseudo-gradient {record['pseudo_gradient']}"
-                       f"{', overlapped' if record['overlap'] else ''}"}
+            "overlap": record["overlap"], "step_s": record["predicted_step_s"], "summary": summary}
 
 
 def testbed_step_s(compute_s: float, sync_bytes: float, sync_every: int, bits_per_s: float, burst: float,

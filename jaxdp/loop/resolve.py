@@ -39,7 +39,7 @@ class Plan:
     tx: Any = None                  # the (inner) optimizer
     outer_tx: Any = None
     spec: Any = None                # the sync choices, resolved (compression "auto": the controller's current one)
-    begun: Any = None               # the controller's start (jaxdp.sync.controller.Start)
+    begun: Any = None               # the controller's start (jaxdp.sync.autostart.Start)
     state: Any = None               # the new state (the next stage restores into it)
     steps_by_spec: dict = dataclasses.field(default_factory=dict)
     step_for: Callable[[Any], Any] | None = None  # spec -> its compiled step
@@ -157,7 +157,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     from jaxdp.step.state import init_state
     from jaxdp.step.elastic import make_elastic_step
     from jaxdp.step.train_step import make_train_step
-    from jaxdp.sync import controller as controller_lib, exchange, spec as syncspec
+    from jaxdp.sync import autostart, exchange, spec as syncspec
     from jaxdp.sync.codecs.base import bytes_sent, uncompressed_bytes
 
     mesh, elastic, compression, checkpointer = plan.mesh, plan.elastic, sync.compression, plan.checkpointer
@@ -231,9 +231,9 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     plan.step_for = step_for
     if (plan.rounds_run and not plan.sync_auto) or elastic is not None:  # nothing "auto" to resolve (check_paced, ...)
         fixed = requested.replace(compression=None if compression == "none" else exchange.codec(compression))
-        begun = controller_lib.Start(fixed, requested, [], None, False, None, False)
+        begun = autostart.Start(fixed, requested, [], None, False, None, False)
     else:
-        begun = controller_lib.start(
+        begun = autostart.start(
             requested, mesh, params, make_state=new_state, make_step=step_for,
             batches=lambda k: [plan.batch_at(i) for i in range(k)], target_fraction=sync.comm_target,
             recorded=checkpointer.recorded_meta() if checkpointer and plan.sync_auto else None, overlap=sync.overlap)

@@ -2,6 +2,7 @@
 compute and communication time.
 
     begun = start(requested_spec, mesh, params, make_state=..., make_step=..., batches=..., recorded=...)
+                                                      # jaxdp/sync/autostart.py: at a run's start
     spec = begun.spec                                 # a SyncSpec: the codec and H to train with now
     decision = begun.controller.decide(state, batches, step)   # --compression auto, again while training
     spec = spec.replace(compression=decision.compressor)      # None (plain), Bf16 or PowerSGD(rank)
@@ -40,10 +41,12 @@ the target, else the next power of two at or above `choose_sync_every`'s H, at m
 `costmodel.MAX_AUTO_SYNC_EVERY`), logged as an "event": "local_steps" record
 (`local_steps_record`, a pure function of the gathered figures, so every process takes the same
 decision). With `--compression auto` the compression decision comes first: if its choice fits,
-H = 1; otherwise the pseudo-gradient's codec is chosen with H (`costmodel.choose_local_steps`:
-none, bf16, and on a ring int8 / int4; not PowerSGD, as the quality guard measures gradients, not
-pseudo-gradients), and the periodic re-decisions are skipped for the run: they would plan
-per-step communication that local steps no longer do. With `--overlap`, H is sized for an average
+H = 1; otherwise the pseudo-gradient's codec is chosen with H (`Controller.choose_local_steps`:
+none, bf16, on a ring int8 / int4, and, when the outer optimizer has no momentum (SparseLoCo's
+outer SGD), top-k pseudo-gradients with 2-bit values and a decayed error feedback, each kept only
+if the quality guard's replay passes costmodel.PSEUDO_GUARD_THRESHOLD; not PowerSGD), and the
+periodic re-decisions are skipped for the run: they would plan per-step communication that local
+steps no longer do. With `--overlap`, H is sized for an average
 hidden behind the next round. A resumed run takes H and the codec from its checkpoint and
 measures nothing (jaxdp/loop/trainer.py).
 """
@@ -59,14 +62,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, state_specs
-from jaxdp.registry import AUTO
 from jaxdp.sync import codecs, costmodel, rules
 from jaxdp.sync.codecs.base import CompressionState, Compressor, rows as slot_rows, uncompressed_bytes
 from jaxdp.sync.collectives import as_collective
-from jaxdp.sync.exchange import codec as codec_of
-from jaxdp.sync.spec import SyncSpec
 
 GUARD_BATCHES = costmodel.GUARD_WINDOW  # batches the guard sums over (each: one uncompressed all-reduce)
 COMPUTE_REPEATS = 5
@@ -92,6 +91,8 @@ class Controller:
         abilities = rules.abilities(strategy)
         self.candidates = costmodel.ladder(self.abstract, quantized_devices=self.n if "coded_sum" in abilities else None,
                                            devices=self.n, abilities=abilities)
+        # local steps' top-k pseudo-gradients (SparseLoCo's form), each guarded at PSEUDO_GUARD_THRESHOLD
+        self.pseudo_topk = costmodel.pseudo_topk(self.abstract, self.n, abilities)
         self.target_fraction, self.guard_threshold = target_fraction, guard_threshold
         self.grad_bytes = uncompressed_bytes(self.abstract)
         axis = self.axis
@@ -114,6 +115,7 @@ class Controller:
         self._local_grads = local_grads
         self._truth: Callable | None = None
         self._replays: dict[str, Callable] = {}
+        self._window: tuple[Any, Any] | None = None  # (state, its truth) of the last guarded decision
 
     # -- measuring ------------------------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class Controller:
             # (a denser top-k, PowerSGD's higher ranks), in order, until one passes or the ladder
             # reaches one the guard does not replay (int4, bf16, ...).
             truth = self.truth(state, batches)
+            self._window = (state, truth)  # local steps' guard reads the same window (choose_local_steps)
             for candidate in self.candidates[self.candidates.index(choice)::-1]:  # from the choice upwards
                 choice = candidate
                 if not codecs.row(candidate.name).guarded:
@@ -183,7 +186,8 @@ class Controller:
         return Decision(None if choice.name == "none" else choice, record)
 
     def decide_sync_every(self, state: Any, batches: list[Any], step: int, compressor: Any = None,
-                          auto_compression: bool = False, overlap: bool = False) -> tuple[Decision | None, dict[str, Any]]:
+                          auto_compression: bool = False, overlap: bool = False,
+                          outer_momentum_free: bool = True) -> tuple[Decision | None, dict[str, Any]]:
         """`--sync-every auto` at the start of a fresh run: (the `--compression auto` decision, when
         asked for, else None; the "local_steps" record, whose "sync_every" is H and whose
         "pseudo_gradient" names the codec local steps send their pseudo-gradient through).
@@ -196,7 +200,9 @@ class Controller:
         `compressor` (None: plain), one measurement and H for that compressor's payload. With
         `overlap` (`--overlap`), H is sized for an average hidden behind the next round
         (costmodel.OVERLAP_ALLOWANCE); without, the record proposes it where it would pay.
-        `state` is a synchronous state (H = 1); it is not changed."""
+        `outer_momentum_free`: the outer optimizer
+        applies each average alone (`momentum_free`); only then may local steps choose top-k
+        pseudo-gradients (`choose_local_steps`). `state` is a synchronous state (H = 1); it is not changed."""
         if auto_compression:
             # A choice that misses the target means local steps, which do not use it: no guard then.
             decision = self.decide(state, batches, step, guard_misses=False)
@@ -210,9 +216,7 @@ class Controller:
                                   "why": f"synchronous: --compression auto chose {chosen.name}, which meets the target "
                                          f"({figures['why']}){note}"}
             # Plain averaging misses the target too (else plan would have chosen it): H > 1.
-            allowed = [c for c in self.candidates if costmodel.pseudo_gradient_codec(c)]
-            record = costmodel.choose_local_steps(figures, costmodel.options(allowed, self.abstract),
-                                                  self.target_fraction, overlap)
+            record = self.choose_local_steps(state, batches, figures, overlap, outer_momentum_free)
             # The step compresses nothing: local steps replace the plan. The compression record says
             # so, and carries no proposal of its own (its H was sized for a codec not applied).
             planned, taken = figures["why"], {"sync_every": record["sync_every"], "pseudo_gradient": record["pseudo_gradient"]}
@@ -227,6 +231,44 @@ class Controller:
         chosen = compressor or codecs.parse("none")
         return None, costmodel.choose_local_steps(figures, costmodel.options([chosen], self.abstract),
                                                   self.target_fraction, overlap)
+
+    def choose_local_steps(self, state: Any, batches: list[Any], figures: dict[str, Any], overlap: bool,
+                           outer_momentum_free: bool = True) -> dict[str, Any]:
+        """`costmodel.choose_local_steps` over the pseudo-gradient codecs auto may use: the ladder's
+        that send every value (none, bf16, int8, int4) and, when the outer optimizer applies each
+        average alone (`outer_momentum_free`: SparseLoCo's outer SGD, whose momentum the error
+        feedback's decay replaces; with DiLoCo's Nesterov the GPT testbed ended 79 % above the
+        synchronous loss), the top-k ones (`self.pseudo_topk`). A top-k choice must pass the quality
+        guard (`truth` once, then `replay` at costmodel.PSEUDO_GUARD_THRESHOLD); one that fails is
+        dropped with every sparser one, and the choice is made again. The record carries the checks
+        ("quality_checks")."""
+        dense = [c for c in self.candidates if costmodel.pseudo_gradient_codec(c)]
+        sparse, checks = list(self.pseudo_topk) if outer_momentum_free else [], []
+        truth = self._window[1] if self._window is not None and self._window[0] is state else None
+        while True:
+            record = costmodel.choose_local_steps(figures, costmodel.options(dense + sparse, self.abstract),
+                                                  self.target_fraction, overlap, [c.name for c in sparse])
+            chosen = next((c for c in sparse if c.name == record["pseudo_gradient"]), None)
+            if chosen is None:
+                break
+            truth = self.truth(state, batches) if truth is None else truth
+            error = self.replay(chosen, truth)
+            checks.append({"candidate": chosen.name, "relative_error": error})
+            if error <= costmodel.PSEUDO_GUARD_THRESHOLD:
+                break
+            sparse = sparse[:sparse.index(chosen)]
+        if checks:
+            passed = checks[-1]["relative_error"] <= costmodel.PSEUDO_GUARD_THRESHOLD
+            said = ", ".join(f"{c['candidate']} {c['relative_error']:.3g}" for c in checks)
+            record["why"] = (f"{record['why']}; the quality guard replayed top-k pseudo-gradients ({said} against "
+                             f"{costmodel.PSEUDO_GUARD_THRESHOLD:g}): "
+                             + (f"kept {checks[-1]['candidate']}" if passed else "kept none of them"))
+        elif self.pseudo_topk and not outer_momentum_free:
+            record["why"] = (f"{record['why']}; top-k pseudo-gradients were not offered: their error feedback's decay "
+                             f"stands in for the outer momentum, so they need an outer optimizer without one "
+                             f"(--outer-optimizer sgd --outer-lr 1 --outer-momentum 0, SparseLoCo's)")
+        record.update(quality_checks=checks, pseudo_guard_threshold=costmodel.PSEUDO_GUARD_THRESHOLD)
+        return record
 
     def truth(self, state: Any, batches: list[Any]) -> tuple[list[Any], Any, Any]:
         """What every candidate's check reads: the true mean gradient of each of GUARD_BATCHES
@@ -267,7 +309,7 @@ class Controller:
                 applied = []
                 for mean in means:
                     stored = CompressionState(error=error, q=q)
-                    approx, new, _ = candidate.mean(mean, candidate.read(stored, mean), lambda t: t, 1,
+                    approx, new, _ = candidate.mean(mean, candidate.read(stored, mean), _one_device, 1,
                                                     candidate.start)  # past any start step: compressed
                     error = candidate.write(stored, new).error
                     applied.append(approx)
@@ -278,6 +320,29 @@ class Controller:
         # compiled it differently (another instruction set) could differ in the last bit, and a
         # threshold between them would split the decision and hang the run at its first collective.
         return float(_over_processes(np.float32(self._replays[candidate.name](*truth)), np.max))
+
+
+def momentum_free(outer_tx: Any) -> bool:
+    """Whether the outer optimizer `outer_tx` (None: plain averaging) applies each averaged
+    pseudo-gradient alone, as -lr times it: two updates of a three-value tree in a row, each a
+    constant multiple of its input (no momentum, no weight decay, no schedule between them)."""
+    if outer_tx is None:
+        return True
+    x = {"p": jnp.ones(3, jnp.float32)}
+    first, second = {"p": jnp.asarray([1.0, -2.0, 3.0])}, {"p": jnp.asarray([-0.5, 4.0, 1.0])}
+    u1, state = outer_tx.update(first, outer_tx.init(x), x)
+    u2, _ = outer_tx.update(second, state, x)
+    ratios = np.concatenate([np.asarray(u1["p"]) / np.asarray(first["p"]), np.asarray(u2["p"]) / np.asarray(second["p"])])
+    return bool(ratios[0] < 0 and np.allclose(ratios, ratios[0], rtol=1e-6, atol=0))
+
+
+def _one_device(buffer: Any, wire: Any = None) -> Any:
+    """A collective over one device, as a replay hands it to a codec: the sum is the buffer itself,
+    or for a coded ring (`wire`: top-k's quantized values) its one encoding and what that left out."""
+    if wire is None:
+        return buffer
+    left = wire.encode(buffer)[1]
+    return buffer - left, left
 
 
 def _over_processes(value: np.ndarray, reduce: Callable[..., np.ndarray]) -> np.ndarray:
@@ -318,102 +383,3 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------------
-# The CLI's policy: --compression auto and --sync-every auto at the start of a run.
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Start:
-    """What `start` decided for a run.
-
-    spec:       the step's SyncSpec now: compression a codec or None, sync_every an int.
-    state_spec: what `init_state` makes: its compression slot stays "auto" where the controller
-                may switch codecs later.
-    records:    [(event, record)] for the metrics file, in the order they were taken.
-    controller: the Controller that decides `--compression auto` again while training (first at
-                the run's first step unless `decided`), or None.
-    decided:    compression was already decided here (by `--sync-every auto`'s measurement).
-    state:      the state measured on, when it can be reused (state_spec's), else None.
-    sync_every_auto: whether `--sync-every auto` chose H by measuring (checkpoints record it).
-    pseudo_gradient: the codec name local steps chose under `--compression auto` (checkpoints
-                record it as their config's compression), else None.
-    """
-
-    spec: SyncSpec
-    state_spec: SyncSpec
-    records: list
-    controller: Controller | None = None
-    decided: bool = False
-    state: Any = None
-    sync_every_auto: bool | None = None
-    pseudo_gradient: str | None = None
-
-
-def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[[SyncSpec], Any],
-          make_step: Callable[[SyncSpec], Any], batches: Callable[[int], list], recorded: dict | None,
-          target_fraction: float = costmodel.TARGET_COMM_FRACTION, overlap: bool = False) -> Start:
-    """Resolve the "auto" choices of `requested` (jaxdp.sync.spec.AUTO in compression and/or
-    sync_every) for a run's start; `requested.outer_tx` is the outer optimizer local steps use if
-    H > 1; `overlap`: local steps will overlap each average with the next round (`--overlap`).
-
-    `--sync-every auto`: a resumed run (`recorded`, the checkpoint's meta) keeps the H and the
-    pseudo-gradient codec it recorded and measures nothing; one device is synchronous; otherwise
-    measure once on a synchronous state (`Controller.decide_sync_every`). Under `--compression
-    auto` too, compression is decided first; if local steps are chosen over it, the
-    pseudo-gradient's codec is chosen with H and compression is not decided again.
-    `--compression auto` alone is decided at the first step, then every `--compression-every`
-    steps, by the returned controller.
-    """
-    auto = requested.compression == AUTO
-    fixed = None if auto else codec_of(requested.compression)
-    records: list = []
-    state = decided = controller = None
-    pseudo, chose = None, None  # pseudo: the codec name local steps chose over --compression auto
-    if requested.sync_every == AUTO:
-        if recorded is not None:  # resume: the H the checkpoint recorded, never a new measurement
-            sync_every, chose = (recorded.get("config") or {}).get("sync_every"), recorded.get("sync_every_auto")
-            if isinstance(sync_every, bool) or not isinstance(sync_every, int):
-                raise InputError("sync_every auto: the checkpoint records no sync_every to resume with; pass sync_every N",
-                                 setting="sync_every")
-            if auto and sync_every > 1 and chose:  # the config records the codec chosen ("auto": from before it was)
-                pseudo = (recorded.get("config") or {}).get("compression", "auto")
-                pseudo = "none" if pseudo == AUTO else pseudo
-            record = {"sync_every": sync_every, "pseudo_gradient": pseudo,
-                      "why": f"resumed from the checkpoint of step {recorded['step']}, which records sync_every="
-                             f"{sync_every}" + (f" and the pseudo-gradient {pseudo}" if pseudo else "") +
-                             ": a resumed run keeps its choice (no new measurement)"}
-        elif mesh.size == 1:
-            record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
-        else:  # a fresh run: measure once, on a synchronous state, and decide (the same on every process)
-            synchronous = requested.replace(sync_every=1, outer_tx=None)
-            state = make_state(synchronous)
-            controller = Controller(make_step(synchronous.replace(compression=fixed)).local_grads, mesh,
-                                    requested.strategy, params, target_fraction=target_fraction)
-            decided, record = controller.decide_sync_every(state, batches(GUARD_BATCHES if auto else 1), 0, fixed, auto,
-                                                           overlap)
-            chose = True
-            if auto and record["sync_every"] > 1:
-                pseudo = record["pseudo_gradient"]
-            if decided:
-                records.append(("compression", decided.record))
-        records.append(("local_steps", record))
-        sync_every = record["sync_every"]
-    else:
-        sync_every = requested.sync_every
-    resolved = requested.replace(sync_every=sync_every, outer_tx=requested.outer_tx if sync_every > 1 else None)
-    # Local steps chosen over compression send the pseudo-gradient through their own choice.
-    pseudo_codec = None if pseudo is None else codec_of(pseudo)
-    state_spec = resolved.replace(compression=pseudo_codec) if pseudo is not None else resolved
-    initial = pseudo_codec if pseudo is not None else decided.compressor if decided else None if auto else fixed
-    spec = resolved.replace(compression=initial)
-    if state is not None and sync_every > 1:
-        state = None  # measured on a synchronous state: local steps need their own
-    if not (auto and pseudo is None and mesh.size > 1):
-        controller = None
-    elif controller is None:  # the one that measured for --sync-every auto serves on: its programs are compiled
-        controller = Controller(make_step(spec).local_grads, mesh, requested.strategy, params,
-                                target_fraction=target_fraction)
-    return Start(spec, state_spec, records, controller, decided is not None, state, chose, pseudo)

@@ -5,8 +5,8 @@
     choice = guard(choice, relative_error(applied_sum, true_sum))     # step back if it loses too much
     h = auto_sync_every(compute_seconds, model, payload_bytes)        # --sync-every auto's H
     record = choose_local_steps(figures, options(codecs, params), target, overlap)  # ... and its codec
-    rows = predict(Cluster(nodes, devices, link_bits_per_s), compute_seconds, params)  # bench plan
 
+jaxdp/sync/predict.py applies them to a described cluster (`python -m jaxdp.bench plan`);
 jaxdp/sync/controller.py measures on the run's devices and calls these; every process decides from the
 same gathered figures, so every process takes the same decision. The numbers behind each
 threshold are written beside it.
@@ -64,6 +64,21 @@ MIN_STEP_GAIN = 0.20
 # 100 steps; rank 4 / 1: 0.33 / 0.70; tests/scripts/topk_guard_window.py --gpt, docs/slow-links.md).
 GUARD_THRESHOLD = 0.05
 GUARD_WINDOW = 4
+
+# The quality guard of local steps' top-k pseudo-gradients (codecs.topk.TopK.pseudo_candidates): the
+# same replay (GUARD_WINDOW mean gradients, the candidate's error feedback and its decay threaded) at a
+# threshold of its own. A pseudo-gradient sums H steps, so its large entries stand out of the
+# per-step noise that a gradient's replay counts as error; with error feedback what is not sent
+# waits, and with the decay it fades. Calibrated on the GPT testbed's model (python -m jaxdp.bench
+# localsgd's, 400 steps, outer SGD at lr 1 without momentum; docs/slow-links.md has the runs): the replay's
+# error at the first step (tests/scripts/topk_pseudo_guard.py, three windows) against the held-out loss
+# over the synchronous run's at H = 8:
+#   density   0.03   0.01   0.006  0.004 (H = 4)  0.002  0.001  0.0005
+#   error     0.44   0.49   0.50   0.53           0.64   0.77   0.86
+#   loss      1.082  1.109  1.118  1.106          1.249  1.332  1.445
+# where auto's choice without top-k, int4 at H = 16, ends at 1.190 (plain averaging at H = 8: 1.188).
+# 0.6 keeps the densities that end below that and refuses those above.
+PSEUDO_GUARD_THRESHOLD = 0.6
 
 # The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
 # project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
@@ -307,10 +322,20 @@ def local_steps_record(figures: dict[str, Any], pseudo_gradient: str, payload_by
 
 
 def pseudo_gradient_codec(codec: Compressor) -> bool:
-    """Whether local steps may send their pseudo-gradient through `codec` under auto: every value,
-    rounded or not, with error feedback where it keeps any; not one the quality guard replays
-    (PowerSGD), as the guard measures gradients, not pseudo-gradients (the codec table's `guarded`)."""
+    """Whether local steps may send their pseudo-gradient through `codec` of the auto ladder: every
+    value, rounded or not, with error feedback where it keeps any; not one the quality guard replays
+    at GUARD_THRESHOLD (PowerSGD, the ladder's float32 top-k: the codec table's `guarded`). Top-k
+    pseudo-gradients have candidates of their own (`pseudo_topk`), guarded at PSEUDO_GUARD_THRESHOLD."""
     return not codecs.row(codec.name).guarded
+
+
+def pseudo_topk(params: Tree, devices: int, abilities: Collection[str] | None = None) -> list[Compressor]:
+    """The top-k pseudo-gradient codecs local steps may choose under auto, densest first, each in the
+    form that runs on `devices` (`settled`), those `abilities` (the strategy's) cannot carry left out."""
+    from jaxdp.sync.codecs.topk import TopK
+
+    out = [c.settled(params, devices, True) for c in TopK.pseudo_candidates(params)]
+    return [c for c in out if abilities is None or c.needs in abilities]
 
 
 def options(codecs: Sequence[Compressor], params: Tree) -> list[tuple[str, int, int]]:
@@ -326,7 +351,7 @@ def predicted_step_s(compute_seconds: float, comm_per_sync_s: float, sync_every:
 
 
 def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int, int]], target_fraction: float,
-                       overlap: bool = False) -> dict[str, Any]:
+                       overlap: bool = False, local_only: Collection[str] = ()) -> dict[str, Any]:
     """`--sync-every auto`'s local steps when the pseudo-gradient's codec is free to choose:
     `options` are (codec name, payload bytes, collectives), least compression first (none, bf16,
     int8, int4). Each gets its H (`auto_sync_every`; with `overlap`, against OVERLAP_ALLOWANCE x
@@ -339,29 +364,37 @@ def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int
     Returns `local_steps_record` of the choice, plus "options" ({name: {"sync_every",
     "predicted_step_s"}}) and, without `overlap`, "propose_overlap" when `--overlap` would make
     the chosen codec's step at least MIN_STEP_GAIN shorter (with its own H): {"sync_every",
-    "predicted_step_s", "why"}, or None."""
+    "predicted_step_s", "why"}, or None. `local_only`: options that take H >= 2 even where the link
+    would keep up at every step (top-k pseudo-gradients: at H = 1 they would be every step's
+    gradients, which `plan` and its guard decide)."""
     if not options:
         raise ValueError("choose_local_steps needs at least one option")
     model = comm_model(figures)
     compute = figures["compute_s"]
     fraction = OVERLAP_ALLOWANCE * target_fraction if overlap else target_fraction
 
-    def sized(payload: int, collectives: int, hidden: bool) -> tuple[int, float]:
+    def sized(payload: int, collectives: int, hidden: bool, least: int = 1) -> tuple[int, float]:
         plain = auto_sync_every(compute, model, payload, collectives, target_fraction)
         if not hidden or plain["sync_every"] == 1:  # the link keeps up at every step: synchronous
-            return plain["sync_every"], predicted_step_s(compute, plain["comm_per_sync_s"], plain["sync_every"])
+            h = max(plain["sync_every"], least)
+            return h, predicted_step_s(compute, plain["comm_per_sync_s"], h)
         choice = auto_sync_every(compute, model, payload, collectives, OVERLAP_ALLOWANCE * target_fraction)
         h = max(choice["sync_every"], 2)  # it misses at every step, and only a next round overlaps an average
         return h, predicted_step_s(compute, choice["comm_per_sync_s"], h, True)
 
-    table = {name: sized(payload, collectives, overlap) for name, payload, collectives in options}
+    table = {name: sized(payload, collectives, overlap, 2 if name in local_only else 1)
+             for name, payload, collectives in options}
     fewest = min(h for h, _ in table.values())
     fastest = min(s for h, s in table.values() if h == fewest)
     name, payload, collectives = next(o for o in options if table[o[0]][0] == fewest
                                       and table[o[0]][1] * (1 - MIN_STEP_GAIN) <= fastest)
     sync_every, step_s = table[name]
     record = local_steps_record(figures, name, payload, collectives, fraction if sync_every > 1 else target_fraction)
-    if sync_every != record["sync_every"]:  # overlapped: at least 2 (sized)
+    if sync_every != record["sync_every"] and not overlap:  # local_only: at least 2 (sized)
+        record.update(sync_every=sync_every, predicted_comm_s=record["comm_per_sync_s"] / sync_every, fits=True,
+                      why=f"local steps, averaged every {sync_every} steps, the fewest for a top-k pseudo-gradient: "
+                           f"{record['why'].removeprefix('synchronous: ')}")
+    elif sync_every != record["sync_every"]:  # overlapped: at least 2 (sized)
         record.update(sync_every=sync_every, predicted_comm_s=record["comm_per_sync_s"] / sync_every, fits=True,
                       why=f"local steps, averaged every 2 steps, the fewest that overlap: "
                            f"{record['why'].removeprefix('synchronous: ')}")
@@ -375,7 +408,7 @@ def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int
         record["why"] = f"{record['why']}; --overlap: the average runs behind the next round"
     proposal = None
     if not overlap and sync_every > 1:
-        h, s = sized(payload, collectives, True)
+        h, s = sized(payload, collectives, True, 2 if name in local_only else 1)
         if h > 1 and s <= (1 - MIN_STEP_GAIN) * step_s:
             proposal = {"sync_every": h, "predicted_step_s": s,
                         "why": f"--overlap would hide the average behind the next round: a predicted step of "
@@ -383,65 +416,3 @@ def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int
                                f"one round late; pass --overlap to take it)"}
     record["propose_overlap"] = proposal
     return record
-
-
-# ---------------------------------------------------------------------------------------------
-# A described cluster: what `python -m jaxdp.bench plan` predicts from.
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    """`nodes` x `devices` per node; each node's link carries `link_bits_per_s` each way with
-    `latency_s` per message; inside a node `local_bits_per_s` (inf: free beside the link)."""
-
-    nodes: int
-    devices: int
-    link_bits_per_s: float
-    latency_s: float = 0.0
-    local_bits_per_s: float = math.inf
-
-    def allreduce(self, hierarchical: bool = False) -> CommModel:
-        """The all-reduce time line of a bandwidth-optimal ring over this cluster.
-
-        Flat: one ring over every device, ordered by node, so one hop per node crosses its link;
-        every hop of a ring of P moves 2 (P - 1) / P of the buffer over the run, so each node's link
-        carries that much each way, in 2 (P - 1) steps of one message each. Hierarchical
-        (`--hierarchy auto`): the devices of a node sum inside it, then a ring of the nodes alone
-        (P = nodes) crosses the links, then the sum is broadcast inside: the same bytes per link
-        for a large P, but 2 (nodes - 1) messages instead of 2 (nodes x devices - 1), and inside
-        the node 2 (devices - 1) / devices of the buffer more over the local bandwidth."""
-        ring = self.nodes if hierarchical or self.devices == 1 else self.nodes * self.devices
-        if self.nodes == 1:  # one node: the link carries nothing
-            ring = 1
-        per_byte = 2 * (ring - 1) / ring * 8 / self.link_bits_per_s if ring > 1 else 0.0
-        if self.devices > 1 and (hierarchical or self.nodes == 1):
-            per_byte += 2 * (self.devices - 1) / self.devices * 8 / self.local_bits_per_s
-        return CommModel(latency_s=2 * (ring - 1) * self.latency_s, seconds_per_byte=per_byte)
-
-
-def predict(cluster: Cluster, compute_seconds: float, params: Tree, *, strategy: str = "ring",
-            sync_every: Sequence[int] = (1, 4, 16)) -> list[dict[str, Any]]:
-    """Predicted seconds per step on `cluster` for every candidate of the ladder (int8 / int4 with
-    the ring) at every H of `sync_every` (H > 1: local steps, without and with --overlap), flat and,
-    with several devices per node, hierarchical. `compute_seconds`: one step's forward and backward
-    pass on one device at its share of the batch. PowerSGD's own matmuls and quantizing are not in
-    it (measured: a few percent of the step on the testbed's MLP). Rows: {"compression",
-    "sync_every", "overlap", "hierarchy", "payload_bytes", "allreduce_s", "step_s"}."""
-    hierarchies = ("flat", "auto") if cluster.devices > 1 and cluster.nodes > 1 else ("flat",)
-    devices = cluster.nodes * cluster.devices
-    rows = []
-    for hierarchy in hierarchies:
-        model = cluster.allreduce(hierarchy == "auto")
-        ring_size = cluster.nodes if hierarchy == "auto" else devices
-        for codec in ladder(params, quantized_devices=ring_size if strategy == "ring" else None, devices=devices):
-            payload = codec.payload_bytes(params)
-            seconds = model.seconds(payload, codec.collectives)
-            for h in sync_every:
-                if h > 1 and not pseudo_gradient_codec(codec):
-                    continue
-                for overlap in ((False, True) if h > 1 else (False,)):
-                    rows.append({"compression": codec.name, "sync_every": h, "overlap": overlap, "hierarchy": hierarchy,
-                                 "payload_bytes": payload, "allreduce_s": seconds,
-                                 "step_s": predicted_step_s(compute_seconds, seconds, h, overlap)})
-    return rows

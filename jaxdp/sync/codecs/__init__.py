@@ -41,8 +41,9 @@ class Row:
                floor, always offered; a candidate of a later place is left out where it moves no
                fewer bytes than the one before it, if `fewer_bytes`.
     guarded:   --compression auto's quality guard replays it before keeping it (jaxdp/sync/controller.py);
-               so local steps may not send their pseudo-gradient through it under auto (the guard
-               measures gradients, not pseudo-gradients).
+               so local steps may not send their pseudo-gradient through the ladder's own under auto
+               (the guard measures gradients); top-k's pseudo-gradient form has candidates of its own,
+               guarded at a threshold of their own (TopK.pseudo_candidates, costmodel.PSEUDO_GUARD_THRESHOLD).
     keeps_state: it has a slot in state.sync (error feedback, shared factors).
     example:   a spec of it, for tests and messages (default: its name).
     """

@@ -41,6 +41,15 @@ FORMS = ("auto", "sum", "gather")
 # where it sends fewer bytes than the candidate before it, PowerSGD's lowest rank included).
 DENSITIES = (0.1, 0.03, 0.01, 0.003, 0.001)
 
+# The pseudo-gradient codecs `--sync-every auto --compression auto` may choose for local steps,
+# densest first: SparseLoCo's form (each device's own top-k, 2-bit values, error feedback decayed at
+# every exchange), in the configuration measured on the GPT testbed (docs/slow-links.md: H = 4 to 8
+# at densities 0.004 to 0.0088 within 1.2 % of the synchronous held-out loss). Each must pass the
+# quality guard (jaxdp/sync/controller.py, costmodel.PSEUDO_GUARD_THRESHOLD) before it is kept.
+PSEUDO_DENSITIES = (0.03, 0.01, 0.006, 0.004, 0.002, 0.001)
+PSEUDO_BITS = 2
+PSEUDO_DECAY = 0.98
+
 
 @dataclasses.dataclass(frozen=True)
 class TopK(Compressor):
@@ -125,6 +134,15 @@ class TopK(Compressor):
         by the run's device count, `settled`); none for a tree of fewer than 1 / density values."""
         size = _size(params)
         return [cls(density=d) for d in DENSITIES if d * min(size, CHUNK) >= 1]
+
+    @classmethod
+    def pseudo_candidates(cls, params: Tree) -> list["TopK"]:
+        """Local steps' top-k candidates under auto: PSEUDO_BITS-bit values, error feedback decayed
+        by PSEUDO_DECAY, at each of PSEUDO_DENSITIES (densest first; the form settled by the run's
+        device count); none for a tree of fewer than 1 / density values."""
+        size = _size(params)
+        return [cls(density=d, bits=PSEUDO_BITS, decay=PSEUDO_DECAY) for d in PSEUDO_DENSITIES
+                if d * min(size, CHUNK) >= 1]
 
     def weaker(self, ranks: Sequence[int]) -> Compressor:
         """Outside a ladder: the next density of DENSITIES up (10x, 3x ...), then bf16."""

@@ -1,0 +1,117 @@
+"""The CLI's policy for `--compression auto` and `--sync-every auto` at the start of a run: a
+resumed run keeps what its checkpoint recorded, one device is synchronous, a fresh run measures once
+(jaxdp/sync/controller.py) and decides.
+
+    begun = start(requested_spec, mesh, params, make_state=..., make_step=..., batches=..., recorded=...)
+    spec, state_spec = begun.spec, begun.state_spec   # the codec and H to train with, and the state's
+    begun.controller                                  # decides --compression auto again while training
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jax.sharding import Mesh
+
+from jaxdp.errors import InputError
+from jaxdp.registry import AUTO
+from jaxdp.sync import costmodel
+from jaxdp.sync.controller import GUARD_BATCHES, Controller, momentum_free
+from jaxdp.sync.exchange import codec as codec_of
+from jaxdp.sync.spec import SyncSpec
+
+
+
+@dataclasses.dataclass
+class Start:
+    """What `start` decided for a run.
+
+    spec:       the step's SyncSpec now: compression a codec or None, sync_every an int.
+    state_spec: what `init_state` makes: its compression slot stays "auto" where the controller
+                may switch codecs later.
+    records:    [(event, record)] for the metrics file, in the order they were taken.
+    controller: the Controller that decides `--compression auto` again while training (first at
+                the run's first step unless `decided`), or None.
+    decided:    compression was already decided here (by `--sync-every auto`'s measurement).
+    state:      the state measured on, when it can be reused (state_spec's), else None.
+    sync_every_auto: whether `--sync-every auto` chose H by measuring (checkpoints record it).
+    pseudo_gradient: the codec name local steps chose under `--compression auto` (checkpoints
+                record it as their config's compression), else None.
+    """
+
+    spec: SyncSpec
+    state_spec: SyncSpec
+    records: list
+    controller: Controller | None = None
+    decided: bool = False
+    state: Any = None
+    sync_every_auto: bool | None = None
+    pseudo_gradient: str | None = None
+
+
+def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[[SyncSpec], Any],
+          make_step: Callable[[SyncSpec], Any], batches: Callable[[int], list], recorded: dict | None,
+          target_fraction: float = costmodel.TARGET_COMM_FRACTION, overlap: bool = False) -> Start:
+    """Resolve the "auto" choices of `requested` (jaxdp.sync.spec.AUTO in compression and/or
+    sync_every) for a run's start; `requested.outer_tx` is the outer optimizer local steps use if
+    H > 1; `overlap`: local steps will overlap each average with the next round (`--overlap`).
+
+    `--sync-every auto`: a resumed run (`recorded`, the checkpoint's meta) keeps the H and the
+    pseudo-gradient codec it recorded and measures nothing; one device is synchronous; otherwise
+    measure once on a synchronous state (`Controller.decide_sync_every`). Under `--compression
+    auto` too, compression is decided first; if local steps are chosen over it, the
+    pseudo-gradient's codec is chosen with H and compression is not decided again.
+    `--compression auto` alone is decided at the first step, then every `--compression-every`
+    steps, by the returned controller.
+    """
+    auto = requested.compression == AUTO
+    fixed = None if auto else codec_of(requested.compression)
+    records: list = []
+    state = decided = controller = None
+    pseudo, chose = None, None  # pseudo: the codec name local steps chose over --compression auto
+    if requested.sync_every == AUTO:
+        if recorded is not None:  # resume: the H the checkpoint recorded, never a new measurement
+            sync_every, chose = (recorded.get("config") or {}).get("sync_every"), recorded.get("sync_every_auto")
+            if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+                raise InputError("sync_every auto: the checkpoint records no sync_every to resume with; pass sync_every N",
+                                 setting="sync_every")
+            if auto and sync_every > 1 and chose:  # the config records the codec chosen ("auto": from before it was)
+                pseudo = (recorded.get("config") or {}).get("compression", "auto")
+                pseudo = "none" if pseudo == AUTO else pseudo
+            record = {"sync_every": sync_every, "pseudo_gradient": pseudo,
+                      "why": f"resumed from the checkpoint of step {recorded['step']}, which records sync_every="
+                             f"{sync_every}" + (f" and the pseudo-gradient {pseudo}" if pseudo else "") +
+                             ": a resumed run keeps its choice (no new measurement)"}
+        elif mesh.size == 1:
+            record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
+        else:  # a fresh run: measure once, on a synchronous state, and decide (the same on every process)
+            synchronous = requested.replace(sync_every=1, outer_tx=None)
+            state = make_state(synchronous)
+            controller = Controller(make_step(synchronous.replace(compression=fixed)).local_grads, mesh,
+                                    requested.strategy, params, target_fraction=target_fraction)
+            decided, record = controller.decide_sync_every(state, batches(GUARD_BATCHES if auto else 1), 0, fixed, auto,
+                                                           overlap, momentum_free(requested.outer_tx))
+            chose = True
+            if auto and record["sync_every"] > 1:
+                pseudo = record["pseudo_gradient"]
+            if decided:
+                records.append(("compression", decided.record))
+        records.append(("local_steps", record))
+        sync_every = record["sync_every"]
+    else:
+        sync_every = requested.sync_every
+    resolved = requested.replace(sync_every=sync_every, outer_tx=requested.outer_tx if sync_every > 1 else None)
+    # Local steps chosen over compression send the pseudo-gradient through their own choice.
+    pseudo_codec = None if pseudo is None else codec_of(pseudo)
+    state_spec = resolved.replace(compression=pseudo_codec) if pseudo is not None else resolved
+    initial = pseudo_codec if pseudo is not None else decided.compressor if decided else None if auto else fixed
+    spec = resolved.replace(compression=initial)
+    if state is not None and sync_every > 1:
+        state = None  # measured on a synchronous state: local steps need their own
+    if not (auto and pseudo is None and mesh.size > 1):
+        controller = None
+    elif controller is None:  # the one that measured for --sync-every auto serves on: its programs are compiled
+        controller = Controller(make_step(spec).local_grads, mesh, requested.strategy, params,
+                                target_fraction=target_fraction)
+    return Start(spec, state_spec, records, controller, decided is not None, state, chose, pseudo)
