@@ -240,3 +240,12 @@ def test_predict_covers_the_ladder_local_steps_overlap_and_hierarchy():
     for r in rows:
         share = r["allreduce_s"] / r["sync_every"]
         assert r["step_s"] == pytest.approx(max(0.01, share) if r["overlap"] else 0.01 + share)
+
+
+def test_the_moved_names_still_resolve_with_a_warning():
+    from jaxdp.sync import autostart, controller
+
+    with pytest.warns(DeprecationWarning, match="moved to jaxdp.sync.predict.Cluster"):
+        assert costmodel.Cluster is predict.Cluster
+    with pytest.warns(DeprecationWarning, match="moved to jaxdp.sync.autostart.start"):
+        assert controller.start is autostart.start

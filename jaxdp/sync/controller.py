@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdp import moved
 from jaxdp.mesh import data_axes, state_specs
 from jaxdp.sync import codecs, costmodel, rules
 from jaxdp.sync.codecs.base import CompressionState, Compressor, rows as slot_rows, uncompressed_bytes
@@ -383,3 +384,7 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
+
+
+# `start` and `Start` were this module's until the run-start policy got a module of its own.
+__getattr__ = moved.forwarder(__name__, {"start": "jaxdp.sync.autostart", "Start": "jaxdp.sync.autostart"})

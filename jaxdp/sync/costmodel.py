@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp import moved
 from jaxdp.sync import codecs
 from jaxdp.sync.codecs.base import Compressor, uncompressed_bytes
 
@@ -416,3 +417,7 @@ def choose_local_steps(figures: dict[str, Any], options: Sequence[tuple[str, int
                                f"one round late; pass --overlap to take it)"}
     record["propose_overlap"] = proposal
     return record
+
+
+# `Cluster` and `predict` were this module's until the described cluster got a module of its own.
+__getattr__ = moved.forwarder(__name__, {"Cluster": "jaxdp.sync.predict", "predict": "jaxdp.sync.predict"})
