@@ -7,6 +7,7 @@ positions table and the same command resumes from it."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,6 +72,28 @@ def test_a_schedule_of_steps_by_round_and_rank_equals_the_timed_rounds_rule_writ
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_resume_whose_steps_a_stream_already_passed_reads_every_other_stream_to_them(tmp_path):
+    """Rank 0 takes 4 steps a round, rank 1 one. The checkpoint of step 5 holds positions [8, 2]; resumed
+    with --steps 6, rank 0's stream is past the end (it takes no more steps) and rank 1's behind it. The
+    run goes on until rank 1's stream is read to 6 ([8, 6], step 7), where it used to end at the
+    positions' mean ([8, 4], step 6) with two of rank 1's batches unread."""
+    def run(steps):
+        proc = subprocess.run([PY, "-m", "jaxdp.launch", "--elastic", "--elastic-engine", "torchft", "--nproc-per-node",
+                               "2", "--", PY, str(ROOT / "tests" / "scripts" / "ft_paced_run.py"), str(tmp_path / "p.npy"),
+                               str(steps), str(tmp_path / "ckpt")], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.splitlines()[-2:]
+
+    assert run(20) == ["step=20 positions=20,20"] * 2
+    for saved in os.listdir(tmp_path / "ckpt"):
+        if saved.isdigit() and int(saved) != 5:
+            shutil.rmtree(tmp_path / "ckpt" / saved)
+    assert run(6) == ["step=7 positions=8,6"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_each_worker_killed_rank_0_included_heals_at_a_rounds_end_and_every_stream_is_read_once(tmp_path):
     steps = 20000  # about 2,400 a second here undisturbed: long enough for two restarts
     text = kill_each_and_rejoin(Run(tmp_path, steps, "--max-restarts", "10", strategy="psum", train_args=PACED))
@@ -105,7 +128,10 @@ def test_a_lost_quorum_saves_the_positions_and_the_same_command_resumes_from_the
     saved = max(int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit())
     assert saved >= 500, (saved, text)
     last = max(rounds_of(tmp_path).values(), key=lambda r: r["round"])  # the last round logged before the loss
-    further = saved + 300  # resumed with a nearer end: from the saved positions to it
+    # Resumed to one step past the save: the survivor's stream (it ended its last round alone, ahead of the
+    # lost worker's) is then past the new end, and the lost worker's is behind it. The run ends when every
+    # stream is read to it, not when their mean is (that ended with a stream unread).
+    further = saved + 1
     again = Run(tmp_path, further, *command[2:], strategy="psum", train_args=PACED)
     try:
         assert again.proc.wait(timeout=150) == 0, again.text()
@@ -114,12 +140,14 @@ def test_a_lost_quorum_saves_the_positions_and_the_same_command_resumes_from_the
     records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
     assert [r["resumed_from"] for r in records if r.get("event") == "start"] == [None, saved], records
     resumed = [r for r in records if "round" in r and "event" not in r and r["round"] > last["round"]]
-    assert resumed and resumed[-1]["positions_by_process"] == [further] * 2, resumed[-1:]
     # The first round after the resume went on from the saved table: the round the survivor ended alone
     # (its own steps counted, the lost worker's not), saved at floor(sum of positions / 2).
     first = resumed[0]
-    before = sum(first["positions_by_process"]) - sum(first["round_steps_by_process"])
-    assert before // 2 == saved and before >= sum(last["positions_by_process"]), (first, last, saved)
+    table = [p - s for p, s in zip(first["positions_by_process"], first["round_steps_by_process"])]
+    assert sum(table) // 2 == saved and sum(table) >= sum(last["positions_by_process"]), (first, last, saved)
+    # Every stream read to the new --steps; one that ran past it before the save (the survivor, far ahead
+    # under load) takes no more steps, and the run goes on until the other stream reaches it.
+    assert resumed[-1]["positions_by_process"] == [max(further, p) for p in table], (table, resumed[-1:])
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ The rounds themselves, their programs and what they average, are jaxdp/step/roun
 and `Overlapped`; this module drives them: one host sync point per round, a record per round
 (the steps each process took, its seconds), and at the end the overlapped average still in flight.
 `state.step` counts global batches, so `eval_every` and `save_every` fire at the round that reaches
-or passes a multiple (`Hooks`' `every=`), and a run ends at the first round that reaches `steps`.
+or passes a multiple (`Hooks`' `every=`), and a run ends at the first round that reaches `steps` (with
+timed rounds: where every process's stream has been read to `steps`).
 """
 
 from __future__ import annotations
@@ -75,17 +76,23 @@ def run_rounds(loop: Loop) -> None:
         done = int(jax.device_get(state.step))
         round_index = int(jax.device_get(state.sync.shared[PACE_NAME]["round"]))
         first, last = True, None  # the steps each process took in the last round
-        while done < plan.steps:
+        unread = False  # a stream (timed rounds) not yet read to `steps` while state.step reached it
+        while done < plan.steps or unread:
             before = done
             dispatch = time.perf_counter()
             try:
-                state, metrics, taken, seconds = rounds.round(state, round_index, warm=not first,
-                                                              limit=rounds.last_round_limit(last, plan.steps - done))
+                state, metrics, taken, seconds = rounds.round(
+                    state, round_index, warm=not first,
+                    limit=rounds.last_round_limit(last, plan.steps - done) if done < plan.steps else None)
             except hub_gone as gone:  # torchft: the quorum is lost; a worker that takes the lock saves
                 lead.stop_held(loop, hooks, gone)
                 return
             host = jax.device_get(metrics)  # host sync point: one per round
             round_index, done = int(host["round"]), int(jax.device_get(state.step))
+            # A resume whose --steps is below a stream's saved position (it ran ahead before the save):
+            # state.step, the positions' mean, reaches `steps` before the streams behind have; the run
+            # goes on until every stream is read to `steps` (one past it takes no steps, `room`).
+            unread = "positions_by_device" in host and min(rounds.by_process(host["positions_by_device"])) < plan.steps
             plan.beat.dispatched(round_index, state.step, waited_s=time.perf_counter() - dispatch)
             if first:
                 loop.writer.first_step_done(done)

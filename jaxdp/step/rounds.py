@@ -40,9 +40,11 @@ its recorded position, so resume is exact given the positions (and, with a time 
 the timing allows). `shared["paced"]["round"]` counts the outer syncs. `state.step` is the training
 done so far in global batches: floor(sum of the positions / processes), so `steps`, `save_every`,
 `eval_every` and the logs count examples as a lockstep run does; a run ends at the first sync where
-it reaches `steps`. No round takes a process's position past `steps` (`Rounds.steps`), so neither
-does `state.step`. A time-bound round takes at least one step per process, however short, and ends
-early, after the step in flight, at a stop signal (`Rounds.stopping`): SIGTERM's save comes within
+it reaches `steps` and every process's position has. No round takes a process's position past
+`steps` (`Rounds.steps`), so neither does `state.step`, except where a run resumes with a `steps` that
+a position had passed before the save: that process then takes no steps while the others read on to
+`steps` (jaxdp/loop/rounds.py), and `state.step` ends past it. A time-bound round takes at least one
+step per process, however short, and ends early, after the step in flight, at a stop signal (`Rounds.stopping`): SIGTERM's save comes within
 a step, not at the end of the round.
 
 A process that takes no inner step in a round (a schedule's 0) has weight 0 and is named on the
