@@ -277,9 +277,6 @@ class FtOverlapped(Replicas):
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
         return remaining if remaining < self.every else None
 
-    def by_process(self, values: Any) -> list[int]:
-        return [int(v) for v in values]
-
 
 def make_ft_overlapped(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                        shard_data: Callable[[int, int], Any], *, every: int, outer_tx: Any, stateful: bool = False,

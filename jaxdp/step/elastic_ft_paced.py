@@ -30,7 +30,6 @@ named, bf16 / int8 / int4 code the rows with error feedback per worker.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from typing import Any, Callable
@@ -46,7 +45,7 @@ from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
 from jaxdp.step.elastic_ft_rounds import Replicas, RoundEnd, flat_of, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
-from jaxdp.step.rounds import check as paced_check, timed_inner
+from jaxdp.step.rounds import check as paced_check, last_round_share, timed_inner
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync.spec import SyncSpec
@@ -240,12 +239,7 @@ class FtRounds(Replicas):
 
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
         """This worker's steps in what will be the last round (jaxdp/step/rounds.py's rule, by rank)."""
-        if not last or sum(last) == 0 or sum(last) < remaining * len(last):
-            return None
-        return math.ceil(last[self.member.rank] * remaining * len(last) / sum(last))
-
-    def by_process(self, values: Any) -> list[int]:
-        return [int(v) for v in values]
+        return last_round_share(last, remaining, self.member.rank)
 
 
 def make_ft_paced(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,

@@ -221,6 +221,10 @@ class Replicas:
     def _inner(self, rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any) -> Any:
         return self.layout["inner"](rows, view, position, loss_sum, batch)
 
+    def by_process(self, values: Any) -> list[int]:
+        """A round's per-rank figures (steps, positions) as the round loop reads them: one per worker."""
+        return [int(v) for v in values]
+
     def _rows(self, value: Any) -> jax.Array:
         """`value` on each of this worker's devices, as per-device rows."""
         host = np.full(self.n, value, np.int32 if isinstance(value, int) else np.float32)

@@ -216,18 +216,21 @@ class Rounds:
         return state, metrics, taken, time.perf_counter() - started
 
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
-        """This process's steps in what will be the last round, so the run ends near `steps`
-        rather than up to a round past it: if the processes took `last` steps in the previous
-        round and that many would finish the run, each takes its share of what remains. Every
-        process computes the same plan from the same numbers. None: not the last round (or no
-        previous round to go by)."""
-        if not last or sum(last) == 0 or sum(last) < remaining * len(last):
-            return None
-        return math.ceil(last[self.process] * remaining * len(last) / sum(last))
+        return last_round_share(last, remaining, self.process)
 
     def by_process(self, steps_by_device: Any) -> list[int]:
         values = np.asarray(steps_by_device)
         return [int(values[row]) for row in self.first_row.values()]
+
+
+def last_round_share(last: list[int] | None, remaining: int, index: int) -> int | None:
+    """Process (or worker) `index`'s steps in what will be the last round, so the run ends near
+    `steps` rather than up to a round past it: if they took `last` steps in the previous round and
+    that many would finish the run, each takes its share of what remains. Every process computes the
+    same plan from the same numbers. None: not the last round (or no previous round to go by)."""
+    if not last or sum(last) == 0 or sum(last) < remaining * len(last):
+        return None
+    return math.ceil(last[index] * remaining * len(last) / sum(last))
 
 
 def check_in_flight(state: TrainState, step: int) -> None:
