@@ -169,7 +169,8 @@ def muon(learning_rate: Any, *, adam_learning_rate: Any = None, dimension_number
     None: Muon for every 2-D leaf."""
     return optax.partition(
         {"muon": optax.chain(scale_by_muon(dimension_numbers), scale_by_width(dimension_numbers),
-                             optax.add_decayed_weights(0.0), optax.scale_by_learning_rate(learning_rate)),
+                             optax.add_decayed_weights(0.0),  # no decay; kept so the state is optax's, link for link
+                             optax.scale_by_learning_rate(learning_rate)),
          "adam": optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
                              eps=EPS, weight_decay=0.0, nesterov=True)},
         lambda params: labels(dimension_numbers, params))
