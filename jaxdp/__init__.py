@@ -20,8 +20,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from jaxdp import moved
-
 __version__ = "0.1.0"
 
 # public name -> module that defines it
@@ -74,9 +72,6 @@ _EXPORTS = {
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
-
-moved.install_old_module_paths()  # the flat module paths of before the wave-4 layout (jaxdp/moved.py)
-
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:

@@ -7,7 +7,7 @@
     python -m jaxdp.launch --nnodes 2 --node-rank R --coordinator node0:29400 --nproc-per-node 4 -- CMD   # on each node
     python -m jaxdp.launch --elastic --nproc-per-node 2 --max-restarts 100 -- python -m jaxdp.train --strategy host ...
 
-With --elastic (one node; jaxdp/cluster/elastic.py) this launcher is the run's hub: the processes sum their
+With --elastic (one node; jaxdp/elastic/hub.py) this launcher is the run's hub: the processes sum their
 gradients through it instead of jax.distributed, and a lost process is restarted alone (forked from a
 zygote that has JAX imported, jaxdp/launcher/zygote.py) while the others train on. A process that stalls
 (sends nothing for a step --stall-timeout seconds after another did, or stays SIGSTOPped while the
@@ -82,10 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes to start on this machine")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart all processes up to R times when one is lost")
     parser.add_argument("--elastic", action="store_true", help="restart a lost process alone while the others train "
-                        "on (jaxdp/cluster/elastic.py: --strategy host, one node); up to --max-restarts times in all")
+                        "on (jaxdp/elastic/hub.py: --strategy host, one node); up to --max-restarts times in all")
     parser.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="an elastic run's engine: "
                         "hub (this launcher sums the gradients) or torchft (a Lighthouse and gloo; pip install "
-                        "'jaxdp[elastic]'; jaxdp/cluster/ft.py)")
+                        "'jaxdp[elastic]'; jaxdp/elastic/ft.py)")
     parser.add_argument("--lighthouse", metavar="HOST:PORT", help="torchft: the Lighthouse to use (default: node 0's "
                         "launcher starts one, on 127.0.0.1, or with --nnodes > 1 on --coordinator)")
     parser.add_argument("--min-workers", type=int, default=1, help="torchft: fewer live workers than this for "
@@ -264,9 +264,9 @@ def lead(launcher: Launcher, leader: rendezvous.Leader | None, address: str | No
 
 
 def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
-    """An elastic run (jaxdp/cluster/elastic.py): this launcher is the hub; a lost process is started again
+    """An elastic run (jaxdp/elastic/hub.py): this launcher is the hub; a lost process is started again
     alone, up to --max-restarts times in all, while the others train on."""
-    from jaxdp.cluster import elastic
+    from jaxdp.elastic import hub as elastic
     from jaxdp.launcher.hub import Hub
 
     size = args.nproc_per_node

@@ -97,7 +97,8 @@ def train(config: Config) -> Any:
     runtime.add_gpu_xla_flags()  # before JAX starts its backend; CPUs ignore them
     import jax
 
-    from jaxdp.cluster import agreement, distributed, elastic, heartbeat
+    from jaxdp import elastic
+    from jaxdp.cluster import agreement, distributed, heartbeat
     from jaxdp.data import datasets as data
     from jaxdp.loop.options import CheckpointOptions, EvalOptions, LogOptions, RunOptions, SyncOptions
     from jaxdp.loop.trainer import fit
@@ -109,9 +110,7 @@ def train(config: Config) -> Any:
     with runtime.two_cpu_workers(config.overlap):  # the backend starts in here (--overlap: see there)
         distributed.initialize(config)
         cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
-        from jaxdp.cluster import ft
-
-        member = ft.from_env() or elastic.from_env()  # started by `jaxdp.launch --elastic` (the hub, or torchft)
+        member = elastic.from_env()  # started by `jaxdp.launch --elastic` (the hub, or torchft)
         if member:  # the hub leaves out a member that sends nothing this long after another's part
             member.stall_timeout = config.stall_timeout
         with warnings.catch_warnings():

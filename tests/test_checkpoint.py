@@ -331,7 +331,7 @@ def test_a_second_ctrl_c_interrupts_at_once():
 def test_a_signal_after_the_parent_died_is_told_apart_from_one_the_parent_sent(tmp_path):
     """Preemption.orphaned: a worker's SIGTERM from PR_SET_PDEATHSIG (its launcher is gone) against a
     signal while the launcher lives (a forwarded stop). An elastic run on torchft tells them apart:
-    an orphaned worker whose launcher did not host the Lighthouse leaves alone (jaxdp/cluster/ft.py)."""
+    an orphaned worker whose launcher did not host the Lighthouse leaves alone (jaxdp/elastic/ft.py)."""
     worker = """if True:
         import ctypes, pathlib, signal, sys, time
         from jaxdp.cluster.preemption import Preemption

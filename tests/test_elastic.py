@@ -1,4 +1,4 @@
-"""Elastic runs (`jaxdp.launch --elastic`, jaxdp/cluster/elastic.py): the hub sums every shard in shard order
+"""Elastic runs (`jaxdp.launch --elastic`, jaxdp/elastic/hub.py): the hub sums every shard in shard order
 whoever computed it, hands a lost member's shards to the others (the step in flight included), and
 hands the state to a member that joins. A real run that loses both of its processes to kill -9 ends
 with exactly the parameters of a one-process run of the same global batch."""
@@ -21,7 +21,7 @@ import pytest
 
 from helpers import ROOT, LaunchedRun, cli_env, elastic_rank
 from jaxdp.bench.goodput import training_processes
-from jaxdp.cluster import elastic
+from jaxdp.elastic import hub as elastic
 from jaxdp.launcher.hub import Hub
 
 PY = sys.executable

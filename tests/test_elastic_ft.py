@@ -1,4 +1,4 @@
-"""Elastic runs on torchft (`jaxdp.launch --elastic --elastic-engine torchft`, jaxdp/cluster/ft.py): real
+"""Elastic runs on torchft (`jaxdp.launch --elastic --elastic-engine torchft`, jaxdp/elastic/ft.py): real
 worker processes and a real Lighthouse. A worker killed with -9 is left out and its shard computed by the
 other; restarted, it heals from the live worker (no checkpoint read); losing rank 0 does not stop the run;
 the final parameters equal, to the bit, those of a one-process run of the same global batch (the shard
@@ -16,7 +16,7 @@ import pytest
 from helpers import ROOT, LaunchedRun, cli_env, elastic_rank
 from jaxdp.launcher.workers import free_port
 from jaxdp.bench.goodput import training_processes
-from jaxdp.cluster import ft
+from jaxdp.elastic import ft
 
 PY = sys.executable
 pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")

@@ -1,5 +1,5 @@
 """Overlapped rounds across the workers of an elastic run on torchft (`--sync-every H --overlap`,
-jaxdp/step/elastic_ft_overlap.py): real worker processes and a real Lighthouse. Undisturbed, the run is a
+jaxdp/elastic/overlap.py): real worker processes and a real Lighthouse. Undisturbed, the run is a
 one-process `--overlap` run of as many devices, bit for bit, and so is what a save in the middle of it
 holds (the last average that landed, at the step where the round in flight started) and what a stop
 signal saves (every worker averages what is in flight first); a worker killed with -9, rank 0 included,

@@ -1,5 +1,5 @@
 """Workers at their own pace across an elastic run on torchft (`--sync-seconds S`,
-jaxdp/step/elastic_ft_paced.py): real worker processes and a real Lighthouse. With a schedule of steps
+jaxdp/elastic/timed.py): real worker processes and a real Lighthouse. With a schedule of steps
 by (round, rank) the run equals the timed-rounds rule written out (test_paced.py's reference); a worker
 killed with -9, rank 0 included, heals at a round's end and every rank's stream is read exactly to
 --steps, once; a rank lost for good leaves its stream to a live worker; a lost quorum saves the

@@ -1,5 +1,5 @@
 """Local steps across the workers of an elastic run on torchft (`--sync-every H`,
-jaxdp/step/elastic_ft_rounds.py): real worker processes and a real Lighthouse. Undisturbed, the run is a
+jaxdp/elastic/rounds.py): real worker processes and a real Lighthouse. Undisturbed, the run is a
 one-process run of as many devices, bit for bit; a worker killed with -9 (rank 0 included) is left out
 of the round, restarts, heals from the live one at a round's end and the run ends near the undisturbed
 one; a stalled worker is left out and heals when it runs again; a worker whose pseudo-gradient is not

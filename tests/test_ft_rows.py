@@ -1,4 +1,4 @@
-"""jaxdp/step/ft_rows.py: an elastic exchange's rows made and read on the devices, against the host
+"""jaxdp/elastic/rows.py: an elastic exchange's rows made and read on the devices, against the host
 path written out here (each device's sums to numpy, added in device order; the rows added in shard
 order, the counted ones; divided by the devices counted), bit for bit where no codec rounds. The
 programs are built with an update that returns what it is given (grads, model state), so `apply`
@@ -14,7 +14,7 @@ import pytest
 import jaxdp
 from helpers import mlp_batches, mlp_problem
 from jaxdp.mesh import data_axes, make_mesh, shard_batch
-from jaxdp.step.ft_rows import RowPrograms
+from jaxdp.elastic.rows import RowPrograms
 from jaxdp.step.train_step import _host_programs, _local_grads_fn
 from jaxdp.sync import codecs, host
 from jaxdp.sync.spec import SyncSpec
@@ -149,7 +149,7 @@ def test_a_row_that_takes_no_part_says_whose_it_is_and_its_rank_is_healing_not_l
     healing, and only a rank with no row at all as left out."""
     from types import SimpleNamespace
 
-    from jaxdp.step import elastic_ft
+    from jaxdp.elastic import every_step as elastic_ft
 
     said = []
     member = SimpleNamespace(rank=0, live=[0, 1, 2], stop_asked=False, fresh=False, lead=True, say=said.append)

@@ -1,5 +1,5 @@
 """The lead of an elastic run on torchft moves (jaxdp/loop/lead.py): the rule every worker applies to the
-same rows (jaxdp/step/elastic_ft.py, `lead_of`), the metrics writer that takes over and hands over
+same rows (jaxdp/elastic/every_step.py, `lead_of`), the metrics writer that takes over and hands over
 (jaxdp/metrics.py), and the loop's hook that opens and closes the checkpointer, waiting while a former
 lead still holds the directory's lock. (Real workers, a real Lighthouse and a killed rank 0:
 tests/test_elastic_ft.py.)"""
@@ -14,7 +14,7 @@ from jaxdp.loop import lead
 from jaxdp.loop.options import CheckpointOptions
 from jaxdp.loop.resolve import Plan
 from jaxdp.metrics import MetricsWriter
-from jaxdp.step.elastic_ft import LEADS, TAKES_PART, lead_of
+from jaxdp.elastic.every_step import LEADS, TAKES_PART, lead_of
 
 
 def row(rank: int | None, *flags: int) -> tuple[int, int]:

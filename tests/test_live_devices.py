@@ -2,8 +2,8 @@
 3 processes should survive the loss of one (the others sum over the 2 left; platform notes saw that with a
 psum loop, while the jit'd sum here hangs), and a restarted process cannot rejoin (XLA:CPU keeps gloo's old
 rendezvous keys: "ALREADY_EXISTS"). That is
-why elastic runs use torchft (jaxdp/cluster/ft.py). The rejoin is a strict xfail: a JAX that fixes it
-makes the suite say so, and `live_devices` could then be an Engine of jaxdp/cluster/ft.py."""
+why elastic runs use torchft (jaxdp/elastic/ft.py). The rejoin is a strict xfail: a JAX that fixes it
+makes the suite say so, and `live_devices` could then be an Engine of jaxdp/elastic/ft.py."""
 
 import subprocess
 import sys

@@ -1,9 +1,11 @@
 """What users' code and scripts depend on keeps working across the wave-4 layout (recorded at f0dd332, before it).
 
 Every name `jaxdp` exports, every `python -m` entry point and console script with every flag it had, every
-config.toml key, and the deep import paths the docs named: the flat modules that moved into subpackages still import
-(with a DeprecationWarning, for one release) and give the very same objects as their new homes. A name dropped from
-any list below is a break for somebody: remove it only with a release note.
+config.toml key, and the deep import paths the docs named: the names a subpackage held before it was split
+(`jaxdp.sync.ring_mean`, `jaxdp.step.make_train_step`) still resolve, with a DeprecationWarning that names the release
+that removes them, to the very same objects as their new homes. A name dropped from any list below is a break for
+somebody: remove it only with a release note (CHANGELOG.md). The flat module paths of the unreleased 0.1.0 layout
+(`jaxdp.state`, `jaxdp.syncspec`, ...) were removed with a note there: importing jaxdp patches no import machinery.
 """
 
 from __future__ import annotations
@@ -69,28 +71,19 @@ CONSOLE_SCRIPTS = {"jaxdp-train": "jaxdp.train:cli", "jaxdp-launch": "jaxdp.laun
 
 # (old path, name) as the docs named them at f0dd332 -> the module that holds the name now.
 OLD_PATHS = [
-    ("jaxdp.sync", "ring_mean", "jaxdp.sync.collectives"), ("jaxdp.sync", "ring_allreduce", "jaxdp.sync.collectives"),
-    ("jaxdp.sync", "ring_reduce_scatter", "jaxdp.sync.collectives"), ("jaxdp.sync", "psum_mean", "jaxdp.sync.collectives"),
-    ("jaxdp.sync", "hierarchical", "jaxdp.sync.hierarchy"), ("jaxdp.sync", "on_host", "jaxdp.sync.collectives"),
+    ("jaxdp.sync", "ring_mean", "jaxdp.sync.collectives"),
+    ("jaxdp.sync", "ring_allreduce", "jaxdp.sync.collectives"),
+    ("jaxdp.sync", "ring_reduce_scatter", "jaxdp.sync.collectives"),
+    ("jaxdp.sync", "psum_mean", "jaxdp.sync.collectives"),
+    ("jaxdp.sync", "hierarchical", "jaxdp.sync.hierarchy"),
+    ("jaxdp.sync", "on_host", "jaxdp.sync.collectives"),
     ("jaxdp.sync", "send", "jaxdp.sync.collectives"),
-    ("jaxdp.step", "make_train_step", "jaxdp.step.train_step"), ("jaxdp.step", "make_eval_step", "jaxdp.step.train_step"),
+    ("jaxdp.step", "make_train_step", "jaxdp.step.train_step"),
+    ("jaxdp.step", "make_eval_step", "jaxdp.step.train_step"),
     ("jaxdp.loop", "fit", "jaxdp.loop.trainer"),
     ("jaxdp.checkpoint", "Checkpointer", "jaxdp.checkpoint.checkpointer"),
-    ("jaxdp.models", "attention_implementation", "jaxdp.models.builtin"), ("jaxdp.models", "GPT", "jaxdp.models.builtin"),
-    ("jaxdp.state", "init_state", "jaxdp.step.state"), ("jaxdp.state", "TrainState", "jaxdp.step.state"),
-    ("jaxdp.syncspec", "SyncSpec", "jaxdp.sync.spec"), ("jaxdp.host", "host_mean", "jaxdp.sync.host"),
-    ("jaxdp.local_sgd", "choose_sync_every", "jaxdp.step.local_sgd"),
-    ("jaxdp.costmodel", "choose_local_steps", "jaxdp.sync.costmodel"),
-    ("jaxdp.optim", "make_optimizer", "jaxdp.step.optim"), ("jaxdp.generate", "generate", "jaxdp.models.generate"),
-    ("jaxdp.distributed", "initialize", "jaxdp.cluster.distributed"),
-    ("jaxdp.runtime", "share_cpu_cache_keys", "jaxdp.cluster.runtime"),
-    ("jaxdp.runtime", "two_cpu_workers", "jaxdp.cluster.runtime"),
-    ("jaxdp.quiet", "filter_gloo_lines", "jaxdp.cluster.quiet"), ("jaxdp.prefetch", "Prefetcher", "jaxdp.data.prefetch"),
-    ("jaxdp.preemption", "Preemption", "jaxdp.cluster.preemption"),
-    ("jaxdp.artifacts", "load_params", "jaxdp.checkpoint.artifacts"),
-    ("jaxdp.artifacts", "load_model", "jaxdp.checkpoint.artifacts"),
-    ("jaxdp.artifacts", "load_variables", "jaxdp.checkpoint.artifacts"),
-    ("jaxdp.hf", "read_gpt2", "jaxdp.models.hf"),
+    ("jaxdp.models", "attention_implementation", "jaxdp.models.builtin"),
+    ("jaxdp.models", "GPT", "jaxdp.models.builtin"),
 ]
 
 
@@ -110,11 +103,22 @@ def test_old_deep_paths_resolve_to_the_same_objects(old, name, home):
     assert got is getattr(importlib.import_module(home), name)
 
 
-def test_an_old_flat_module_path_warns_once_and_names_the_new_one():
+def test_an_old_path_warns_and_names_the_release_that_removes_it():
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            "try:\n    import jaxdp.syncspec\nexcept DeprecationWarning as w:\n    print(w)")
+            "import jaxdp.sync\n"
+            "try:\n    jaxdp.sync.ring_mean\nexcept DeprecationWarning as w:\n    print(w)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    assert "jaxdp.syncspec moved to jaxdp.sync.spec" in out
+    from jaxdp.moved import REMOVED_IN
+
+    assert f"jaxdp.sync.ring_mean moved to jaxdp.sync.collectives.ring_mean; the old path is removed in jaxdp {REMOVED_IN}" in out
+
+
+def test_importing_jaxdp_patches_no_import_machinery():
+    code = ("import sys; before = list(sys.meta_path), list(sys.path_hooks)\n"
+            "import jaxdp, jaxdp.sync, jaxdp.step\n"
+            "assert (list(sys.meta_path), list(sys.path_hooks)) == before, sys.meta_path\n"
+            "import importlib.util; assert importlib.util.find_spec('jaxdp.syncspec') is None")
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
 
 
 def test_config_toml_keys_are_config_fields():

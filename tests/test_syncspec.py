@@ -38,7 +38,7 @@ def test_the_table_names_the_first_clash():
     # torchft's workers may sum their own devices in-graph; across workers it is the host still
     assert clash("ring", elastic=True, elastic_engine="torchft") is None
     assert clash("psum", elastic=True, elastic_engine="torchft", compression="int8") is None  # coded between workers
-    # torchft overlaps rounds of local steps (jaxdp/step/elastic_ft_overlap.py), not every step's exchange
+    # torchft overlaps rounds of local steps (jaxdp/elastic/overlap.py), not every step's exchange
     assert clash("psum", elastic=True, elastic_engine="torchft", sync_every=4, overlap=True) is None
     assert clash("psum", elastic=True, elastic_engine="torchft", overlap=True) == "elastic-overlap"
     assert clash("psum", elastic=True, elastic_engine="torchft", sync_seconds=1.0, overlap=True) == "elastic-overlap"
@@ -133,7 +133,7 @@ def test_a_state_for_another_layout_is_refused_in_one_line(devices):
                                                 ("jaxdp.sync.compression", "parse", "jaxdp.sync.codecs"),
                                                 ("jaxdp.sync.compression", "PowerSGD", "jaxdp.sync.codecs.powersgd"),
                                                 ("jaxdp.sync.compression", "CompressionState", "jaxdp.sync.codecs.base"),
-                                                ("jaxdp.compression", "Quantized", "jaxdp.sync.codecs.quantized"),
+                                                ("jaxdp.sync.compression", "Quantized", "jaxdp.sync.codecs.quantized"),
                                                 ("jaxdp.sync.compression", "TARGET_COMM_FRACTION", "jaxdp.sync.costmodel"),
                                                 ("jaxdp.step.local_sgd", "auto_sync_every", "jaxdp.sync.costmodel"),
                                                 ("jaxdp.step.local_sgd", "check_sync_every", "jaxdp.sync.spec"),

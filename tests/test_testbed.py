@@ -120,7 +120,7 @@ def test_testbed_links_its_hosts_shapes_them_and_deletes_everything():
                            "print(c.recv(100).decode())\n"
                            "s = socket.create_server(('127.0.0.1', 0)); socket.create_connection(s.getsockname())\n"
                            "from jaxdp.cluster import gloo; print(gloo.choose('10.77.0.2:1').describe())\n"
-                           "from jaxdp.cluster import ft; env = {}\n"
+                           "from jaxdp.elastic import ft; env = {}\n"
                            "print(ft.advertised_host('http://10.77.0.2:1', env), env, ft.advertised_host('127.0.0.1:1'))")
         assert out.splitlines()[0] == "10.77.0.3"
         assert out.splitlines()[1].startswith("gloo collectives on eth0 (10.77.0.3): the interface that reaches "

@@ -49,7 +49,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--elastic", action="store_true", help="`jaxdp.launch --elastic` (--strategy host): a lost process "
                    "restarts alone; the plain run's undisturbed time is measured too")
     p.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="with --elastic: the launcher's "
-                   "engine (torchft: pip install 'jaxdp[elastic]'; jaxdp/cluster/ft.py)")
+                   "engine (torchft: pip install 'jaxdp[elastic]'; jaxdp/elastic/ft.py)")
     p.add_argument("--launch-args", default="", help="more jaxdp.launch flags of the elastic runs, as one string "
                    "(e.g. --heartbeat-timeout 0.5)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace, directory: str, kill_every: float | None, ste
 def missed_steps(output: str, steps: int, size: int) -> int:
     """Worker-steps an elastic run of local steps did not train: from the lines of the lowest live rank
     ("step S: live ranks [...]", said at each round's end where the members change), the ranks absent
-    from each stretch of rounds times its steps (jaxdp/step/elastic_ft_rounds.py: a lost worker's
+    from each stretch of rounds times its steps (jaxdp/elastic/rounds.py: a lost worker's
     rounds are not redone). Every-step runs say the same lines, but their lost shards are computed by
     the survivors: the caller counts this for local steps only."""
     changes = [(int(m.group(1)), len([r for r in m.group(2).split(",") if r.strip()]))

@@ -1,6 +1,6 @@
 """What the launcher and the workers of an elastic run on torchft share, without JAX: the variables the
 launcher sets, torchft's import with its one-line error, the Lighthouse, and which rank computes which
-shard. The workers' side (the engine, the member) is jaxdp/cluster/ft.py.
+shard. The workers' side (the engine, the member) is jaxdp/elastic/ft.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ENV_SIZE = "JAXDP_ELASTIC_SIZE"
 ENV_MIN = "JAXDP_FT_MIN_WORKERS"
 ENV_QUORUM_TIMEOUT = "JAXDP_FT_QUORUM_TIMEOUT"
 ENV_RESTART = "JAXDP_FT_RESTART"             # set: a restarted worker (its engine starts once it has compiled)
-ENV_LIGHTHOUSE_HERE = "JAXDP_FT_LIGHTHOUSE_HERE"  # set: this worker's launcher hosts the Lighthouse (jaxdp/cluster/ft.py, `leave`)
+ENV_LIGHTHOUSE_HERE = "JAXDP_FT_LIGHTHOUSE_HERE"  # set: this worker's launcher hosts the Lighthouse (jaxdp/elastic/ft.py, `leave`)
 INSTALL = "an elastic run on torchft needs torchft: pip install 'jaxdp[elastic]'"
 
 

@@ -49,7 +49,7 @@ def silence_asyncio() -> None:
 
 
 def quiet_http_requests() -> None:
-    """torchft's checkpoint server (a heal's state transfer: jaxdp/cluster/ft.py) writes an access line
+    """torchft's checkpoint server (a heal's state transfer: jaxdp/elastic/ft.py) writes an access line
     per request to stderr (`::ffff:127.0.0.1 - - [...] "GET /checkpoint/42/full HTTP/1.1" 200 -`):
     dropped in this process, since Python's http.server has no logger to set (not with --debug). Its
     errors still print."""

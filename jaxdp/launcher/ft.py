@@ -1,5 +1,5 @@
 """`jaxdp.launch --elastic --elastic-engine torchft`: start the workers and a torchft Lighthouse, restart a
-lost worker alone (jaxdp/cluster/ft.py has the run's semantics).
+lost worker alone (jaxdp/elastic/ft.py has the run's semantics).
 
 The Lighthouse runs in node 0's launcher: on 127.0.0.1 only for one node, and on `--coordinator
 HOST:PORT` (that address only) for several, where every node's workers find it; `--lighthouse
@@ -45,7 +45,7 @@ def heartbeat_timeout(nnodes: int) -> float:
 JOIN_TIMEOUT_S = 60.0       # a quorum waits this long for heartbeating workers that have not asked yet
 # What a worker on torchft imports beside the zygote's own list: a restart forked from the zygote does
 # not pay for them again (torch and torchft: about 2.4 s of CPU, taken from the survivors' cores).
-PRELOAD = ("torch", "torchft", "jaxdp.cluster.ft", "jaxdp.step.elastic_ft", "jaxdp.step.elastic_ft_rounds")
+PRELOAD = ("torch", "torchft", "jaxdp.elastic.ft", "jaxdp.elastic.every_step", "jaxdp.elastic.rounds")
 
 
 def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The hub of an elastic run (`jaxdp.launch --elastic`): the launcher's end of jaxdp/cluster/elastic.py.
+"""The hub of an elastic run (`jaxdp.launch --elastic`): the launcher's end of jaxdp/elastic/hub.py.
 
 It knows the members, who computes which shard, the per-step sums in shard order, and the state a
 joining member receives from a live one. It runs inside the launcher, so it imports no JAX.
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxdp.cluster import wire
-from jaxdp.cluster.elastic import STALL_TIMEOUT_S, partial_layout, send, unpack
+from jaxdp.elastic.hub import STALL_TIMEOUT_S, partial_layout, send, unpack
 
 
 class Hub:

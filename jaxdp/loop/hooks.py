@@ -128,7 +128,7 @@ class Loop:
     held: Callable[[Any], Any] | None = None  # state -> what a save holds (None: the state itself)
 
     def to_save(self) -> Any:
-        """The state a save writes: the loop's, or what `held` makes of it (jaxdp/step/elastic_ft_overlap.py)."""
+        """The state a save writes: the loop's, or what `held` makes of it (jaxdp/elastic/overlap.py)."""
         return self.state if self.held is None else self.held(self.state)
 
     def saveable(self) -> None:

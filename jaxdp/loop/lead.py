@@ -1,7 +1,7 @@
 """The lead of an elastic run on torchft: the one worker that writes the metrics, saves the checkpoints
 and evaluates. Losing it does not stop the run, nor its metrics and saves: the role moves.
 
-Who leads is agreed in the step's own exchange (jaxdp/step/elastic_ft.py, `lead_of`): the lead's row
+Who leads is agreed in the step's own exchange (jaxdp/elastic/every_step.py, `lead_of`): the lead's row
 says so; where no live worker's row does (the lead was lost, or left out as stalled), the lowest live
 rank leads from that step on, and keeps the role while it lives, also once rank 0 is back (handing it
 back would leave the run without saves while the lock changes hands). A worker healed from a live
@@ -31,7 +31,7 @@ RETRY_S = 1.0  # a new lead whose directory is still locked tries again after th
 
 def follows(plan: Any) -> bool:
     """Whether the lead of this run can move (an elastic run on torchft)."""
-    return plan.elastic is not None and hasattr(plan.elastic, "engine")
+    return plan.elastic is not None and plan.elastic.lead_moves
 
 
 def prepare(plan: Any) -> None:
@@ -140,8 +140,4 @@ class NeverRaised(Exception):
 def gone_error(plan: Any) -> type[BaseException]:
     """What a loop catches as "the hub went away" (torchft: "the quorum is lost"): elastic.HubGone in an
     elastic run, nothing otherwise."""
-    if plan.elastic is None:
-        return NeverRaised
-    from jaxdp.cluster.elastic import HubGone
-
-    return HubGone
+    return NeverRaised if plan.elastic is None else plan.elastic.Gone

@@ -17,6 +17,8 @@ import dataclasses
 import warnings
 from typing import Any, Callable
 
+from jaxdp.moved import REMOVED_IN
+
 
 @dataclasses.dataclass(frozen=True)
 class SyncOptions:
@@ -77,7 +79,7 @@ class RunOptions:
     resume_note: str = ""               # said after the resume line
     run_info: dict | None = None        # more fields for the "start" record
     watch: Any = None                   # a running jaxdp.cluster.heartbeat watch to use and stop
-    elastic: Any = None                 # this process's member of an elastic run (jaxdp/cluster/elastic.py)
+    elastic: Any = None                 # this process's member of an elastic run (jaxdp/elastic/hub.py)
     stall_timeout: int = 20             # seconds before a silent peer counts as stalled (multi-process)
     prefetch: int = 2                   # batches loaded ahead
     examples_per_step: int | None = None
@@ -122,6 +124,6 @@ def grouped(flat: dict[str, Any], **groups: Any) -> dict[str, Any]:
     if flat:
         spelled = ", ".join(f"{group}={GROUPS[group].__name__}({', '.join(f'{FLAT[n][1]}=...' for n in flat if FLAT[n][0] == group)})"
                             for group in GROUPS if any(FLAT[n][0] == group for n in flat))
-        warnings.warn(f"fit({', '.join(f'{n}=...' for n in flat)}) is deprecated and goes in the next release: "
+        warnings.warn(f"fit({', '.join(f'{n}=...' for n in flat)}) is deprecated and removed in jaxdp {REMOVED_IN}: "
                       f"use fit(..., {spelled})", DeprecationWarning, stacklevel=3)
     return out

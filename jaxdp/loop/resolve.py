@@ -117,7 +117,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                       sync_every=sync_every, sync_fragments=sync.sync_fragments, shard_optimizer=sync.shard_optimizer,
                       overlap=overlap, shard_params=sync.shard_params, metrics_at_sync=sync.metrics_at_sync,
                       ).validate(sync_seconds=sync.sync_seconds, elastic=elastic is not None,
-                                 elastic_engine="torchft" if hasattr(elastic, "engine") else "hub",
+                                 elastic_engine=elastic.kind if elastic is not None else "hub",
                                  float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
         check_paced(paced.FixedSteps(rounds_of), data, mesh, "overlap", flat=not sync.shard_params)
@@ -126,7 +126,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
     rounds_run = (overlap and not every_step_overlap) or sync.sync_seconds is not None
     outer_tx = local_sgd.default_outer(sync.outer_tx) if rounds_run else sync.outer_tx  # local steps, in rounds
     shard_data = None
-    if elastic is not None:  # one process of an elastic run (jaxdp/cluster/elastic.py): data(step, shard)
+    if elastic is not None:  # one process of an elastic run (jaxdp/elastic/hub.py): data(step, shard)
         check_elastic(data, mesh)
         shard_data, data = data, lambda step: shard_data(step, elastic.rank)
     plan = Plan(mesh=mesh, steps=steps, is_main=jax.process_index() == 0 if elastic is None else elastic.lead,
@@ -155,7 +155,6 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     the controller resolves (measuring a few steps: jaxdp/sync/controller.py)."""
     from jaxdp.step import rounds as paced
     from jaxdp.step.state import init_state
-    from jaxdp.step.elastic import make_elastic_step
     from jaxdp.step.train_step import make_train_step
     from jaxdp.sync import autostart, exchange, spec as syncspec
     from jaxdp.sync.codecs.base import bytes_sent, uncompressed_bytes
@@ -165,9 +164,9 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
                                   sync_every=sync.sync_every, sync_fragments=sync.sync_fragments,
                                   outer_tx=plan.outer_tx, shard_optimizer=sync.shard_optimizer,
                                   overlap=sync.overlap and sync.sync_every == 1, shard_params=sync.shard_params,
-                                  # (local steps across torchft workers share their metrics at rounds' ends only)
+                                  # (local steps across elastic workers share their metrics at rounds' ends only)
                                   metrics_at_sync=sync.metrics_at_sync or (
-                                      hasattr(elastic, "engine") and sync.sync_every not in (1, "auto")))
+                                      elastic is not None and sync.sync_every not in (1, "auto")))
     if sync.shard_params:  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py): its refusals, before anything is built
         from jaxdp.step import fsdp
 
@@ -181,12 +180,10 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             return step_for(spec).prepare(made, plan.batch_at(0))
         if not plan.rounds_run or (plan.overlap and spec.sync_every == 1):  # (sync_every auto's measuring state)
             return made
-        if hasattr(elastic, "engine"):  # rounds across torchft workers: timed (a position per rank's stream) or
+        if elastic is not None:  # rounds across elastic workers: timed (a position per rank's stream) or
             from jaxdp.mesh import replicate  # overlapped (the round; each worker's row in flight is its own)
-            from jaxdp.step import elastic_ft_overlap, elastic_ft_paced
 
-            shared = replicate(elastic_ft_overlap.init_sync() if plan.overlap else elastic_ft_paced.init_sync(
-                elastic.size), mesh)
+            shared = replicate(elastic.round_sync(plan.overlap), mesh)
             return made.replace(sync=made.sync.replace(shared={**made.sync.shared, **shared}))
         rows, shared = paced.init_sync(mesh)
         if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/hsdp_overlap.py)
@@ -199,27 +196,11 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
                                                    shared={**made.sync.shared, **shared}))
 
     def step_for(spec: Any) -> Any:  # one compiled step per choice (compression "auto" switches)
-        if spec not in plan.steps_by_spec and elastic is not None:
-            make = make_elastic_step
-            more = {"strategy": spec.strategy, "compression": spec.compression} if hasattr(elastic, "engine") else {}
-            if hasattr(elastic, "engine"):  # an elastic run on torchft (jaxdp/cluster/ft.py)
-                from jaxdp.step.elastic_ft import make_ft_step as make
-            if hasattr(elastic, "engine") and spec.sync_every != 1:  # its local steps (jaxdp/step/elastic_ft_rounds.py)
-                from jaxdp.step.elastic_ft_rounds import make_ft_round_step as make
-
-                more.update(sync_every=spec.sync_every, outer_tx=spec.outer_tx)
-            if hasattr(elastic, "engine") and plan.rounds_run and plan.overlap:  # (jaxdp/step/elastic_ft_overlap.py)
-                from jaxdp.step.elastic_ft_overlap import make_ft_overlapped as make
-
-                more = {"strategy": spec.strategy, "compression": spec.compression, "every": spec.sync_every,
-                        "outer_tx": plan.outer_tx}
-            elif hasattr(elastic, "engine") and plan.rounds_run:  # its timed rounds (jaxdp/step/elastic_ft_paced.py)
-                from jaxdp.step.elastic_ft_paced import make_ft_paced as make
-
-                more.update(pace=sync.sync_seconds, outer_tx=plan.outer_tx)
-            # (torchft: any summing strategy inside a worker, a codec of host.HOST_CODED across workers)
-            plan.steps_by_spec[spec] = make(loss_fn, tx, mesh, elastic, plan.shard_data, stateful=stateful,
-                                            grad_accum=sync.grad_accum, grad_norm=True, **more)
+        if spec not in plan.steps_by_spec and elastic is not None:  # the engine's workers (jaxdp/elastic/)
+            rounds = ("overlapped" if plan.overlap else "timed") if plan.rounds_run else None
+            plan.steps_by_spec[spec] = elastic.make_step(loss_fn, tx, mesh, spec, plan.shard_data, stateful=stateful,
+                                                         grad_accum=sync.grad_accum, rounds=rounds,
+                                                         pace=sync.sync_seconds, outer_tx=plan.outer_tx)
         if spec not in plan.steps_by_spec:
             plan.steps_by_spec[spec] = make_train_step(
                 loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=sync.grad_accum, grad_norm=True,
@@ -293,7 +274,7 @@ def evaluator(plan: Plan, evaluation: EvalOptions) -> Callable | None:
 
 
 def check_elastic(data: Any, mesh: Any) -> None:
-    """InputError for the data and mesh an elastic run (jaxdp/cluster/elastic.py) cannot use (its sync
+    """InputError for the data and mesh an elastic run (jaxdp/elastic/hub.py) cannot use (its sync
     choices: jaxdp/sync/rules.py)."""
     from jaxdp.errors import InputError
 

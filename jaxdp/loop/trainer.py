@@ -268,9 +268,8 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
     processes' state (or, as the source, the latest checkpoint's or the new one). Returns (state,
     whether it came from a live process). A stop signal that arrives while it compiles ends it with
     exit code 75 before it joins (the launcher going away sends one: PR_SET_PDEATHSIG)."""
-    from jaxdp.cluster import elastic as elastic_lib
+    from jaxdp.cluster.wire import ProtocolError as Lost
     from jaxdp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
-    from jaxdp.step.elastic import state_from_arrays
 
     train_step.warm_up(state, batch_at(0))  # joining stalls the others until this process's first step
     if preemption.signal is not None:
@@ -281,7 +280,7 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
     try:
         source = member.connect()
         received = None if source else member.receive_state()
-    except (elastic_lib.Lost, OSError) as err:
+    except (Lost, OSError) as err:
         connected = member.sock is not None
         member.close()
         if member.stop or connected or preemption.signal is not None:  # told to stop, or the launcher went away
@@ -295,9 +294,5 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
         raise SystemExit(EXIT_PEER_LOST) from None
     if received is None:
         state = checkpointer.restore(state) if checkpointer else state
-        if hasattr(member, "engine"):  # an elastic run on torchft: its first quorum (jaxdp/step/elastic_ft.py)
-            from jaxdp.step.elastic_ft import settle
-
-            return settle(member, state)
-        return state, False
-    return state_from_arrays(state, received[1]), True
+        return member.settle(state)  # (torchft: its first quorum, which may hand it a live peer's state)
+    return member.state_from(state, received[1]), True

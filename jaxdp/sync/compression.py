@@ -1,5 +1,5 @@
 """Where the codecs lived before they became a package (jaxdp/sync/codecs/): every name still
-resolves here, with a DeprecationWarning, for one release.
+resolves here, with a DeprecationWarning, until jaxdp 0.2.0 (jaxdp/moved.py, REMOVED_IN).
 
     from jaxdp.sync.codecs import parse               # the new home (the table, JAX-free)
     from jaxdp.sync.codecs.powersgd import PowerSGD   # one file per family

@@ -167,7 +167,7 @@ class RowCoder:
             message, left = wire.encode(jnp.pad(values + owed, (0, pad)))
             return message, left[:size]
 
-        # (traced: for a program of the caller's, jaxdp/step/elastic_ft.py's rows, made and read on the devices)
+        # (traced: for a program of the caller's, jaxdp/elastic/every_step.py's rows, made and read on the devices)
         self.encode_traced, self.decode_traced = encode, lambda message: wire.decode(message)[:size]
         self._encode = jax.jit(encode)  # (one program a message: a worker's step waits on it)
         self._decode = jax.jit(jax.vmap(self.decode_traced))

@@ -59,7 +59,7 @@ class Choices:
     shard_optimizer: bool = False
     overlap: bool = False
     elastic: bool = False
-    elastic_engine: str = "hub"        # an elastic run's engine: the launcher's "hub" or "torchft" (jaxdp/cluster/ft.py)
+    elastic_engine: str = "hub"        # an elastic run's engine: the launcher's "hub" or "torchft" (jaxdp/elastic/ft.py)
     float_state: bool = False          # the model keeps float state (BatchNorm statistics)
     shard_params: bool = False         # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
     metrics_at_sync: bool = False      # local steps: the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
@@ -70,7 +70,7 @@ class Choices:
 
     @property
     def ft(self) -> bool:
-        """An elastic run on torchft: across workers its own host exchange (jaxdp/step/elastic_ft.py)."""
+        """An elastic run on torchft: across workers its own host exchange (jaxdp/elastic/every_step.py)."""
         return self.elastic and self.elastic_engine == "torchft"
 
     @property
@@ -137,7 +137,7 @@ class Rule:
 # The codecs an elastic run on torchft codes its exchange with (jaxdp.sync.host.RowCoder): each worker's
 # sum is coded once and decoded by every worker, so a codec must stand alone (no ring hops, no factors).
 HOST_CODED = ("bf16", "int8", "int4")
-ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.cluster.elastic.ENV_ADDRESS (not imported: this table imports nothing heavy)
+ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.elastic.hub.ENV_ADDRESS (not imported: this table imports nothing heavy)
 FT_ENV = "JAXDP_FT_LIGHTHOUSE"  # = jaxdp.cluster.ft_env.ENV_LIGHTHOUSE
 _ELASTIC = "an elastic run (jaxdp.launch --elastic) does not combine with "
 _PACED = ": the rounds are --sync-seconds long, with one fixed --compression; drop one of them"
@@ -151,7 +151,7 @@ _NO_HALVES = "it has no reduce-scatter and all-gather halves (jaxdp.sync.collect
 
 RULES: tuple[Rule, ...] = (
     # -- an elastic run: across processes gradients are summed on the host (the launcher's hub,
-    # jaxdp/cluster/elastic.py, or torchft's process group, jaxdp/cluster/ft.py); inside a torchft
+    # jaxdp/elastic/hub.py, or torchft's process group, jaxdp/elastic/ft.py); inside a torchft
     # worker, its devices' sum may be an in-graph strategy's (psum, the ring)
     Rule("elastic-strategy", lambda c: c.elastic and "host" not in c.abilities
          and (c.elastic_engine != "torchft" or "sum" not in c.abilities),
@@ -171,7 +171,7 @@ RULES: tuple[Rule, ...] = (
     Rule("elastic-local", lambda c: c.elastic and c.sync_every != 1 and not c.ft,
          _ELASTIC + "--sync-every={sync_every} on the launcher's hub (with --elastic-engine torchft it does)",
          _ELASTIC + "sync_every={sync_every!r} on the launcher's hub (on torchft it does)", "sync_every"),
-    # -- local steps across torchft workers (jaxdp/step/elastic_ft_rounds.py): rounds of a fixed H
+    # -- local steps across torchft workers (jaxdp/elastic/rounds.py): rounds of a fixed H
     Rule("elastic-ft-auto", lambda c: c.ft and c.sync_every == AUTO,
          "an elastic run on torchft needs a number of local steps: --sync-every N, not auto",
          "an elastic run on torchft needs a number of local steps: sync_every=N, not 'auto'", "sync_every"),

@@ -1,6 +1,6 @@
 """Workers at their own pace across an elastic run on torchft (`--sync-seconds S`): each worker takes as
 many local steps as it manages in S seconds, then the round ends as a fixed round's does
-(jaxdp/step/elastic_ft_rounds.py, `RoundEnd`: a quorum, one all-gather of one row per worker, torchft's
+(jaxdp/elastic/rounds.py, `RoundEnd`: a quorum, one all-gather of one row per worker, torchft's
 commit, the rows added in rank order on every worker). The pseudo-gradients are averaged weighted by
 the examples each worker trained on in the round, as in one JAX program's timed rounds
 (jaxdp/step/rounds.py, whose docstring says why by examples):
@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
-from jaxdp.step.elastic_ft_rounds import Replicas, RoundEnd, flat_of, tree_of
+from jaxdp.elastic.rounds import Replicas, RoundEnd, flat_of, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
 from jaxdp.step.rounds import check as paced_check, last_round_share, timed_inner
@@ -157,7 +157,7 @@ class FtRounds(Replicas):
 
     def _end(self, state: TrainState, delta: np.ndarray | None, head: np.ndarray | None) -> tuple[TrainState, Any]:
         """A round's end: the exchange, then the outer step and the table, as every worker applies them."""
-        from jaxdp.cluster.elastic import HubGone
+        from jaxdp.elastic.hub import HubGone
 
         at = round_of(state)
         try:

@@ -3,7 +3,7 @@
     python -m jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2 --max-restarts 100 -- \\
         python -m jaxdp.train --strategy host --devices 1 --checkpoint-dir ckpt --save-every 100
 
-A worker is one process with its own devices (a one-process JAX program, as in jaxdp/cluster/elastic.py).
+A worker is one process with its own devices (a one-process JAX program, as in jaxdp/elastic/hub.py).
 Across workers everything goes through an `Engine`:
 
 * `quorum(step, state_fn)`: agree on who takes part in this step (torchft's Lighthouse); a worker that is
@@ -21,11 +21,11 @@ process can rejoin on CPU (docs/multihost.md, "Elastic runs on torchft").
 Bit-equal sums whatever the membership: gloo's sum order changes with the members, so each worker
 sends the gradient sums of the shards it computes as raw bytes, each row tagged with its shard, to
 every other (all-gathers), and every worker adds the `size` shards in shard order on the host, as
-the hub does (jaxdp/cluster/elastic.py). Each worker receives the other workers' rows: N - 1 sums'
+the hub does (jaxdp/elastic/hub.py). Each worker receives the other workers' rows: N - 1 sums'
 bytes, where a ring all-reduce of one sum would cost about 2: fine for a few workers, not for many.
 
 `FtMember` speaks the Member interface the training loop knows (connect, receive_state, close, ...),
-and `make_step` builds its step (jaxdp/step/elastic_ft.py). This module imports torchft (and torch)
+and `make_step` builds its step (jaxdp/elastic/every_step.py). This module imports torchft (and torch)
 only when a run uses it: without it, one line says `pip install 'jaxdp[elastic]'`.
 """
 
@@ -42,6 +42,7 @@ from jaxdp.cluster.ft_env import (  # noqa: F401 (the run's variables and the Li
     ENV_LIGHTHOUSE, ENV_LIGHTHOUSE_HERE, ENV_MIN, ENV_QUORUM_TIMEOUT, ENV_RANK, ENV_RESTART, ENV_SIZE, INSTALL, assign, require_torchft,
     start_lighthouse,
 )
+from jaxdp.elastic.hub import HubGone, Lost
 
 
 class QuorumLost(Exception):
@@ -213,10 +214,58 @@ class FtMember:
         self.alone = False          # restarted, and its first quorum found no live worker
         self.lighthouse_here = True  # its launcher hosts the Lighthouse: that launcher's end ends the run (`leave`)
 
+    kind = "torchft"      # the engine's name, as --elastic-engine says it (jaxdp/sync/rules.py checks by it)
+    lead_moves = True     # the lead is agreed in each exchange's rows (jaxdp/loop/lead.py)
+    Gone = HubGone        # what a step raises when the quorum is lost for --quorum-timeout (the loop stops with its state)
+
     @property
     def lead(self) -> bool:
         """Whether this worker writes the metrics, saves the checkpoints and evaluates (jaxdp/loop/lead.py)."""
         return self.leader == self.rank
+
+    # -- the engine's face to the loop (jaxdp/elastic/__init__.py): the loop imports nothing of this package
+
+    def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
+                  grad_accum: int, rounds: str | None = None, pace: Any = None, outer_tx: Any = None) -> Any:
+        """The update rule `spec` names, across torchft workers: every step (jaxdp/elastic/every_step.py), H
+        local steps (rounds.py), or host-driven `rounds`: "timed" (timed.py, `pace` seconds) or "overlapped"
+        (overlap.py, each round's average one round late). Any summing strategy inside a worker, a codec
+        of host.HOST_CODED across workers."""
+        from jaxdp.elastic import every_step, overlap, rounds as local, timed
+
+        more: dict[str, Any] = {"strategy": spec.strategy, "compression": spec.compression}
+        make: Callable = every_step.make_ft_step
+        if spec.sync_every != 1:
+            make = local.make_ft_round_step
+            more.update(sync_every=spec.sync_every, outer_tx=spec.outer_tx)
+        if rounds == "overlapped":
+            make = overlap.make_ft_overlapped
+            more = {"strategy": spec.strategy, "compression": spec.compression, "every": spec.sync_every,
+                    "outer_tx": outer_tx}
+        elif rounds == "timed":
+            make = timed.make_ft_paced
+            more.update(pace=pace, outer_tx=outer_tx)
+        return make(loss_fn, tx, mesh, self, shard_data, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
+                    **more)
+
+    def round_sync(self, overlapped: bool) -> dict:
+        """The entries a state of host-driven rounds keeps in `state.sync.shared` (host arrays): the
+        overlapped rounds' round, or the timed rounds' positions of every rank's stream."""
+        from jaxdp.elastic import overlap, timed
+
+        return overlap.init_sync() if overlapped else timed.init_sync(self.size)
+
+    def settle(self, state: Any) -> tuple[Any, bool]:
+        """The first quorum: the state to start from, and whether it came from a live peer (every_step.settle)."""
+        from jaxdp.elastic.every_step import settle
+
+        return settle(self, state)
+
+    def state_from(self, template: Any, payload: Any) -> Any:
+        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
+        from jaxdp.elastic.every_step import state_from_arrays
+
+        return state_from_arrays(template, payload)
 
     def start(self) -> None:
         """Create the engine: from here on the Lighthouse sees this worker's heartbeats (and a quorum at
@@ -228,7 +277,6 @@ class FtMember:
     def connect(self) -> bool:
         """True: every worker starts from its own state (rank 0 restores the checkpoint), and `settle`
         then takes the live peers' state if theirs is further on."""
-        from jaxdp.cluster.elastic import Lost
 
         try:
             self.start()

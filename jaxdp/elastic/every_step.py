@@ -1,6 +1,11 @@
-"""The step of an elastic run on torchft (jaxdp/cluster/ft.py): the hub's host path with a torchft transport.
+"""The every-step rule of an elastic run, for both engines: the host path, its sum across processes
+done by the launcher's hub (`make_elastic_step`) or by torchft (`make_ft_step`), and the state a joining
+process receives (`state_arrays`, `state_from_arrays`).
 
-Each call: the quorum (who takes part; a behind worker is healed there), every QUORUM_SECONDS while
+The hub: each step every shard's gradient sum over this process's devices goes to the launcher
+(jaxdp/elastic/hub.py), which adds the shards in shard order and sends the total back.
+
+torchft: each call takes the quorum (who takes part; a behind worker is healed there), every QUORUM_SECONDS while
 nothing fails and started on torchft's thread while this worker computes its shard; every worker taking part sums
 its own shard over its devices (in device order, or by psum or the ring) and sends it as raw bytes in
 one row, whose header also says that it takes part and whether it asks to stop: one all-gather gives
@@ -8,9 +13,9 @@ every worker the live ranks and their sums. Only when a rank is missing does a s
 its shard, computed by the live rank `ft.assign` names. Then torchft's commit. A failed commit (a worker died or
 stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
 shard of that step is computed by a survivor, and no shard is counted twice. A row is made, and the
-rows are read, on the devices (jaxdp/step/ft_rows.py: one program each, then the update; a step
+rows are read, on the devices (jaxdp/elastic/rows.py: one program each, then the update; a step
 crosses to the host once each way, as bytes); the total is added in shard order, so the result is
-the same to the bit whoever computed what (with --strategy host, the hub's: jaxdp/cluster/elastic.py).
+the same to the bit whoever computed what (with --strategy host, the hub's).
 A shard whose sums are not finite crosses as a tag alone and is left out of the step's mean (named
 once by the lowest live rank), instead of stopping the run.
 """
@@ -23,19 +28,97 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxdp.mesh import data_axes, shard_batch
+from jaxdp.mesh import data_axes, replicate, shard_batch
 from jaxdp.step.state import TrainState
-from jaxdp.step.elastic import state_arrays
-from jaxdp.step.train_step import TrainStep, _accumulated, _host_programs, _local_grads_fn
+from jaxdp.step.train_step import TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn
 from jaxdp.sync import host
 from jaxdp.sync.spec import SyncSpec
 
 Batch = Any
 Metrics = dict
+
+
+def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+                      shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
+                      grad_norm: bool = False) -> TrainStep:
+    """The host path of an elastic run (jaxdp/elastic/hub.py): `mesh` is this process's devices,
+    `member` its link to the launcher, `shard_data(step, shard)` any shard's host rows of a step.
+
+    Each call sums the gradients over this process's devices for every shard it computes (its
+    own from `batch`, others' from `shard_data` while their processes are lost), sends the sums,
+    gets the total over all `member.size` shards back, and applies the mean. When the launcher
+    asks, it then sends the new state to a process that joins.
+    """
+    from jaxdp.elastic import hub as elastic
+
+    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, data_axes(mesh)), grad_accum)
+    spec = SyncSpec(strategy="host").validate()
+    grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
+    devices = member.size * mesh.size
+
+    def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
+        return host.device_sum(to_host(state, batch))  # as host_mean adds them
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        at = int(jax.device_get(state.step))  # host sync point (the host path has one anyway)
+        shard_batch_at = lambda shard: batch if shard == member.rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
+        partials = {shard: shard_sum(state, shard_batch_at(shard)) for shard in member.shards}
+        treedef, like = next(iter(partials.values())) if partials else shard_sum(state, batch)
+        try:
+            payload, donate = member.reduce(at, {shard: sums for shard, (_, sums) in partials.items()},
+                                            lambda shard: shard_sum(state, shard_batch_at(shard))[1])
+        except (elastic.Lost, OSError) as err:  # the launcher is gone: the loop stops with `state` (rank 0 saves it)
+            raise elastic.HubGone(f"rank {member.rank} lost the launcher at {member.address} at step {at} ({err})") from None
+        totals = elastic.unpack(payload, like)
+        means = [(t / devices).astype(t.dtype, copy=False) for t in totals]
+        metrics, model_state, grads = jax.tree.unflatten(treedef, means)
+        metrics = _host_metrics(dict(metrics), grads, grad_norm)
+        grads, model_state = replicate((grads, model_state), mesh)
+        state = update_fn(state, grads, model_state)
+        if donate:
+            try:
+                member.send_state(at + 1, state_arrays(state))
+            except (elastic.Lost, OSError):
+                pass  # the launcher is gone: the next step finds out, and the loop stops with this state
+        return state, metrics
+
+    made = TrainStep(step, grads_fn, tx, spec, local_grads)
+    made.warm_up = warm_up_fn(shard_sum, update_fn, mesh)
+    return made
+
+
+def warm_up_fn(shard_sum: Callable, update_fn: Callable, mesh: Mesh) -> Callable[[TrainState, Batch], None]:
+    """`warm_up(state, batch)`: compile an elastic step's two programs (a shard's sums, the update) on a
+    copy of `state`; a process that joins a run does this first (the hub's and torchft's steps alike)."""
+
+    def warm_up(state: TrainState, batch: Batch) -> None:
+        treedef, sums = shard_sum(state, batch)
+        copy = jax.tree.map(jnp.copy, state)
+        _, model_state, grads = jax.tree.unflatten(treedef, sums)
+        jax.block_until_ready(update_fn(copy, *replicate((grads, model_state), mesh)))
+
+    return warm_up
+
+
+def state_arrays(state: TrainState) -> list[np.ndarray]:
+    """Every array of `state` on the host, in `jax.tree.leaves` order (what a joining process gets)."""
+    return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state))]
+
+
+def state_from_arrays(template: TrainState, payload: Any) -> TrainState:
+    """`template` (a state of the same run) with the arrays of `state_arrays`'s bytes, placed as
+    `template`'s are."""
+    from jaxdp.elastic import hub as elastic
+
+    leaves, treedef = jax.tree.flatten(template)
+    arrays = elastic.unpack(payload, leaves)
+    return jax.tree.unflatten(treedef, [jax.device_put(a, x.sharding) for a, x in zip(arrays, leaves)])
+
 
 
 HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
@@ -65,7 +148,7 @@ def to_bytes(arrays: list[np.ndarray]) -> bytes:
 def wait_for_rank_0(member: Any, layout: dict) -> None:
     """A moment's wait for rank 0 at the run's start (its quorum again next); elastic.HubGone once
     --quorum-timeout has passed since the first."""
-    from jaxdp.cluster import elastic
+    from jaxdp.elastic import hub as elastic
 
     waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
     if waited > member.quorum_timeout_s:
@@ -120,7 +203,7 @@ def step_number(state: TrainState, layout: dict) -> int:
 
 def quorum_at(state: TrainState) -> int:
     """The number a quorum compares (a worker behind it is healed): the step, or the round where the
-    workers' steps differ (timed rounds: jaxdp/step/elastic_ft_paced.py, whose state has a positions table)."""
+    workers' steps differ (timed rounds: jaxdp/elastic/timed.py, whose state has a positions table)."""
     from jaxdp.step.round_programs import PACE_NAME
 
     paced = state.sync.shared.get(PACE_NAME)
@@ -138,7 +221,7 @@ def flags_of(member: Any, taking_part: bool) -> int:
 
 def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
     """What a live worker hands a behind one in a quorum: a byte that says whether `state` is at a
-    round's end before its exchange (local steps: jaxdp/step/elastic_ft_rounds.py), then its arrays."""
+    round's end before its exchange (local steps: jaxdp/elastic/rounds.py), then its arrays."""
     return lambda: (b"\1" if pending else b"\0") + to_bytes(state_arrays(state))
 
 
@@ -148,8 +231,8 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
     else None; whether that state is at a round's end before its exchange; what `meanwhile` returned,
     computed while torchft's thread asked the Lighthouse). No quorum of --min-workers for
     --quorum-timeout: elastic.HubGone (the loop saves and exits 75)."""
-    from jaxdp.cluster import elastic, ft
-    from jaxdp.step.elastic import state_from_arrays
+    from jaxdp.elastic import ft, hub as elastic
+    from jaxdp.elastic.every_step import state_from_arrays
 
     try:
         member.engine.begin(at, offer(state, pending))
@@ -177,8 +260,8 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
     still the same on every worker. int8 / int4 keep error feedback per shard in this worker's
     device memory (host.RowCoder): a worker that joins, or computes a lost worker's shard, starts
     that shard's feedback at zero, and so does a shard whose sums were not finite."""
-    from jaxdp.cluster import ft
-    from jaxdp.step.ft_rows import RowPrograms
+    from jaxdp.elastic import ft
+    from jaxdp.elastic.rows import RowPrograms
 
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
@@ -302,9 +385,9 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     """The first quorum: (the state to start from, whether it came from a live peer). A worker behind
     the furthest one in the quorum (a new or restarted one, or every worker but rank 0 when rank 0
     restored a checkpoint) gets that worker's state; no checkpoint is read for it."""
-    from jaxdp.cluster import ft
+    from jaxdp.elastic import ft
     from jaxdp.errors import EXIT_PREEMPTED
-    from jaxdp.step.elastic import state_from_arrays
+    from jaxdp.elastic.every_step import state_from_arrays
 
     at = quorum_at(state)
     try:

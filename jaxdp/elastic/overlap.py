@@ -7,7 +7,7 @@ as many devices, bit for bit (tests/test_elastic_ft_overlap.py).
 A round, on each worker:
 
 1. The exchange of the pseudo-gradient in flight (round k's) starts on the thread: the round end of
-   jaxdp/step/elastic_ft_rounds.py (`RoundEnd`: a quorum, one all-gather of one row per worker, the
+   jaxdp/elastic/rounds.py (`RoundEnd`: a quorum, one all-gather of one row per worker, the
    commit, the rows added in rank order on the host), so a worker lost in it is left out and the mean is
    taken over the others' rows, weighted by the replicas counted; a non-finite row is left out and named.
 2. Meanwhile each device trains H inner steps on its replica (its shard of global batches, by rank, as
@@ -48,10 +48,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxdp.cluster.elastic import HubGone
+from jaxdp.elastic.hub import HubGone
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
-from jaxdp.step.elastic_ft_paced import round_of
-from jaxdp.step.elastic_ft_rounds import Ended, Replicas, RoundEnd, flat_of, tree_of
+from jaxdp.elastic.timed import round_of
+from jaxdp.elastic.rounds import Ended, Replicas, RoundEnd, flat_of, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
 from jaxdp.step.rounds import timed_inner
@@ -283,7 +283,7 @@ def make_ft_overlapped(loss_fn: Callable, tx: optax.GradientTransformation, mesh
                        grad_accum: int = 1, grad_norm: bool = False, strategy: Any = "psum", compression: Any = None
                        ) -> TrainStep:
     """The run's step object: the round loop runs `made.rounds` (as for the timed rounds,
-    jaxdp/step/elastic_ft_paced.py); it carries their warm-up and their close."""
+    jaxdp/elastic/timed.py); it carries their warm-up and their close."""
     del grad_norm  # (the inner step's metrics are the loss alone, as in jaxdp/step/rounds.py)
     rounds = FtOverlapped(loss_fn, tx, mesh, member, shard_data, every=every, outer_tx=outer_tx, stateful=stateful,
                           grad_accum=grad_accum, strategy=strategy, compression=compression)

@@ -1,5 +1,5 @@
 """Local steps across the workers of an elastic run on torchft (`--sync-every H`): DiLoCo rounds whose
-membership may change at every round's end (jaxdp/cluster/ft.py has the engine, elastic_ft.py the
+membership may change at every round's end (jaxdp/elastic/ft.py has the engine, every_step.py the
 every-step exchange whose pieces this reuses).
 
 Inside a worker nothing changes from a plain run of local steps (jaxdp/step/local_sgd.py): every device
@@ -38,9 +38,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp.cluster.elastic import HubGone
+from jaxdp.elastic.hub import HubGone
 from jaxdp.mesh import data_axes, replicate, state_specs
-from jaxdp.step.elastic_ft import (
+from jaxdp.elastic.every_step import (
     ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, present_of, say_live, step_number,
     take_quorum, wait_for_rank_0,
 )
@@ -73,7 +73,7 @@ class Ended(NamedTuple):
 
 class RoundEnd:
     """Steps 1-3 above and step 4's sum, for any rounds across torchft workers (these, and the timed
-    rounds of jaxdp/step/elastic_ft_paced.py). Each worker's row: a header (rank + 1 where it takes part,
+    rounds of jaxdp/elastic/timed.py). Each worker's row: a header (rank + 1 where it takes part,
     negated for values that are not finite; its flags), then float64 `[weight, *scalars]` (`keys`
     names the scalars), then `values` float32 values (or a codec's message). Every worker adds the
     counted rows' values in rank order (the same bits everywhere) and divides by their weights' sum:
@@ -153,7 +153,7 @@ class RoundEnd:
             heads = [(tag, flags) for tag, flags, _ in rows]
             live = live_of(heads)
             if start and live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
-                wait_for_rank_0(member, self.waiting)  # at the start, rank 0 restored the checkpoint (elastic_ft.py)
+                wait_for_rank_0(member, self.waiting)  # at the start, rank 0 restored the checkpoint (every_step.py)
                 continue
             break
         self.present = present_of(heads)
@@ -210,7 +210,7 @@ def tree_of(flat: np.ndarray, treedef: Any, shapes: list[tuple]) -> Any:
 
 class Replicas:
     """What the host-driven rounds of one torchft worker share (the timed rounds of
-    jaxdp/step/elastic_ft_paced.py, the overlapped ones of elastic_ft_overlap.py): the inner step over the
+    jaxdp/elastic/timed.py, the overlapped ones of elastic_ft_overlap.py): the inner step over the
     worker's replicas (`layout["inner"]`: round_programs.make_inner), per-device rows of a value, and the
     view of the state the inner step reads."""
 

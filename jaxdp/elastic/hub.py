@@ -57,7 +57,7 @@ as a lost one. A member whose hub goes away (the launcher was killed) stops afte
 rank 0 saves it (`HubGone`, then exit 75 in every member).
 
 This module holds no JAX: the launcher imports it. The hub is `jaxdp.launcher.hub.Hub`; the step
-that uses `Member` is `jaxdp.step.elastic.make_elastic_step`.
+that uses `Member` is `jaxdp.elastic.every_step.make_elastic_step`.
 """
 
 from __future__ import annotations
@@ -136,10 +136,34 @@ class Member:
         self.stall_timeout: float | None = None  # this run's --stall-timeout, for the hub (None: its default)
         self.alone = False       # (torchft's restarted rank 0 with no live worker: the hub always sends a state)
 
+    kind = "hub"          # the engine's name, as --elastic-engine says it (jaxdp/sync/rules.py checks by it)
+    lead_moves = False    # rank 0 leads for the whole run
+    Gone = HubGone        # what a step raises when the hub went away (the loop stops with its state)
+
     @property
     def lead(self) -> bool:
         """Rank 0 writes metrics, checkpoints and evaluations."""
         return self.rank == 0
+
+    # -- the engine's face to the loop (jaxdp/elastic/__init__.py): the loop imports nothing of this package
+
+    def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
+                  grad_accum: int, rounds: str | None = None, pace: Any = None, outer_tx: Any = None) -> Any:
+        """The hub's one update rule: every step, the host path (jaxdp/sync/rules.py refuses the others)."""
+        from jaxdp.elastic.every_step import make_elastic_step
+
+        return make_elastic_step(loss_fn, tx, mesh, self, shard_data, stateful=stateful, grad_accum=grad_accum,
+                                 grad_norm=True)
+
+    def settle(self, state: Any) -> tuple[Any, bool]:
+        """The state to start from once joined as the source: this process's own (restored or new)."""
+        return state, False
+
+    def state_from(self, template: Any, payload: Any) -> Any:
+        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
+        from jaxdp.elastic.every_step import state_from_arrays
+
+        return state_from_arrays(template, payload)
 
     def connect(self) -> bool:
         """Join: True if this process is the source of the state (it restores or initialises it),
@@ -205,7 +229,7 @@ class Member:
         send(self.sock, {"op": "state", "step": step}, pack(arrays))
 
     def leaves(self, orphaned: bool) -> bool:
-        """Never alone (jaxdp/cluster/ft.py's `leaves`): the hub is this worker's launcher, so a worker
+        """Never alone (jaxdp/elastic/ft.py's `leaves`): the hub is this worker's launcher, so a worker
         whose launcher is gone has lost the run's sum, and stops with the state it holds."""
         return False
 
@@ -233,7 +257,7 @@ def from_env(environ: dict | None = None) -> Any:
     environ = os.environ if environ is None else environ
     from jaxdp.cluster.ft_env import ENV_LIGHTHOUSE
 
-    if environ.get(ENV_LIGHTHOUSE):  # an elastic run on torchft: jaxdp.cluster.ft.from_env (train.py asks it)
+    if environ.get(ENV_LIGHTHOUSE):  # an elastic run on torchft: jaxdp.elastic.ft.from_env (train.py asks it)
         return None
     address = environ.get(ENV_ADDRESS)
     if not address:
