@@ -90,7 +90,7 @@ def _read_params(step_dir: str, step: int) -> Any:
     except Exception as err:  # noqa: BLE001 - a damaged or foreign directory: one line
         raise InputError(f"checkpoint {step_dir!r} could not be read ({quiet.first_line(err)})",
                          argument="directory") from None
-    params = jax.tree.map(np.asarray, restored["params"])
+    params = _with_zero_size(jax.tree.map(np.asarray, restored["params"]), "params", step_dir)
     checksums_path = os.path.join(step_dir, CHECKSUMS_FILE)
     if os.path.exists(checksums_path):
         with open(checksums_path) as f:
@@ -105,12 +105,20 @@ def _read_params(step_dir: str, step: int) -> Any:
 def read_meta(checkpoint_dir: str, step: int | None = None) -> dict:
     """The JSON a checkpoint records beside its state: step, data position, the run's config, ..."""
     step_dir, _ = _step_dir(os.path.abspath(checkpoint_dir), step)
+    meta = _meta_of(step_dir)
+    if meta is not None:
+        return meta
+    raise InputError(f"checkpoint {step_dir!r} has no readable {META_ITEM}/ record", argument="directory")
+
+
+def _meta_of(step_dir: str) -> dict | None:
+    """The meta JSON of a step directory; None if it has none."""
     for name in ("metadata", "meta"):  # orbax's JSON handler writes META_ITEM/metadata
         path = os.path.join(step_dir, META_ITEM, name)
         if os.path.isfile(path):
             with open(path) as f:
                 return json.load(f)
-    raise InputError(f"checkpoint {step_dir!r} has no readable {META_ITEM}/ record", argument="directory")
+    return None
 
 
 def load_model(checkpoint_dir: str, step: int | None = None) -> tuple[Any, Any]:
@@ -164,4 +172,21 @@ def _read_variables(step_dir: str, step: int) -> dict:
             restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
             model_state = reader.restore(path, args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
                                                                            partial_restore=True))["model_state"]
-    return {"params": params, **jax.tree.map(np.asarray, dict(model_state))}
+    return {"params": params, **_with_zero_size(jax.tree.map(np.asarray, dict(model_state)), "model_state", step_dir)}
+
+
+def _with_zero_size(tree: Any, prefix: str, step_dir: str) -> Any:
+    """`tree` (the `prefix` part of a checkpoint's state, as read from orbax's files) with its
+    zero-size arrays put back: orbax cannot save them, the step's meta records their shapes
+    (jaxdp/checkpoint/portable.py, `zero_size_meta`)."""
+    from jaxdp.checkpoint import portable
+
+    meta = _meta_of(step_dir)
+    recorded = portable.recorded_zero_size(meta) if meta else {}
+    if not recorded:
+        return tree
+
+    def put_back(path: Any, leaf: Any) -> Any:
+        shape_dtype = recorded.get("/".join([prefix, *(portable.key_name(k) for k in path)]))
+        return np.zeros(*shape_dtype) if leaf is None and shape_dtype else leaf
+    return jax.tree_util.tree_map_with_path(put_back, tree, is_leaf=lambda x: x is None)

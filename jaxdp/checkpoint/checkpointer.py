@@ -196,6 +196,7 @@ class Checkpointer:
             raise ValueError("its meta/metadata is missing or not jaxdp's")
         description = self._manager.item_metadata(step).get("state")
         shapes = {} if description is None else portable.flat_shapes(description)
+        shapes.update(portable.recorded_zero_size(meta))  # zero-size arrays: in meta, not in orbax's files
         if not shapes:  # a checkpoint always holds arrays: their description is gone (state/_METADATA)
             raise ValueError("state/_METADATA, the description of its arrays, is missing or unreadable")
         return meta, shapes
@@ -250,14 +251,15 @@ class Checkpointer:
     def _restore_step(self, step: int, state: TrainState, stored: dict) -> TrainState:
         target = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp().utils.to_shape_dtype_struct(x),
                               portable.to_portable(state, abstract=True, stored=stored))
-        args = ocp().args.Composite(state=ocp().args.StandardRestore(target), meta=ocp().args.JsonRestore())
+        args = ocp().args.Composite(state=ocp().args.StandardRestore(portable.without_zero_size(target)),
+                                    meta=ocp().args.JsonRestore())
         quiet.ignore_closed_event_loop_errors()
         restored = self._manager.restore(step, args=args)
         position = restored["meta"].get("data_position")
         if int(restored["state"].step) != step or position != step:
             raise ValueError(f"inconsistent checkpoint: directory {step}, state.step {int(restored['state'].step)}, "
                              f"data_position {position}")
-        return restored["state"]
+        return portable.with_zero_size(restored["state"], target)  # zero-size arrays: not in orbax's files
 
     def _warn_about_unfinished_saves(self) -> None:
         latest = self._manager.latest_step() or 0
@@ -347,7 +349,9 @@ class Checkpointer:
         if self.config is not None and resume.dataset_path(self.config):
             meta["dataset_path"] = resume.dataset_path(self.config)  # --dataset as given may be relative
         host_state = jax.device_get(portable.to_portable(state))
-        args = ocp().args.Composite(state=ocp().args.StandardSave(host_state), meta=ocp().args.JsonSave(meta))
+        meta.update(portable.zero_size_meta(host_state))  # orbax cannot save zero-size arrays: meta records them
+        args = ocp().args.Composite(state=ocp().args.StandardSave(portable.without_zero_size(host_state)),
+                                    meta=ocp().args.JsonSave(meta))
         try:
             with quiet.quiet():
                 saved = self._manager.save(step, args=args, force=True)

@@ -1,6 +1,7 @@
 """What the Checkpointer (jaxdp/checkpoint/checkpointer.py) asks of orbax and the file system, in one place:
 the items of a step, a directory that can be written, a free name to move a damaged step to, and a failed
-save as one line (with orbax's waiting writer threads let go, so the exit comes at once).
+save as one line (with orbax's waiting writer threads let go, so the exit comes at once, and the failed
+step's unfinished directory removed, so that nothing of it is left for a later run to find).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import socket
 import threading
 from typing import Any
@@ -66,6 +68,7 @@ def write_error(step: int, directory: str, err: BaseException) -> CheckpointWrit
     (--debug keeps it)."""
     quiet.silence_asyncio()
     release_waiting_writers()
+    remove_unfinished(directory, step)
     cause = err
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -79,6 +82,17 @@ def write_error(step: int, directory: str, err: BaseException) -> CheckpointWrit
         why = quiet.first_line(err)
     return CheckpointWriteError(f"cannot write checkpoint step {step} to {directory}: {why}; the earlier "
                                 f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
+
+
+def remove_unfinished(directory: str, step: int) -> None:
+    """Delete `<step>.orbax-checkpoint-tmp*` in `directory`, what a failed save of `step` wrote
+    (best effort: a directory that cannot be changed keeps it, and a restore ignores it anyway).
+    A committed step directory (`<step>`) is never touched."""
+    prefix = f"{step}{ocp().path.step.TMP_DIR_SUFFIX}"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith(prefix):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def release_waiting_writers() -> None:

@@ -1,11 +1,17 @@
 """A TrainState as checkpoints hold it, and back: whole, on the host, for any device count.
 
-    saved = toto_portable(state)                   # ZeRO-1 state in its tree form, per-device rows gathered
-    state = fromto_portable(restored, like=state)  # cut and placed like `like`; rows on another device count
+    saved = to_portable(state)                   # ZeRO-1 state in its tree form, per-device rows gathered
+    state = from_portable(restored, like=state)  # cut and placed like `like`; rows on another device count
     shapes = flat_shapes(tree)                   # {"params/Dense_0/kernel": (shape, dtype)}
     digests = checksums(jax.device_get(state))   # sha256 of every array's bytes
 
 So a checkpoint written on 8 devices restores on 2, sharded or not (jaxdp/checkpoint/checkpointer.py).
+
+Zero-size arrays (a parameter of shape (0, 4), and its optimizer state) are not written by orbax,
+which refuses them ("Cannot save arrays with zero size"): their shape and dtype are all they hold.
+So orbax gets the state `without_zero_size` (None in their place), the step's meta records them
+(`zero_size_meta`: {ZERO_SIZE: {path: [shape, dtype]}}), and a restore puts them back
+(`with_zero_size`, from the restore's target; `load_params` from the record).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from jaxdp.step import zero
 from jaxdp.step.state import TrainState
 
 PER_DEVICE = "sync/per_device/"  # paths of per-device rows (jaxdp.step.state.SyncState): any device count
+ZERO_SIZE = "zero_size"  # meta: {path: [shape, dtype]} of the state's zero-size arrays (not in orbax's files)
 
 
 def to_portable(state: TrainState, abstract: bool = False, stored: dict | None = None) -> TrainState:
@@ -108,3 +115,37 @@ def checksums(tree: Any) -> dict[str, str]:
     """{"params/Dense_0/kernel": sha256 of its bytes} for a host (numpy) copy of a state."""
     return {name: hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
             for name, leaf in named_leaves(tree).items()}
+
+
+def _is_zero_size(x: Any) -> bool:
+    return hasattr(x, "shape") and 0 in tuple(x.shape)
+
+
+def without_zero_size(tree: Any) -> Any:
+    """`tree` with None for each zero-size array: what orbax is given (it cannot save them)."""
+    return jax.tree.map(lambda x: None if _is_zero_size(x) else x, tree)
+
+
+def zero_size_meta(tree: Any) -> dict:
+    """{ZERO_SIZE: {path: [shape, dtype]}} of `tree`'s zero-size arrays for a checkpoint's meta; {}
+    when it has none (so the meta of every other checkpoint stays as it was)."""
+    shapes = {path: [list(shape), dtype] for path, (shape, dtype) in flat_shapes(tree).items() if 0 in shape}
+    return {ZERO_SIZE: shapes} if shapes else {}
+
+
+def recorded_zero_size(meta: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`zero_size_meta`'s record, as `flat_shapes` gives shapes: {path: (shape, dtype)}."""
+    recorded = meta.get(ZERO_SIZE) if isinstance(meta, dict) else None
+    return {path: (tuple(int(n) for n in shape), str(np.dtype(dtype)))
+            for path, (shape, dtype) in (recorded or {}).items()}
+
+
+def with_zero_size(restored: Any, target: Any) -> Any:
+    """`without_zero_size`'s inverse after a restore into `target` (arrays or ShapeDtypeStructs):
+    each zero-size array of `target` made anew, with its shape, dtype and sharding (numpy without
+    one), the rest from `restored`."""
+    def zeros(want: Any) -> Any:
+        empty = np.zeros(want.shape, want.dtype)
+        sharding = getattr(want, "sharding", None)
+        return empty if sharding is None else jax.make_array_from_callback(want.shape, sharding, lambda i: empty[i])
+    return jax.tree.map(lambda want, got: zeros(want) if _is_zero_size(want) else got, target, restored)
