@@ -6,6 +6,7 @@ The reference is the same text in a .txt file: each document followed by a newli
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -188,3 +189,47 @@ def test_a_text_file_named_like_a_glob_is_still_a_text_file(tmp_path):
     path.write_text("".join(d + "\n" for d in DOCS), encoding="utf-8")
     dataset = load_dataset(str(path), seq_len=16)
     assert np.array_equal(np.asarray(dataset.tokens), np.fromfile(path, np.uint8))
+
+
+# ---- hostile inputs: links, null texts, copies across the split -----------------------------------
+
+
+def test_a_recursive_glob_through_a_link_loop_reads_each_file_once(tmp_path, capsys):
+    """`DIR/**/*.jsonl` with `DIR/self -> .`: glob finds each file 41 times; each is read once, said in one line."""
+    folder = write(tmp_path / "docs", "jsonl")
+    os.symlink(".", folder / "self")
+    once = np.asarray(load_dataset(str(folder), seq_len=16).tokens)
+    capsys.readouterr()
+    looped = load_dataset(str(folder / "**" / "*.jsonl"), seq_len=16)
+    err = capsys.readouterr().err
+    assert np.array_equal(np.asarray(looped.tokens), once)
+    assert [line for line in err.splitlines() if "reading each file once" in line] == [
+        f"jaxdp: --dataset {folder}/**/*.jsonl names 123 paths but only 3 different files (symbolic links lead to "
+        f"the same files); reading each file once"]
+    assert "held-out documents are copies" not in err
+
+
+def held_out_copies(docs: list[str]) -> tuple[int, int]:
+    """(held-out documents, how many of them are a training document's text too), counted the slow way:
+    a document is held out when its bytes start in the last 10 % of the stream."""
+    from jaxdp.data.tokens import HELD_OUT_FRACTION
+
+    sizes = [len(d.encode()) + 1 for d in docs]
+    starts, n_train = np.cumsum([0, *sizes])[:-1], sum(sizes) - math.ceil(sum(sizes) * HELD_OUT_FRACTION)
+    training = {d for d, s in zip(docs, starts) if s < n_train}
+    held = [d for d, s in zip(docs, starts) if s >= n_train and d.strip()]
+    return len(held), sum(d in training for d in held)
+
+
+def test_copies_of_training_documents_in_the_held_out_split_are_said(tmp_path, capsys):
+    docs = DOCS[:100] + DOCS[10:30]  # the tail repeats documents trained on
+    held, copies = held_out_copies(docs)
+    assert copies > 3  # (the fixture has what the test needs)
+    load_dataset(str(write(tmp_path / "docs", "parquet", docs=docs)), seq_len=16)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "held-out documents" in line]
+    assert lines == [f"jaxdp: --dataset {tmp_path / 'docs'}: {copies} of the {held} held-out documents are copies of "
+                     f"training documents (the same text), so the held-out loss overrates the model; remove the "
+                     f"duplicate documents for a clean held-out split"]
+    load_dataset(str(write(tmp_path / "unique", "jsonl")), seq_len=16)  # DOCS: no copies (and a blank one is none)
+    assert "held-out documents" not in capsys.readouterr().err
+

@@ -14,16 +14,24 @@ their ids appended to the file as they come, so memory stays flat for corpora la
 
 Files are read in the order of their paths (a folder: every such file under it, hidden ones left
 out), a saved Hugging Face dataset in the order of its state.json (a DatasetDict: its "train" split).
+Each file is read once, however many paths lead to it (by its real path: a recursive glob through a
+link to a folder above, `DIR/**/*.jsonl` with `DIR/self -> .`, finds every file 40 times; one line
+says so).
 Every document is followed by a separator: the tokenizer's end-of-text token when it has one
 (`EOT_TOKENS`), else the tokenizer's ids of "\\n"; without a tokenizer the text is UTF-8 bytes
 (vocabulary 256) and the separator a newline byte, so a folder of documents gives exactly the
 stream of a .txt file holding each document followed by a newline. Rows whose text is null are
-skipped. The result is a `TokenDataset`, so batch `step` is the same pure function of (seed, step)
+skipped. Tokenizing also counts the held-out documents (the
+stream's tail, jaxdp/data/tokens.py) whose text is a training document's too (by a 64-bit digest of
+each document, spilled to a file beside the cache as it is written) and says how many, in one line:
+those are no held-out text. That line comes with the tokenizing, not on later runs that read the cache.
+The result is a `TokenDataset`, so batch `step` is the same pure function of (seed, step)
 as for every dataset and resume stays exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -36,7 +44,7 @@ import numpy as np
 
 from jaxdp.config import CORPUS_SUFFIXES
 from jaxdp.data import tokenizer as tokenizer_lib
-from jaxdp.data.tokens import TokenDataset, bytes_vocabulary, load_tokenizer, token_dataset
+from jaxdp.data.tokens import TokenDataset, bytes_vocabulary, load_tokenizer, token_dataset, training_tokens
 from jaxdp.errors import InputError
 
 BATCH_ROWS = 1024  # rows per record batch read (Parquet, Arrow); a JSONL batch is as many lines
@@ -62,7 +70,9 @@ def load_corpus(spec: str, seq_len: int, vocab_size: int | None = None, tokenize
     def build(path: str) -> None:
         print(f"jaxdp: tokenizing {len(files)} file(s) of {spec} (column {text_column!r}, once; cached as {path})",
               file=sys.stderr, flush=True)
-        write_ids(files, text_column, loaded, path, dtype)
+        written = write_ids(files, text_column, loaded, path, dtype)
+        for line in written.notes(spec, text_column):
+            print(f"jaxdp: --dataset {spec}: {line}", file=sys.stderr, flush=True)
 
     tokenizer_lib.build_once(path, build, argument="dataset")
     tokens = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
@@ -96,7 +106,18 @@ def find_files(spec: str) -> list[str]:
                              f"narrow the pattern", argument="dataset")
     if not found:
         raise InputError(what, argument="dataset")
-    return found
+    return _each_once(spec, found)
+
+
+def _each_once(spec: str, files: list[str]) -> list[str]:
+    """`files` less those that are the same file as an earlier one (by real path: a symbolic link to a
+    file already there, or a link to a folder above it that a recursive glob followed), said in one line."""
+    seen: set[str] = set()
+    once = [p for p in files if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+    if len(once) < len(files):
+        print(f"jaxdp: --dataset {spec} names {len(files)} paths but only {len(once)} different files (symbolic "
+              f"links lead to the same files); reading each file once", file=sys.stderr, flush=True)
+    return once
 
 
 def cache_path(spec: str, files: list[str], text_column: str, tokenizer_digest: str) -> str:
@@ -109,47 +130,116 @@ def cache_path(spec: str, files: list[str], text_column: str, tokenizer_digest: 
     return os.path.join(tokenizer_lib.cache_dir(), f"{name}-{which.hexdigest()[:12]}-{version.hexdigest()[:12]}.bin")
 
 
-def write_ids(files: list[str], text_column: str, tokenizer: Any, out_path: str, dtype: np.dtype) -> int:
+@dataclasses.dataclass
+class Written:
+    """What `write_ids` wrote: the ids, and the held-out documents (those whose ids start in the
+    held-out tail, jaxdp/data/tokens.py) with a copy in training."""
+
+    ids: int
+    held_out_documents: int
+    held_out_copies: int
+
+    def notes(self, spec: str, column: str) -> list[str]:
+        """What the user should hear of: a line for copies across the split."""
+        lines = []
+        if self.held_out_copies:
+            lines.append(f"{self.held_out_copies} of the {self.held_out_documents} held-out documents are copies of "
+                         f"training documents (the same text), so the held-out loss overrates the model; remove the "
+                         f"duplicate documents for a clean held-out split")
+        return lines
+
+
+def write_ids(files: list[str], text_column: str, tokenizer: Any, out_path: str, dtype: np.dtype) -> Written:
     """Every document of `files` and its separator, as ids of `dtype`, into `out_path` (through a temporary
-    file and a rename); returns the number of ids. Progress: a line per tenth of the bytes read."""
+    file and a rename); returns what it wrote (`Written`). Progress: a line per tenth of the bytes read."""
     encode = _bytes_encoder() if tokenizer is None else _tokenizer_encoder(tokenizer)
     progress = _Progress(sum(os.path.getsize(p) for p in files))
     tmp, count = f"{out_path}.tmp-{os.getpid()}", 0
+    copies = _Copies(f"{tmp}.documents")
     try:
-        with open(tmp, "wb") as out:
+        with open(tmp, "wb") as out, copies:
             for path in files:
                 for documents, read in read_documents(path, text_column):
-                    ids = encode(documents)
+                    ids, lengths = encode(documents)
+                    copies.add(documents, count, lengths)
                     np.asarray(ids, dtype).tofile(out)
                     count += len(ids)
                     progress(read)
+        held_out, copied = copies.across_the_split(training_tokens(count))
         os.replace(tmp, out_path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return count
+        for path in (tmp, copies.path):
+            if os.path.exists(path):
+                os.remove(path)
+    return Written(count, held_out, copied)
 
 
-def _bytes_encoder() -> Callable[[list[str]], np.ndarray]:
-    def encode(documents: list[str]) -> np.ndarray:
-        data = b"".join(d.encode("utf-8", "replace") + b"\n" for d in documents)
-        return np.frombuffer(data, np.uint8)
+class _Copies:
+    """Each document's digest and where its ids start, spilled to the file `path` as they come (memory stays
+    flat), to count the held-out documents whose text is also in the training split. Blank documents are
+    left out: an empty line repeated is no leak."""
+
+    RECORD = np.dtype([("digest", "<u8"), ("start", "<i8")])
+    CHUNK = 1 << 22  # training records compared at a time
+
+    def __init__(self, path: str):
+        self.path, self.file = path, None
+
+    def __enter__(self) -> "_Copies":
+        self.file = open(self.path, "wb")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.file.close()
+
+    def add(self, documents: list[str], start: int, lengths: np.ndarray) -> None:
+        records = np.empty(len(documents), self.RECORD)
+        records["digest"] = [int.from_bytes(hashlib.blake2b(d.encode("utf-8", "replace"), digest_size=8).digest(),
+                                            "little") for d in documents]
+        records["start"] = start + np.cumsum(lengths) - lengths
+        records[[bool(d.strip()) for d in documents]].tofile(self.file)
+
+    def across_the_split(self, n_train: int) -> tuple[int, int]:
+        """(held-out documents, how many of them have a copy among the training documents), the held-out
+        documents being those whose ids start at or after `n_train`."""
+        if not os.path.getsize(self.path):
+            return 0, 0
+        records = np.memmap(self.path, self.RECORD, mode="r")
+        first = int(np.searchsorted(records["start"], n_train))  # starts grow: the held-out ones are the tail
+        held, inverse = np.unique(np.asarray(records["digest"][first:]), return_inverse=True)
+        seen = np.zeros(len(held), bool)
+        for begin in range(0, first, self.CHUNK):
+            digests = np.asarray(records["digest"][begin:min(first, begin + self.CHUNK)])
+            at = np.minimum(np.searchsorted(held, digests), max(len(held) - 1, 0))
+            if len(held):
+                seen[at[held[at] == digests]] = True
+        del records
+        return len(inverse), int(seen[inverse].sum())
+
+
+def _bytes_encoder() -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
+    def encode(documents: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        parts = [d.encode("utf-8", "replace") + b"\n" for d in documents]
+        return np.frombuffer(b"".join(parts), np.uint8), np.asarray([len(p) for p in parts], np.int64)
     return encode
 
 
-def _tokenizer_encoder(tokenizer: Any) -> Callable[[list[str]], np.ndarray]:
-    """Each document's ids, then the separator; a long document is encoded in pieces cut where the
-    pre-tokenizer splits anyway (jaxdp/data/tokenizer.py), so its ids are those of the whole."""
+def _tokenizer_encoder(tokenizer: Any) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
+    """Each document's ids, then the separator (and each document's number of ids, separator included); a
+    long document is encoded in pieces cut where the pre-tokenizer splits anyway (jaxdp/data/tokenizer.py),
+    so its ids are those of the whole."""
     eot = next((tokenizer.token_to_id(t) for t in EOT_TOKENS if tokenizer.token_to_id(t) is not None), None)
     separator = np.asarray([eot] if eot is not None else tokenizer.encode("\n", add_special_tokens=False).ids, np.int64)
 
-    def encode(documents: list[str]) -> np.ndarray:
+    def encode(documents: list[str]) -> tuple[np.ndarray, np.ndarray]:
         pieces = [tokenizer_lib._pieces(d, tokenizer_lib.PIECE_CHARS) for d in documents]
         encodings = iter(tokenizer.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False))
-        out = []
+        out, lengths = [], []
         for ps in pieces:
-            out += [np.asarray(next(encodings).ids, np.int64) for _ in ps] + [separator]
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+            ids = [np.asarray(next(encodings).ids, np.int64) for _ in ps] + [separator]
+            out += ids
+            lengths.append(sum(len(i) for i in ids))
+        return (np.concatenate(out) if out else np.zeros(0, np.int64)), np.asarray(lengths, np.int64)
     return encode
 
 

@@ -165,7 +165,7 @@ def token_dataset(path: str, tokens: np.ndarray, vocab_size: int, seq_len: int) 
     """`tokens` (read from `path`) as a TokenDataset, the last `HELD_OUT_FRACTION` held out; InputError if
     too short for a window in both splits or if an id is outside the vocabulary."""
     where = f"dataset file {path!r}"
-    n_train = len(tokens) - math.ceil(len(tokens) * HELD_OUT_FRACTION)
+    n_train = training_tokens(len(tokens))
     dataset = TokenDataset(path, tokens, int(vocab_size), seq_len, n_train)
     if dataset.train_windows < 1 or dataset.held_out_windows < 1:
         need = math.ceil((seq_len + 2) / HELD_OUT_FRACTION)
@@ -174,6 +174,12 @@ def token_dataset(path: str, tokens: np.ndarray, vocab_size: int, seq_len: int) 
                          f"tokens or a shorter sequence length", argument="dataset")
     check_ids(tokens, int(vocab_size), where, n_train)
     return dataset
+
+
+def training_tokens(n_tokens: int) -> int:
+    """How many of a stream's `n_tokens` ids are the training split (the rest, the last
+    `HELD_OUT_FRACTION`, is held out)."""
+    return n_tokens - math.ceil(n_tokens * HELD_OUT_FRACTION)
 
 
 def check_ids(tokens: np.ndarray, vocab_size: int, where: str, n_train: int | None = None) -> None:
