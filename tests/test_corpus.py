@@ -233,3 +233,16 @@ def test_copies_of_training_documents_in_the_held_out_split_are_said(tmp_path, c
     load_dataset(str(write(tmp_path / "unique", "jsonl")), seq_len=16)  # DOCS: no copies (and a blank one is none)
     assert "held-out documents" not in capsys.readouterr().err
 
+
+def test_rows_with_a_null_text_are_left_out_in_one_line(tmp_path, capsys, token_cache):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in [*DOCS[:60], None, None]))
+    pyarrow.parquet.write_table(pa.table({"text": [None, *DOCS[60:]]}), folder / "b.parquet")
+    dataset = load_dataset(str(folder), seq_len=16)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "is null" in line]
+    assert lines == [f"jaxdp: --dataset {folder}: left out 3 row(s) whose 'text' is null (2 in {folder / 'a.jsonl'}, "
+                     f"1 in {folder / 'b.parquet'})"]
+    assert np.array_equal(np.asarray(dataset.tokens), np.frombuffer("".join(d + "\n" for d in DOCS).encode(), np.uint8))
+    assert not [p for p in os.listdir(token_cache) if not p.endswith(".bin")]  # the spilled digests are gone too
+

@@ -21,10 +21,10 @@ Every document is followed by a separator: the tokenizer's end-of-text token whe
 (`EOT_TOKENS`), else the tokenizer's ids of "\\n"; without a tokenizer the text is UTF-8 bytes
 (vocabulary 256) and the separator a newline byte, so a folder of documents gives exactly the
 stream of a .txt file holding each document followed by a newline. Rows whose text is null are
-skipped. Tokenizing also counts the held-out documents (the
+left out, in one line with their count and files. Tokenizing also counts the held-out documents (the
 stream's tail, jaxdp/data/tokens.py) whose text is a training document's too (by a 64-bit digest of
 each document, spilled to a file beside the cache as it is written) and says how many, in one line:
-those are no held-out text. That line comes with the tokenizing, not on later runs that read the cache.
+those are no held-out text. Both lines come with the tokenizing, not on later runs that read the cache.
 The result is a `TokenDataset`, so batch `step` is the same pure function of (seed, step)
 as for every dataset and resume stays exact.
 """
@@ -132,16 +132,21 @@ def cache_path(spec: str, files: list[str], text_column: str, tokenizer_digest: 
 
 @dataclasses.dataclass
 class Written:
-    """What `write_ids` wrote: the ids, and the held-out documents (those whose ids start in the
-    held-out tail, jaxdp/data/tokens.py) with a copy in training."""
+    """What `write_ids` wrote: the ids, the rows left out for a null text (by file), and the held-out
+    documents (those whose ids start in the held-out tail, jaxdp/data/tokens.py) with a copy in training."""
 
     ids: int
+    nulls: dict[str, int]
     held_out_documents: int
     held_out_copies: int
 
     def notes(self, spec: str, column: str) -> list[str]:
-        """What the user should hear of: a line for copies across the split."""
+        """What the user should hear of: a line for the null texts, one for copies across the split."""
         lines = []
+        if self.nulls:
+            where = ", ".join(f"{n} in {path}" for path, n in list(self.nulls.items())[:3])
+            more = f" and {len(self.nulls) - 3} more file(s)" if len(self.nulls) > 3 else ""
+            lines.append(f"left out {sum(self.nulls.values())} row(s) whose {column!r} is null ({where}{more})")
         if self.held_out_copies:
             lines.append(f"{self.held_out_copies} of the {self.held_out_documents} held-out documents are copies of "
                          f"training documents (the same text), so the held-out loss overrates the model; remove the "
@@ -154,12 +159,15 @@ def write_ids(files: list[str], text_column: str, tokenizer: Any, out_path: str,
     file and a rename); returns what it wrote (`Written`). Progress: a line per tenth of the bytes read."""
     encode = _bytes_encoder() if tokenizer is None else _tokenizer_encoder(tokenizer)
     progress = _Progress(sum(os.path.getsize(p) for p in files))
-    tmp, count = f"{out_path}.tmp-{os.getpid()}", 0
+    tmp, count, nulls = f"{out_path}.tmp-{os.getpid()}", 0, {}
     copies = _Copies(f"{tmp}.documents")
     try:
         with open(tmp, "wb") as out, copies:
             for path in files:
                 for documents, read in read_documents(path, text_column):
+                    if None in documents:
+                        nulls[path] = nulls.get(path, 0) + documents.count(None)
+                        documents = [d for d in documents if d is not None]
                     ids, lengths = encode(documents)
                     copies.add(documents, count, lengths)
                     np.asarray(ids, dtype).tofile(out)
@@ -171,7 +179,7 @@ def write_ids(files: list[str], text_column: str, tokenizer: Any, out_path: str,
         for path in (tmp, copies.path):
             if os.path.exists(path):
                 os.remove(path)
-    return Written(count, held_out, copied)
+    return Written(count, nulls, held_out, copied)
 
 
 class _Copies:
@@ -243,8 +251,9 @@ def _tokenizer_encoder(tokenizer: Any) -> Callable[[list[str]], tuple[np.ndarray
     return encode
 
 
-def read_documents(path: str, column: str) -> Iterator[tuple[list[str], int]]:
-    """(documents, bytes of the file read for them) a batch at a time; null texts are left out."""
+def read_documents(path: str, column: str) -> Iterator[tuple[list[str | None], int]]:
+    """(documents, bytes of the file read for them) a batch at a time; a null text is None (`write_ids`
+    counts and leaves them out)."""
     if path.lower().endswith((".jsonl", ".ndjson")):
         yield from _jsonl(path, column)
         return
@@ -296,8 +305,8 @@ def _check_column(schema: Any, column: str, path: str) -> None:
                          f"with --text-column", argument="dataset")
 
 
-def _texts(array: Any) -> list[str]:
-    return [t for t in array.to_pylist() if t is not None]
+def _texts(array: Any) -> list[str | None]:
+    return array.to_pylist()
 
 
 def _jsonl(path: str, column: str) -> Iterator[tuple[list[str], int]]:
@@ -318,8 +327,7 @@ def _jsonl(path: str, column: str) -> Iterator[tuple[list[str], int]]:
             if text is not None and not isinstance(text, str):
                 raise InputError(f"dataset file {path!r} line {number}: {column!r} holds {type(text).__name__}, not "
                                  f"text; name the text key with --text-column", argument="dataset")
-            if text is not None:
-                documents.append(text)
+            documents.append(text)
             if len(documents) >= BATCH_ROWS:
                 yield documents, read
                 documents, read = [], 0
