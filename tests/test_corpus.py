@@ -246,3 +246,22 @@ def test_rows_with_a_null_text_are_left_out_in_one_line(tmp_path, capsys, token_
     assert np.array_equal(np.asarray(dataset.tokens), np.frombuffer("".join(d + "\n" for d in DOCS).encode(), np.uint8))
     assert not [p for p in os.listdir(token_cache) if not p.endswith(".bin")]  # the spilled digests are gone too
 
+
+def test_a_dataset_link_that_leads_nowhere_is_one_line_and_exit_2(tmp_path, capsys):
+    """A file that links to itself, in a folder or named itself, and a link to a missing file: exit 2, not 1."""
+    from jaxdp.train import main
+
+    loop = tmp_path / "a.jsonl"
+    os.symlink("a.jsonl", loop)  # ln -s a.jsonl a.jsonl
+    folder = write(tmp_path / "docs", "jsonl")
+    os.symlink("loop.jsonl", folder / "loop.jsonl")
+    gone = write(tmp_path / "gone", "jsonl")
+    os.symlink(str(tmp_path / "moved.jsonl"), gone / "z.jsonl")
+    for dataset, words in ((folder, f"dataset file '{folder / 'loop.jsonl'}' is a symbolic link that leads back"),
+                           (loop, f"dataset file '{loop}' is a symbolic link that leads back to itself"),
+                           (folder / "*.jsonl", f"dataset file '{folder / 'loop.jsonl'}' is a symbolic link that leads back"),
+                           (gone, f"'{gone / 'z.jsonl'}' is a symbolic link to '{tmp_path / 'moved.jsonl'}', which "
+                                  f"does not exist; point it at a data file or remove it")):
+        code = main([*TINY_GPT, "--dataset", str(dataset), "--steps", "1"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and words in err[0], (dataset, code, err)

@@ -16,7 +16,7 @@ Files are read in the order of their paths (a folder: every such file under it, 
 out), a saved Hugging Face dataset in the order of its state.json (a DatasetDict: its "train" split).
 Each file is read once, however many paths lead to it (by its real path: a recursive glob through a
 link to a folder above, `DIR/**/*.jsonl` with `DIR/self -> .`, finds every file 40 times; one line
-says so).
+says so); a symbolic link that loops or leads to no file is an error naming it.
 Every document is followed by a separator: the tokenizer's end-of-text token when it has one
 (`EOT_TOKENS`), else the tokenizer's ids of "\\n"; without a tokenizer the text is UTF-8 bytes
 (vocabulary 256) and the separator a newline byte, so a folder of documents gives exactly the
@@ -32,6 +32,7 @@ as for every dataset and resume stays exact.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import hashlib
 import json
@@ -98,7 +99,9 @@ def find_files(spec: str) -> list[str]:
                        and not any(part.startswith(".") for part in os.path.relpath(root, spec).split(os.sep) if part != "."))
         what = f"folder {spec!r} holds no {', '.join(CORPUS_SUFFIXES)} file"
     else:
-        found = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        matches = sorted(glob.glob(spec, recursive=True))
+        _check_links(p for p in matches if p.lower().endswith(CORPUS_SUFFIXES))
+        found = [p for p in matches if os.path.isfile(p)]
         what = f"{spec!r} matches no file" if any(c in spec for c in "*?[") else f"dataset file {spec!r} does not exist"
         other = [p for p in found if not p.lower().endswith(CORPUS_SUFFIXES)]
         if other:
@@ -106,7 +109,25 @@ def find_files(spec: str) -> list[str]:
                              f"narrow the pattern", argument="dataset")
     if not found:
         raise InputError(what, argument="dataset")
+    _check_links(found)
     return _each_once(spec, found)
+
+
+def _check_links(paths: Any) -> None:
+    """InputError for the first of `paths` that is a symbolic link leading nowhere: to itself (a loop), or
+    to a file that does not exist."""
+    for path in paths:
+        try:
+            os.stat(path)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise InputError(f"dataset file {path!r} is a symbolic link that leads back to itself (a loop); "
+                                 f"point it at a data file or remove it", argument="dataset") from None
+            if os.path.islink(path) and err.errno == errno.ENOENT:
+                raise InputError(f"dataset file {path!r} is a symbolic link to {os.readlink(path)!r}, which does "
+                                 f"not exist; point it at a data file or remove it", argument="dataset") from None
+            raise InputError(f"dataset file {path!r} cannot be read ({err.strerror or err})",
+                             argument="dataset") from None
 
 
 def _each_once(spec: str, files: list[str]) -> list[str]:
