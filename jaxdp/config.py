@@ -60,7 +60,7 @@ class Config:
     batch_size: int = _field(128, "data", "global batch size (in sequences for gpt), split evenly over every device of every process; with --grad-accum K each step takes K such batches")
     vocab_size: int | None = _field(None, "data", "vocabulary size of a .bin or .npy token file (a .txt file is bytes: 256, or its --tokenizer's)")
     seq_len: int = _field(128, "data", "tokens per training sequence (gpt)")
-    tokenizer: str | None = _field(None, "data", "a Hugging Face tokenizers JSON file that encodes a .txt --dataset (else read as bytes); its vocabulary size is the model's (or a larger --vocab-size); the text is encoded once into a cache ($JAXDP_TOKEN_CACHE, else ~/.cache/jaxdp/tokens); needs pip install 'jaxdp[tokenizers]'", metavar="PATH")
+    tokenizer: str | None = _field(None, "data", "a Hugging Face tokenizers JSON file that encodes a .txt --dataset (else read as bytes); its vocabulary size is the model's (or a larger --vocab-size); the text is encoded once into a cache ($JAXDP_TOKEN_CACHE, else ~/.cache/jaxdp/tokens); needs pip install 'jaxdp-trainer[tokenizers]'", metavar="PATH")
     text_column: str = _field("text", "data", "the column (Parquet, Arrow, a saved Hugging Face dataset) or key (JSON lines) of a documents --dataset that holds the text", metavar="NAME")
     prefetch: int = _field(2, "data", "batches prepared and copied to the devices ahead of the step that needs them, on a background thread (0: none)")
 
@@ -128,7 +128,7 @@ class Config:
     eval_batches: int = _field(50, "logging", "at most this many global batches per evaluation, the first ones of the held-out split (0: all of it)")
     metrics_file: str | None = _field(None, "logging", "JSON Lines file: one object per logged step, then one with \"event\": \"done\"")
     log_dir: str | None = _field(None, "logging", "TensorBoard event directory")
-    wandb_project: str | None = _field(None, "logging", "Weights & Biases project: process 0 logs the same records as --metrics-file there (WANDB_ENTITY, WANDB_NAME, WANDB_MODE=offline as wandb reads them); a run resumed from --checkpoint-dir continues the same W&B run; needs pip install 'jaxdp[wandb]'", metavar="NAME")
+    wandb_project: str | None = _field(None, "logging", "Weights & Biases project: process 0 logs the same records as --metrics-file there (WANDB_ENTITY, WANDB_NAME, WANDB_MODE=offline as wandb reads them); a run resumed from --checkpoint-dir continues the same W&B run; needs pip install 'jaxdp-trainer[wandb]'", metavar="NAME")
     progress: bool = _field(True, "logging", "show a progress bar on process 0")
     compile_cache: str = _field("auto", "logging", "JAX's persistent compilation cache: a directory, auto ($JAXDP_COMPILE_CACHE, else ~/.cache/jaxdp/xla), or off")
     debug: bool = _field(False, "logging", "show full tracebacks on errors")
@@ -215,7 +215,7 @@ class Config:
                               f".npy holds token ids already: give its --vocab-size; python -m jaxdp.prepare makes one)")
         for name, package, extra in (("tokenizer", "tokenizers", "tokenizers"), ("wandb_project", "wandb", "wandb")):
             if getattr(self, name) is not None and importlib.util.find_spec(package) is None:
-                raise ConfigError(f"--{_flag(name)} needs the {package} package: pip install 'jaxdp[{extra}]'")
+                raise ConfigError(f"--{_flag(name)} needs the {package} package: pip install 'jaxdp-trainer[{extra}]'")
         if self.wandb_project is not None and not self.wandb_project.strip():
             raise ConfigError("--wandb-project must name a project, got an empty name")
         if self.checkpoint_dir is not None and os.path.exists(self.checkpoint_dir) and not os.path.isdir(self.checkpoint_dir):

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on (jaxdp/elastic/hub.py: --strategy host, one node); up to --max-restarts times in all")
     parser.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="an elastic run's engine: "
                         "hub (this launcher sums the gradients) or torchft (a Lighthouse and gloo; pip install "
-                        "'jaxdp[elastic]'; jaxdp/elastic/ft.py)")
+                        "'jaxdp-trainer[elastic]'; jaxdp/elastic/ft.py)")
     parser.add_argument("--lighthouse", metavar="HOST:PORT", help="torchft: the Lighthouse to use (default: node 0's "
                         "launcher starts one, on 127.0.0.1, or with --nnodes > 1 on --coordinator)")
     parser.add_argument("--min-workers", type=int, default=1, help="torchft: fewer live workers than this for "

@@ -21,7 +21,7 @@ then one record per logged step (`step`, `loss`, the model's metrics, `lr`, `ste
 the held-out metrics. A value that is not a finite number is written as the string "NaN",
 "Infinity" or "-Infinity" (bare NaN is not JSON).
 
-Weights & Biases (`wandb_project=`, `pip install 'jaxdp[wandb]'`) gets the same records: the run
+Weights & Biases (`wandb_project=`, `pip install 'jaxdp-trainer[wandb]'`) gets the same records: the run
 starts at the "start" record, with its config; each logged step's numbers as `train/<name>`, eval
 records and the "done" record's as `eval/<name>` (the "done" record also as the run's summary),
 other events' numbers as `<event>/<name>`, all against the x-axis `step`. With `wandb_id_dir` (the
@@ -284,7 +284,7 @@ class WandbSink:
             from jaxdp.errors import InputError
 
             raise InputError("logging to Weights & Biases (wandb_project) needs the wandb package: "
-                             "pip install 'jaxdp[wandb]'", setting="wandb_project") from None
+                             "pip install 'jaxdp-trainer[wandb]'", setting="wandb_project") from None
         self._wandb, self._project, self._run = wandb, project, None
         self._id_file = os.path.join(id_dir, WANDB_ID_FILE) if id_dir else None
         self._run_id = None

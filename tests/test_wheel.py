@@ -40,12 +40,14 @@ def test_the_wheel_installs_with_its_scripts_and_trains_from_elsewhere(tmp_path)
                                                                 "__pycache__", "*.egg-info", ".pytest_cache"))
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
          "-w", tmp_path / "dist", source], tmp_path)
-    (wheel,) = (tmp_path / "dist").glob("jaxdp-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("jaxdp_trainer-*.whl")  # the distribution jaxdp-trainer, as README.md names it
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         entry_points = configparser.ConfigParser()
         (info,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         entry_points.read_string(archive.read(info).decode())
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        assert "\nName: jaxdp-trainer\n" in archive.read(metadata).decode()  # "jaxdp" on the index is another project
     # Every file the package needs at run time: each file under jaxdp/ (not only its .py modules).
     shipped = {str(p.relative_to(ROOT)) for p in (ROOT / "jaxdp").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert not shipped - names, f"not in the wheel: {sorted(shipped - names)} (add them to package-data)"

@@ -49,7 +49,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--elastic", action="store_true", help="`jaxdp.launch --elastic` (--strategy host): a lost process "
                    "restarts alone; the plain run's undisturbed time is measured too")
     p.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="with --elastic: the launcher's "
-                   "engine (torchft: pip install 'jaxdp[elastic]'; jaxdp/elastic/ft.py)")
+                   "engine (torchft: pip install 'jaxdp-trainer[elastic]'; jaxdp/elastic/ft.py)")
     p.add_argument("--launch-args", default="", help="more jaxdp.launch flags of the elastic runs, as one string "
                    "(e.g. --heartbeat-timeout 0.5)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")

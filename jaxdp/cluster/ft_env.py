@@ -19,7 +19,7 @@ ENV_MIN = "JAXDP_FT_MIN_WORKERS"
 ENV_QUORUM_TIMEOUT = "JAXDP_FT_QUORUM_TIMEOUT"
 ENV_RESTART = "JAXDP_FT_RESTART"             # set: a restarted worker (its engine starts once it has compiled)
 ENV_LIGHTHOUSE_HERE = "JAXDP_FT_LIGHTHOUSE_HERE"  # set: this worker's launcher hosts the Lighthouse (jaxdp/elastic/ft.py, `leave`)
-INSTALL = "an elastic run on torchft needs torchft: pip install 'jaxdp[elastic]'"
+INSTALL = "an elastic run on torchft needs torchft: pip install 'jaxdp-trainer[elastic]'"
 
 
 def require_torchft() -> Any:

@@ -50,7 +50,7 @@ from jaxdp.errors import InputError
 
 BATCH_ROWS = 1024  # rows per record batch read (Parquet, Arrow); a JSONL batch is as many lines
 EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-INSTALL_HINT = "pip install 'jaxdp[data]'"
+INSTALL_HINT = "pip install 'jaxdp-trainer[data]'"
 QUIET_BYTES = 256 << 20  # corpora up to this size tokenize without progress lines
 FORMAT_VERSION = 1  # in the cache key: a change to how documents become ids makes new cache files
 

@@ -41,7 +41,7 @@ PIECE_CHARS = 1 << 11     # a block is cut into pieces of about this size for en
                           # pieces encode 2x, 64K 4x slower than 1-2K ones, on a byte-level BPE)
 MAX_CARRY_CHARS = 64 << 20  # text with no cut point this long (no spaces at all) is encoded as it is
 ENV_CACHE = "JAXDP_TOKEN_CACHE"
-INSTALL_HINT = "pip install 'jaxdp[tokenizers]'"
+INSTALL_HINT = "pip install 'jaxdp-trainer[tokenizers]'"
 
 # Where the text may be cut: before a single space or newline between two non-space characters.
 _CUTS = re.compile(r"(?<=\S)(?=[ \n]\S)")
