@@ -98,6 +98,7 @@ def train(config: Config) -> Any:
     import jax
 
     from jaxdp import elastic
+    from jaxdp.checkpoint.resume import DATA_DIGEST
     from jaxdp.cluster import agreement, distributed, heartbeat
     from jaxdp.data import datasets as data
     from jaxdp.loop.options import CheckpointOptions, EvalOptions, LogOptions, RunOptions, SyncOptions
@@ -200,7 +201,8 @@ def train(config: Config) -> Any:
                          comm_target=config.comm_target, compression_every=config.compression_every),
         evaluation=EvalOptions(fn=task.eval_fn, data=held_out, summarize=task.summarize, every=config.eval_every),
         checkpoint=CheckpointOptions(directory=config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
-                                     meta={"num_outputs": num_outputs, "schedule_steps": horizon}),
+                                     meta={"num_outputs": num_outputs, "schedule_steps": horizon,
+                                           DATA_DIGEST: dataset.fingerprint()}),  # a resume checks it
         logging=LogOptions(every=config.log_every, metrics_file=config.metrics_file, log_dir=config.log_dir,
                            wandb_project=config.wandb_project, progress=config.progress, schedule=schedule),
         run=RunOptions(config=config, resume_note=horizon_note, run_info={"compile_cache": cache_dir}, watch=beat,

@@ -138,6 +138,35 @@ def test_resume_from_a_checkpoint_is_bit_identical(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), resumed.state, whole.state)
 
 
+def test_a_resume_on_changed_documents_is_refused_in_one_line(tmp_path, capsys):
+    """Documents appended, or text edited in place, since the checkpoint: the held-out split (the stream's
+    tail) would move over text already trained on. Exit 2, one line saying what changed; as it was, it resumes."""
+    from jaxdp.train import main
+
+    folder = write(tmp_path / "docs", "jsonl")
+    flags = [*TINY_GPT, "--dataset", str(folder), "--checkpoint-dir", str(tmp_path / "run"), "--save-every", "2",
+             "--eval-batches", "1"]
+    assert main([*flags, "--steps", "2"]) == 0
+    last, ids = folder / "part-2.jsonl", sum(len(d.encode()) + 1 for d in DOCS)
+    original = last.read_text(encoding="utf-8")
+    for text, change in ((original + json.dumps({"text": "one more"}) + "\n",
+                          f"(it was trained on {ids} uint8 token ids, this run reads {ids + 9} uint8 token ids)"),
+                         (original.replace("the end", "THE END", 1),  # the same size
+                          f"(the same {ids} uint8 token ids, with other contents (edited in place))")):
+        last.write_text(text, encoding="utf-8")
+        capsys.readouterr()
+        assert main([*flags, "--steps", "4"]) == 2
+        err = capsys.readouterr().err
+        (line,) = [line for line in err.splitlines() if "error" in line]
+        assert "Traceback" not in err and line == (
+            f"jaxdp: error: --checkpoint-dir: checkpoint directory '{tmp_path / 'run'}' holds a checkpoint (step 2) "
+            f"trained on other data: dataset '{folder}' changed since {change}, so the held-out split would now hold "
+            f"text already trained on; restore the data it was trained on, or start a new run in another checkpoint "
+            f"directory")
+    last.write_text(original, encoding="utf-8")
+    assert main([*flags, "--steps", "4"]) == 0
+
+
 def test_bad_documents_are_one_line_naming_the_dataset(tmp_path):
     folder = write(tmp_path / "docs", "parquet", column="body")
     os.makedirs(tmp_path / "empty")

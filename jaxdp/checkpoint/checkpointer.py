@@ -11,7 +11,8 @@ A checkpoint is one step directory of an orbax `CheckpointManager`:
 
     DIR/15/state/                     the TrainState: step, params, opt_state, model_state, rng
     DIR/15/meta/                      JSON: the step, the data position, the Config of the run (and
-                                      `extra_meta`: the CLI notes whether --sync-every auto chose H;
+                                      `extra_meta`: the CLI notes whether --sync-every auto chose H
+                                      and the data's fingerprint, `data_digest`;
                                       `save_cost`: what --save-every auto measured)
     DIR/15/jaxdp_checksums.json       sha256 of every array of the state (see "Integrity" below)
     DIR/.jaxdp-lock                   held by the run that writes DIR (jaxdp/checkpoint/dirlock.py)
@@ -33,6 +34,11 @@ checkpoint made before checksums existed, but not silently: it must hold only fi
 damaged float is often NaN; if not, it is damage like any other), one warning line says it is
 unverified, and `restored_unverified` keeps its step, so that a divergence after the restore does
 not call it intact (the CLI's message says it may be the cause).
+
+The data: with `extra_meta["data_digest"]` (the CLI records the dataset's fingerprint), a restore
+whose checkpoint recorded another one refuses (InputError: documents appended or text edited in
+place would move the held-out split over text already trained on; jaxdp/checkpoint/resume.py,
+`data_change`). A checkpoint that recorded none (an older jaxdp's, a notebook's) is not checked.
 
 A damaged checkpoint is told apart from one made with other flags by what failed: a description
 (`state/_METADATA`, `meta`) that cannot be read or lists no arrays is damage; a complete description
@@ -239,6 +245,12 @@ class Checkpointer:
                                  f"steps (sync_every > 1) and synchronous training keep different states: use "
                                  f"sync_every {'> 1' if have > 1 else '= 1'} or another checkpoint directory",
                                  argument="directory", setting="sync_every")
+        change = resume.data_change(meta, self.extra_meta.get(resume.DATA_DIGEST))
+        if change is not None:
+            dataset = f"dataset {self.config.dataset!r}" if self.config is not None else "the dataset"
+            raise InputError(f"{where} trained on other data: {dataset} changed since ({change}), so the held-out "
+                             f"split would now hold text already trained on; restore the data it was trained on, or "
+                             f"start a new run in another checkpoint directory", argument="directory")
         wanted = portable.flat_shapes(portable.to_portable(state, abstract=True, stored=stored))
         for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):

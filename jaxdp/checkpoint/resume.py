@@ -4,8 +4,10 @@
     config, said = with_recorded_defaults(config, recorded)   # an older jaxdp's checkpoint: its defaults
     same_dataset(meta, config)                  # the same --dataset file, however it is spelt
     dataset_path(config)                        # --dataset as an absolute path (None: built in)
+    data_change(meta, fingerprint)              # how the data changed since the checkpoint (None: it did not)
 
-jaxdp/checkpoint/checkpointer.py refuses a resume (exit 2, one line naming the first field) when one differs.
+jaxdp/checkpoint/checkpointer.py refuses a resume (exit 2, one line naming the first field) when one differs,
+and when the data itself changed under the same --dataset (`data_change`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,27 @@ def _unused(config: Config) -> set[str]:
     if not is_corpus(config.dataset):  # --text-column names a column of documents only
         unused.add("text_column")
     return unused
+
+
+# The meta key of the data a run trained on: the dataset's fingerprint (jaxdp/data/datasets.py and tokens.py:
+# its size and a digest of evenly spaced blocks, jaxdp/data/digest.py), recorded by the command line.
+DATA_DIGEST = "data_digest"
+
+
+def data_change(meta: dict, fingerprint: dict | None) -> str | None:
+    """How the data a run reads now (`fingerprint`) differs from the data the checkpoint with `meta` was
+    trained on, in words; None when they agree, or when either is unknown (a checkpoint of an older jaxdp
+    or of a notebook records none: it resumes as before).
+
+    Documents appended to a corpus, or text edited in place, move the held-out split (the stream's tail)
+    over text already trained on and shift every later batch. The digest samples a large dataset: an edit
+    that keeps its size and falls between the sampled blocks goes unseen."""
+    recorded = meta.get(DATA_DIGEST)
+    if not isinstance(recorded, dict) or not isinstance(fingerprint, dict) or recorded == fingerprint:
+        return None
+    if recorded.get("what") != fingerprint.get("what"):
+        return f"it was trained on {recorded.get('what')}, this run reads {fingerprint.get('what')}"
+    return f"the same {fingerprint.get('what')}, with other contents (edited in place)"
 
 
 def dataset_path(config: Config) -> str | None:
