@@ -9,7 +9,9 @@ compare with them; without them those tests skip and the rest still run.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 
 import jax
 import numpy as np
@@ -325,6 +327,26 @@ def test_export_refuses_in_one_line(tmp_path, monkeypatch, capsys):
     shutil.copyfile(__file__, tmp_path / "afile")
     assert export.main(["--checkpoint-dir", str(tmp_path), "--format", "hf", str(tmp_path / "afile")]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["022", "027"])
+def test_export_writes_files_as_open_would_under_the_umask(tmp_path, monkeypatch, capsys, umask, mode):
+    """Every file of an export is readable as far as the umask allows (transformers users share
+    them), as a plain open() makes it: not only by its owner."""
+    kwargs = dict(vocab_size=256, seq_len=8, layers=1, d_model=16, heads=2, head_bias=False)
+    params = jax.device_get(GPT(**kwargs).init(jax.random.PRNGKey(0), IDS[:, :8] % 256)["params"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('dataset = "/data/x.txt"\n')  # bytes: the byte-level tokenizer.json too
+    monkeypatch.setattr(export, "_load_model", lambda d, step: (GPT(**kwargs), params))
+    previous = os.umask(umask)
+    try:
+        assert export.main(["--checkpoint-dir", str(run), "--format", "hf", str(tmp_path / "out")]) == 0, \
+            capsys.readouterr().err
+    finally:
+        os.umask(previous)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "out").iterdir()}
+    assert modes == dict.fromkeys(["config.json", "model.safetensors", "tokenizer.json"], oct(mode))
 
 
 # ---- the commands of docs/models.md --------------------------------------------------------------

@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 from typing import Any, Iterator
 
 import numpy as np
@@ -313,7 +314,13 @@ def write_gpt2(module: Any, params: Any, out_dir: str) -> None:
         raise InputError(f"{out_dir!r} is a file, not a directory", argument="out_dir")
     os.makedirs(out_dir, exist_ok=True)
     weights, config_path = os.path.join(out_dir, WEIGHTS_FILE), os.path.join(out_dir, CONFIG_FILE)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(weights + ".tmp")  # a crashed export's: its mode is not this umask's
+    with open(weights + ".tmp", "wb"):  # made as open() makes a file: its mode follows the umask ...
+        pass
+    mode = stat.S_IMODE(os.stat(weights + ".tmp").st_mode)
     save_file(tensors, weights + ".tmp", metadata={"format": "pt"})  # transformers requires the "pt" format
+    os.chmod(weights + ".tmp", mode)  # ... which safetensors does not keep (it writes 0600: the owner's only)
     os.replace(weights + ".tmp", weights)
     with open(config_path + ".tmp", "w") as f:
         json.dump(config, f, indent=2)
