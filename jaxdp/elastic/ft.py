@@ -26,7 +26,7 @@ bytes, where a ring all-reduce of one sum would cost about 2: fine for a few wor
 
 `FtMember` speaks the Member interface the training loop knows (connect, receive_state, close, ...),
 and `make_step` builds its step (jaxdp/elastic/every_step.py). This module imports torchft (and torch)
-only when a run uses it: without it, one line says `pip install 'jaxdp[elastic]'`.
+only when a run uses it: without it, one line says `pip install 'jaxdp-trainer[elastic]'`.
 """
 
 from __future__ import annotations
