@@ -331,7 +331,7 @@ def test_checkpoints_resume_on_any_device_count_and_mode_and_load_whole(devices,
 @pytest.mark.parametrize("kwargs, culprit", [
     ({"shard_optimizer": True}, "does not combine with shard_optimizer"),
     ({"strategy": "host"}, "does not combine with strategy"),
-    ({"compression": "topk:0.01", "strategy": "ring"}, "does not combine with compression 'topk:0.01'"),
+    ({"compression": "topk:0.01", "strategy": "ring"}, "does not combine with compression='topk:0.01'"),
     ({"overlap": True}, "does not combine with every-step overlap"),
 ])
 def test_what_it_does_not_combine_with_is_refused_in_one_line(devices, kwargs, culprit):
@@ -412,7 +412,7 @@ def test_cli_gpt_reports_its_memory_goes_on_in_two_processes_and_resumes_without
     ("ring", {"compression": "powersgd:2", "sync_every": 2}),
 ], ids=["ring", "psum_start", "local_steps"])
 def test_powersgd_across_workers_is_the_replicated_runs_on_slices(devices, strategy, sync):
-    """PowerSGD with shard_params across 2 workers of 4 devices (powersgd_sliced.Sliced): the factors
+    """PowerSGD with shard_params across 2 workers of 4 devices (powersgd.Sliced): the factors
     gathered inside each worker, each device's quarter across; the replicated run with a device
     per worker gives the same losses and parameters (up to the order of float sums), from a
     quarter of the bytes per device."""
@@ -431,7 +431,7 @@ def test_powersgd_across_workers_is_the_replicated_runs_on_slices(devices, strat
 
 
 def test_sliced_powersgd_is_powersgd_on_whole_leaves_for_every_cut(devices):
-    """powersgd_sliced.Sliced on a 2 x 4 mesh equals PowerSGD on 2 devices holding whole leaves, over three
+    """powersgd.Sliced on a 2 x 4 mesh equals PowerSGD on 2 devices holding whole leaves, over three
     steps (the warm start carried): leaves cut on their matrix's rows (a first and a later
     dimension), on its columns, and one no dimension of which 4 divides (held whole); a leaf
     whose first gradient is zero takes the same new directions. Mean, error feedback and Q."""
@@ -487,7 +487,7 @@ def test_sliced_powersgd_is_powersgd_on_whole_leaves_for_every_cut(devices):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_overlapped_rounds_in_two_processes_are_the_replicated_run_with_a_device_per_process(tmp_path):
-    """--shard-params --sync-every 3 --overlap in 2 processes x 2 devices (jaxdp/step/hsdp_overlap.py:
+    """--shard-params --sync-every 3 --overlap in 2 processes x 2 devices (jaxdp/step/overlap.py, `ShardedOverlapped`:
     the inner steps on each process's own devices while the average runs on a thread of its own,
     through gloo) against one process's replicated overlapped run on 2 devices, a device per
     process: the same losses, each round landing with the next, and the same held-out loss."""

@@ -15,7 +15,7 @@ TINY_GPT = ["--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4"
 
 @pytest.mark.parametrize("on", ["hidden", "all"])
 def test_muon_is_optax_contrib_muon_with_the_same_state(on):
-    """make_optimizer("muon") batches Newton-Schulz by matrix shape (jaxdp/step/muon.py); its state is
+    """make_optimizer("muon") batches Newton-Schulz by matrix shape (jaxdp/step/optim.py, `batched_muon`); its state is
     optax.contrib.muon's, leaf for leaf (so checkpoints of either resume with the other), and four
     updates of a 3-layer GPT's parameters agree with optax's to float32 rounding."""
     import jax
@@ -48,7 +48,7 @@ def test_batched_newton_schulz_is_each_matrix_s_own():
     from optax.contrib import MuonDimensionNumbers as Dims
     from optax.contrib._muon import orthogonalize_via_newton_schulz as one
 
-    from jaxdp.step.muon import NS_COEFFS, orthogonalize
+    from jaxdp.step.optim import NS_COEFFS, orthogonalize
 
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     tree = {"wide": jax.random.normal(keys[0], (8, 24)), "tall": jax.random.normal(keys[1], (24, 8)),

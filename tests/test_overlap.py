@@ -1,5 +1,5 @@
 """--overlap: the average of round k's pseudo-gradients runs while round k + 1 trains and is applied
-one round late (jaxdp/step/rounds.py, `Overlapped`), against a reference delayed-update loop written out
+one round late (jaxdp/step/overlap.py, `Overlapped`), against a reference delayed-update loop written out
 here; exact resume with the average in flight; the flag's errors."""
 
 import json
@@ -105,7 +105,7 @@ def test_resumed_with_the_average_in_flight_equals_the_uninterrupted_run(devices
 
 
 def sharded_fit(devices, **kwargs):
-    """overlapped_fit with shard_params on 2 workers of 4 devices (jaxdp/step/hsdp_overlap.py)."""
+    """overlapped_fit with shard_params on 2 workers of 4 devices (jaxdp/step/overlap.py, `ShardedOverlapped`)."""
     mesh = make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))
     return overlapped_fit(mesh, shard_params=True, **kwargs)
 
@@ -158,7 +158,7 @@ def test_overlap_flag_errors_are_one_line(flags, says):
 
 
 def test_fit_refuses_overlap_of_rounds_with_a_host_strategy(devices):
-    with pytest.raises(InputError, match="overlap does not apply to strategy 'host'"):  # (rules.py: one message)
+    with pytest.raises(InputError, match="overlap does not combine with strategy='host'"):  # (rules.py: one message)
         jaxdp.fit(loss_fn, PARAMS, TX, data, steps=2, mesh=make_mesh(devices[:2]), overlap=True, sync_every=2,
                   strategy="host", progress=False)
 

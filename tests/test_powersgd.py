@@ -1,5 +1,5 @@
 """PowerSGD when a gradient's rank is below r: a zero-initialised layer trains, full rank is exact,
-and a rank-deficient step lowers the rank of that step only (jaxdp/sync/codecs/powersgd.py, `_basis`)."""
+and a rank-deficient step lowers the rank of that step only (jaxdp/sync/codecs/lowrank.py, `basis`)."""
 
 import jax
 import jax.numpy as jnp

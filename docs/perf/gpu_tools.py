@@ -460,7 +460,7 @@ def muon(precisions: list[str], repeats: int) -> dict:
     reference = None
     runs = [("adamw", "default", optim.adamw(1e-3, 0.9, 0.1))]
     runs += [("muon", p, optim.muon(1e-3, 0.9, 0.0, on="hidden")) for p in precisions]
-    # optax's own muon, one Newton-Schulz per parameter (jaxdp's batches them by shape: jaxdp/step/muon.py)
+    # optax's own muon, one Newton-Schulz per parameter (jaxdp's batches them by shape: jaxdp/step/optim.py, batched_muon)
     runs += [("optax-muon", p, optax.contrib.muon(1e-3, muon_weight_dimension_numbers=optim.hidden_matrices))
              for p in precisions]
     for name, precision, tx in runs:

@@ -1,5 +1,5 @@
 """dispatch: does a collective program run at the same time as a compute program? From one Python
-thread, and from two. The mechanism `--overlap` rests on (jaxdp/step/rounds.py, `Overlapped`).
+thread, and from two. The mechanism `--overlap` rests on (jaxdp/step/overlap.py, `Overlapped`).
 
     python -m jaxdp.bench dispatch                          # 50mbit, a 4 MB ring all-reduce, 400 matmuls
     python -m jaxdp.bench dispatch --workers one            # the CPU backend as a one-core process starts it

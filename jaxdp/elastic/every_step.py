@@ -204,7 +204,7 @@ def step_number(state: TrainState, layout: dict) -> int:
 def quorum_at(state: TrainState) -> int:
     """The number a quorum compares (a worker behind it is healed): the step, or the round where the
     workers' steps differ (timed rounds: jaxdp/elastic/timed.py, whose state has a positions table)."""
-    from jaxdp.step.round_programs import PACE_NAME
+    from jaxdp.step.rounds import PACE_NAME
 
     paced = state.sync.shared.get(PACE_NAME)
     if paced is not None and "positions" in paced:

@@ -223,50 +223,6 @@ class FtMember:
         """Whether this worker writes the metrics, saves the checkpoints and evaluates (jaxdp/loop/lead.py)."""
         return self.leader == self.rank
 
-    # -- the engine's face to the loop (jaxdp/elastic/__init__.py): the loop imports nothing of this package
-
-    def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
-                  grad_accum: int, rounds: str | None = None, pace: Any = None, outer_tx: Any = None) -> Any:
-        """The update rule `spec` names, across torchft workers: every step (jaxdp/elastic/every_step.py), H
-        local steps (rounds.py), or host-driven `rounds`: "timed" (timed.py, `pace` seconds) or "overlapped"
-        (overlap.py, each round's average one round late). Any summing strategy inside a worker, a codec
-        of host.HOST_CODED across workers."""
-        from jaxdp.elastic import every_step, overlap, rounds as local, timed
-
-        more: dict[str, Any] = {"strategy": spec.strategy, "compression": spec.compression}
-        make: Callable = every_step.make_ft_step
-        if spec.sync_every != 1:
-            make = local.make_ft_round_step
-            more.update(sync_every=spec.sync_every, outer_tx=spec.outer_tx)
-        if rounds == "overlapped":
-            make = overlap.make_ft_overlapped
-            more = {"strategy": spec.strategy, "compression": spec.compression, "every": spec.sync_every,
-                    "outer_tx": outer_tx}
-        elif rounds == "timed":
-            make = timed.make_ft_paced
-            more.update(pace=pace, outer_tx=outer_tx)
-        return make(loss_fn, tx, mesh, self, shard_data, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
-                    **more)
-
-    def round_sync(self, overlapped: bool) -> dict:
-        """The entries a state of host-driven rounds keeps in `state.sync.shared` (host arrays): the
-        overlapped rounds' round, or the timed rounds' positions of every rank's stream."""
-        from jaxdp.elastic import overlap, timed
-
-        return overlap.init_sync() if overlapped else timed.init_sync(self.size)
-
-    def settle(self, state: Any) -> tuple[Any, bool]:
-        """The first quorum: the state to start from, and whether it came from a live peer (every_step.settle)."""
-        from jaxdp.elastic.every_step import settle
-
-        return settle(self, state)
-
-    def state_from(self, template: Any, payload: Any) -> Any:
-        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
-        from jaxdp.elastic.every_step import state_from_arrays
-
-        return state_from_arrays(template, payload)
-
     def start(self) -> None:
         """Create the engine: from here on the Lighthouse sees this worker's heartbeats (and a quorum at
         the start waits for it, up to the Lighthouse's join timeout)."""
@@ -320,15 +276,16 @@ class FtMember:
             self.engine = None
 
 
-def from_env(environ: dict | None = None) -> FtMember | None:
-    """The worker `jaxdp.launch --elastic --elastic-engine torchft` set up in this environment, or None."""
+def from_env(environ: dict | None = None, kind: type = FtMember) -> FtMember | None:
+    """The worker `jaxdp.launch --elastic --elastic-engine torchft` set up in this environment (a `kind`,
+    FtMember or a subclass: jaxdp/elastic/workers.py), or None."""
     environ = os.environ if environ is None else environ
     lighthouse = environ.get(ENV_LIGHTHOUSE)
     if not lighthouse:
         return None
     require_torchft()
-    member = FtMember(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
-                      float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
+    member = kind(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
+                  float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
     member.restarted = bool(environ.get(ENV_RESTART))
     member.lighthouse_here = bool(environ.get(ENV_LIGHTHOUSE_HERE))
     if member.restarted:  # the live workers' rows say who leads

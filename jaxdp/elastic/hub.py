@@ -145,26 +145,6 @@ class Member:
         """Rank 0 writes metrics, checkpoints and evaluations."""
         return self.rank == 0
 
-    # -- the engine's face to the loop (jaxdp/elastic/__init__.py): the loop imports nothing of this package
-
-    def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
-                  grad_accum: int, rounds: str | None = None, pace: Any = None, outer_tx: Any = None) -> Any:
-        """The hub's one update rule: every step, the host path (jaxdp/sync/rules.py refuses the others)."""
-        from jaxdp.elastic.every_step import make_elastic_step
-
-        return make_elastic_step(loss_fn, tx, mesh, self, shard_data, stateful=stateful, grad_accum=grad_accum,
-                                 grad_norm=True)
-
-    def settle(self, state: Any) -> tuple[Any, bool]:
-        """The state to start from once joined as the source: this process's own (restored or new)."""
-        return state, False
-
-    def state_from(self, template: Any, payload: Any) -> Any:
-        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
-        from jaxdp.elastic.every_step import state_from_arrays
-
-        return state_from_arrays(template, payload)
-
     def connect(self) -> bool:
         """Join: True if this process is the source of the state (it restores or initialises it),
         False if it must `receive_state`. Raises Lost if the hub is gone or says stop."""
@@ -252,8 +232,9 @@ class Member:
             self.sock = None
 
 
-def from_env(environ: dict | None = None) -> Any:
-    """The Member `jaxdp.launch --elastic` set up in this process's environment, or None."""
+def from_env(environ: dict | None = None, kind: type = None) -> Any:
+    """The Member `jaxdp.launch --elastic` set up in this process's environment (a `kind`, Member or a
+    subclass: jaxdp/elastic/workers.py), or None."""
     environ = os.environ if environ is None else environ
     from jaxdp.cluster.ft_env import ENV_LIGHTHOUSE
 
@@ -262,4 +243,4 @@ def from_env(environ: dict | None = None) -> Any:
     address = environ.get(ENV_ADDRESS)
     if not address:
         return None
-    return Member(address, int(environ[ENV_RANK]), int(environ[ENV_SIZE]))
+    return (kind or Member)(address, int(environ[ENV_RANK]), int(environ[ENV_SIZE]))

@@ -1,6 +1,6 @@
 """Overlapped rounds across the workers of an elastic run on torchft (`--sync-every H --overlap`): round
 k's exchange of pseudo-gradients runs on a thread of its own while round k + 1 trains, and its average is
-applied one round late, as in one JAX program's overlapped rounds (jaxdp/step/rounds.py, `Overlapped`,
+applied one round late, as in one JAX program's overlapped rounds (jaxdp/step/overlap.py, `Overlapped`,
 whose update rule this is). Undisturbed, the final parameters equal a one-process `--overlap` run's over
 as many devices, bit for bit (tests/test_elastic_ft_overlap.py).
 
@@ -53,7 +53,7 @@ from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
 from jaxdp.elastic.timed import round_of
 from jaxdp.elastic.rounds import Ended, Replicas, RoundEnd, flat_of, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
-from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
+from jaxdp.step.rounds import PACE_NAME, make_inner, outer_step
 from jaxdp.step.rounds import timed_inner
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
@@ -109,7 +109,7 @@ class FtOverlapped(Replicas):
         def apply(state: TrainState, mean: Any, moved: jax.Array, anchor: Any, steps: jax.Array, round_: jax.Array
                   ) -> TrainState:
             """The outer step with `mean` (unless not `moved`), then each replica the new global parameters
-            minus its own progress since `anchor` (jaxdp/step/rounds.py's make_apply, on this worker)."""
+            minus its own progress since `anchor` (jaxdp/step/overlap.py's make_apply, on this worker)."""
             params, kept = outer_step(outer, state, mean, moved)
             rows = state.sync.per_device[STATE_NAME]
             replica = jax.tree.map(lambda g, a, r: g[None] - (a - r), params, anchor, rows["params"])

@@ -45,7 +45,7 @@ from jaxdp.elastic.every_step import (
     take_quorum, wait_for_rank_0,
 )
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
-from jaxdp.step.round_programs import outer_step
+from jaxdp.step.rounds import outer_step
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync import host
@@ -211,7 +211,7 @@ def tree_of(flat: np.ndarray, treedef: Any, shapes: list[tuple]) -> Any:
 class Replicas:
     """What the host-driven rounds of one torchft worker share (the timed rounds of
     jaxdp/elastic/timed.py, the overlapped ones of elastic_ft_overlap.py): the inner step over the
-    worker's replicas (`layout["inner"]`: round_programs.make_inner), per-device rows of a value, and the
+    worker's replicas (`layout["inner"]`: rounds.make_inner), per-device rows of a value, and the
     view of the state the inner step reads."""
 
     layout: dict

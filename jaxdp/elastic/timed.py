@@ -44,7 +44,7 @@ from jaxdp.errors import InputError
 from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
 from jaxdp.elastic.rounds import Replicas, RoundEnd, flat_of, tree_of
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
-from jaxdp.step.round_programs import PACE_NAME, make_inner, outer_step
+from jaxdp.step.rounds import PACE_NAME, make_inner, outer_step
 from jaxdp.step.rounds import check as paced_check, last_round_share, timed_inner
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn

@@ -94,7 +94,8 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
     from jaxdp.errors import InputError
     from jaxdp.loop import lead
     from jaxdp.mesh import make_mesh
-    from jaxdp.step import local_sgd, rounds as paced
+    from jaxdp.step import local_sgd
+    from jaxdp.step.overlap import FixedSteps
     from jaxdp.sync import exchange, spec as syncspec
 
     started = time.perf_counter() if run.started is None else run.started
@@ -120,7 +121,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                                  elastic_engine=elastic.kind if elastic is not None else "hub",
                                  float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
-        check_paced(paced.FixedSteps(rounds_of), data, mesh, "overlap", flat=not sync.shard_params)
+        check_paced(FixedSteps(rounds_of), data, mesh, "overlap", flat=not sync.shard_params)
     elif sync.sync_seconds is not None:  # workers at their own pace (jaxdp/step/rounds.py)
         check_paced(sync.sync_seconds, data, mesh)
     rounds_run = (overlap and not every_step_overlap) or sync.sync_seconds is not None
@@ -153,7 +154,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
                  sync: SyncOptions) -> None:
     """The sync choices as one value (`plan.spec`), its compiled step and the new state; "auto" ones
     the controller resolves (measuring a few steps: jaxdp/sync/controller.py)."""
-    from jaxdp.step import rounds as paced
+    from jaxdp.step import overlap, rounds as paced
     from jaxdp.step.state import init_state
     from jaxdp.step.train_step import make_train_step
     from jaxdp.sync import autostart, exchange, spec as syncspec
@@ -186,12 +187,10 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             shared = replicate(elastic.round_sync(plan.overlap), mesh)
             return made.replace(sync=made.sync.replace(shared={**made.sync.shared, **shared}))
         rows, shared = paced.init_sync(mesh)
-        if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/hsdp_overlap.py)
-            from jaxdp.step import hsdp_overlap
-
-            rows.update(hsdp_overlap.init_overlap(params, mesh))
+        if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/overlap.py, `ShardedOverlapped`)
+            rows.update(overlap.init_sharded(params, mesh))
         elif plan.overlap:
-            rows.update(paced.init_overlap(params, mesh))
+            rows.update(overlap.init_overlap(params, mesh))
         return made.replace(sync=made.sync.replace(per_device={**made.sync.per_device, **rows},
                                                    shared={**made.sync.shared, **shared}))
 
@@ -299,7 +298,7 @@ def check_overlap(sync_every: Any) -> None:
 def check_paced(pace: Any, data: Any, mesh: Any, what: str = "sync_seconds", flat: bool = True) -> None:
     """InputError for the pace, data or mesh `sync_seconds` or `overlap` (`what`; jaxdp/step/rounds.py)
     cannot use (what they combine with: jaxdp/sync/rules.py). `flat`: a one-axis mesh is needed
-    (not by overlap with shard_params: jaxdp/step/hsdp_overlap.py, on hsdp.py's meshes)."""
+    (not by overlap with shard_params: jaxdp/step/overlap.py, `ShardedOverlapped`, on hsdp.py's meshes)."""
     from jaxdp.errors import InputError
     from jaxdp.step import rounds as paced
 

@@ -20,9 +20,9 @@ from jaxdp.loop.hooks import Hook, Loop, periodic
 
 
 def make_rounds(loop: Loop) -> Any:
-    """The plan's rounds: `Overlapped` (overlap, H steps; with shard_params hsdp_overlap.py's) or
+    """The plan's rounds: `Overlapped` (overlap, H steps; with shard_params `ShardedOverlapped`) or
     `Rounds` (sync_seconds)."""
-    from jaxdp.step import rounds as paced
+    from jaxdp.step import overlap, rounds as paced
 
     plan, sync, run = loop.plan, loop.options["sync"], loop.options["run"]
     made = loop.train_step
@@ -30,14 +30,12 @@ def make_rounds(loop: Loop) -> Any:
         made.rounds.local_rows = run.examples_per_step // plan.elastic.size if run.examples_per_step else None
         return made.rounds
     if plan.overlap and loop.spec.shard_params:  # each worker's state cut over its devices
-        from jaxdp.step import hsdp_overlap
-
-        return hsdp_overlap.Overlapped(made.loss_fn, plan.tx, plan.mesh, loop.spec, plan.outer_tx,
+        return overlap.ShardedOverlapped(made.loss_fn, plan.tx, plan.mesh, loop.spec, plan.outer_tx,
                                        loop.spec.sync_every, plan.data, run.examples_per_step, stateful=made.stateful,
                                        grad_accum=made.grad_accum)
     args = (made.local_grads, plan.tx, plan.mesh, loop.spec.strategy, loop.spec.compression, plan.outer_tx)
     if plan.overlap:
-        return paced.Overlapped(*args, loop.spec.sync_every, plan.data, run.examples_per_step)
+        return overlap.Overlapped(*args, loop.spec.sync_every, plan.data, run.examples_per_step)
     return paced.Rounds(*args, sync.sync_seconds, plan.data, run.examples_per_step)
 
 

@@ -57,7 +57,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.mesh import data_axes, state_specs
-from jaxdp.sync.exchange import float_leaves, make_exchange
+from jaxdp.sync.exchange import float_leaves, make_exchange, non_finite
 
 DELAYED_NAME = "delayed"  # per_device[DELAYED_NAME] = {"grads": params rows, "metrics": rows, "held": int32 rows}
 
@@ -68,15 +68,6 @@ def is_delayed(state: Any) -> bool:
 
 def _without_slot(sync: Any) -> Any:
     return sync.replace(per_device={k: v for k, v in sync.per_device.items() if k != DELAYED_NAME})
-
-
-@jax.jit
-def non_finite(tree: Any) -> jax.Array:
-    """NaN if any value of `tree` is NaN, else inf if any is infinite, else 0 (one program, one scalar)."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    nan = jnp.any(jnp.stack([jnp.any(jnp.isnan(x)) for x in leaves]))
-    inf = jnp.any(jnp.stack([jnp.any(jnp.isinf(x)) for x in leaves]))
-    return jnp.where(nan, jnp.nan, jnp.where(inf, jnp.inf, 0.0))
 
 
 def check_in_flight(state: Any, step: int) -> None:

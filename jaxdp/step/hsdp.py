@@ -32,7 +32,7 @@ sync_every / F steps in turn). The outer state has local_sgd.py's tree (one stat
 over {leaf name: leaf}), cut like the parameters. So a checkpoint moves between this layout and
 local_sgd.py's: rows of another count become their mean (jaxdp/checkpoint/portable.py).
 
-Overlapped rounds (`--sync-every H --overlap`) are jaxdp/step/hsdp_overlap.py's, on these same
+Overlapped rounds (`--sync-every H --overlap`) are jaxdp/step/overlap.py, `ShardedOverlapped`'s, on these same
 pieces (`Workers`) and the same state, with the delta in flight beside it.
 
 With `metrics_at_sync` the logged scalars are averaged across workers on sync steps only; between
@@ -43,7 +43,7 @@ Compression's slot is the same as without `shard_params` but for its rows: one p
 the gradients (each device keeps the error feedback of its own slice). The exchange asks the codec
 for its form on slices (`Compressor.on_slices`): bf16, int8 and int4 act on each slice as on a whole
 leaf; PowerSGD's factors span whole matrices, so its sliced form puts them together inside the
-worker (jaxdp/sync/codecs/powersgd_sliced.py). Top-k, which chooses indices over whole leaves,
+worker (jaxdp/sync/codecs/powersgd.py, `Sliced`). Top-k, which chooses indices over whole leaves,
 is refused (jaxdp/sync/rules.py).
 """
 
@@ -134,7 +134,7 @@ class Workers:
     """What the steps over `mesh` share, one worker per "hosts" row: each worker's gradient
     (`grads`), the mean of `[workers, *leaf]` rows across workers through the exchange (`mean`),
     the batch and model state laid out per worker (`prepared`) and their means (`finished`). The
-    step below uses them on the whole mesh; the overlapped rounds (jaxdp/step/hsdp_overlap.py) on
+    step below uses them on the whole mesh; the overlapped rounds (jaxdp/step/overlap.py, `ShardedOverlapped`) on
     one process's rows too."""
 
     def __init__(self, loss_fn: Callable, mesh: Mesh, spec: Any, *, stateful: bool, grad_accum: int):

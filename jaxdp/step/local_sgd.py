@@ -166,7 +166,7 @@ def check_replicas(state: Any, step: int) -> None:
     infinity. Between syncs a process sees only its own metrics, so before every save (a host sync
     point; every process calls it at the same steps) the replicas a resume would continue from."""
     from jaxdp.metrics import Diverged
-    from jaxdp.step.delayed import non_finite
+    from jaxdp.sync.exchange import non_finite
 
     value = float(jax.device_get(non_finite(state.sync.per_device[STATE_NAME]["params"])))  # host sync point
     if value:

@@ -1,5 +1,6 @@
-"""Host-driven rounds of local steps: workers at their own pace (`--sync-seconds S`), and rounds of
-H steps whose average overlaps the next round (`--overlap`, `Overlapped`, at the end).
+"""Host-driven rounds of local steps: workers at their own pace (`--sync-seconds S`), and the programs
+every round is made of (an inner step on this process's devices, the outer sync over the whole mesh,
+and the moves of per-device rows between the two: no copies, the same buffers).
 
     result = jaxdp.fit(loss_fn, params, tx, batch_at, steps=2000, sync=jaxdp.SyncOptions(
                        sync_seconds=2.0, outer_tx=optax.sgd(0.7, momentum=0.9, nesterov=True)))
@@ -60,13 +61,7 @@ a flat mesh (`--hierarchy flat`), and models without float model state (BatchNor
 differ per process between syncs; dropout's keys are fine): the rules of jaxdp/sync/rules.py, which
 fit asks.
 
-Overlap (`overlap=True` with `sync_every=H`, `Overlapped`): every process takes H inner steps per
-round, and round k's average (`make_reduce`, the only collective) runs on a thread of its own while
-round k + 1 trains; then `make_apply` (no collective) takes the outer step with it and restarts
-every replica from the new global parameters minus its own delta of round k + 1, which is the next
-delta in flight (`per_device["overlap"]`, checkpointed, so a resume with an average in flight is
-exact). The same scope as above, one round of delay, and the end of the run applies the last
-average. Why a thread works, and what it needs of the CPU backend: docs/slow-links.md, "Overlap".
+Overlapped rounds of H steps (`--overlap`) are jaxdp/step/overlap.py's, on these rounds' programs.
 """
 
 from __future__ import annotations
@@ -82,16 +77,135 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
-from jaxdp.step.round_programs import (  # noqa: F401 (PACE_NAME, rows_to, make_sync: importable from here too)
-    PACE_NAME, local_mesh, make_inner, make_sync, outer_step, replicated_to, rows_to, slot_specs,
-)
-from jaxdp.mesh import data_axes
+from jaxdp.mesh import data_axes, state_specs
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.state import TrainState
 from jaxdp.sync.collectives import as_collective
-from jaxdp.sync.codecs.base import only as codec_slot
 from jaxdp.sync.codecs.plain import NoCompression
-from jaxdp.sync.exchange import codec as codec_of, make_exchange
+from jaxdp.sync.exchange import codec as codec_of, leaf_names, make_exchange
+
+PACE_NAME = "paced"  # per_device[PACE_NAME] = {"position": int32 rows}; shared[PACE_NAME] = {"round": int32}
+
+
+# ---------------------------------------------------------------------------------------------
+# Moving rows between the whole mesh and this process's devices (no copies: the same buffers)
+# ---------------------------------------------------------------------------------------------
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+    """This process's devices of `mesh`, in the mesh's order, with the same axis name."""
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return Mesh(np.array(mine), (data_axes(mesh),))
+
+
+def _by_row(x: jax.Array) -> list[jax.Array]:
+    return [s.data for s in sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)]
+
+
+def rows_to(tree: Any, mesh: Mesh) -> Any:
+    """Per-device rows (leading axis one per device) re-seated on `mesh` (the whole mesh or this
+    process's devices): this process's rows, in order, become the rows on its devices there."""
+    sharding = NamedSharding(mesh, P(data_axes(mesh)))
+    return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        (mesh.size, *x.shape[1:]), sharding, _by_row(x)), tree)
+
+
+def replicated_to(tree: Any, mesh: Mesh) -> Any:
+    """A replicated array's local copies as a replicated array of `mesh` (this process's devices)."""
+    sharding = NamedSharding(mesh, P())
+
+    def one(x: jax.Array) -> jax.Array:
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [by_device[d] for d in mesh.devices.flat])
+
+    return jax.tree.map(one, tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two programs: an inner step on this process's devices, the outer sync over the whole mesh
+# ---------------------------------------------------------------------------------------------
+
+
+def make_inner(local_grads: Callable, tx: optax.GradientTransformation, local: Mesh) -> Callable:
+    """`(rows, view, position, loss_sum, batch) -> (rows, position, loss_sum)` over `local` (this
+    process's devices), with no collective: each device's `tx` step on its replica. `view` is a
+    replicated TrainState for the loss (model state, rng; params come from the rows, the step
+    from the position, so dropout keys follow the data position)."""
+    axis = data_axes(local)
+
+    def device_inner(rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any):
+        mine = jax.tree.map(lambda x: x[0], rows)
+        metrics, _, grads = local_grads(view.replace(params=mine["params"], step=position[0]), batch)
+        updates, opt_state = tx.update(grads, mine["opt_state"], mine["params"])
+        new = {"params": optax.apply_updates(mine["params"], updates), "opt_state": opt_state}
+        return jax.tree.map(lambda x: x[None], new), position + 1, loss_sum + metrics["loss"]
+
+    mapped = jax.shard_map(device_inner, mesh=local, in_specs=(P(axis), P(), P(axis), P(axis), P(axis)),
+                           out_specs=(P(axis), P(axis), P(axis)), check_vma=False)
+    return jax.jit(mapped, donate_argnums=0)  # (not the position and loss: the host waits on the last ones)
+
+
+def outer_step(outer_tx: optax.GradientTransformation, state: TrainState, mean: Any, moved: jax.Array
+                ) -> tuple[Any, Any]:
+    """(global params, outer state) after `outer_tx` applies `mean` to `state.params`, or both as
+    they were unless `moved` (nobody stepped: momentum would still move the parameters)."""
+    names = leaf_names(state.params)
+    leaves, treedef = jax.tree.flatten(state.params)
+    before, kept = dict(zip(names, leaves)), state.sync.shared[OUTER_NAME][0]
+    updates, outer = outer_tx.update(dict(zip(names, jax.tree.leaves(mean))), kept, before)
+    after = optax.apply_updates(before, updates)
+    params = jax.tree.unflatten(treedef, [jnp.where(moved, after[k], before[k]) for k in names])
+    return params, jax.tree.map(lambda new, old: jnp.where(moved, new, old), outer, kept)
+
+
+def slot_specs(slot: Any, axis: Any) -> Any:
+    """shard_map specs of a SyncState: its per-device rows split over `axis`, its shared part replicated."""
+    return slot.replace(per_device=jax.tree.map(lambda _: P(axis), slot.per_device),
+                        shared=jax.tree.map(lambda _: P(), slot.shared))
+
+
+def make_sync(mesh: Mesh, strategy: Any, compression: Any, outer_tx: optax.GradientTransformation | None) -> Callable:
+    """`(state, steps, loss_sum) -> (state, metrics)` over the whole mesh: the example-weighted mean
+    of the pseudo-gradients through the strategy (and codec), the outer step (skipped when no
+    device took a step), every replica reset to the new global parameters, `state.step` the
+    positions' sum over processes. `steps` and `loss_sum` are per-device rows of the round."""
+    axis, n = data_axes(mesh), mesh.size
+    exchange = make_exchange(as_collective(strategy), axis, n, codec_of(compression) or NoCompression(), pseudo_gradient=True)
+    outer_tx = default_outer(outer_tx)
+    processes = len({d.process_index for d in mesh.devices.flat})
+
+    def device_sync(state: TrainState, steps: jax.Array, loss_sum: jax.Array) -> tuple[TrainState, dict]:
+        rows = state.sync.per_device[STATE_NAME]
+        replica = jax.tree.map(lambda x: x[0], rows["params"])
+        weight = steps[0].astype(jnp.float32)
+        total = jax.lax.psum(weight, axis)
+        share = weight * n / jnp.maximum(total, 1.0)  # so the exchange's mean is the weighted mean
+        delta = jax.tree.map(lambda g, r: ((g - r) * share).astype(g.dtype), state.params, replica)
+        mean, out, model_state, sync, extra = exchange.mean(delta, {"loss_sum": loss_sum[0]}, state.model_state,
+                                                            state.sync, state.step)
+        params, outer = outer_step(outer_tx, state, mean, total > 0)
+        position = sync.per_device[PACE_NAME]["position"]
+        rounds = sync.shared[PACE_NAME]["round"] + 1
+        sync = sync.replace(
+            per_device={**sync.per_device, STATE_NAME: {"params": jax.tree.map(lambda x: x[None], params),
+                                                        "opt_state": rows["opt_state"]}},
+            shared={**sync.shared, OUTER_NAME: (outer,), PACE_NAME: {"round": rounds}})
+        # Every device of a process holds its position; with G devices each, the sum over devices is
+        # G x the sum over processes, and n = G x processes.
+        summed = jax.lax.psum(position[0], axis) * processes // n  # the positions' sum over processes
+        done = (summed // processes).astype(jnp.int32)
+        metrics = {"loss": out["loss_sum"] * n / jnp.maximum(total, 1.0), "round": rounds,
+                   "steps_by_device": jax.lax.all_gather(steps[0], axis),
+                   "positions_by_device": jax.lax.all_gather(position[0], axis), **extra}
+        return state.replace(step=done, params=params, model_state=model_state, sync=sync), metrics
+
+    def mapped(state: TrainState, steps: jax.Array, loss_sum: jax.Array) -> tuple[TrainState, dict]:
+        specs = state_specs(state, axis)
+        return jax.shard_map(device_sync, mesh=mesh, in_specs=(specs, P(axis), P(axis)), out_specs=(specs, P()),
+                             check_vma=False)(state, steps, loss_sum)
+
+    return jax.jit(mapped, donate_argnums=0)
+
 
 OVERLAP_NAME = "overlap"  # --overlap: per_device[OVERLAP_NAME] = {"delta": params rows, "steps", "loss_sum": rows}
 
@@ -238,211 +352,9 @@ def check_in_flight(state: TrainState, step: int) -> None:
     infinite values. The guard checks the loss of a round that landed; a checkpoint also holds what
     has not landed yet, and a resume would average it at once. So before every save."""
     from jaxdp.metrics import Diverged
-    from jaxdp.step.delayed import non_finite
+    from jaxdp.sync.exchange import non_finite
 
     held = {k: v for k, v in state.sync.per_device.items() if k in (STATE_NAME, OVERLAP_NAME)}
     value = float(jax.device_get(non_finite(held)))  # host sync point
     if value:
         raise Diverged(step, "the parameters in flight (the replicas of the round)", value)
-
-
-# ---------------------------------------------------------------------------------------------
-# Overlap (--overlap with --sync-every H): round k's average runs while round k + 1 trains
-# ---------------------------------------------------------------------------------------------
-
-
-class FixedSteps:
-    """The pace of an overlapped `--sync-every H` run: H inner steps per round, every process (the
-    last round: what is left of `steps`)."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def __call__(self, round_index: int, process: int) -> int:
-        return self.steps
-
-
-def init_overlap(params: Any, mesh: Mesh) -> dict:
-    """per_device[OVERLAP_NAME] of a new state: nothing in flight (no delta, 0 steps, 0 loss)."""
-    rows = NamedSharding(mesh, P(data_axes(mesh)))
-
-    def zeros(shape: tuple, dtype: Any) -> jax.Array:
-        host = np.zeros((mesh.size, *shape), dtype)
-        return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
-
-    return {OVERLAP_NAME: {"delta": jax.tree.map(lambda x: zeros(x.shape, x.dtype), params),
-                           "steps": zeros((), np.int32), "loss_sum": zeros((), np.float32)}}
-
-
-def is_overlapped(state: Any) -> bool:
-    return OVERLAP_NAME in state.sync.per_device
-
-
-def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
-    """`(coded, delta, steps, loss_sum, step) -> (mean, total, coded, metrics)` over the whole mesh:
-    the mean of the round's pseudo-gradients through the strategy (and codec), the loss riding in
-    the same collective, and nothing else: the overlapped run's only collective. Every device took
-    the same H steps, so unlike `make_sync` no weights need summing first. `coded` is the codec's
-    slot of `state.sync` (a SyncState holding only it), returned updated."""
-    axis, n = data_axes(mesh), mesh.size
-    exchange = make_exchange(as_collective(strategy), axis, n, codec_of(compression) or NoCompression(), pseudo_gradient=True)
-
-    def device_reduce(coded: Any, delta: Any, steps: jax.Array, loss_sum: jax.Array, step: jax.Array):
-        total = steps[0].astype(jnp.float32) * n  # every device took the same steps: all weights are 1
-        mean, out, _, coded, extra = exchange.mean(jax.tree.map(lambda d: d[0], delta), {"loss_sum": loss_sum[0]}, {},
-                                                   coded, step)
-        by_device = jnp.full(n, steps[0])
-        metrics = {"loss": out["loss_sum"] * n / jnp.maximum(total, 1.0), "steps_by_device": by_device, **extra}
-        return mean, total, coded, metrics
-
-    def mapped(coded: Any, delta: Any, steps: jax.Array, loss_sum: jax.Array, step: jax.Array):
-        coded_specs = slot_specs(coded, axis)
-        return jax.shard_map(device_reduce, mesh=mesh, in_specs=(coded_specs, P(axis), P(axis), P(axis), P()),
-                             out_specs=(P(), P(), coded_specs, P()), check_vma=False)(coded, delta, steps, loss_sum, step)
-
-    return jax.jit(mapped)
-
-
-def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Callable:
-    """`(state, mean, total, coded, anchor, steps, loss_sum) -> state` over the whole mesh, with no
-    collective: the outer step with the mean of the round before (skipped when `total` is 0: nothing
-    was in flight), then every replica (the state's rows, as the round left them) restarts from the
-    new global parameters plus its own progress of the round (replica - `anchor`, not averaged yet),
-    which becomes the delta in flight. The step is the data position (every process takes the same
-    steps)."""
-    from jaxdp.step.train_step import state_specs
-
-    axis = data_axes(mesh)
-    outer_tx = default_outer(outer_tx)
-
-    def device_apply(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
-                     steps: jax.Array, loss_sum: jax.Array) -> TrainState:
-        rows = state.sync.per_device[STATE_NAME]  # the replicas as the round left them
-        params, outer = outer_step(outer_tx, state, mean, total > 0)
-        mine, start = jax.tree.map(lambda x: x[0], rows["params"]), jax.tree.map(lambda x: x[0], anchor)
-        delta = jax.tree.map(lambda a, r: a - r, start, mine)  # this round's pseudo-gradient, in flight
-        replica = jax.tree.map(lambda g, d: g - d, params, delta)
-        position = state.sync.per_device[PACE_NAME]["position"]
-        sync = state.sync.replace(
-            per_device={**state.sync.per_device, **coded.per_device,
-                        STATE_NAME: {"params": jax.tree.map(lambda x: x[None], replica), "opt_state": rows["opt_state"]},
-                        OVERLAP_NAME: {"delta": jax.tree.map(lambda x: x[None], delta), "steps": steps,
-                                       "loss_sum": loss_sum}},
-            shared={**state.sync.shared, **coded.shared, OUTER_NAME: (outer,),
-                    PACE_NAME: {"round": state.sync.shared[PACE_NAME]["round"] + 1}})
-        return state.replace(step=position[0], params=params, sync=sync)
-
-    def mapped(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
-               steps: jax.Array, loss_sum: jax.Array) -> TrainState:
-        specs = state_specs(state, axis)
-        coded_specs = slot_specs(coded, axis)
-        return jax.shard_map(device_apply, mesh=mesh,
-                             in_specs=(specs, P(), P(), coded_specs, P(axis), P(axis), P(axis)),
-                             out_specs=specs, check_vma=False)(state, mean, total, coded, anchor, steps, loss_sum)
-
-    return jax.jit(mapped, donate_argnums=0)
-
-
-class InFlight:
-    """What an overlapped run's rounds share, with replicas (`Overlapped` below) or with each worker's
-    state cut over its devices (jaxdp/step/hsdp_overlap.py): the thread the average runs on, the
-    start of the average of the delta a state holds (`self.reduce(coded, delta, steps, loss_sum,
-    step)`, the codec's slot if `self.coded`), the last round's length and the steps by process."""
-
-    thread: Any
-    reduce: Callable
-    coded: bool
-    pace: FixedSteps
-    first_row: dict[int, int]
-
-    def close(self) -> None:
-        self.thread.shutdown(wait=True)
-
-    def _coded(self, state: TrainState) -> Any:
-        return codec_slot(state.sync) if self.coded else state.sync.replace(per_device={}, shared={})
-
-    def _in_flight(self, state: TrainState) -> Any:
-        """Start averaging the delta the state holds (on the thread); None if it holds none."""
-        flight = state.sync.per_device[OVERLAP_NAME]
-        if not int(np.asarray(flight["steps"].addressable_shards[0].data)[0]):
-            return None
-        args = (self._coded(state), flight["delta"], flight["steps"], flight["loss_sum"], state.step)
-
-        def average() -> Any:
-            return jax.block_until_ready(self.reduce(*args))
-
-        return self.thread.submit(average)
-
-    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
-        return remaining if remaining < self.pace.steps else None
-
-    by_process = Rounds.by_process
-
-
-class Overlapped(InFlight, Rounds):
-    """Rounds of H steps whose average is applied one round late (`--overlap`, see the module
-    docstring): round k + 1 trains while round k's pseudo-gradients are averaged. The average is
-    the one collective program, dispatched from a thread of its own: on JAX's CPU client a program
-    runs on the thread that dispatches it, so from the training thread it would wait for the inner
-    steps (and they for it); from a second thread the two run at the same time, given two CPU
-    workers (a one-core process: jaxdp.cluster.runtime.two_cpu_workers; measured in docs/slow-links.md).
-    The inner steps and the apply run no collective, so no two collective programs are ever in
-    flight at once, and every process dispatches them in the same order."""
-
-    def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
-                 compression: Any, outer_tx: Any, every: int, data: Callable[[int], Any], rows_per_step: int | None):
-        super().__init__(local_grads, tx, mesh, strategy, compression, outer_tx, FixedSteps(every), data, rows_per_step)
-        import concurrent.futures
-
-        self.reduce = make_reduce(mesh, strategy, compression)
-        self.apply = make_apply(mesh, outer_tx)
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
-        self.coded = codec_of(compression) is not None
-
-    def _landed(self, state: TrainState, pending: Any) -> tuple[Any, Any, Any, dict]:
-        """The average in flight, once it has landed; with none in flight, a zero one (no outer step)."""
-        if pending is not None:
-            mean, total, coded, metrics = pending.result()
-            return mean, total, coded, {**metrics, "landed": True}
-        nothing = state.sync.replace(per_device={}, shared={})  # (the codec's slot stays as it is)
-        zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params)
-        return zeros, np.float32(0.0), nothing, {"landed": False}
-
-    def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
-              ) -> tuple[TrainState, dict, int, float]:
-        """Average the delta in flight while this round's H (or `limit`) inner steps train, then
-        apply it. The metrics are the round before's (its loss is known now; "landed" False: none)."""
-        pending = self._in_flight(state)
-        local = self.local
-        anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # (the inner steps donate the rows)
-        rows = rows_to(state.sync.per_device[STATE_NAME], local)
-        position = rows_to(state.sync.per_device[PACE_NAME]["position"], local)
-        view = replicated_to(state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={})),
-                             local)
-        view = view.replace(rng=jax.random.fold_in(view.rng, self.process))
-        at = int(np.asarray(position.addressable_shards[0].data)[0])
-        loss_sum = jnp.zeros(local.size, jnp.float32, device=NamedSharding(local, P(data_axes(local))))
-        started = time.perf_counter()
-        planned = self.pace.steps if limit is None else min(self.pace.steps, limit)
-        for taken in range(planned):
-            rows, position, loss_sum = self.inner(rows, view, position, loss_sum, self._batch(at + taken))
-        steps = jnp.full(local.size, planned, jnp.int32, device=NamedSharding(local, P(data_axes(local))))
-        jax.block_until_ready(loss_sum)
-        mean, total, coded, metrics = self._landed(state, pending)
-        sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows_to(rows, self.mesh),
-                                              PACE_NAME: {"position": rows_to(position, self.mesh)}})
-        state = self.apply(state.replace(sync=sync), mean, total, coded, anchor, rows_to(steps, self.mesh),
-                           rows_to(loss_sum, self.mesh))
-        return state, {**metrics, "round": state.sync.shared[PACE_NAME]["round"]}, planned, time.perf_counter() - started
-
-    def flush(self, state: TrainState) -> TrainState:
-        """The end of the run: average the last round's delta and apply it with no new progress, so
-        every replica equals the global parameters and nothing is in flight."""
-        pending = self._in_flight(state)
-        if pending is None:
-            return state
-        mean, total, coded, _ = pending.result()
-        anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # progress 0
-        zero = jax.jit(lambda x: x * 0)
-        flight = state.sync.per_device[OVERLAP_NAME]
-        return self.apply(state, mean, total, coded, anchor, zero(flight["steps"]), zero(flight["loss_sum"]))

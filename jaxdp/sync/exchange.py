@@ -258,3 +258,12 @@ def init_slot(compression: Any, params: Tree, mesh: Any) -> tuple[dict, dict]:
     error = {k: jax.make_array_from_callback((mesh.size, *e.shape), rows, lambda index, e=e: np.broadcast_to(
         np.asarray(e), (mesh.size, *e.shape))[index]) for k, e in state.error.items()}
     return entries(error, replicate(state.q, mesh))
+
+
+@jax.jit
+def non_finite(tree: Any) -> jax.Array:
+    """NaN if any value of `tree` is NaN, else inf if any is infinite, else 0 (one program, one scalar)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    nan = jnp.any(jnp.stack([jnp.any(jnp.isnan(x)) for x in leaves]))
+    inf = jnp.any(jnp.stack([jnp.any(jnp.isinf(x)) for x in leaves]))
+    return jnp.where(nan, jnp.nan, jnp.where(inf, jnp.inf, 0.0))

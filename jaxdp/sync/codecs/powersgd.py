@@ -54,30 +54,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdp.sync.codecs.base import AllReduce, CompressionState, Compressor, Tree, _checkpoint_safe, scaled
-
-# The epsilon the Gram-Schmidt `orthonormalize` added to each column norm (sqrt of float32's smallest
-# normal), kept for code that reads it. The QR `orthonormalize` needs none.
-ORTHO_EPS = float(np.sqrt(np.finfo(np.float32).tiny))
+from jaxdp.sync.codecs.lowrank import (  # noqa: F401 (ORTHO_EPS, orthonormalize, matrix_view: importable from here too)
+    ORTHO_EPS, basis, compute_dtype, matrix_view, orthonormalize, split_at,
+)
 
 # PyTorch's default min_compression_rate: compress a matrix only if its factors are at most half
 # its size; below that the second round trip and the matmuls cost more than the bytes saved.
 DEFAULT_MIN_RATE = 2.0
-
-
-def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
-    """The (n, m) a leaf is compressed as: its dimensions split in two at the point that makes the
-    most nearly square matrix (the smallest n + m, so the most compression at a given rank; the
-    first such split on a tie). A Dense kernel (in, out) is itself, a conv kernel (h, w, in, out)
-    is (h*w*in, out), and an attention kernel (d_model, 3, heads, head_dim) is (d_model, 3*d_model)
-    rather than (d_model*3*heads, head_dim), which a rank of 32 could hardly compress."""
-    k = split_at(shape)
-    return int(np.prod(shape[:k])), int(np.prod(shape[k:]))
-
-
-def split_at(shape: Sequence[int]) -> int:
-    """The k of `matrix_view`: its rows are the dimensions before k, its columns the rest."""
-    sums = [int(np.prod(shape[:k])) + int(np.prod(shape[k:])) for k in range(1, len(shape))]
-    return 1 + sums.index(min(sums))
 
 
 # PowerSGD's random streams: the initial Q of leaf i is drawn from fold_in(PRNGKey(seed), i); the new
@@ -145,9 +128,7 @@ class PowerSGD(Compressor):
                                 q={k: v for k, v in widest.q.items() if k in keys})
 
     def on_slices(self, cuts: tuple, axis: Any, pieces: int) -> Compressor:
-        """The same PowerSGD on slices of the leaves (jaxdp/sync/codecs/powersgd_sliced.py)."""
-        from jaxdp.sync.codecs.powersgd_sliced import Sliced
-
+        """The same PowerSGD on slices of the leaves (`Sliced`, below)."""
         return Sliced(self, cuts, axis, pieces)
 
     def weaker(self, ranks: Sequence[int]) -> Compressor:
@@ -182,13 +163,13 @@ class PowerSGD(Compressor):
         key = jax.random.PRNGKey(self.seed)
         error, q = {}, {}
         for i, (k, (n, m, r)) in enumerate(layout.items()):
-            dtype = _compute_dtype(flat[k].dtype)
+            dtype = compute_dtype(flat[k].dtype)
             error[k] = jnp.zeros(flat[k].shape, dtype)
             q[k] = jax.random.normal(jax.random.fold_in(key, i), (m, r), dtype)
         return CompressionState(error=error, q=q)
 
     def _fresh(self, layout: dict, step: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
-        """{leaf key: (m, r) and (n, r) standard normals}, the new directions `_basis` may give Q and
+        """{leaf key: (m, r) and (n, r) standard normals}, the new directions `lowrank.basis` may give Q and
         P at `step`: one draw for all leaves (one generator in the program, which compiles in a
         fraction of the time of one per leaf), each leaf's slice at its index in `layout`. The same
         on every device and in a resumed run, different at every step."""
@@ -204,7 +185,7 @@ class PowerSGD(Compressor):
             k = jax.tree_util.keystr(path)
             if k in layout:
                 n, m, r = layout[k]
-                total += (n + m) * r * jnp.dtype(_compute_dtype(x.dtype)).itemsize
+                total += (n + m) * r * jnp.dtype(compute_dtype(x.dtype)).itemsize
             else:
                 total += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
         return total
@@ -239,16 +220,16 @@ class PowerSGD(Compressor):
                 rest.append(g * jnp.asarray(scale, g.dtype))
                 continue
             n, m, _ = layout[k]
-            dtype = _compute_dtype(g.dtype)
+            dtype = compute_dtype(g.dtype)
             e = state.error[k].astype(dtype)
             ms[k] = (g.astype(dtype) + e).reshape(n, m)
-            ps[k] = (ms[k] * scale) @ _basis(state.q[k].astype(dtype), fresh[k][0])
+            ps[k] = (ms[k] * scale) @ basis(state.q[k].astype(dtype), fresh[k][0])
             err_sq += jnp.sum(jnp.square(e)).astype(jnp.float32)
             grad_sq += jnp.sum(jnp.square(g.astype(dtype))).astype(jnp.float32)
         # Call 1: P of every compressed leaf, the uncompressed leaves, and two norms for the metrics.
         norms = jnp.stack([err_sq, grad_sq]) * jnp.float32(scale)
         first = allreduce_sum({"p": ps, "rest": rest, "norms": norms})
-        p_hat = {k: _basis(p, fresh[k][1]) for k, p in first["p"].items()}
+        p_hat = {k: basis(p, fresh[k][1]) for k, p in first["p"].items()}
         # Call 2: Q of every compressed leaf.
         q = allreduce_sum({k: (ms[k] * scale).T @ p_hat[k] for k in ms})
         return finish(items, treedef, layout, first["rest"], ms, p_hat, q, q, first["norms"])
@@ -286,41 +267,172 @@ def _scalars(compressed: Any, error_ratio: Any) -> dict:
     return {"compressed": jnp.asarray(compressed, jnp.float32), "error_ratio": jnp.asarray(error_ratio, jnp.float32)}
 
 
-def _compute_dtype(dtype: Any) -> Any:
-    return jnp.promote_types(dtype, jnp.float32)
+# ---------------------------------------------------------------------------------------------
+# PowerSGD on slices of the leaves: shard_params across workers (jaxdp/step/hsdp.py), where each device
+# holds a slice of every matrix and no device a whole one. `PowerSGD.on_slices` makes it.
+# ---------------------------------------------------------------------------------------------
 
 
-def orthonormalize(a: jax.Array) -> jax.Array:
-    """Orthonormal (or zero) columns whose span contains the columns of `a` (k, r): the Q of a
-    Householder QR (`jnp.linalg.qr`), orthonormal to working precision however ill-conditioned `a`
-    is, each column's sign chosen so that R's diagonal is not negative. Where `a` has full column
-    rank this is Gram-Schmidt's result (column j: the part of a's column j outside the previous
-    ones), deterministic and unique.
+@dataclasses.dataclass(frozen=True)
+class Sliced(Compressor):
+    """PowerSGD on slices (`shard_params` across workers, jaxdp/step/hsdp.py): each device holds a
+    slice of every leaf, cut along one dimension into `pieces` over the mesh axis `axis` (its
+    worker's devices), and averages it with the devices holding the same slice in the other
+    workers. The result is `base`'s on the whole leaves, up to the order of float sums:
 
-    A column of Q that `a` does not use, |row j of R| = |q_jᵀ a| at rounding level (sqrt(k) eps
-    times a's largest column norm), becomes 0: where the rank of `a` is below r, and every column
-    of an all-zero `a` (no NaN). So P̂ P̂ᵀ is always an orthogonal projection that keeps `a`: it
-    never enlarges the gradient, even when the gradient's rank is below r (a constant matrix, or a
-    Dense kernel's gradient from fewer rows than r).
+    A leaf cut on the rows of its matrix view (n, m) (a dimension before the split) holds rows M_l:
+    P_l = M_l Q is its own rows of P, summed across workers as it is, then gathered over `axis`
+    (n r floats inside the worker) into the whole P, which every device orthonormalises (its rows in
+    their natural order, so the new directions are the same draw); Q = Σ_l M_lᵀ P̂_l is summed over
+    `axis` and across workers at once: scattered over `axis`, each device sends its 1/pieces across,
+    then gathered. A leaf cut on the columns: the same with the roles of P and Q swapped (its rows
+    of Q, the shared factor, taken from the whole Q every device keeps). A leaf every device holds
+    whole (no dimension divides): each device sends 1/pieces of P and of Q across, then they are
+    gathered. So what crosses between workers is 1/pieces of `base`'s payload per device, what
+    crosses inside a worker is the factors, and no device ever holds a whole gradient. Error
+    feedback is per slice, the warm-start Q whole (replicated), as `base` keeps them.
+
+    `cuts`: ((leaf key, whole shape, cut dimension or None), ...), keyed like `base.layout`.
     """
-    k, r = a.shape
-    largest = jnp.max(jnp.abs(a))
-    a = a / jnp.where(largest > 0, largest, 1)  # Q is the same; the norms below neither under- nor overflow
-    q, rr = jnp.linalg.qr(jnp.pad(a, ((0, max(r - k, 0)), (0, 0))))  # r rows at least: Q is (., r)
-    used = jnp.linalg.norm(rr, axis=1) > np.sqrt(k) * jnp.finfo(a.dtype).eps * jnp.max(jnp.linalg.norm(a, axis=0))
-    return (q * jnp.where(used, _signs(rr), 0))[:k]
 
+    base: PowerSGD
+    cuts: tuple
+    axis: Any
+    pieces: int
 
-def _signs(r: jax.Array) -> jax.Array:
-    """+1 or -1 per column of QR's Q, making R's diagonal non-negative (R_jj = 0: +1)."""
-    return jnp.where(jnp.diagonal(r) < 0, -1, 1).astype(r.dtype)
+    collectives = 2
 
+    @property
+    def name(self) -> str:
+        return self.base.name
 
-def _basis(a: jax.Array, fresh: jax.Array) -> jax.Array:
-    """r orthonormal columns (k >= r): `orthonormalize(a)`, its zero columns replaced by the columns of
-    `fresh` (random, shaped like `a`) made orthogonal to the others (module docstring)."""
-    kept = orthonormalize(a)
-    dropped = jnp.all(kept == 0, axis=0)
-    order = jnp.argsort(dropped, stable=True)  # the kept columns first, in order: QR leaves them as they are
-    q, rr = jnp.linalg.qr(jnp.where(dropped, fresh.astype(a.dtype), kept)[:, order])
-    return (q * _signs(rr))[:, jnp.argsort(order)]
+    @property
+    def state_name(self) -> str:
+        return self.base.state_name
+
+    @property
+    def start(self) -> int:  # type: ignore[override]
+        return self.base.start
+
+    def _whole(self, tree: Tree) -> Tree:
+        """`tree` (slices) as ShapeDtypeStructs of the whole leaves."""
+        shapes = {k: shape for k, shape, _ in self.cuts}
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: jax.ShapeDtypeStruct(shapes[jax.tree_util.keystr(path)], x.dtype), tree)
+
+    def layout(self, params: Tree) -> dict[str, tuple[int, int, int]]:
+        return self.base.layout(self._whole(params))
+
+    def read(self, slot: CompressionState, grads: Tree) -> CompressionState:
+        return self.base.read(slot, self._whole(grads))
+
+    def payload_bytes(self, params: Tree, num_devices: int | None = None) -> int:
+        """What one device sends across workers (its slice's share)."""
+        layout, parts = self.layout(params), self.pieces
+        shapes, cut = {k: shape for k, shape, _ in self.cuts}, {k: c for k, _, c in self.cuts}
+        total = 8
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+            k = jax.tree_util.keystr(path)
+            if k not in layout:
+                total += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                continue
+            n, m, r = layout[k]
+            split, c = split_at(shapes[k]), cut[k]
+            rows, cols = -(-n * r // parts), -(-m * r // parts)  # scattered or spread: 1/pieces each
+            if c is not None:
+                rows, cols = (n // parts * r, cols) if c < split else (rows, m // parts * r)
+            total += (rows + cols) * jnp.dtype(compute_dtype(x.dtype)).itemsize
+        return total
+
+    mean = PowerSGD.mean  # (plain averaging before `start`, then `_compressed` below)
+
+    def _compressed(self, grads: Tree, state: CompressionState, allreduce_sum: AllReduce, num_devices: int,
+                    layout: dict, step: Any) -> tuple[Tree, CompressionState, dict]:
+        axis, parts = self.axis, self.pieces
+        me = jax.lax.axis_index(axis)
+        whole_shape = {k: shape for k, shape, _ in self.cuts}
+        cut = {k: c for k, _, c in self.cuts}
+        items, treedef = jax.tree_util.tree_flatten_with_path(grads)
+        scale = 1.0 / num_devices
+        fresh = self.base._fresh(layout, step)
+
+        def own(x: jax.Array, dim: int) -> jax.Array:
+            """This device's piece of a whole `x` along `dim`."""
+            size = x.shape[dim] // parts
+            return jax.lax.dynamic_slice_in_dim(x, me * size, size, axis=dim)
+
+        def gathered(x: jax.Array, dim: int) -> jax.Array:
+            """Every device's piece `x` along `dim`, in order: the whole."""
+            g = jnp.moveaxis(jax.lax.all_gather(x, axis), 0, dim)
+            return g.reshape(*g.shape[:dim], g.shape[dim] * g.shape[dim + 1], *g.shape[dim + 2:])
+
+        def scatter(x: jax.Array, summed: bool) -> jax.Array:
+            """1/pieces of `x` (flattened, padded): summed over `axis` (partial sums) or this
+            device's part of an `x` every device holds."""
+            flat = jnp.pad(jnp.ravel(x), (0, -x.size % parts)).reshape(parts, -1)
+            return jax.lax.psum_scatter(flat, axis, scatter_dimension=0) if summed else flat[me]
+
+        def unscatter(piece: jax.Array, shape: tuple) -> jax.Array:
+            return jax.lax.all_gather(piece, axis, tiled=True)[:int(np.prod(shape))].reshape(shape)
+
+        ms, first, plans, rest = {}, {}, {}, []
+        sq_cut, sq_whole = jnp.zeros(2, jnp.float32), jnp.zeros(2, jnp.float32)
+        for path, g in items:
+            k = jax.tree_util.keystr(path)
+            if k not in layout:
+                rest.append(g * jnp.asarray(scale, g.dtype))
+                continue
+            n, m, r = layout[k]
+            shape, c = whole_shape[k], cut[k]
+            split = split_at(shape)
+            dtype = compute_dtype(g.dtype)
+            e = state.error[k].astype(dtype)
+            ms[k] = (g.astype(dtype) + e).reshape(int(np.prod(g.shape[:split])), -1)  # this device's M
+            mk = ms[k] * jnp.asarray(scale, dtype)
+            norms = jnp.stack([jnp.sum(jnp.square(e)), jnp.sum(jnp.square(g.astype(dtype)))]).astype(jnp.float32)
+            q = basis(state.q[k].astype(dtype), fresh[k][0])
+            if c is None:  # whole on every device of the worker
+                sq_whole += norms
+                plans[k] = "whole"
+                first[k] = scatter(mk @ q, summed=False)
+            elif c < split:  # rows: this device's rows of P
+                sq_cut += norms
+                plans[k] = "rows"
+                first[k] = mk @ q
+            else:  # columns: this device's rows of Q, a partial P
+                sq_cut += norms
+                plans[k] = "cols"
+                mine = own(q.reshape(*shape[split:], r), c - split).reshape(-1, r)
+                first[k] = scatter(mk @ mine, summed=True)
+        norms = (jax.lax.psum(sq_cut, axis) + sq_whole) * jnp.float32(scale)
+        # Call 1: P (or this device's part of it), the uncompressed slices, two norms.
+        summed = allreduce_sum({"p": first, "rest": rest, "norms": norms})
+        p_hat, second = {}, {}
+        for k, plan in plans.items():
+            n, m, r = layout[k]
+            shape, c = whole_shape[k], cut[k]
+            split = split_at(shape)
+            mk = ms[k] * jnp.asarray(scale, ms[k].dtype)
+            if plan == "rows":
+                piece_shape = (*shape[:split], r)
+                piece_shape = tuple(s // parts if i == c else s for i, s in enumerate(piece_shape))
+                p = gathered(summed["p"][k].reshape(piece_shape), c).reshape(n, r)
+                p_hat[k] = own(basis(p, fresh[k][1]).reshape(*shape[:split], r), c).reshape(-1, r)
+                second[k] = scatter(mk.T @ p_hat[k], summed=True)
+            else:
+                p_hat[k] = basis(unscatter(summed["p"][k], (n, r)), fresh[k][1])
+                second[k] = mk.T @ p_hat[k] if plan == "cols" else scatter(mk.T @ p_hat[k], summed=False)
+        # Call 2: Q (or this device's part of it).
+        summed_q = allreduce_sum(second)
+        q_whole, q_mine = {}, {}
+        for k, plan in plans.items():
+            n, m, r = layout[k]
+            shape, c = whole_shape[k], cut[k]
+            split = split_at(shape)
+            if plan == "cols":
+                q_mine[k] = summed_q[k]
+                piece_shape = tuple(s // parts if i + split == c else s for i, s in enumerate(shape[split:]))
+                q_whole[k] = gathered(summed_q[k].reshape(*piece_shape, r), c - split).reshape(m, r)
+            else:
+                q_whole[k] = q_mine[k] = unscatter(summed_q[k], (m, r))
+        return finish(items, treedef, layout, summed["rest"], ms, p_hat, q_mine, q_whole, summed["norms"])
