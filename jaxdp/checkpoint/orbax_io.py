@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 from typing import Any
 
 from jaxdp.cluster import quiet
@@ -67,8 +68,7 @@ def write_error(step: int, directory: str, err: BaseException) -> CheckpointWrit
     exiting. So once a save has failed, asyncio's logger stays quiet for the rest of the process
     (--debug keeps it)."""
     quiet.silence_asyncio()
-    release_waiting_writers()
-    remove_unfinished(directory, step)
+    remove_unfinished(directory, step, after=release_waiting_writers())
     cause = err
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -84,10 +84,17 @@ def write_error(step: int, directory: str, err: BaseException) -> CheckpointWrit
                                 f"checkpoints are intact (free space or fix the directory, then rerun to resume)")
 
 
-def remove_unfinished(directory: str, step: int) -> None:
+def remove_unfinished(directory: str, step: int, after: list[threading.Thread] = (), wait_s: float = 10.0) -> None:
     """Delete `<step>.orbax-checkpoint-tmp*` in `directory`, what a failed save of `step` wrote
     (best effort: a directory that cannot be changed keeps it, and a restore ignores it anyway).
-    A committed step directory (`<step>`) is never touched."""
+    A committed step directory (`<step>`) is never touched.
+
+    Hazard: the failed save's own threads (`after`) may still be creating that directory (orbax
+    creates it in a thread of its own, which can finish after the failure is seen); so they are
+    waited for first, `wait_s` at most in all."""
+    deadline = time.monotonic() + wait_s
+    for thread in after:  # (threading's join: orbax's raises the thread's cancellation, after waiting)
+        threading.Thread.join(thread, max(deadline - time.monotonic(), 0.0))
     prefix = f"{step}{ocp().path.step.TMP_DIR_SUFFIX}"
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
@@ -95,18 +102,22 @@ def remove_unfinished(directory: str, step: int) -> None:
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def release_waiting_writers() -> None:
+def release_waiting_writers() -> list[threading.Thread]:
     """Let the failed save's remaining orbax threads end now.
 
     Hazard: each stage of an orbax save runs on a non-daemon thread that first waits (up to orbax's
     300 s coordination timeout) for a key-value signal from the stage before, e.g. "step directory
     created". After a failure that signal never comes, and Python waits for those threads at exit:
     exit code 73 would come 300 s after its message. So every such thread still alive is cancelled
-    and its awaited signals are set: it wakes, sees the cancellation and returns without writing."""
+    and its awaited signals are set: it wakes, sees the cancellation and returns without writing.
+    Returns those threads (one that was already past its wait runs on to its end)."""
     from orbax.checkpoint._src.futures import future as orbax_future
 
+    released = []
     for thread in threading.enumerate():
         if isinstance(thread, orbax_future._SignalingThread) and thread.is_alive():
             thread.cancel()
             with contextlib.suppress(Exception):  # (a signal already set, or the client gone: nothing waits)
                 orbax_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+            released.append(thread)
+    return released
