@@ -114,3 +114,81 @@ def test_a_checkpoint_whose_zero_size_parameter_is_now_another_shape_is_refused(
         with jaxdp.Checkpointer(str(tmp_path / "c")) as ckpt, pytest.raises(jaxdp.InputError, match=needle):
             ckpt.restore(template)
     assert sorted(os.listdir(tmp_path / "c")) == ["0"]  # refused, not moved aside as damaged
+
+
+# -- ZeRO-1 (shard_optimizer) ------------------------------------------------------------------
+
+
+class EmptyMLP(nn.Module):
+    """Two float32 leaves that need padding on 8 devices, and a zero-size one of its own dtype
+    group (bf16): an empty buffer, alone and beside others."""
+
+    @nn.compact
+    def __call__(self, x):
+        empty = self.param("empty", nn.initializers.zeros, (0, 4))
+        empty16 = self.param("empty16", nn.initializers.zeros, (3, 0), jnp.bfloat16)
+        return nn.Dense(10)(nn.tanh(nn.Dense(7)(x))) + jnp.sum(empty) + jnp.sum(empty16).astype(jnp.float32)
+
+
+def zero_size_loss(params, batch):
+    logits = EmptyMLP().apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def zero_size_run(mesh, strategy, shard_optimizer, steps=5):
+    params = EmptyMLP().init(jax.random.PRNGKey(0), jnp.zeros((1, 13)))["params"]
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(3e-3))
+    state = jaxdp.init_state(params, tx, mesh, shard_optimizer=shard_optimizer)
+    step = jaxdp.make_train_step(zero_size_loss, tx, mesh, strategy, shard_optimizer=shard_optimizer)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        batch = {"x": rng.standard_normal((48, 13)).astype(np.float32), "y": rng.integers(0, 10, 48).astype(np.int32)}
+        state, metrics = step(state, jaxdp.shard_batch(batch, mesh))
+        losses.append(float(metrics["loss"]))
+    return state, losses, tx
+
+
+@pytest.mark.parametrize("strategy", ["psum", "ring"])
+def test_zero1_with_a_zero_size_parameter_trains_like_the_replicated_step(devices, tmp_path, strategy):
+    mesh = jaxdp.make_mesh(devices)
+    replicated, want, tx = zero_size_run(mesh, strategy, False)
+    sharded, got, _ = zero_size_run(mesh, strategy, True)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert sharded.params["empty"].shape == (0, 4) and sharded.params["empty16"].dtype == jnp.bfloat16
+    for a, b in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(replicated.params), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert a.shape == b.shape and np.max(np.abs(a - b), initial=0.0) <= 1e-6 * np.max(np.abs(b), initial=0.0)
+
+    # Its checkpoint (the optimizer state in tree form) restores sharded and replicated alike.
+    with jaxdp.Checkpointer(str(tmp_path / "c")) as ckpt:
+        ckpt.save(sharded)
+    for shard_optimizer in (True, False):
+        template = jaxdp.init_state(jax.tree.map(jnp.zeros_like, sharded.params), tx, mesh,
+                                    shard_optimizer=shard_optimizer)
+        with jaxdp.Checkpointer(str(tmp_path / "c")) as ckpt:
+            restored = ckpt.restore(template)
+        assert int(restored.step) == 5
+        assert_same_arrays(restored.params, sharded.params)
+        assert_same_arrays(portable.to_portable(restored).opt_state, portable.to_portable(sharded).opt_state)
+
+
+@pytest.mark.parametrize("strategy", ["psum", "ring"])
+def test_the_halves_of_an_empty_buffer_are_empty(devices, strategy):
+    """A strategy's reduce-scatter and all-gather of a zero-length buffer (XLA's verifier refuses
+    its own collectives of zero length): an empty result, no collective."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp.sync.collectives import as_collective
+
+    mesh = jaxdp.make_mesh(devices)
+    axis = jaxdp.mesh.data_axes(mesh)
+    halves = as_collective(strategy).halves
+
+    def both(buffer):
+        owned = halves.reduce_scatter(buffer, axis)
+        return owned, halves.all_gather(owned, axis)
+
+    owned, whole = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P(), out_specs=(P(axis), P()), check_vma=False))(
+        jnp.zeros((0,), jnp.float32))
+    assert owned.shape == whole.shape == (0,)

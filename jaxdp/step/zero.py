@@ -135,10 +135,11 @@ class ShardedOptState:
 
 
 def scatter(flat: FlatBuffers, reduce_scatter: Callable, axis: str, shards: int, fuse: bool) -> FlatBuffers:
-    """Inside shard_map: every buffer's chunk i, averaged over devices, on device i."""
+    """Inside shard_map: every buffer's chunk i, averaged over devices, on device i. An empty buffer
+    (a zero-size leaf: nothing to average) is its own chunk and takes part in no collective."""
     if not fuse:
-        return FlatBuffers(tuple(reduce_scatter(b, axis) for b in flat.buffers))
-    owned: list[Any] = [None] * len(flat.buffers)
+        return FlatBuffers(tuple(reduce_scatter(b, axis) if b.size else b for b in flat.buffers))
+    owned: list[Any] = [None if b.size else b for b in flat.buffers]
     for indices in _by_dtype(flat.buffers).values():
         rows = jnp.concatenate([flat.buffers[i].reshape(shards, -1) for i in indices], axis=1)  # device i: row i
         for i, part in zip(indices, _split(reduce_scatter(rows.reshape(-1), axis), [flat.buffers[i].shape[0] // shards
@@ -150,8 +151,8 @@ def scatter(flat: FlatBuffers, reduce_scatter: Callable, axis: str, shards: int,
 def gather(owned: FlatBuffers, all_gather: Callable, axis: str, shards: int, fuse: bool) -> FlatBuffers:
     """Inside shard_map: `scatter`'s inverse for complete chunks: every buffer, whole, everywhere."""
     if not fuse:
-        return FlatBuffers(tuple(all_gather(b, axis) for b in owned.buffers))
-    whole: list[Any] = [None] * len(owned.buffers)
+        return FlatBuffers(tuple(all_gather(b, axis) if b.size else b for b in owned.buffers))
+    whole: list[Any] = [None if b.size else b for b in owned.buffers]
     for indices in _by_dtype(owned.buffers).values():
         widths = [owned.buffers[i].shape[0] for i in indices]
         rows = all_gather(jnp.concatenate([owned.buffers[i] for i in indices]), axis).reshape(shards, -1)
@@ -162,9 +163,11 @@ def gather(owned: FlatBuffers, all_gather: Callable, axis: str, shards: int, fus
 
 
 def _by_dtype(buffers: tuple) -> dict[Any, list[int]]:
+    """The non-empty buffers' indices by dtype (an empty one travels nowhere)."""
     groups: dict[Any, list[int]] = {}
     for i, b in enumerate(buffers):
-        groups.setdefault(b.dtype, []).append(i)
+        if b.size:
+            groups.setdefault(b.dtype, []).append(i)
     return groups
 
 

@@ -147,8 +147,11 @@ def psum_scatter(padded: jax.Array, axis_name: Any) -> jax.Array:
     with no error (https://github.com/jax-ml/jax/issues/40830); its all-reduce and send / receive
     are right. So on CPU with several processes this is the ring's own reduce-scatter, of
     ppermutes: faster there than gloo's own, and than an all-reduce and a slice (`python -m jaxdp.bench
-    collectives --reduce-scatter`; docs/performance.md). Decided at trace time.
+    collectives --reduce-scatter`; docs/performance.md). Decided at trace time. An empty buffer is
+    its own (empty) result: XLA's verifier refuses a reduce-scatter of zero length.
     """
+    if not padded.size:
+        return padded
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
         return ring_reduce_scatter(padded, axis_name)
     return jax.lax.psum_scatter(padded, axis_name, tiled=True)
@@ -159,6 +162,8 @@ def _psum_scatter_mean(padded: jax.Array, axis_name: Any) -> jax.Array:
 
 
 def _psum_all_gather(owned: jax.Array, axis_name: Any) -> jax.Array:
+    if not owned.size:  # an empty chunk of an empty buffer (XLA's verifier refuses an all-gather of zero length)
+        return owned
     return jax.lax.all_gather(owned, axis_name, tiled=True)
 
 
