@@ -161,7 +161,7 @@ def test_a_resume_on_changed_documents_is_refused_in_one_line(tmp_path, capsys):
         assert "Traceback" not in err and line == (
             f"jaxdp: error: --checkpoint-dir: checkpoint directory '{tmp_path / 'run'}' holds a checkpoint (step 2) "
             f"trained on other data: dataset '{folder}' changed since {change}, so the held-out split would now hold "
-            f"text already trained on; restore the data it was trained on, or start a new run in another checkpoint "
+            f"data already trained on; restore the data it was trained on, or start a new run in another checkpoint "
             f"directory")
     last.write_text(original, encoding="utf-8")
     assert main([*flags, "--steps", "4"]) == 0
@@ -190,7 +190,7 @@ def test_bad_documents_are_one_line_naming_the_dataset(tmp_path):
 def test_without_pyarrow_a_parquet_folder_says_what_to_install(tmp_path, monkeypatch):
     folder = write(tmp_path / "docs", "parquet")
     monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)
-    with pytest.raises(InputError, match=r"needs pyarrow: pip install 'jaxdp\[data\]'"):
+    with pytest.raises(InputError, match=r"needs pyarrow: pip install 'jaxdp-trainer\[data\]'"):
         load_dataset(str(folder), seq_len=16)
 
 

@@ -130,7 +130,7 @@ def test_wandb_missing_is_one_line_saying_what_to_install(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
-    with pytest.raises(InputError, match=r"pip install 'jaxdp\[wandb\]'"):
+    with pytest.raises(InputError, match=r"pip install 'jaxdp-trainer\[wandb\]'"):
         MetricsWriter(is_main=True, total_steps=2, progress=False, wandb_project="p")
     MetricsWriter(is_main=False, total_steps=2, progress=False, wandb_project="p")  # not process 0: not needed
 
@@ -142,7 +142,7 @@ def test_a_flag_whose_package_is_missing_is_refused_before_the_run(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tokenizers") else real(name, *a))
-    with pytest.raises(ConfigError, match=r"--wandb-project needs the wandb package: pip install 'jaxdp\[wandb\]'"):
+    with pytest.raises(ConfigError, match=r"--wandb-project needs the wandb package: pip install 'jaxdp-trainer\[wandb\]'"):
         Config(wandb_project="p")
-    with pytest.raises(ConfigError, match=r"--tokenizer needs the tokenizers package: pip install 'jaxdp\[tokenizers\]'"):
+    with pytest.raises(ConfigError, match=r"--tokenizer needs the tokenizers package: pip install 'jaxdp-trainer\[tokenizers\]'"):
         Config(model="gpt", dataset="book.txt", tokenizer="tok.json")
