@@ -245,12 +245,6 @@ class Checkpointer:
                                  f"steps (sync_every > 1) and synchronous training keep different states: use "
                                  f"sync_every {'> 1' if have > 1 else '= 1'} or another checkpoint directory",
                                  argument="directory", setting="sync_every")
-        change = resume.data_change(meta, self.extra_meta.get(resume.DATA_DIGEST))
-        if change is not None:
-            dataset = f"dataset {self.config.dataset!r}" if self.config is not None else "the dataset"
-            raise InputError(f"{where} trained on other data: {dataset} changed since ({change}), so the held-out "
-                             f"split would now hold text already trained on; restore the data it was trained on, or "
-                             f"start a new run in another checkpoint directory", argument="directory")
         wanted = portable.flat_shapes(portable.to_portable(state, abstract=True, stored=stored))
         for path in [*wanted, *(p for p in stored if p not in wanted)]:  # params before opt_state
             if stored.get(path) != wanted.get(path):
@@ -259,6 +253,12 @@ class Checkpointer:
                 raise InputError(f"{where} whose {path} is {have}, but this run's model and optimizer "
                                  f"need {want}; use the settings it was made with or another checkpoint directory",
                                  argument="directory")
+        change = resume.data_change(meta, self.extra_meta.get(resume.DATA_DIGEST))
+        if change is not None:
+            dataset = f"dataset {self.config.dataset!r}" if self.config is not None else "the dataset"
+            raise InputError(f"{where} trained on other data: {dataset} changed since ({change}), so the held-out "
+                             f"split would now hold data already trained on; restore the data it was trained on, or "
+                             f"start a new run in another checkpoint directory", argument="directory")
 
     def _restore_step(self, step: int, state: TrainState, stored: dict) -> TrainState:
         target = jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else ocp().utils.to_shape_dtype_struct(x),
