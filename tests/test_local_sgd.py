@@ -116,7 +116,7 @@ def test_bad_combinations_raise_one_line(devices):
     mesh = jaxdp.make_mesh(devices)
     params, loss_fn = mlp_problem()
     tx = optax.sgd(0.1)
-    for kwargs, needle in [({"strategy": "host"}, "apply to strategy 'host'"),
+    for kwargs, needle in [({"strategy": "host"}, "strategy='host' does not qualify"),
                            ({"shard_optimizer": True}, "do not combine")]:
         with pytest.raises(jaxdp.InputError, match=needle):
             jaxdp.make_train_step(loss_fn, tx, mesh, sync_every=4, **kwargs)

@@ -157,7 +157,7 @@ def test_time_bounded_rounds_train(devices):
 
 
 @pytest.mark.parametrize("kwargs, says", [
-    (dict(sync_every=4), "sync_every=4"), (dict(compression="auto"), "compression auto"),
+    (dict(sync_every=4), "sync_every=4"), (dict(compression="auto"), "compression='auto'"),
     (dict(strategy="host"), "in-graph strategy"), (dict(sync_seconds=-1.0), "positive number of seconds")])
 def test_what_sync_seconds_does_not_combine_with_is_one_line(devices, kwargs, says):
     params, loss_fn = mlp_problem()

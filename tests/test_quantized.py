@@ -133,7 +133,7 @@ def test_local_steps_average_pseudo_gradients_through_int8(devices):
 
 
 def test_psum_refuses_quantized_compression(devices):
-    with pytest.raises(InputError, match="requantizes at every hop.*use ring"):
+    with pytest.raises(InputError, match="needs strategy='ring'.*requantizes at every hop"):
         jaxdp.make_train_step(mlp_problem()[1], optax.sgd(0.1), make_mesh(devices), strategy="psum", compression="int8")
     probe = "import sys; from jaxdp.train import main; code = main(sys.argv[1:]); print('jax' in sys.modules); sys.exit(code)"
     proc = subprocess.run([sys.executable, "-c", probe, "--strategy", "psum", "--compression", "int4", "--steps", "1",

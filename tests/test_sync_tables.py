@@ -2,6 +2,8 @@
 and the rules of which sync choices combine (jaxdp/sync/rules.py). A new codec or a new rule is
 covered here by being in its table (a rule also needs its example below)."""
 
+import dataclasses
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,8 @@ import numpy as np
 import pytest
 
 from jaxdp.config import ConfigError, parse_args
+from jaxdp.config import build_parser as config_parser
+from jaxdp.launch import build_parser as launch_parser
 from jaxdp.errors import InputError
 from jaxdp.sync import codecs, costmodel, rules
 from jaxdp.sync.spec import SyncSpec
@@ -49,7 +53,7 @@ def test_every_codec_round_trips_through_its_slot(name):
 @pytest.mark.parametrize("name", [n for n in ROWS if n != "none"])
 def test_every_codec_is_refused_where_the_table_says(name):
     row = ROWS[name]
-    with pytest.raises(InputError, match="compression does not apply to strategy 'host'"):
+    with pytest.raises(InputError, match=r"compression needs an in-graph strategy .*: strategy='host' does not qualify"):
         SyncSpec(strategy="host", compression=row.example).validate()
     with pytest.raises(ConfigError, match="^--compression needs an in-graph strategy"):
         rules.check_config(parse_args(["--strategy", "host", "--compression", row.example]))
@@ -61,7 +65,7 @@ def test_every_codec_is_refused_where_the_table_says(name):
             spec.validate()
             rules.check_config(flags)
             continue
-        with pytest.raises(InputError, match="requantizes at every hop.*use ring"):
+        with pytest.raises(InputError, match="needs strategy='ring'.*requantizes at every hop"):
             spec.validate()
         with pytest.raises(ConfigError, match=f"^--compression={row.example} needs --strategy ring"):
             rules.check_config(flags)
@@ -142,6 +146,30 @@ def test_every_rule_is_named_first_by_its_example_in_both_terms(rule):
     assert "\n" not in str(flags.value) + str(words.value)
 
 
+# The flags a message may name: the command line's, and the launcher's (--elastic-engine).
+FLAGS = {o for parser in (config_parser(), launch_parser()) for a in parser._actions for o in a.option_strings}
+KEYWORDS = [f.name for f in dataclasses.fields(rules.Choices) if "--" + f.name.replace("_", "-") in FLAGS]
+
+
+@pytest.mark.parametrize("rule", rules.RULES, ids=lambda r: r.name)
+def test_every_rule_is_one_template_said_wholly_in_flag_terms_or_in_keyword_terms(rule):
+    named = [m.group(1) for m in rules.PLACEHOLDER.finditer(rule.says)]
+    assert named and set(named) <= set(KEYWORDS), named  # each placeholder a choice that has a flag
+    example = choices(**EXAMPLES[rule.name])
+    flags, words = rules.render(rule.says, example, flags=True), rules.render(rule.says, example)
+    assert not re.search(r"[{}]", flags + words), (flags, words)  # every placeholder rendered
+    # keyword terms: no flag (an elastic run is named by the launcher's command, the same in both terms)
+    assert not re.search(r"--\w", words.replace("(jaxdp.launch --elastic)", "")), words
+    # flag terms: no keyword (strategy, compression and overlap are words of the prose too: not as name=value)
+    said = re.search(rf"(?<![-\w])({'|'.join(k for k in KEYWORDS if '_' in k)})(?![-\w])"
+                     rf"|(?<![-\w])({'|'.join(KEYWORDS)})(=| ')", flags)
+    assert said is None, flags
+    with pytest.raises(ConfigError, match=f"^{re.escape(flags)}$"):
+        rules.check(example, flags=True)
+    with pytest.raises(InputError, match=f"^{re.escape(words)}$"):
+        rules.check(example)
+
+
 def test_every_rule_is_named_once_and_has_an_example():
     names = [r.name for r in rules.RULES]
     assert len(set(names)) == len(names) and set(names) == set(EXAMPLES)
@@ -173,8 +201,6 @@ def test_config_imports_no_sync_code():
 
 
 # ---- the test of the design: a new codec is one class (a file of its own in jaxdp/sync/codecs/) plus one table line ----
-
-import dataclasses  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402

@@ -1,4 +1,4 @@
-"""Which sync choices combine: every rule once, as data, with its message in flag terms and in keyword terms.
+"""Which sync choices combine: every rule once, as data, with one message said in flag terms or in keyword terms.
 
     choices = Choices.from_config(config)        # the command line's flags, before JAX starts
     check(choices, flags=True)                   # ConfigError in flag terms (exit 2), or nothing
@@ -10,12 +10,24 @@ local steps (sync_every, sync_fragments, an outer optimizer), sync_seconds, ZeRO
 (shard_optimizer), overlap, an elastic run, and whether the model keeps float state (BatchNorm).
 `RULES` lists what does not combine; the first rule a set of choices breaks is the one named.
 Nothing here imports JAX (a user's own strategy excepted: it is asked what it can do).
+
+Each rule's message is one template, said in flag terms (the command line) or in keyword terms (the
+library): a placeholder names a field of `Choices`, and `render` spells it either way,
+
+    {sync_every:opt}        --sync-every             sync_every              the choice
+    {sync_every:is}         --sync-every=8           sync_every=8            the choice with this run's value
+    {shard_optimizer:is}    --shard-optimizer=true   shard_optimizer=True
+    {strategy=ring}         --strategy ring          strategy='ring'         a value to pass (a number, or N: bare)
+
+a flag being its field's name with dashes (elastic_engine: jaxdp.launch's --elastic-engine). So a
+template spells no flag and no keyword itself (tests/test_sync_tables.py checks every rule both ways).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Callable
 
 from jaxdp.errors import InputError
@@ -122,16 +134,38 @@ def elastic_of(environ: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """What does not combine: `when(choices)` is True for a set of choices that breaks it. `flags`
-    and `words` are its message in flag terms (the command line) and in keyword terms (the library),
-    formatted with the choices' fields; `setting` is the choice the message names
-    (`InputError.setting`, which the command line spells as its flag)."""
+    """What does not combine: `when(choices)` is True for a set of choices that breaks it. `says`
+    is its message, one template for both terms (the placeholders: the module's docstring);
+    `setting` is the choice the message names (`InputError.setting`, which the command line spells
+    as its flag)."""
 
     name: str
     when: Callable[[Choices], bool]
-    flags: str
-    words: str
+    says: str
     setting: str
+
+
+PLACEHOLDER = re.compile(r"\{(\w+)(:opt|:is|=[^{}]*)\}")  # {field:opt}, {field:is}, {field=VALUE}
+
+
+def render(template: str, choices: Choices, flags: bool = False) -> str:
+    """`template` with its placeholders said in flag terms (`flags`) or in keyword terms."""
+    def term(match: re.Match) -> str:
+        name, form = match.groups()
+        option = "--" + name.replace("_", "-") if flags else name
+        if form == ":opt":
+            return option
+        if form == ":is":  # this run's value, as the command line types it or as Python writes it
+            value = getattr(choices, name)
+            if flags:
+                return f"{option}={str(value).lower() if isinstance(value, bool) else value}"
+            return f"{name}={value!r}"
+        value = form[1:]  # a value to pass: a word is a string to a keyword, a number or a metavariable (N) is not
+        if flags:
+            return f"{option} {value}"
+        return f"{name}={value if value.isdigit() or value.isupper() else repr(value)}"
+
+    return PLACEHOLDER.sub(term, template)
 
 
 # The codecs an elastic run on torchft codes its exchange with (jaxdp.sync.host.RowCoder): each worker's
@@ -140,9 +174,12 @@ HOST_CODED = ("bf16", "int8", "int4")
 ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.elastic.hub.ENV_ADDRESS (not imported: this table imports nothing heavy)
 FT_ENV = "JAXDP_FT_LIGHTHOUSE"  # = jaxdp.cluster.ft_env.ENV_LIGHTHOUSE
 _ELASTIC = "an elastic run (jaxdp.launch --elastic) does not combine with "
-_PACED = ": the rounds are --sync-seconds long, with one fixed --compression; drop one of them"
-_OVERLAP = (": it overlaps each step's (or each --sync-every round's) all-reduce through --strategy psum or ring, with "
-            "a fixed --compression (auto only with --sync-every auto), with the next step's compute; change one of them")
+_PACED = (": the rounds are {sync_seconds:opt} long (not H steps), with one fixed {compression:opt} (none, bf16, int8, "
+          "...); drop one of them")
+_OVERLAP = (": it overlaps each step's (or each {sync_every:opt} round's) all-reduce through {strategy:opt} psum or "
+            "ring, with a fixed {compression:opt} (auto only with {sync_every=auto}), with the next step's compute; "
+            "change one of them")
+_IN_GRAPH = " needs an in-graph strategy ({strategy:opt} psum or ring): {strategy:is} does not qualify"
 _NEEDS_SUM = "it needs an in-graph sum over devices"
 _HOPS = ("it requantizes at every hop of a ring, and this strategy's all-reduce has no hops to requantize (XLA's "
          "all-reduce sums in full precision inside)")
@@ -155,185 +192,123 @@ RULES: tuple[Rule, ...] = (
     # worker, its devices' sum may be an in-graph strategy's (psum, the ring)
     Rule("elastic-strategy", lambda c: c.elastic and "host" not in c.abilities
          and (c.elastic_engine != "torchft" or "sum" not in c.abilities),
-         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use --strategy host "
-         "(with --elastic-engine torchft also psum or ring), not --strategy={strategy}",
-         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use strategy='host' "
-         "(on torchft also 'psum' or 'ring'), not {strategy!r}", "strategy"),
+         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use {strategy=host} "
+         "(with {elastic_engine=torchft} also psum or ring), not {strategy:is}", "strategy"),
     Rule("elastic-compression", lambda c: c.elastic and c.compression is not None and not c.ft,
-         _ELASTIC + "--compression={compression} (with --elastic-engine torchft: bf16, int8 or int4)",
-         _ELASTIC + "compression={compression!r} (on torchft: bf16, int8 or int4)", "compression"),
+         _ELASTIC + "{compression:is} (with {elastic_engine=torchft}: bf16, int8 or int4)", "compression"),
     Rule("elastic-ft-codec", lambda c: c.elastic and c.compression is not None and (
         c.compression == AUTO or codecs.row(c.compression).name not in HOST_CODED),
-         "an elastic run on torchft codes each worker's sum once, as bytes every worker decodes: use --compression "
-         "bf16, int8 or int4, not --compression={compression}",
-         "an elastic run on torchft codes each worker's sum once, as bytes every worker decodes: use compression "
-         "'bf16', 'int8' or 'int4', not {compression!r}", "compression"),
+         "an elastic run on torchft codes each worker's sum once, as bytes every worker decodes: use {compression:opt} "
+         "bf16, int8 or int4, not {compression:is}", "compression"),
     Rule("elastic-local", lambda c: c.elastic and c.sync_every != 1 and not c.ft,
-         _ELASTIC + "--sync-every={sync_every} on the launcher's hub (with --elastic-engine torchft it does)",
-         _ELASTIC + "sync_every={sync_every!r} on the launcher's hub (on torchft it does)", "sync_every"),
+         _ELASTIC + "{sync_every:is} on the launcher's hub (with {elastic_engine=torchft} it does)", "sync_every"),
     # -- local steps across torchft workers (jaxdp/elastic/rounds.py): rounds of a fixed H
     Rule("elastic-ft-auto", lambda c: c.ft and c.sync_every == AUTO,
-         "an elastic run on torchft needs a number of local steps: --sync-every N, not auto",
-         "an elastic run on torchft needs a number of local steps: sync_every=N, not 'auto'", "sync_every"),
+         "an elastic run on torchft needs a number of local steps: {sync_every=N}, not auto", "sync_every"),
     Rule("elastic-ft-local-state", lambda c: c.ft and c.sync_every != 1 and c.float_state,
          "an elastic run on torchft keeps no float model state across local steps (BatchNorm statistics would "
-         "differ per worker): use a model without it, or --sync-every 1",
-         "an elastic run on torchft keeps no float model state across local steps (BatchNorm statistics would "
-         "differ per worker): use a model without it, or sync_every=1", "sync_every"),
+         "differ per worker): use a model without it, or {sync_every=1}", "sync_every"),
     Rule("elastic-paced", lambda c: c.elastic and c.sync_seconds is not None and not c.ft,
-         _ELASTIC + "--sync-seconds on the launcher's hub (with --elastic-engine torchft it does)",
-         _ELASTIC + "sync_seconds on the launcher's hub (on torchft it does)", "sync_seconds"),
+         _ELASTIC + "{sync_seconds:opt} on the launcher's hub (with {elastic_engine=torchft} it does)", "sync_seconds"),
     Rule("elastic-fragments", lambda c: c.elastic and c.sync_fragments != 1,
-         _ELASTIC + "--sync-fragments={sync_fragments}", _ELASTIC + "sync_fragments={sync_fragments}", "sync_fragments"),
+         _ELASTIC + "{sync_fragments:is}", "sync_fragments"),
     Rule("elastic-zero", lambda c: c.elastic and c.shard_optimizer,
-         _ELASTIC + "--shard-optimizer", _ELASTIC + "shard_optimizer (ZeRO-1)", "shard_optimizer"),
+         _ELASTIC + "{shard_optimizer:opt} (ZeRO-1)", "shard_optimizer"),
     Rule("elastic-overlap", lambda c: c.elastic and c.overlap and not (c.ft and c.sync_every != 1),
-         _ELASTIC + "every-step --overlap (with --elastic-engine torchft it overlaps rounds: --sync-every N --overlap)",
-         _ELASTIC + "every-step overlap (with torchft it overlaps rounds: sync_every N)", "overlap"),
+         _ELASTIC + "every-step {overlap:opt} (with {elastic_engine=torchft} it overlaps rounds: {sync_every=N} and "
+         "{overlap:opt})", "overlap"),
     # -- sync_seconds: rounds of wall-clock time (jaxdp/step/rounds.py)
     Rule("paced-local", lambda c: c.sync_seconds is not None and c.sync_every != 1,
-         "--sync-seconds does not combine with --sync-every={sync_every}" + _PACED,
-         "sync_seconds does not combine with sync_every={sync_every!r}: the round is sync_seconds long, not H steps",
-         "sync_every"),
+         "{sync_seconds:opt} does not combine with {sync_every:is}" + _PACED, "sync_every"),
     Rule("paced-auto", lambda c: c.sync_seconds is not None and c.compression == AUTO,
-         "--sync-seconds does not combine with --compression=auto" + _PACED,
-         "sync_seconds does not combine with compression auto: choose one (none, bf16, int8, ...)", "compression"),
+         "{sync_seconds:opt} does not combine with {compression:is}" + _PACED, "compression"),
     Rule("paced-fragments", lambda c: c.sync_seconds is not None and c.sync_fragments != 1,
-         "--sync-seconds does not combine with --sync-fragments={sync_fragments}" + _PACED,
-         "sync_seconds does not combine with sync_fragments={sync_fragments}", "sync_fragments"),
+         "{sync_seconds:opt} does not combine with {sync_fragments:is}" + _PACED, "sync_fragments"),
     Rule("paced-zero", lambda c: c.sync_seconds is not None and c.shard_optimizer,
-         "--sync-seconds does not combine with --shard-optimizer=true" + _PACED,
-         "sync_seconds does not combine with shard_optimizer (ZeRO-1)", "shard_optimizer"),
+         "{sync_seconds:opt} does not combine with {shard_optimizer:is} (ZeRO-1)" + _PACED, "shard_optimizer"),
     Rule("paced-strategy", lambda c: c.sync_seconds is not None and not c.in_graph,
-         "--sync-seconds needs an in-graph strategy (--strategy psum or ring): --strategy={strategy} does not qualify",
-         "sync_seconds needs an in-graph strategy (psum or ring), not {strategy}", "strategy"),
+         "{sync_seconds:opt}" + _IN_GRAPH, "strategy"),
     Rule("paced-model-state", lambda c: c.sync_seconds is not None and c.float_state,
-         "--sync-seconds keeps no model state between syncs (BatchNorm statistics would differ per process); use a "
-         "model without float model state, or --sync-every",
-         "sync_seconds keeps no model state between syncs (BatchNorm statistics would differ per process); use a "
-         "model without float model state, or sync_every", "sync_seconds"),
+         "{sync_seconds:opt} keeps no model state between syncs (BatchNorm statistics would differ per process); use a "
+         "model without float model state, or {sync_every:opt}", "sync_seconds"),
     # -- overlap: each step's all-reduce (jaxdp/step/delayed.py) or each round's (jaxdp/step/rounds.py) hidden
     Rule("overlap-paced", lambda c: c.overlap and c.sync_seconds is not None,
-         "--overlap does not combine with --sync-seconds={sync_seconds}" + _OVERLAP,
-         "overlap does not combine with sync_seconds yet: its rounds are H steps (sync_every)", "overlap"),
+         "{overlap:opt} does not combine with {sync_seconds:is}" + _OVERLAP, "overlap"),
     Rule("overlap-auto", lambda c: c.overlap and c.compression == AUTO and c.sync_every != AUTO,
-         "--overlap does not combine with --compression=auto" + _OVERLAP,
-         "overlap does not combine with compression auto: the controller measures synchronous steps; choose a codec "
-         "(none, bf16, int8, ...), or sync_every auto", "compression"),
+         "{overlap:opt} does not combine with {compression:is} (the controller measures synchronous steps)" + _OVERLAP,
+         "compression"),
     Rule("overlap-fragments", lambda c: c.overlap and c.sync_fragments != 1,
-         "--overlap does not combine with --sync-fragments={sync_fragments}" + _OVERLAP,
-         "overlap does not combine with sync_fragments={sync_fragments}", "sync_fragments"),
+         "{overlap:opt} does not combine with {sync_fragments:is}" + _OVERLAP, "sync_fragments"),
     Rule("overlap-zero", lambda c: c.overlap and c.shard_optimizer,
-         "--overlap does not combine with --shard-optimizer=true" + _OVERLAP,
-         "overlap and shard_optimizer do not combine: overlap applies each averaged gradient whole, one step late; "
-         "use one of them", "shard_optimizer"),
+         "{overlap:opt} does not combine with {shard_optimizer:is} (it applies each averaged gradient whole, one step "
+         "late)" + _OVERLAP, "shard_optimizer"),
     Rule("overlap-strategy", lambda c: c.overlap and not c.in_graph,
-         "--overlap does not combine with --strategy={strategy}" + _OVERLAP,
-         "overlap does not apply to strategy {strategy!r}: it overlaps an in-graph all-reduce with the next step's "
-         "compute; use psum or ring", "strategy"),
+         "{overlap:opt} does not combine with {strategy:is}" + _OVERLAP, "strategy"),
     Rule("overlap-model-state", lambda c: c.overlap and c.float_state,
-         "--overlap keeps no float model state (BatchNorm statistics would be stale and differ per device); use a "
-         "model without it",
-         "overlap keeps no float model state (BatchNorm statistics would be stale and differ per device); use a "
+         "{overlap:opt} keeps no float model state (BatchNorm statistics would be stale and differ per device); use a "
          "model without it", "overlap"),
     # -- what each feature needs of the strategy, and ZeRO-1 (the strategy's abilities: jaxdp/sync/collectives.py)
     Rule("compression-strategy", lambda c: c.compression is not None and "sum" not in c.abilities and not c.ft,
-         "--compression needs an in-graph strategy (--strategy psum or ring): --strategy={strategy} does not qualify "
-         f"({_NEEDS_SUM})",
-         f"compression does not apply to strategy {{strategy!r}}: {_NEEDS_SUM}; use psum or ring", "strategy"),
+         "{compression:opt}" + _IN_GRAPH + f" ({_NEEDS_SUM})", "strategy"),
     Rule("topk-hops", lambda c: (c.compression or "").startswith("topk") and c.needs == "coded_sum"
          and c.needs not in c.abilities and "halves" in c.abilities and not c.ft,
-         f"--compression={{compression}} needs --strategy ring ({_HOPS}); with --strategy={{strategy}} name the "
-         "all-gathered form instead, :gather after BITS (topk:DENSITY:BITS:gather[:decay=B]: each device's own top-k)",
-         f"compression {{compression!r}} does not apply to strategy {{strategy!r}}: {_HOPS}; use ring, or the all-gathered "
-         "form, ':gather' after BITS ('topk:DENSITY:BITS:gather[:decay=B]')", "strategy"),
+         f"{{compression:is}} needs {{strategy=ring}} ({_HOPS}); with {{strategy:is}} name the all-gathered form "
+         "instead, :gather after BITS (topk:DENSITY:BITS:gather[:decay=B]: each device's own top-k)", "strategy"),
     Rule("compression-hops", lambda c: c.compression is not None and c.needs not in c.abilities and not c.ft,
-         f"--compression={{compression}} needs --strategy ring: --strategy={{strategy}} does not qualify ({_HOPS})",
-         f"compression does not apply to strategy {{strategy!r}}: {_HOPS}; use ring", "strategy"),
+         f"{{compression:is}} needs {{strategy=ring}}: {{strategy:is}} does not qualify ({_HOPS})", "strategy"),
     Rule("local-strategy", lambda c: c.local and "sum" not in c.abilities,
-         f"--sync-every needs an in-graph strategy (--strategy psum or ring): --strategy={{strategy}} does not qualify "
-         f"({_NEEDS_SUM})",
-         f"local steps (sync_every) does not apply to strategy {{strategy!r}}: {_NEEDS_SUM}; use psum or ring", "strategy"),
+         "{sync_every:opt}" + _IN_GRAPH + f" ({_NEEDS_SUM})", "strategy"),
     Rule("compression-zero", lambda c: c.compression is not None and c.shard_optimizer,
-         "--compression and --shard-optimizer do not combine: compression needs the whole averaged gradient on every "
-         "device; use one of them",
-         "compression and shard_optimizer do not combine: compression needs the whole averaged gradient on every "
-         "device; use one of them", "shard_optimizer"),
+         "{compression:opt} and {shard_optimizer:opt} do not combine: compression needs the whole averaged gradient on "
+         "every device; use one of them", "shard_optimizer"),
     Rule("local-zero", lambda c: c.local and c.shard_optimizer,
-         "--sync-every and --shard-optimizer do not combine: every device keeps its own whole inner optimizer state; "
-         "use one of them",
-         "local steps (sync_every) and shard_optimizer do not combine: every device keeps its own whole inner "
-         "optimizer state; use one of them", "shard_optimizer"),
+         "{sync_every:opt} and {shard_optimizer:opt} do not combine: every device keeps its own whole inner optimizer "
+         "state; use one of them", "shard_optimizer"),
     Rule("zero-host", lambda c: c.shard_optimizer and "halves" not in c.abilities and "host" in c.abilities,
-         f"--shard-optimizer needs an in-graph strategy (--strategy psum or ring): --strategy={{strategy}} does not "
-         f"qualify ({_HOST_ZERO})",
-         f"shard_optimizer does not apply to strategy {{strategy!r}}: {_HOST_ZERO}; use psum or ring", "strategy"),
+         "{shard_optimizer:opt}" + _IN_GRAPH + f" ({_HOST_ZERO})", "strategy"),
     Rule("zero-halves", lambda c: c.shard_optimizer and "halves" not in c.abilities,
-         f"--shard-optimizer needs an in-graph strategy (--strategy psum or ring): --strategy={{strategy}} does not "
-         f"qualify ({_NO_HALVES})",
-         f"shard_optimizer does not apply to strategy {{strategy!r}}: {_NO_HALVES}; use psum or ring", "strategy"),
+         "{shard_optimizer:opt}" + _IN_GRAPH + f" ({_NO_HALVES})", "strategy"),
     # -- shard_params (ZeRO-3 / FSDP inside a worker, jaxdp/step/fsdp.py; across workers jaxdp/step/hsdp.py)
     Rule("params-zero", lambda c: c.shard_params and c.shard_optimizer,
-         "--shard-params does not combine with --shard-optimizer: shard_params already shards the optimizer state "
-         "(it includes ZeRO-1); drop one of them",
-         "shard_params does not combine with shard_optimizer: shard_params already shards the optimizer state (it "
-         "includes ZeRO-1); drop one of them", "shard_optimizer"),
+         "{shard_params:opt} does not combine with {shard_optimizer:opt}: {shard_params:opt} already shards the "
+         "optimizer state (it includes ZeRO-1); drop one of them", "shard_optimizer"),
     Rule("params-strategy", lambda c: c.shard_params and not c.in_graph,
-         "--shard-params does not combine with --strategy={strategy}: the sharded step is one XLA program, so the "
-         "strategy across processes must be in-graph (psum or ring); drop one of them",
-         "shard_params does not combine with strategy {strategy!r}: the sharded step is one XLA program, so the "
-         "strategy across workers must be in-graph (psum or ring)", "strategy"),
+         "{shard_params:opt} does not combine with {strategy:is}: the sharded step is one XLA program, so the "
+         "strategy across processes must be in-graph (psum or ring); drop one of them", "strategy"),
     Rule("params-compression", lambda c: c.shard_params and c.compression is not None and (
         c.compression == AUTO or codecs.row(c.compression).name == "topk"),
-         "--shard-params does not combine with --compression={compression}: each device holds a slice of every "
-         "leaf, and top-k chooses its indices over whole ones (auto may choose it); use bf16, int8, int4 or "
-         "powersgd",
-         "shard_params does not combine with compression {compression!r}: each device holds a slice of every "
-         "leaf, and top-k chooses its indices over whole ones (auto may choose it); use bf16, int8, int4 or "
-         "powersgd", "compression"),
+         "{shard_params:opt} does not combine with {compression:is}: each device holds a slice of every leaf, and "
+         "top-k chooses its indices over whole ones (auto may choose it); use bf16, int8, int4 or powersgd",
+         "compression"),
     Rule("params-paced", lambda c: c.shard_params and c.sync_seconds is not None,
-         "--shard-params does not combine with --sync-seconds: every device keeps whole parameters in its rounds of "
-         "local steps; drop one of them",
-         "shard_params does not combine with sync_seconds: every device keeps whole parameters in its rounds of "
-         "local steps", "sync_seconds"),
+         "{shard_params:opt} does not combine with {sync_seconds:opt}: every device keeps whole parameters in its "
+         "rounds of local steps; drop one of them", "sync_seconds"),
     Rule("params-local", lambda c: c.shard_params and c.sync_every == AUTO,
-         "--shard-params with local steps needs a fixed --sync-every N, not auto (its measurement times the "
-         "replicated step); pass --sync-every N",
-         "shard_params with local steps needs a fixed sync_every, not auto (its measurement times the replicated "
-         "step)", "sync_every"),
+         "{shard_params:opt} with local steps needs a fixed {sync_every=N}, not auto (its measurement times the "
+         "replicated step)", "sync_every"),
     Rule("params-overlap", lambda c: c.shard_params and c.overlap and not c.local,
-         "--shard-params does not combine with every-step --overlap: it applies each whole averaged gradient one "
-         "step late; overlap rounds of local steps instead (--sync-every N --overlap)",
-         "shard_params does not combine with every-step overlap: it applies each whole averaged gradient one step "
-         "late; overlap rounds of local steps instead (sync_every N)", "overlap"),
+         "{shard_params:opt} does not combine with every-step {overlap:opt}: it applies each whole averaged gradient "
+         "one step late; overlap rounds of local steps instead ({sync_every=N} and {overlap:opt})", "overlap"),
     # -- the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
     Rule("metrics-local", lambda c: c.metrics_at_sync and (not c.local or c.sync_every == AUTO
                                                            or c.sync_seconds is not None),
-         "--metrics-at-sync needs local steps with a fixed --sync-every N (no --sync-seconds): between syncs nothing "
-         "else crosses the link",
-         "metrics_at_sync needs local steps with a fixed sync_every (no sync_seconds)", "metrics_at_sync"),
+         "{metrics_at_sync:opt} needs local steps with a fixed {sync_every=N} (no {sync_seconds:opt}): between syncs "
+         "nothing else crosses the link", "metrics_at_sync"),
     Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.compression == AUTO or (
         c.elastic and not (c.ft and c.sync_every != 1))),  # (local steps on torchft: at rounds' ends, always)
-         "--metrics-at-sync does not combine with --overlap, --compression auto or an elastic run (each reads or "
-         "sends the averaged scalars every step); drop one of them",
-         "metrics_at_sync does not combine with overlap, compression 'auto' or an elastic run (each reads or sends "
-         "the averaged scalars every step)", "metrics_at_sync"),
+         "{metrics_at_sync:opt} does not combine with {overlap:opt}, {compression=auto} or an elastic run (each reads "
+         "or sends the averaged scalars every step); drop one of them", "metrics_at_sync"),
     Rule("metrics-state", lambda c: c.metrics_at_sync and c.float_state,
-         "--metrics-at-sync does not combine with a model that keeps float state (BatchNorm statistics): they are "
-         "averaged over devices every step; drop --metrics-at-sync",
-         "metrics_at_sync does not combine with a model that keeps float state (BatchNorm statistics): they are "
-         "averaged over devices every step", "metrics_at_sync"),
+         "{metrics_at_sync:opt} does not combine with a model that keeps float state (BatchNorm statistics): they are "
+         "averaged over devices every step; drop {metrics_at_sync:opt}", "metrics_at_sync"),
     # -- Streaming DiLoCo's fragments (jaxdp/step/local_sgd.py)
     Rule("fragments-auto", lambda c: c.sync_every == AUTO and c.sync_fragments > 1,
-         "--sync-fragments={sync_fragments} needs a fixed --sync-every that it divides, not auto (which may choose 1, "
-         "synchronous training); pass --sync-every N",
-         "sync_fragments={sync_fragments} needs a fixed sync_every that it divides, not auto (which may choose 1, "
-         "synchronous training); pass sync_every N", "sync_fragments"),
+         "{sync_fragments:is} needs a fixed {sync_every:opt} that it divides, not auto (which may choose 1, "
+         "synchronous training); pass {sync_every=N}", "sync_fragments"),
     Rule("fragments-divide", lambda c: isinstance(c.sync_every, int) and c.sync_every >= 1 and c.sync_fragments >= 1
          and c.sync_every % c.sync_fragments != 0,
-         "--sync-fragments={sync_fragments} must be a positive integer that divides --sync-every={sync_every}",
-         "sync_fragments={sync_fragments} must divide sync_every={sync_every}: each fragment is synchronised every "
-         "sync_every steps, one every sync_every / sync_fragments steps", "sync_fragments"),
+         "{sync_fragments:is} must be a positive integer that divides {sync_every:is}: each fragment is synchronised "
+         "every {sync_every:opt} steps, one every {sync_every:opt} / {sync_fragments:opt} steps", "sync_fragments"),
 )
 
 
@@ -348,12 +323,11 @@ def check(choices: Choices, flags: bool = False) -> Choices:
     rule = broken(choices)
     if rule is None:
         return choices
-    fields = {f.name: getattr(choices, f.name) for f in dataclasses.fields(choices)}
     if flags:
         from jaxdp.config import ConfigError
 
-        raise ConfigError(rule.flags.format(**fields))
-    raise InputError(rule.words.format(**fields), setting=rule.setting if rule.setting != "strategy" else None,
+        raise ConfigError(render(rule.says, choices, flags=True))
+    raise InputError(render(rule.says, choices), setting=rule.setting if rule.setting != "strategy" else None,
                      argument="strategy" if rule.setting == "strategy" else None)
 
 
