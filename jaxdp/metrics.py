@@ -361,8 +361,13 @@ def _keep_records_up_to(path: str, step: int) -> int:
 
 
 def write_text_atomically(path: str, text: str) -> None:
-    """Write `path` through a temporary file and a rename, so a crash never leaves half a file."""
+    """Write `path` through a temporary file and a rename, so a crash never leaves half a file, and an
+    interrupt (Ctrl-C) or an error on the way leaves no temporary file behind."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)

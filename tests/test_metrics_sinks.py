@@ -1,9 +1,11 @@
-"""The MetricsWriter's progress bar and its Weights & Biases sink, without a training run."""
+"""The MetricsWriter's progress bar and its Weights & Biases sink, and the files it writes whole, without a
+training run."""
 
 from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import struct
 
@@ -146,3 +148,19 @@ def test_a_flag_whose_package_is_missing_is_refused_before_the_run(monkeypatch):
         Config(wandb_project="p")
     with pytest.raises(ConfigError, match=r"--tokenizer needs the tokenizers package: pip install 'jaxdp-trainer\[tokenizers\]'"):
         Config(model="gpt", dataset="book.txt", tokenizer="tok.json")
+
+
+def test_ctrl_c_while_config_toml_is_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The rename is where a Ctrl-C lands once the temporary file is whole: the old config.toml stays, and no
+    config.toml.tmp-PID is left in the checkpoint directory."""
+    path = tmp_path / "config.toml"
+    path.write_text("steps = 2\n")
+
+    def interrupted(source, target):
+        assert os.path.exists(source)  # the temporary file was written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(metrics.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        metrics.write_text_atomically(str(path), "steps = 4\n")
+    assert sorted(os.listdir(tmp_path)) == ["config.toml"] and path.read_text() == "steps = 2\n"
