@@ -85,6 +85,7 @@ def test_a_spec_outside_the_table_is_refused_in_one_line_naming_what_is_accepted
 
 # One set of choices per rule that breaks it first: a rule without one fails the test below.
 EXAMPLES = {
+    "elastic-params": dict(strategy="psum", elastic=True, elastic_engine="torchft", shard_params=True, sync_every=4),
     "elastic-strategy": dict(strategy="ring", elastic=True),
     "elastic-compression": dict(strategy="host", elastic=True, compression="bf16"),
     "elastic-ft-codec": dict(strategy="host", elastic=True, elastic_engine="torchft", compression="powersgd:4"),

@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdp.mesh import data_axes, replicate, shard_batch
+from jaxdp.step import fsdp
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn
 from jaxdp.sync import host
@@ -249,10 +250,13 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
 
 def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
-                 grad_norm: bool = False, strategy: Any = "host", compression: Any = None) -> TrainStep:
+                 grad_norm: bool = False, strategy: Any = "host", compression: Any = None,
+                 shard_params: bool = False) -> TrainStep:
     """`strategy`: how a worker sums its own devices' gradients: "host" (each device's added in device
     order, as the host path and the hub add them), or a collective (psum, the ring). Across workers
-    it is always the byte rows below.
+    it is always the byte rows below. `shard_params`: the layout inside each worker is
+    `--shard-params`'s (parameters, gradients and optimizer state cut over its devices:
+    jaxdp/step/fsdp.py); its row is the same sums, and the update keeps the cut.
 
     `compression` ("bf16", "int8", "int4" or their codecs; None: none) codes what crosses between
     workers: each shard's gradient sum travels as the codec's message (the metrics and model state
@@ -265,13 +269,18 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
 
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    spec = SyncSpec(strategy=strategy, compression=compression).validate(elastic=True, elastic_engine="torchft")
+    spec = SyncSpec(strategy=strategy, compression=compression, shard_params=shard_params).validate(
+        elastic=True, elastic_engine="torchft")
     codec = spec.codec
     grads_fn, update_fn, _ = _host_programs(local_grads, tx, mesh)
+    worker_sum = None
+    if shard_params:  # the same rule on a cut layout: the worker's sums and the update from jaxdp/step/fsdp.py
+        worker_sum = fsdp.worker_sums(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum)
+        grads_fn, update_fn = jax.jit(worker_sum), fsdp.make_update(tx, mesh)
     devices = member.size * mesh.size
     size, rank = member.size, member.rank
     programs = RowPrograms(local_grads, mesh, spec, lambda values: host.RowCoder(codec, values) if codec else None,
-                           grad_norm, size, update_fn)
+                           grad_norm, size, update_fn, worker_sum)
     layout: dict[str, Any] = {}
 
     def row_of(state: TrainState, batch: Batch, shard: int) -> tuple[np.ndarray, bool, Any]:

@@ -70,12 +70,13 @@ def worker_sum_fn(local_grads: Callable, mesh: Mesh, spec: SyncSpec) -> Callable
 class RowPrograms:
     """`send` and `apply` (module docstring); `coder_of(size)`: the host.RowCoder of a gradient of
     `size` values, or None to send float32 bytes; `size`: the workers (rows); `update(state, grads,
-    model_state) -> state`. Built on the first call's shapes (`layout`)."""
+    model_state) -> state`; `worker_sum`: the worker's sums if not `worker_sum_fn`'s (the parameters
+    cut over its devices: jaxdp.step.fsdp.worker_sums). Built on the first call's shapes (`layout`)."""
 
     def __init__(self, local_grads: Callable, mesh: Mesh, spec: SyncSpec, coder_of: Callable[[int], Any],
-                 grad_norm: bool, size: int, update: Callable):
+                 grad_norm: bool, size: int, update: Callable, worker_sum: Callable | None = None):
         self.mesh, self.size, self.grad_norm, self.update = mesh, size, grad_norm, update
-        self.worker_sum = worker_sum_fn(local_grads, mesh, spec)
+        self.worker_sum = worker_sum or worker_sum_fn(local_grads, mesh, spec)
         self.coder_of = coder_of
         self.coder = None
         self._send = self._mean = None

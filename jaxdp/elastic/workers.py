@@ -45,6 +45,8 @@ class FtWorker(ft.FtMember):
         from jaxdp.elastic import every_step, overlap, rounds as local, timed
 
         more: dict[str, Any] = {"strategy": spec.strategy, "compression": spec.compression}
+        if spec.shard_params:  # (every step: jaxdp/sync/rules.py refuses the rounds' rules with it on torchft)
+            more["shard_params"] = True
         make: Callable = every_step.make_ft_step
         if spec.sync_every != 1:
             make = local.make_ft_round_step

@@ -171,7 +171,8 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     if sync.shard_params:  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py): its refusals, before anything is built
         from jaxdp.step import fsdp
 
-        fsdp.check_run(requested, mesh, paced=sync.sync_seconds is not None, elastic=elastic is not None)
+        fsdp.check_run(requested, mesh, paced=sync.sync_seconds is not None, elastic=elastic is not None,
+                       elastic_engine=elastic.kind if elastic is not None else "hub")
 
     def new_state(spec: Any) -> Any:
         made = init_state(params, tx, mesh, model_state=model_state, rng=seed, shard_optimizer=spec.shard_optimizer,

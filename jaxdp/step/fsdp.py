@@ -348,6 +348,43 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
     return jax.jit(step, donate_argnums=0)
 
 
+def worker_sums(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_accum: int) -> Callable:
+    """`(state, batch) -> (metrics, model_state, grads)` summed over this worker's devices, the
+    parameters and the gradient cut over them: what an elastic worker sends the others (its row,
+    jaxdp/elastic/rows.py), as the replicated path sends its devices' sum. The gradient is the
+    mean's times the device count."""
+    check_mesh(mesh)
+    n = mesh.size
+    grads_of = gradients(loss_fn, mesh, tuple(mesh.axis_names), stateful=stateful, grad_accum=grad_accum)
+
+    def run(state: Any, batch: Any) -> tuple[dict, Any, Any]:
+        per_device_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), state.model_state)
+        metrics, model_state, grads = grads_of(state.params, per_device_state, device_rows(batch, mesh, grad_accum),
+                                               state.rng, state.step)
+        total = lambda x: jnp.sum(x, axis=0, dtype=x.dtype)  # noqa: E731
+        return jax.tree.map(total, metrics), jax.tree.map(total, model_state), jax.tree.map(lambda g: g * n, grads)
+
+    return run
+
+
+def make_update(tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
+    """`(state, grads, model_state) -> state`, jitted, the old state donated: the optax update on the
+    parameters cut over `mesh`, whatever sharding `grads` arrive in (an elastic worker's mean of the
+    workers' rows), the new state cut as `init_state(..., shard_params=True)` cuts it."""
+    whole = NamedSharding(mesh, P())
+
+    def update(state: Any, grads: Any, model_state: Any) -> Any:
+        grads = jax.lax.with_sharding_constraint(grads, shardings(state.params, mesh))
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates),
+                                                  shardings(state.params, mesh))
+        opt_state = jax.lax.with_sharding_constraint(opt_state, shardings(opt_state, mesh))
+        model_state = jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+
+    return jax.jit(update, donate_argnums=0)
+
+
 def check_mesh(mesh: Mesh) -> None:
     """InputError unless the parameters would be cut over one process's devices: a one-axis mesh of
     one process, or the two-axis mesh `make_mesh(axis_name=("hosts", "local"))` whose "local" row is
@@ -364,9 +401,10 @@ def check_mesh(mesh: Mesh) -> None:
                          f"shape {tuple(mesh.devices.shape)}", argument="mesh")
 
 
-def check_run(spec: Any, mesh: Mesh, *, paced: bool, elastic: bool) -> None:
+def check_run(spec: Any, mesh: Mesh, *, paced: bool, elastic: bool, elastic_engine: str = "hub") -> None:
     """fit's refusals for shard_params: the sync spec's table, then what only fit knows."""
-    spec.validate(sync_seconds=1.0 if paced else None, elastic=elastic)  # (the one table: jaxdp/sync/rules.py)
+    spec.validate(sync_seconds=1.0 if paced else None, elastic=elastic,  # (the one table: jaxdp/sync/rules.py)
+                  elastic_engine=elastic_engine)
     check_mesh(mesh)
 
 

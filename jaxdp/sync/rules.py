@@ -189,7 +189,13 @@ _NO_HALVES = "it has no reduce-scatter and all-gather halves (jaxdp.sync.collect
 RULES: tuple[Rule, ...] = (
     # -- an elastic run: across processes gradients are summed on the host (the launcher's hub,
     # jaxdp/elastic/hub.py, or torchft's process group, jaxdp/elastic/ft.py); inside a torchft
-    # worker, its devices' sum may be an in-graph strategy's (psum, the ring)
+    # worker, its devices' sum may be an in-graph strategy's (psum, the ring), and its state may be cut
+    # over its devices (--shard-params, every step: jaxdp/elastic/every_step.py)
+    Rule("elastic-params", lambda c: c.elastic and c.shard_params and (not c.ft or c.local),
+         "{shard_params:opt} in an elastic run needs {elastic_engine=torchft} and every-step training (each worker's "
+         "state cut over its own devices, the workers' rows exchanged every step; local steps and rounds keep whole "
+         "replicas): drop {sync_every:opt}, {sync_seconds:opt} and {overlap:opt}, or {shard_params:opt}",
+         "shard_params"),
     Rule("elastic-strategy", lambda c: c.elastic and "host" not in c.abilities
          and (c.elastic_engine != "torchft" or "sum" not in c.abilities),
          "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use {strategy=host} "

@@ -175,14 +175,3 @@ class SyncSpec:
             codec = self.codec.state_name
         return StateLayout(rule=rule, fragments=self.sync_fragments if rule in ("local", "fsdp-local") else 1,
                            compression=codec)
-
-
-def from_config(config: Any, outer_tx: Any = None) -> SyncSpec:
-    """The SyncSpec a `jaxdp.config.Config` asks for ("auto" kept where it says auto); `outer_tx`
-    is the outer optimizer, used only with local steps (the CLI's H = 1 is plain synchronous training)."""
-    return SyncSpec(strategy=config.strategy, compression=None if config.compression == "none" else config.compression,
-                    sync_every=config.sync_every, sync_fragments=config.sync_fragments,
-                    outer_tx=None if config.sync_every == 1 else outer_tx, shard_optimizer=config.shard_optimizer,
-                    shard_params=getattr(config, "shard_params", False),
-                    metrics_at_sync=getattr(config, "metrics_at_sync", False))
-
