@@ -5,29 +5,29 @@ own devices (`ShardedOverlapped`); both share the average in flight (`InFlight`)
 
     result = jaxdp.fit(loss_fn, params, tx, data, steps=..., sync=jaxdp.SyncOptions(sync_every=8, overlap=True))
 
-Overlap (`overlap=True` with `sync_every=H`, `Overlapped`): every process takes H inner steps per
+With replicas (`overlap=True` with `sync_every=H`, `Overlapped`): every process takes H inner steps per
 round, and round k's average (`make_reduce`, the only collective) runs on a thread of its own while
 round k + 1 trains; then `make_apply` (no collective) takes the outer step with it and restarts
 every replica from the new global parameters minus its own delta of round k + 1, which is the next
 delta in flight (`per_device["overlap"]`, checkpointed, so a resume with an average in flight is
-exact). The same scope as above, one round of delay, and the end of the run applies the last
-average. Why a thread works, and what it needs of the CPU backend: docs/slow-links.md, "Overlap".
+exact). The timed rounds' scope (jaxdp/step/rounds.py: an in-graph strategy with a fixed codec, one
+fragment, no ZeRO-1, a flat mesh, no float model state), one round of delay, and the end of the run
+applies the last average. Why a thread works, and what it needs of the CPU backend: docs/slow-links.md, "Overlap".
 
-## With `--shard-params`
-The update rule is jaxdp/step/rounds.py's `Overlapped` (one round of delay, the same on every
-worker; tests/test_overlap.py's reference loop), with hsdp.py's layout: a worker is one row of the
+With `--shard-params` across workers (`ShardedOverlapped`): the same rule (one round of delay, the
+same on every worker; tests/test_overlap.py's reference loop), with hsdp.py's layout: a worker is one row of the
 ("hosts", "local") mesh, its replica and inner optimizer state `[workers, *leaf]` rows cut over its
 devices (`state.sync.per_device["local_sgd"]`), the global parameters and the outer state cut like
 the parameters. Three programs a round, as there:
 
-* the inner steps (`make_inner`), over this process's rows of the mesh only: each worker's
+* the inner steps (`sharded_inner`), over this process's rows of the mesh only: each worker's
   gradient (its blocks gathered one at a time where the model hands them over) and its `tx` step,
   no collective between workers, so they run while the average is in flight;
-* the average (`make_reduce`), over the whole mesh, on a thread of its own: the delta in flight
+* the average (`sharded_reduce`), over the whole mesh, on a thread of its own: the delta in flight
   (`per_device["overlap"]["delta"]`, rows like the replicas) through the strategy and the codec across
   workers, device (h, l) with the devices (h', l), each sending its slice (hsdp.Workers.mean), the
   loss riding in the first collective; the only program that crosses between workers;
-* the apply (`make_apply`), over the whole mesh with nothing across workers: the outer step with
+* the apply (`sharded_apply`), over the whole mesh with nothing across workers: the outer step with
   the average, then every replica restarts from the new global parameters minus its own delta of
   the round just trained, the next delta in flight.
 
