@@ -224,6 +224,9 @@ def test_plan_predicts_and_says_what_auto_would_choose(tmp_path):
     assert "--outer-momentum 0" in plain["summary"] and re.search(r"Nesterov\): --sync-every \d+, pseudo-gradient int[48]",
                                                                    plain["summary"])
     assert hidden["overlap"] and hidden["sync_every"] <= plain["sync_every"]
+    # it says why, and why it did not take the faster rows it printed above its choice
+    assert "local steps, averaged every" in plain["summary"]
+    assert "row(s) above are faster: auto does not take the fastest row but the fewest local steps" in slow.stdout
     rows = written["results"]
     assert rows == sorted(rows, key=lambda r: r["step_s"]) and {r["hierarchy"] for r in rows} == {"flat"}
     bad = run_cli("plan", "--link", "fast", "--compute-ms", "1", module="jaxdp.bench")

@@ -144,6 +144,12 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"--sync-every auto --compression auto{' --overlap' if choice['overlap_flag'] else ''}: "
               f"{choice['summary']} (predicted {choice['step_s'] * 1e3:.3g} ms per step, "
               f"{base / choice['step_s']:.2f}x plain synchronous)")
+        faster = sum(r["step_s"] < choice["step_s"] * (1 - 1e-9) and (r["overlap"] == "yes") <= choice["overlap_flag"]
+                     for r in shown)
+        if faster:
+            print(f"  {faster} row(s) above are faster: auto does not take the fastest row but the fewest local steps, "
+                  f"then the least compression, whose predicted all-reduce fits --comm-target (a fraction of the "
+                  f"compute), since each local step and each bit of compression costs some quality")
     write_json(args.json, rows, cluster=vars(cluster), compute_s=compute_s, compute_from=measured, auto=choices,
                strategy=args.strategy)
     return rows
@@ -235,7 +241,7 @@ def auto_choice(cluster: Any, compute_s: float, params: Any, strategy: str, over
     record = costmodel.choose_local_steps(figures, costmodel.options(allowed + sparse, params), fraction, overlap,
                                           [c.name for c in sparse])
     summary = (f"--sync-every {record['sync_every']}, pseudo-gradient {record['pseudo_gradient']}"
-               f"{', overlapped' if record['overlap'] else ''}")
+               f"{', overlapped' if record['overlap'] else ''}: {record['why']}")
     if record["pseudo_gradient"] in {c.name for c in sparse}:  # what DiLoCo's outer momentum gets instead
         dense = costmodel.choose_local_steps(figures, costmodel.options(allowed, params), fraction, overlap)
         summary += (f" with --outer-optimizer sgd --outer-lr 1 --outer-momentum 0 (the quality guard then checks "
