@@ -41,8 +41,10 @@ def test_two_workers_of_two_devices_with_cut_state_train_as_a_static_mesh_of_fou
     elastic, static = losses(tmp_path / "ckpt.jsonl"), losses(tmp_path / "static.jsonl")
     assert sorted(elastic) == sorted(static) == list(range(1, steps + 1))
     assert max(abs(elastic[s] - static[s]) / abs(static[s]) for s in static) < 1e-6, (elastic, static)
-    done = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines() if '"done"' in line]
-    assert done and done[-1].get("eval_accuracy") is not None
+    records = [json.loads(line) for line in (tmp_path / "ckpt.jsonl").read_text().splitlines()]
+    assert records[-1].get("event") == "done" and records[-1].get("eval_accuracy") is not None
+    sent = [r["comm_bytes"] for r in records if "comm_bytes" in r]  # (the whole run's devices, not one worker's: 0)
+    assert sent and min(sent) > 0 and sent == [sent[0]] * len(sent)
 
 
 @pytest.mark.slow

@@ -235,8 +235,9 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
         if checkpointer:  # checkpoints record the resolved H and codec (config), and that auto chose them
             checkpointer.config = plan.config
             checkpointer.extra_meta["sync_every_auto"] = bool(begun.sync_every_auto)
-    # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce).
-    plan.plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), mesh.size), "compression_ratio": 1.0}
+    # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce over every
+    # device of the run: an elastic run's too, whose mesh is one worker's devices).
+    plan.plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), plan.devices), "compression_ratio": 1.0}
 
 
 def default_summarize(totals: dict[str, float]) -> dict[str, float]:
