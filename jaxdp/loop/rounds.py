@@ -26,7 +26,7 @@ def make_rounds(loop: Loop) -> Any:
 
     plan, sync, run = loop.plan, loop.options["sync"], loop.options["run"]
     made = loop.train_step
-    if hasattr(made, "rounds"):  # timed rounds across torchft workers (jaxdp/elastic/timed.py)
+    if made.rounds is not None:  # rounds across an elastic engine's workers (jaxdp/elastic/timed.py, overlap.py)
         made.rounds.local_rows = run.examples_per_step // plan.elastic.size if run.examples_per_step else None
         return made.rounds
     if plan.overlap and loop.spec.shard_params:  # each worker's state cut over its devices

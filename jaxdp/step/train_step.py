@@ -75,6 +75,7 @@ class TrainStep:
         self.delayed: delayed.Delayed | None = None  # overlap=True (jaxdp/step/delayed.py)
         self.loss_fn: Callable | None = None  # what make_train_step made it from (jaxdp/step/overlap.py, `ShardedOverlapped` rebuilds)
         self.stateful, self.grad_accum = False, 1
+        self.rounds: Any = None  # host-driven rounds an engine runs itself (jaxdp/elastic/timed.py, overlap.py)
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         made_for = state.optimizer.tx
