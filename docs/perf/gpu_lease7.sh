@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The seventh GPU lease's one call (docs/performance.md, "A seventh lease"): --optimizer muon with its
-# Newton-Schulz batched by matrix shape (jaxdp/step/muon.py) against optax.contrib.muon's one per
+# One call on a GPU machine (docs/performance.md, its Muon row): --optimizer muon with its
+# Newton-Schulz batched by matrix shape (jaxdp/step/optim.py, batched_muon) against optax.contrib.muon's one per
 # parameter: the update alone (gpu_tools.py muon), then the command line at batch 16, AdamW, jaxdp's
-# Muon and optax's Muon (the latter by swapping jaxdp.step.muon.muon for optax's in the process).
+# Muon and optax's Muon (the latter by swapping jaxdp.step.optim.batched_muon for optax's in the process).
 # Run from the repository root on the lent machine; everything comes back under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1; D=$OUT; R=/tmp/res; rm -rf $R; mkdir -p $R
 OUT=$R/update WORK=/tmp/w1 GPU_STAGES=muon-update GPU_DEADLINE=${D1:-120} bash docs/perf/gpu_run.sh > $R/update.out 2>&1
@@ -14,8 +14,8 @@ SHAPE="--vocab-size 50304 --seq-len 1024 --layers 12 --d-model 768 --heads 12 --
 [[ -n "${GPU_SMALL:-}" ]] && SHAPE="--vocab-size 512 --seq-len 64 --layers 2 --d-model 64 --heads 2 --batch-size 4"
 timeout 150 python - "$W" $SHAPE > $R/optax-cli.out 2>&1 <<'PY'
 import sys, optax
-import jaxdp.step.muon as m
-m.muon = lambda lr, adam_learning_rate=None, dimension_numbers=None: optax.contrib.muon(
+import jaxdp.step.optim as m
+m.batched_muon = lambda lr, adam_learning_rate=None, dimension_numbers=None: optax.contrib.muon(
     lr, adam_learning_rate=adam_learning_rate, muon_weight_dimension_numbers=dimension_numbers)
 from jaxdp.train import main
 w, shape = sys.argv[1], sys.argv[2:]
