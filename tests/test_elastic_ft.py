@@ -4,6 +4,7 @@ other; restarted, it heals from the live worker (no checkpoint read); losing ran
 the final parameters equal, to the bit, those of a one-process run of the same global batch (the shard
 sums are added in shard order). Too few workers for the quorum timeout: the run saves and exits 75."""
 
+import ipaddress
 import json
 import os
 import re
@@ -458,3 +459,96 @@ def test_rank_0_restarted_with_no_live_worker_goes_on_alone_from_the_checkpoint(
     assert "jaxdp: resumed from step" in text and "joined the run" not in text, text
     assert "all 1 workers ended (1 restart); exit code 0" in text, text
     assert_ends_as_one_process(tmp_path, steps)
+
+
+def listeners(pids: list[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in these processes (/proc/net/tcp and tcp6)."""
+    owner = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in owner:  # 0A: LISTEN
+                    continue
+                hexed, port = local.split(":")
+                raw = bytes.fromhex(hexed)  # the kernel's words, each in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((str(ipaddress.ip_address(raw[:width])), int(port, 16), owner[inode]))
+    return found
+
+
+# Listeners a one-node run keeps on a wildcard address, because torchft leaves no way to bind them
+# elsewhere: none (jaxdp/elastic/ft.py binds torch's TCPStore, torchft's manager server and its
+# checkpoint server to the announced address; docs/multihost.md, "What listens").
+FORCED_WILDCARD: list[str] = []
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_one_node_run_listens_on_loopback_only(tmp_path):
+    """Each worker's TCPStore, manager server (gRPC: its Kill ends the worker) and checkpoint server (the
+    whole state, during a heal), the gloo pairs and the Lighthouse: 127.0.0.1, none on every interface."""
+    run = Run(tmp_path, 400)
+    try:
+        run.wait_for(lambda: run.reached() >= 20, "step 20")
+        workers = training_processes(run.proc.pid)
+        found = listeners([run.proc.pid, *workers])
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    assert len(workers) == 2 and {pid for _, _, pid in found} >= set(workers), (workers, found)
+    wild = [f for f in found if f[0] in ("0.0.0.0", "::") and f[0] not in FORCED_WILDCARD]
+    assert not wild, found
+    assert all(address == "127.0.0.1" for address, _, _ in found), found
+
+
+def test_the_state_transfer_serves_only_the_members_of_the_quorum():
+    """The checkpoint server a heal fetches from listens on the announced address and serves a client
+    only where the engine admits it (a member of the last quorum, by the address its replica id names)."""
+    import urllib.request
+    from datetime import timedelta
+
+    import torch
+
+    admitted: list[str] = []
+    for admit in (True, False):
+        with ft.bound_to("127.0.0.1", lambda address: admitted.append(address) or admit):
+            transport = ft.transport("127.0.0.1", timedelta(seconds=5))
+        try:
+            assert transport._server.server_address[0] == "127.0.0.1"
+            assert transport.address().startswith("http://127.0.0.1:")
+            transport.send_checkpoint([1], 3, {"x": torch.arange(4)}, timedelta(seconds=5))
+            if admit:
+                got = transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=5))
+                assert got["x"].tolist() == [0, 1, 2, 3]
+            else:
+                with pytest.raises(Exception):
+                    urllib.request.urlopen(f"{transport.metadata()}3/full", timeout=5).read()
+        finally:
+            transport.shutdown()
+    assert admitted and set(admitted) == {"127.0.0.1"}, admitted
+
+
+def test_replica_ids_carry_the_address_the_flags_and_the_rank():
+    from torchft.manager import extract_trailing_digits
+
+    for host in ("127.0.0.1", "10.1.2.3", "fe80::1", None):
+        replica = ft.replica_id(7, host, "ab12" * 3) + ":0c7d-uuid"
+        assert ft.member_of(replica) == ft.Member(7, host, "ab12" * 3)
+        assert extract_trailing_digits(replica.split(":")[0]) == 7  # (how torchft reads the rank back)
+    assert ft.member_of("someone_else:uuid") is None
+    assert ft.same_ip("::ffff:10.1.2.3", {"10.1.2.3"}) and not ft.same_ip("10.1.2.4", {"10.1.2.3"})
+
