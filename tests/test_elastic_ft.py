@@ -552,3 +552,24 @@ def test_replica_ids_carry_the_address_the_flags_and_the_rank():
     assert ft.member_of("someone_else:uuid") is None
     assert ft.same_ip("::ffff:10.1.2.3", {"10.1.2.3"}) and not ft.same_ip("10.1.2.4", {"10.1.2.3"})
 
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_nodes_with_different_flags_are_refused_naming_the_flag(tmp_path):
+    """--lr 0.5 on node 1 only: each worker's first quorum compares the flags' prints in the members'
+    replica ids, and every worker refuses, exit 2, with one line naming --lr (as jax.distributed runs do)."""
+    port = free_port()
+    nodes = [Node(tmp_path, 200, 0, port, "node0"),
+             Node(tmp_path, 200, 1, port, "node1", train_args=("--strategy", "host", "--lr", "0.5"))]
+    try:
+        codes = [node.proc.wait(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.close()
+    for node, code in zip(nodes, codes):
+        text = node.text()
+        assert code == 2, text
+        said = [line for line in text.splitlines() if line.startswith("jaxdp: error:")]
+        assert len(said) == 1 and "--lr differs between workers" in said[0], text
+        assert "Traceback" not in text, text
+

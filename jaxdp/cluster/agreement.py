@@ -28,6 +28,7 @@ leave the others waiting inside a collective until JAX aborted them (SIGABRT, C+
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any, Callable
@@ -46,6 +47,29 @@ PER_PROCESS = ("process_id", "coordinator_address", "num_processes", "gloo_inter
 def agreed_fields(config: Config) -> dict[str, Any]:
     """The fields every process of a run must share, in flag order."""
     return {name: value for name, value in config.to_dict().items() if name not in PER_PROCESS}
+
+
+PRINT_HEX = 4  # hex digits of each field's print (`prints`): a difference slips through one time in 65,536
+
+
+def prints(config: Config) -> str:
+    """The fields every process must share (`agreed_fields`), as one short hash per field in flag order:
+    what an elastic run on torchft compares between workers that share no key-value store (each worker's
+    prints travel in its torchft replica id to every member of each quorum: jaxdp/elastic/ft.py)."""
+    return "".join(hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:PRINT_HEX]
+                   for value in agreed_fields(config).values())
+
+
+def first_differing(mine: str, theirs: str) -> str | None:
+    """The flag (--name) of the first field whose print differs between two `prints`, or None where
+    they are equal; "their jaxdp versions" where the two list different fields."""
+    if mine == theirs:
+        return None
+    names = list(agreed_fields(Config()))
+    if len(mine) != len(theirs) or len(mine) != PRINT_HEX * len(names):
+        return "their jaxdp versions"
+    index = next(i for i in range(0, len(mine), PRINT_HEX) if mine[i:i + PRINT_HEX] != theirs[i:i + PRINT_HEX])
+    return "--" + names[index // PRINT_HEX].replace("_", "-")
 
 
 def check(client: Any, config: Config, process: int, count: int, timeout_s: float,

@@ -199,7 +199,8 @@ def _apply_heal(manager: Any) -> None:
 class TorchftEngine:
     """The Engine on torchft: a Manager (its own one-process replica group) over ProcessGroupGloo."""
 
-    def __init__(self, lighthouse: str, rank: int, size: int, min_workers: int, timeout_s: float, quorum_timeout_s: float):
+    def __init__(self, lighthouse: str, rank: int, size: int, min_workers: int, timeout_s: float, quorum_timeout_s: float,
+                 flags: str = ""):
         require_torchft()
         import torch
         from torch.distributed import TCPStore
@@ -215,6 +216,7 @@ class TorchftEngine:
         self.host = host = advertised_host(lighthouse)
         self.members: list[Member] = []  # the last quorum's members, as their replica ids say
         self.refused: set[str] = set()
+        self.on_quorum: Callable[[], None] | None = None  # called after each quorum (the member's `agree`)
         timeout = timedelta(seconds=timeout_s)
         # Every listener on the announced address only (127.0.0.1 on one node): torchft's own choices are
         # every interface (docs/multihost.md, "What listens").
@@ -226,7 +228,7 @@ class TorchftEngine:
                 min_replica_size=min_workers, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timedelta(seconds=30),
                 rank=0, world_size=1, store_addr=host or "127.0.0.1", store_port=self.store.port,
-                lighthouse_addr=lighthouse, replica_id=replica_id(rank, host, ""),
+                lighthouse_addr=lighthouse, replica_id=replica_id(rank, host, flags),
                 init_sync=False, checkpoint_transport=transport(host, timeout),
                 **({"hostname": host} if host else {}))
         self.manager._client = _Recording(self.manager._client, self)
@@ -274,6 +276,8 @@ class TorchftEngine:
             manager.wait_quorum()
         except Exception as err:  # torchft raises RuntimeError / TimeoutError from its quorum thread
             raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+        if self.on_quorum is not None:
+            self.on_quorum()
         _apply_heal(manager)  # the state now, as torchft's synchronous quorum does (not at the commit)
         return self._received
 
@@ -355,6 +359,8 @@ class FtMember:
         self.leader: int | None = 0  # the rank that leads, as the last exchange's rows said (None: not known yet)
         self.alone = False          # restarted, and its first quorum found no live worker
         self.lighthouse_here = True  # its launcher hosts the Lighthouse: that launcher's end ends the run (`leave`)
+        self.flags = ""             # its flags' prints (jaxdp/cluster/agreement.py; "": not known, not compared)
+        self.quorums = 0            # quorums taken so far
 
     kind = "torchft"      # the engine's name, as --elastic-engine says it (jaxdp/sync/rules.py checks by it)
     lead_moves = True     # the lead is agreed in each exchange's rows (jaxdp/loop/lead.py)
@@ -370,7 +376,8 @@ class FtMember:
         the start waits for it, up to the Lighthouse's join timeout)."""
         if self.engine is None:
             self.engine = TorchftEngine(self.lighthouse, self.rank, self.size, self.min_workers,
-                                        self.stall_timeout or 20.0, self.quorum_timeout_s)
+                                        self.stall_timeout or 20.0, self.quorum_timeout_s, self.flags)
+            self.engine.on_quorum = self.agree
 
     def connect(self) -> bool:
         """True: every worker starts from its own state (rank 0 restores the checkpoint), and `settle`
@@ -383,6 +390,29 @@ class FtMember:
         except RuntimeError as err:
             raise Lost(f"cannot reach the Lighthouse at {self.lighthouse}: {err}") from None
         return True
+
+    def agree(self) -> None:
+        """After each quorum until this worker has trained (its first, and any while it waits for the
+        run's first step: `fresh`): ConfigError (exit 2) where another member trains with other flags (the first that differs named, as
+        jaxdp/cluster/agreement.py names it). At the run's start every worker refuses; a joiner refuses
+        alone, and the workers that trained before it train on (its leaving is a lost worker's)."""
+        from jaxdp.cluster import agreement
+        from jaxdp.config import ConfigError
+
+        self.quorums += 1
+        if self.quorums > 1 and not self.fresh:
+            return
+        members = self.engine.members if self.engine is not None else []
+        message = None
+        for other in members:
+            flag = agreement.first_differing(self.flags, other.flags) if self.flags and other.flags else None
+            if message is None and flag is not None:
+                message = (f"{flag} differs between workers (rank {self.rank}'s is not rank {other.rank}'s); start every "
+                           f"worker with the same flags (only "
+                           f"{', '.join('--' + f.replace('_', '-') for f in agreement.PER_PROCESS)} may differ)")
+        if message is not None:
+            self.close()
+            raise ConfigError(message)
 
     def receive_state(self) -> None:
         return None  # (connect says True: never asked)
@@ -428,6 +458,7 @@ def from_env(environ: dict | None = None, kind: type = FtMember) -> FtMember | N
     require_torchft()
     member = kind(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
                   float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
+    member.flags = flags_here()
     member.restarted = bool(environ.get(ENV_RESTART))
     member.lighthouse_here = bool(environ.get(ENV_LIGHTHOUSE_HERE))
     if member.restarted:  # the live workers' rows say who leads
@@ -436,3 +467,17 @@ def from_env(environ: dict | None = None, kind: type = FtMember) -> FtMember | N
         member.start()
     return member
 
+
+def flags_here() -> str:
+    """The prints of this worker's flags (jaxdp/cluster/agreement.py, `prints`) where it is `python -m
+    jaxdp.train FLAGS`, "" otherwise (another program's flags are its own business)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", None) != "jaxdp.train":
+        return ""
+    from jaxdp.cluster import agreement
+    from jaxdp.config import parse_args
+
+    try:
+        return agreement.prints(parse_args(sys.argv[1:]))
+    except Exception:  # noqa: BLE001 - bad flags: jaxdp.train says so itself
+        return ""
