@@ -573,3 +573,26 @@ def test_two_nodes_with_different_flags_are_refused_naming_the_flag(tmp_path):
         assert len(said) == 1 and "--lr differs between workers" in said[0], text
         assert "Traceback" not in text, text
 
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_second_launcher_with_a_node_rank_in_use_is_refused_and_the_run_goes_on(tmp_path):
+    """`--node-rank 1` given to a third launcher while the run trains: its worker's first quorum finds
+    rank 1 twice; it refuses, exit 2, one line; the two nodes train on."""
+    steps, port = 100000, free_port()
+    nodes = [Node(tmp_path, steps, 0, port, "node0"), Node(tmp_path, steps, 1, port, "node1")]
+    try:
+        nodes[0].wait_for(lambda: nodes[0].reached() >= 30, "step 30")
+        twin = Node(tmp_path, steps, 1, port, "twin")
+        nodes.append(twin)
+        assert twin.proc.wait(timeout=150) == 2, twin.text()
+        at = nodes[0].reached()
+        nodes[0].wait_for(lambda: nodes[0].reached() >= at + 30, "30 more steps")
+        assert nodes[1].proc.poll() is None, nodes[1].text()
+    finally:
+        for node in nodes:
+            node.close()
+    said = [line for line in twin.text().splitlines() if line.startswith("jaxdp: error:")]
+    assert len(said) == 1 and "rank 1 is taken" in said[0] and "--node-rank" in said[0], twin.text()
+    assert "Traceback" not in twin.text(), twin.text()
+

@@ -393,7 +393,8 @@ class FtMember:
 
     def agree(self) -> None:
         """After each quorum until this worker has trained (its first, and any while it waits for the
-        run's first step: `fresh`): ConfigError (exit 2) where another member trains with other flags (the first that differs named, as
+        run's first step: `fresh`): ConfigError (exit 2) where another member has its rank (a
+        --node-rank given to two launchers) or trains with other flags (the first that differs named, as
         jaxdp/cluster/agreement.py names it). At the run's start every worker refuses; a joiner refuses
         alone, and the workers that trained before it train on (its leaving is a lost worker's)."""
         from jaxdp.cluster import agreement
@@ -403,7 +404,12 @@ class FtMember:
         if self.quorums > 1 and not self.fresh:
             return
         members = self.engine.members if self.engine is not None else []
+        twins = [m for m in members if m.rank == self.rank]
         message = None
+        if len(twins) > 1:
+            message = (f"rank {self.rank} is taken: {len(twins)} live workers of this run have it (at "
+                       f"{', '.join(sorted({m.host or '?' for m in twins}))}); give each launcher its own --node-rank "
+                       f"(0 .. --nnodes - 1)")
         for other in members:
             flag = agreement.first_differing(self.flags, other.flags) if self.flags and other.flags else None
             if message is None and flag is not None:
