@@ -596,3 +596,31 @@ def test_a_second_launcher_with_a_node_rank_in_use_is_refused_and_the_run_goes_o
     assert len(said) == 1 and "rank 1 is taken" in said[0] and "--node-rank" in said[0], twin.text()
     assert "Traceback" not in twin.text(), twin.text()
 
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_lighthouse_that_goes_away_is_named_and_the_run_saves_and_exits_75(tmp_path):
+    """The Lighthouse (--lighthouse: another process) is killed mid-run: the workers' next quorum fails,
+    they tell a dead Lighthouse from a quorum too small by connecting to its address, and the run saves
+    and exits 75 with one line naming it: no "--min-workers", no gRPC text."""
+    port = free_port()
+    host = subprocess.Popen([PY, "-c", f"import time\nfrom jaxdp.cluster.ft_env import start_lighthouse\n"
+                             f"lighthouse = start_lighthouse('127.0.0.1', {port}, 1, 2.0, 60.0)\ntime.sleep(600)"],
+                            cwd=ROOT, env=cli_env(), stderr=subprocess.DEVNULL)
+    try:
+        run = Run(tmp_path, 100000, "--lighthouse", f"127.0.0.1:{port}", "--quorum-timeout", "5")
+        try:
+            run.wait_for(lambda: run.reached() >= 30, "step 30")
+            host.kill()
+            assert run.proc.wait(timeout=150) == 75, run.text()
+        finally:
+            run.close()
+    finally:
+        host.kill()
+        host.wait()
+    text = run.text()
+    assert f"the Lighthouse at 127.0.0.1:{port} went away at step" in text, text
+    assert "all 2 workers ended (0 restarts); exit code 75" in text, text
+    assert "--min-workers" not in text and "status:" not in text and "tonic" not in text.lower(), text
+    saved = [int(d) for d in os.listdir(tmp_path / "ckpt") if d.isdigit()]
+    assert saved and max(saved) >= 30, (saved, text)

@@ -240,8 +240,7 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
         early = meanwhile() if meanwhile is not None else None
         received = member.engine.settled()
     except ft.QuorumLost as err:  # the loop stops with `state` (the worker that takes the lock saves it), exit 75
-        raise elastic.HubGone(f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
-                              f"{member.quorum_timeout_s:g} s (--quorum-timeout) at step {at} ({err})") from None
+        raise elastic.HubGone(ft.lost_line(member, err, f"at step {at}")) from None
     if received is None:
         return None, False, early
     member.leader = None  # behind, so not leading any more: the next exchange's rows say who does
@@ -402,8 +401,9 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     try:
         received = member.engine.quorum(at, offer(state))
     except ft.QuorumLost as err:
-        print(f"jaxdp: rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err}); exit code "
-              f"{EXIT_PREEMPTED}", file=sys.stderr)
+        line = (ft.lost_line(member, err, "before its first step") if err.lighthouse_gone else
+                f"rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err})")
+        print(f"jaxdp: {line}; exit code {EXIT_PREEMPTED}", file=sys.stderr)
         member.close()
         raise SystemExit(EXIT_PREEMPTED) from None
     member.fresh_quorum = True  # this quorum's collectives are the first step's

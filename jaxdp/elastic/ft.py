@@ -49,7 +49,29 @@ from jaxdp.elastic.hub import HubGone, Lost
 
 
 class QuorumLost(Exception):
-    """No quorum of --min-workers workers within the quorum timeout (or the Lighthouse is gone)."""
+    """No quorum of --min-workers workers within the quorum timeout (or the Lighthouse is gone:
+    `lighthouse_gone`, where its address no longer takes a connection)."""
+
+    lighthouse_gone = False
+
+
+def reachable(lighthouse: str, timeout_s: float = 2.0) -> bool:
+    """Whether the Lighthouse's address (http://HOST:PORT) takes a TCP connection."""
+    hostport = lighthouse.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def lost_line(member: Any, err: QuorumLost, where: str) -> str:
+    """The line for a lost quorum `where` ("at step 12"): the Lighthouse gone, or too few live workers."""
+    if err.lighthouse_gone:
+        return f"rank {member.rank}: the Lighthouse at {member.lighthouse.split('://', 1)[-1].rstrip('/')} went away {where}"
+    return (f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
+            f"{member.quorum_timeout_s:g} s (--quorum-timeout) {where} ({err})")
 
 
 def advertised_host(lighthouse: str, environ: dict | None = None) -> str | None:
@@ -210,7 +232,7 @@ class TorchftEngine:
         from jaxdp.cluster import quiet
 
         quiet.quiet_http_requests()  # (a heal's state transfer: no access line on the console)
-        self.torch, self.rank, self.size = torch, rank, size
+        self.torch, self.rank, self.size, self.lighthouse = torch, rank, size, lighthouse
         self._received: bytes | None = None
         self._state_fn: Callable[[], bytes] | None = None
         self.host = host = advertised_host(lighthouse)
@@ -266,7 +288,7 @@ class TorchftEngine:
         try:
             self.manager.start_quorum(allow_heal=True)
         except Exception as err:  # (the previous quorum's error)
-            raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+            raise self._lost(err) from None
 
     def settled(self) -> bytes | None:
         """Wait for the quorum `begin` started; the state's bytes if this worker was behind and got them
@@ -275,11 +297,17 @@ class TorchftEngine:
         try:
             manager.wait_quorum()
         except Exception as err:  # torchft raises RuntimeError / TimeoutError from its quorum thread
-            raise QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+            raise self._lost(err) from None
         if self.on_quorum is not None:
             self.on_quorum()
         _apply_heal(manager)  # the state now, as torchft's synchronous quorum does (not at the commit)
         return self._received
+
+    def _lost(self, err: Exception) -> QuorumLost:
+        """QuorumLost for torchft's error (its first line), saying whether the Lighthouse is gone."""
+        lost = QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        lost.lighthouse_gone = not reachable(self.lighthouse)
+        return lost
 
     def participating(self) -> bool:
         """Whether this worker takes part in this step's collectives (torchft: not while it heals)."""
