@@ -1,6 +1,8 @@
 """topk:DENSITY[:BITS] (jaxdp/sync/codecs/topk.py): the leader's index set, the same on every device,
 its values summed, the rest in error feedback; against select-sum-scatter written out in numpy."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +131,35 @@ def test_specs_parse_round_trip_and_bad_ones_are_one_line():
         assert "\n" not in str(err.value) and "topk:DENSITY[:BITS]" in str(err.value)
     with pytest.raises(ConfigError, match="needs --strategy ring"):
         rules.check_config(parse_args(["--compression", "topk:0.1:8", "--strategy", "psum"]))
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("topk:2", "DENSITY '2' is not a decimal in (0, 1]"),
+    ("topk:0.01:3", "BITS '3' is not 32, 8, 4 or 2"),
+    ("topk:0.01:gather:decay=2", "decay=2: B is not in (0, 1]"),
+    ("topk:0.01:foo", "'foo' is not BITS (32, 8, 4, 2), sum, gather or decay=B"),
+    ("topk:0.1:gather:sum", "'sum' after 'gather': name sum or gather once"),
+    ("topk:0.1:gather:8", "'8' after 'gather': BITS comes before sum or gather"),
+    ("topk", "DENSITY is missing"),
+])
+def test_a_bad_topk_spec_names_its_wrong_part_in_one_short_line(bad, says):
+    with pytest.raises(ConfigError) as err:
+        rules.check_config(parse_args(["--compression", bad]))
+    line = str(err.value)
+    assert line.startswith(f"--compression={bad!r}: {says}") and "\n" not in line, line
+    assert line.endswith(" (topk:DENSITY[:BITS][:sum|:gather][:decay=B], or auto)") and len(line) <= 160, line
+    with pytest.raises(ValueError, match=f"compression {bad!r}: {re.escape(says)}"):  # the library's parse too
+        codecs.parse(bad)
+
+
+def test_the_part_by_part_check_takes_exactly_the_specs_the_table_takes():
+    parts = ["32", "8", "4", "2", "3", "sum", "gather", "auto", "decay=0.9", "decay=1", "decay=0", "foo", ""]
+    specs = [f"topk:{d}" for d in ("0.01", ".5", "1", "1.0", "0", "2", "x", "")]
+    specs += [f"topk:0.1:{a}" for a in parts] + [f"topk:0.1:{a}:{b}" for a in parts for b in parts]
+    specs += [f"topk:0.1:{a}:{b}:{c}" for a in parts[:7] for b in parts[5:9] for c in parts[7:10]]
+    for spec in specs:
+        taken = any(re.fullmatch(r.grammar, spec) for r in codecs.TABLE)
+        assert (codecs.topk_fault(spec) is None) == taken, spec
 
 
 def run_mlp(mesh, compression, steps=60):

@@ -111,9 +111,7 @@ class Choices:
             try:
                 codecs.row(text)
             except ValueError:
-                usage = [r.usage for r in codecs.TABLE]
-                raise ConfigError(f"--compression={config.compression!r} is not {', '.join(usage[:-1])}, auto or "
-                                  f"{usage[-1]} (e.g. powersgd:4)") from None
+                raise ConfigError(codecs.refusal(config.compression)) from None
         return cls(strategy=config.strategy, abilities=abilities(config.strategy),
                    compression=None if text == "none" else text,
                    needs="sum" if text in ("none", AUTO) else codecs.row(text).needs,

@@ -71,8 +71,10 @@ class Row:
 
 
 _PSGD_OPTIONS = r"(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*"
-_TOPK = r"topk:(0?\.\d*[1-9]\d*|1(\.0*)?)"  # DENSITY in (0, 1]
-_DECAY = r"(:decay=(0?\.\d*[1-9]\d*|1(\.0*)?))?"  # B in (0, 1]
+_FRACTION = r"0?\.\d*[1-9]\d*|1(\.0*)?"  # a number in (0, 1]
+_TOPK = rf"topk:({_FRACTION})"  # DENSITY in (0, 1]
+_DECAY = rf"(:decay=({_FRACTION}))?"  # B in (0, 1]
+TOPK_USAGE = "topk:DENSITY[:BITS][:sum|:gather][:decay=B]"
 _QUANT_BYTES = 4 / 512  # one float32 scale per block of QUANT_BLOCK (codecs/quantized.py) values
 
 TABLE: tuple[Row, ...] = (
@@ -85,7 +87,7 @@ TABLE: tuple[Row, ...] = (
     Row("powersgd", r"powersgd:[1-9]\d*" + _PSGD_OPTIONS, "powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]",
         "jaxdp.sync.codecs.powersgd:PowerSGD", ladder=2, fewer_bytes=True, guarded=True,
         keeps_state=True, example="powersgd:4:start=2"),
-    Row("topk", _TOPK + "(:32)?(:sum)?" + _DECAY, "topk:DENSITY[:BITS][:sum|:gather][:decay=B]",
+    Row("topk", _TOPK + "(:32)?(:sum)?" + _DECAY, TOPK_USAGE,
         "jaxdp.sync.codecs.topk:TopK", ladder=3, fewer_bytes=True, guarded=True, keeps_state=True,
         example="topk:0.1"),
     Row("topk", _TOPK + ":[842](:sum)?" + _DECAY, "topk:DENSITY:BITS[:sum][:decay=B] (BITS 8, 4, 2: the ring)",
@@ -98,8 +100,42 @@ _USAGES = list(dict.fromkeys(next(r.usage for r in TABLE if r.name == name) for 
 SPEC_HELP = ", ".join(_USAGES[:-1]) + f" or {_USAGES[-1]}"
 
 
+_TOPK_SLOTS = ("BITS", "sum or gather", "decay=B")  # the optional parts, in the order the grammar takes them
+
+
+def topk_fault(text: str) -> str | None:
+    """What is wrong with a top-k spec (lower case), in a few words: its first part that is not what
+    `TOPK_USAGE` allows there, and what that part may be; None where every part fits."""
+    parts = text.split(":")
+    if len(parts) < 2 or not parts[1]:
+        return "DENSITY is missing: a fraction in (0, 1], e.g. topk:0.01"
+    if not re.fullmatch(_FRACTION, parts[1]):
+        return f"DENSITY {parts[1]!r} is not a decimal in (0, 1], e.g. 0.01"
+    open_from = 0  # the first of _TOPK_SLOTS that may still come
+    for before, part in zip(parts[1:], parts[2:]):
+        if part.isdigit():
+            slot = 0
+            if part not in ("32", "8", "4", "2"):
+                return f"BITS {part!r} is not 32, 8, 4 or 2"
+        elif part in ("sum", "gather"):
+            slot = 1
+        elif part.startswith("decay="):
+            slot = 2
+            if not re.fullmatch(_FRACTION, part[6:]):
+                return f"{part}: B is not in (0, 1], e.g. decay=0.98"
+        else:
+            return f"{part!r} is not BITS (32, 8, 4, 2), sum, gather or decay=B"
+        if slot == open_from - 1:
+            return f"{part!r} after {before!r}: name {_TOPK_SLOTS[slot]} once"
+        if slot < open_from:
+            return f"{part!r} after {before!r}: {_TOPK_SLOTS[slot]} comes before {_TOPK_SLOTS[open_from - 1]}"
+        open_from = slot + 1
+    return None
+
+
 def row(spec: str) -> Row:
-    """The row whose grammar `spec` matches (ValueError, one line, saying what is accepted)."""
+    """The row whose grammar `spec` matches (ValueError, one line, saying what is accepted, and for
+    a top-k spec first which part is wrong and what it may be)."""
     if not isinstance(spec, str):
         raise ValueError(f"compression {spec!r}: not a string; use {SPEC_HELP}")
     text = spec.strip().lower()
@@ -107,8 +143,19 @@ def row(spec: str) -> Row:
         if re.fullmatch(r.grammar, text):
             return r
     kind = text.partition(":")[0]
+    if kind == "topk" and topk_fault(text):
+        raise ValueError(f"compression {spec!r}: {topk_fault(text)}; use {SPEC_HELP}")
     why = "unknown kind" if all(r.name != kind for r in TABLE) else f"it is not {next(r.usage for r in TABLE if r.name == kind)}"
     raise ValueError(f"compression {spec!r}: {why}; use {SPEC_HELP}")
+
+
+def refusal(spec: str) -> str:
+    """The command line's one line for a --compression that no row matches: a top-k spec's wrong
+    part and what it may be, with top-k's grammar alone; else every codec's grammar."""
+    fault = topk_fault(spec.strip().lower()) if spec.strip().lower().partition(":")[0] == "topk" else None
+    if fault:
+        return f"--compression={spec!r}: {fault} ({TOPK_USAGE}, or auto)"
+    return f"--compression={spec!r} is not {', '.join(_USAGES)} or auto (e.g. powersgd:4)"
 
 
 def parse(spec: str) -> Any:
