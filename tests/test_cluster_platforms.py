@@ -87,7 +87,7 @@ def test_flags_and_jax_variables_win_over_every_platform():
     flags = Config(coordinator_address="h:1", num_processes=2, process_id=1)
     assert detect(flags, everything, fqdn=K8S_FQDN).source == "explicit"
     assert detect(Config(), everything, fqdn=K8S_FQDN).source == "kubernetes"
-    assert detect(Config(), {**SKYPILOT_NODE, **DSTACK_NODE}).source == "skypilot"
+    assert detect(Config(), {**SKYPILOT_NODE, **DSTACK_AS_SKYPILOT}).source == "skypilot"  # (disagreeing: refused)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,3 +384,48 @@ def test_kubernetes_examples_name_their_image_and_claim():
         assert images == {f"REGISTRY/jaxdp:{name[len('jobset-'):-len('.yaml')]}"}, images
         claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
         assert [c["spec"]["accessModes"] for c in claims] == [["ReadWriteMany"]], name
+
+
+# ---------------------------------------------------------------------------------------------
+# Both SkyPilot's and dstack's variables on one node; a bad JAX_COORDINATOR_PORT.
+# ---------------------------------------------------------------------------------------------
+
+DSTACK_AS_SKYPILOT = {"DSTACK_MASTER_NODE_IP": "10.1.0.5", "DSTACK_NODE_RANK": "1", "DSTACK_NODES_NUM": "3",
+                      "DSTACK_RUN_NAME": "wise-owl-1"}  # SKYPILOT_NODE's node, as dstack would say it
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"DSTACK_NODES_NUM": "4"}, "SKYPILOT_NODE_IPS lists 3 nodes, DSTACK_NODES_NUM=4"),
+    ({"DSTACK_NODE_RANK": "2"}, "SKYPILOT_NODE_RANK=1, DSTACK_NODE_RANK=2"),
+    ({"DSTACK_MASTER_NODE_IP": "10.2.0.9"}, "SKYPILOT_NODE_IPS starts with 10.1.0.5, DSTACK_MASTER_NODE_IP=10.2.0.9"),
+    ({"SKYPILOT_NODE_IPS": "10.1.0.5"}, "SKYPILOT_NODE_IPS lists 1 nodes, DSTACK_NODES_NUM=3"),
+])
+def test_skypilot_and_dstack_variables_that_disagree_are_refused_naming_both(change, named):
+    with pytest.raises(ConfigError) as err:
+        detect(Config(), {**SKYPILOT_NODE, **DSTACK_AS_SKYPILOT, **change})
+    line = str(err.value)
+    assert line.startswith(f"SkyPilot's and dstack's variables disagree ({named}") and "\n" not in line, line
+    assert line.endswith("or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"), line
+
+
+def test_skypilot_and_dstack_variables_that_agree_run_and_flags_win_over_both():
+    assert detect(Config(), {**SKYPILOT_NODE, **DSTACK_AS_SKYPILOT}) == detect(Config(), SKYPILOT_NODE)
+    # with JAX_COORDINATOR_ADDRESS the head is its host: only the count and the rank must agree
+    env = {**SKYPILOT_NODE, **DSTACK_AS_SKYPILOT, "DSTACK_MASTER_NODE_IP": "10.2.0.9", "JAX_COORDINATOR_ADDRESS": "h:7"}
+    assert detect(Config(), env).coordinator_address == "h:7"
+    flags = Config(coordinator_address="h:1", num_processes=2, process_id=1)
+    assert detect(flags, {**SKYPILOT_NODE, **DSTACK_NODE}).source == "explicit"
+
+
+SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+              "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "http", "12345x"])
+@pytest.mark.parametrize("platform", ["slurm", "kubernetes", "skypilot", "dstack"])
+def test_a_bad_coordinator_port_is_reported_as_jax_coordinator_port(platform, port):
+    env = {"slurm": SLURM_TASK, "kubernetes": K8S_POD, "skypilot": SKYPILOT_NODE, "dstack": DSTACK_NODE}[platform]
+    with pytest.raises(ConfigError) as err:
+        detect(Config(), {**env, "JAX_COORDINATOR_PORT": port}, fqdn=K8S_FQDN)
+    assert str(err.value) == f"JAX_COORDINATOR_PORT={port!r} is not a port between 1 and 65535"
+    assert detect(Config(), {**env, "JAX_COORDINATOR_PORT": "7000"}, fqdn=K8S_FQDN).coordinator_address.endswith(":7000")

@@ -22,7 +22,8 @@ nothing here starts anything or imports JAX, so every branch is tested without a
 
 Kubernetes, SkyPilot and dstack start one process per node (pod), which owns all of its node's
 devices; the coordinator port is `$JAX_COORDINATOR_PORT`, else `CLOUD_PORT` (the handshake uses the
-next one: open both between the nodes).
+next one: open both between the nodes). A node that carries both SkyPilot's and dstack's variables
+runs only where they agree (`_from_cloud` says why it refuses rather than picks one).
 
 Every multi-process run also has a run id, which the processes present to process 0 before they
 reach JAX's coordinator (jaxdp/cluster/handshake.py): `$JAXDP_RUN_ID` (the launcher sets one per start), else
@@ -119,7 +120,7 @@ def detect(config: Config, environ: Mapping[str, str] = os.environ, fqdn: str | 
     dstack, else one process. `fqdn`: this host's fully qualified name (Kubernetes only; default
     `socket.getfqdn()`, asked only there)."""
     cluster = (_from_flags(config) or _from_jax_environment(environ) or _from_slurm(environ)
-               or _from_kubernetes(environ, fqdn) or _from_skypilot(environ) or _from_dstack(environ))
+               or _from_kubernetes(environ, fqdn) or _from_cloud(environ))
     if cluster is None:
         return Cluster("single")
     return dataclasses.replace(cluster, run_id=run_id(environ))
@@ -182,8 +183,8 @@ def _from_slurm(environ: Mapping[str, str]) -> Cluster | None:
         address = environ[ENV_COORDINATOR_ADDRESS]
     else:
         step = environ.get(SLURM_STEP_ID, "0")
-        port = environ.get(ENV_COORDINATOR_PORT) or str(slurm_port(
-            _int(environ[SLURM_JOB_ID], SLURM_JOB_ID), _int(step, SLURM_STEP_ID) if step.isdigit() else 0))
+        port = coordinator_port(environ) or slurm_port(
+            _int(environ[SLURM_JOB_ID], SLURM_JOB_ID), _int(step, SLURM_STEP_ID) if step.isdigit() else 0)
         address = f"{expand_nodelist(environ[SLURM_STEP_NODELIST])[0]}:{port}"
     cluster = _checked("slurm", address, count, index, ENV_COORDINATOR_ADDRESS, SLURM_NTASKS, SLURM_PROCID)
     return dataclasses.replace(cluster, local_device_ids=slurm_local_device_ids(environ))
@@ -223,10 +224,40 @@ def kubernetes_first_pod(fqdn: str, hostname: str, index: int) -> str:
     return f"{name[:-len(str(index))]}0.{domain}"
 
 
+def _from_cloud(environ: Mapping[str, str]) -> Cluster | None:
+    """SkyPilot's node, else dstack's. Where a node carries both platforms' variables they must agree
+    on the node count, this node's rank and the head node (the head only without
+    $JAX_COORDINATOR_ADDRESS): then SkyPilot's are taken (the same numbers). Where they disagree,
+    ConfigError (exit 2) naming both variables of each disagreement, not SkyPilot's silently:
+    neither platform's set is the more likely to be right (one is stale: exported by an image, a
+    shell profile or an outer launch), and a guess that is wrong does not fail, it waits for a
+    coordinator that never comes, or gives two nodes one rank, until --startup-timeout."""
+    if all(name in environ for name in (SKYPILOT_NODE_IPS, SKYPILOT_NODE_RANK, DSTACK_MASTER_NODE_IP,
+                                          DSTACK_NODE_RANK, DSTACK_NODES_NUM)):
+        ips = _skypilot_ips(environ)
+        sky_rank = _int(environ[SKYPILOT_NODE_RANK], SKYPILOT_NODE_RANK)
+        count = _int(environ[DSTACK_NODES_NUM], DSTACK_NODES_NUM)
+        rank = _int(environ[DSTACK_NODE_RANK], DSTACK_NODE_RANK)
+        master = environ[DSTACK_MASTER_NODE_IP].strip()
+        differ = [f"{SKYPILOT_NODE_IPS} lists {len(ips)} nodes, {DSTACK_NODES_NUM}={count}"] if len(ips) != count else []
+        if sky_rank != rank:
+            differ.append(f"{SKYPILOT_NODE_RANK}={sky_rank}, {DSTACK_NODE_RANK}={rank}")
+        if ENV_COORDINATOR_ADDRESS not in environ and ips and ips[0].lower() != master.lower():
+            differ.append(f"{SKYPILOT_NODE_IPS} starts with {ips[0]}, {DSTACK_MASTER_NODE_IP}={master}")
+        if differ:
+            raise ConfigError(f"SkyPilot's and dstack's variables disagree ({'; '.join(differ)}): unset the stale "
+                              f"platform's, or set {ENV_COORDINATOR_ADDRESS}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}")
+    return _from_skypilot(environ) or _from_dstack(environ)
+
+
+def _skypilot_ips(environ: Mapping[str, str]) -> list[str]:
+    return [line.strip() for line in environ[SKYPILOT_NODE_IPS].splitlines() if line.strip()]
+
+
 def _from_skypilot(environ: Mapping[str, str]) -> Cluster | None:
     if SKYPILOT_NODE_IPS not in environ or SKYPILOT_NODE_RANK not in environ:
         return None
-    ips = [line.strip() for line in environ[SKYPILOT_NODE_IPS].splitlines() if line.strip()]
+    ips = _skypilot_ips(environ)
     if len(ips) <= 1:
         return None
     return _checked("skypilot", environ.get(ENV_COORDINATOR_ADDRESS) or _host_port(ips[0], _cloud_port(environ)),
@@ -248,7 +279,18 @@ def _from_dstack(environ: Mapping[str, str]) -> Cluster | None:
 
 
 def _cloud_port(environ: Mapping[str, str]) -> int:
-    return _int(environ.get(ENV_COORDINATOR_PORT, str(CLOUD_PORT)), ENV_COORDINATOR_PORT)
+    return coordinator_port(environ) or CLOUD_PORT
+
+
+def coordinator_port(environ: Mapping[str, str]) -> int | None:
+    """$JAX_COORDINATOR_PORT (None where unset or empty); a bad one is ConfigError naming
+    JAX_COORDINATOR_PORT, not the coordinator address made from it."""
+    text = environ.get(ENV_COORDINATOR_PORT, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"{ENV_COORDINATOR_PORT}={environ[ENV_COORDINATOR_PORT]!r} is not a port between 1 and 65535")
+    return int(text)
 
 
 def _host_port(host: str, port: int) -> str:
