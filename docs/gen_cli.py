@@ -3,7 +3,8 @@
     python docs/gen_cli.py          # after changing a field of Config: regenerate, then commit docs/cli.md
 
 Every field of `Config` carries its flag group and help text (`jaxdp/config.py`); this prints one
-table per group, in the order of `config.GROUPS`, from the same parser `--help` uses.
+table per group, in the order of `config.GROUPS`, from the same parser `--help-all` prints, and
+names `config.COMMON`, the flags `--help` lists first.
 `tests/test_readme.py::test_cli_reference_is_current` fails when docs/cli.md differs from what
 this writes. Importing `jaxdp.config` imports no JAX, so this takes a fraction of a second.
 """
@@ -24,9 +25,12 @@ HEADER = """\
      `python docs/gen_cli.py`. tests/test_readme.py fails when this page is out of date. -->
 
 Every flag of `python -m jaxdp.train` (also installed as `jaxdp-train`), one table per group, as
-`--help` prints them. A boolean flag has a `--no-` form. Flag values may also come from a TOML file
+`--help-all` prints them; `--help` prints the common ones, one line each, then the others' names
+by group. A boolean flag has a `--no-` form. Flag values may also come from a TOML file
 (`--config run.toml`, keys as the flag names); flags on the command line override it. What the
 command writes and how it exits: [Training from the command line](training.md).
+
+The common flags (`--help`, `jaxdp.config.COMMON`): {common}.
 """
 
 
@@ -44,10 +48,12 @@ def cli_reference() -> str:
     from jaxdp import config
 
     parser = config.build_parser()
-    lines = [HEADER, "## general", "", "| flag | meaning |", "| --- | --- |"]
-    for action in parser._action_groups[1]._group_actions:  # argparse's "options": --help, --config
-        if action.dest != "help":
-            lines.append(f"| `{action.option_strings[0]} {action.metavar}` | {action.help} |")
+    common = ", ".join(f"`--{name.replace('_', '-')}`" for name in config.COMMON)
+    lines = [HEADER.format(common=common), "## general", "", "| flag | meaning |", "| --- | --- |"]
+    for action in parser._action_groups[1]._group_actions:  # argparse's "options": --help, --help-all, --config
+        if "--help" not in action.option_strings:
+            usage = " ".join(filter(None, (action.option_strings[0], action.metavar)))
+            lines.append(f"| `{usage}` | {action.help} |")
     for group in config.GROUPS:
         lines += ["", f"## {group}", "", "| flag | default | meaning |", "| --- | --- | --- |"]
         for f in dataclasses.fields(config.Config):

@@ -16,6 +16,7 @@ same dataclass-to-flags mapping.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -23,6 +24,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import tomllib
 from typing import Any, Sequence
 
@@ -43,6 +45,27 @@ RECORDED_BEFORE = {
 }
 
 GROUPS = ("data", "model", "optimisation", "distribution", "checkpointing", "logging")
+
+# What `--help` lists first, one line each: the flags a new run sets (the others: `--help` names
+# them by group, `--help-all` and docs/cli.md give each its meaning and default). A flag with
+# choices has them added ("optax optimizer: adam, adamw, ...").
+COMMON = {
+    "model": f"{', '.join(registry.MODELS)}, or your own as MODULE:ATTR",
+    "dataset": "digits, synthetic, an .npz file, or gpt's tokens",
+    "steps": "training steps (a resumed run continues up to this one)",
+    "batch_size": "global batch size, split over every device",
+    "lr": "peak learning rate",
+    "optimizer": "optax optimizer",
+    "schedule": "lr schedule",
+    "precision": "compute dtype",
+    "strategy": "gradient sync",
+    "devices": "devices per process (a CPU-only host simulates 8)",
+    "compression": "bf16, int8, int4, powersgd:RANK, topk:DENSITY, auto",
+    "sync_every": "average the replicas every N steps; auto: measure",
+    "checkpoint_dir": "save here; a run pointed at a checkpoint resumes it",
+    "metrics_file": "one JSON object per logged step, then the run's summary",
+    "seed": "parameters, data order and dropout",
+}
 
 
 class ConfigError(InputError):
@@ -342,13 +365,58 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+class _Help(argparse.Action):
+    """-h / --help: the COMMON flags with their meaning, then every other flag's name by group;
+    --help-all (`full`): every flag with its meaning and default, grouped (`format_help`)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, full: bool = False, help: str | None = None):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+        self.full = full
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        parser._print_message(parser.format_help() if self.full else common_help(parser), sys.stdout)
+        parser.exit()
+
+
+def common_help(parser: argparse.ArgumentParser) -> str:
+    """What --help prints: the usage, the COMMON flags (then --config and --help-all), one line each
+    with its default, and the name of every other flag under its group."""
+    formatter = parser._get_formatter()
+    formatter.add_usage(parser.usage, parser._actions, [])
+    formatter.add_text(parser.description)
+    by_dest = {action.dest: action for action in parser._actions}
+    shown = []
+    for name, brief in COMMON.items():
+        action = copy.copy(by_dest[name])
+        if action.choices:
+            brief, action.metavar = f"{brief}: {', '.join(action.choices)}", name.upper()
+        action.help = brief + ("" if action.default is None else f" (default: {action.default})")
+        shown.append(action)
+    shown += [a for a in parser._actions if a.option_strings[0] in ("--config", "--help-all")]
+    formatter.start_section("common")
+    formatter.add_arguments(shown)
+    formatter.end_section()
+    lines = [formatter.format_help().rstrip("\n"), "",
+             "the other flags, by group (--help-all: each with its meaning and default):"]
+    for group in GROUPS:
+        names = [f"--{_flag(f.name)}" for f in dataclasses.fields(Config)
+                 if f.metadata["group"] == group and f.name not in COMMON]
+        lines.append(textwrap.fill(" ".join(names), width=100, initial_indent=f"  {group + ':':<16}",
+                                   subsequent_indent=" " * 18, break_on_hyphens=False))
+    return "\n".join(lines) + "\n"
+
+
 def build_parser(prog: str = "python -m jaxdp.train") -> argparse.ArgumentParser:
-    """The CLI, generated from Config's fields: one flag per field, grouped, with defaults shown."""
+    """The CLI, generated from Config's fields: one flag per field, grouped, with defaults shown
+    (`format_help`, --help-all); --help shows the COMMON ones first (`common_help`)."""
     parser = _Parser(
         prog=prog, allow_abbrev=False,  # --step is not --steps
+        usage="%(prog)s [--FLAG VALUE ...]", add_help=False,
         description="Data-parallel training of a Flax model over every device of every process.",
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32, width=100),
     )
+    parser.add_argument("-h", "--help", action=_Help, help="the common flags, then the others' names")
+    parser.add_argument("--help-all", action=_Help, full=True, help="every flag with its meaning and default, by group")
     groups = {g: parser.add_argument_group(g) for g in GROUPS}
     types = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str, "int | str": _int_or_auto}
     for f in dataclasses.fields(Config):

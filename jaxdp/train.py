@@ -4,7 +4,8 @@
     python -m jaxdp.train --strategy=ring --steps 500 --metrics-file run.jsonl
     python -m jaxdp.train --model cnn --dataset my_data.npz --batch-size 256
     python -m jaxdp.train --model my_models:Classifier --dataset my_data.npz   # jaxdp/models/usermodel.py
-    python -m jaxdp.train --help                           # every flag, grouped, with defaults
+    python -m jaxdp.train --help                           # the common flags, then the others' names
+    python -m jaxdp.train --help-all                       # every flag, grouped, with defaults
 
 Exit codes (jaxdp/errors.py): 0 success, 1 an unexpected error, 2 bad input (one line on stderr;
 --debug for the traceback), 69 a peer process died, never arrived or stalled, 73 a checkpoint could

@@ -33,6 +33,37 @@ def test_every_field_is_a_flag_in_a_group_and_help_shows_defaults():
     assert "(default: None)" not in text
 
 
+def help_text(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args([flag])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_the_common_flags_first_and_names_every_other_one(capsys):
+    lines = help_text("--help", capsys).splitlines()
+    assert lines[0].startswith("usage: ") and lines[4] == "common:" and len(lines) <= 40, len(lines)
+    common = [line.split()[0] for line in lines[5:] if line.startswith("  --")][:len(config.COMMON)]
+    assert common == [f"--{name.replace('_', '-')}" for name in config.COMMON]
+    for name in config.COMMON:  # one line each, its default on it
+        line = next(line for line in lines if line.startswith(f"  --{name.replace('_', '-')} "))
+        default = getattr(Config(), name)
+        assert default is None or f"(default: {default})" in line, line
+    words = {w for line in lines for w in line.split()}
+    for field in dataclasses.fields(Config):
+        assert f"--{field.name.replace('_', '-')}" in words, field.name
+    assert {"--config", "--help-all"} <= words
+
+
+def test_help_all_gives_every_field_its_meaning_and_default(capsys):
+    text = " ".join(help_text("--help-all", capsys).split())
+    for field in dataclasses.fields(Config):
+        meaning = " ".join(field.metadata["help"].split()[:6])
+        assert f"--{field.name.replace('_', '-')}" in text and meaning in text, field.name
+        assert field.default is None or f"(default: {field.default})" in text, field.name
+    assert all(f" {group}: --" in text for group in config.GROUPS)
+
+
 def test_parse_defaults_and_values():
     assert parse_args([]) == Config()
     cfg = parse_args(["--strategy=ring", "--batch-size", "64", "--lr", "0.1", "--no-progress"])
