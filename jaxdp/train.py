@@ -218,10 +218,25 @@ def train(config: Config) -> Any:
         part = (f"all {held_out_size} {what}" if evaluated == held_out_size else f"{evaluated} of {held_out_size} "
                 f"{what}, {100 * evaluated / held_out_size:.1f} %; --eval-batches 0: all")
         print(f"{held} (held-out: {part}) steps={config.steps} strategy={config.strategy} devices={devices} "
-              f"time={time.perf_counter() - STARTED:.1f}s (start-up {timings['startup_s']:.1f}s, "
-              f"first step with compilation {timings['compile_s']:.1f}s"
-              + (f", --compression/--sync-every auto {decided:.1f}s" if decided else "") + ")")
+              + closing_time(time.perf_counter() - STARTED, timings["startup_s"], timings["compile_s"], decided))
     return result
+
+
+def closing_time(total_s: float, startup_s: float, first_step_s: float, decided_s: float | None = None) -> str:
+    """The closing line's `time=T s (start-up S s, first step with compilation F s)`, in tenths of a
+    second as printed, with S + F <= T: consecutive parts. Start-up runs from the process's start to
+    the loop's; the first step's clock starts when the metrics writer opens, a moment before start-up
+    ends (longer where that compiles, as --shard-params's memory report does), so the first step is
+    counted from start-up's end: at most what the total leaves after start-up. The auto controllers'
+    measuring (`decided_s`) lies inside those parts (before the loop, inside start-up) or after them,
+    so it is said as a share of the total, not added as a third part."""
+    total = round(total_s * 10)
+    startup = min(round(startup_s * 10), total)
+    first = min(round(first_step_s * 10), total - startup)
+    text = f"time={total / 10:.1f}s (start-up {startup / 10:.1f}s, first step with compilation {first / 10:.1f}s"
+    if decided_s:
+        text += f"; of the {total / 10:.1f}s, --compression/--sync-every auto measuring {min(decided_s, total_s):.1f}s"
+    return text + ")"
 
 
 def _task(kind: str, model: Any, config: Config) -> Any:

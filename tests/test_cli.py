@@ -171,3 +171,35 @@ def test_the_console_script_tunes_malloc_like_python_dash_m(tmp_path):
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr
     assert records(tmp_path / "m.jsonl")[0]["malloc_env"] == "1"  # it re-executed itself before JAX loaded
+
+
+def closing_parts(text):
+    """(total, [the parts before any ';']) of a closing line's time=..."""
+    total = float(re.match(r"time=([\d.]+)s", text).group(1))
+    return total, [float(x) for x in re.findall(r"([\d.]+)s", text.split(";")[0])[1:]]
+
+
+@pytest.mark.parametrize("total, startup, first, decided, expected", [
+    (9.5, 8.0, 2.1, None, "time=9.5s (start-up 8.0s, first step with compilation 1.5s)"),
+    (13.6, 5.3, 7.1, None, "time=13.6s (start-up 5.3s, first step with compilation 7.1s)"),
+    (12.5, 7.7, 4.4, 1.6, "time=12.5s (start-up 7.7s, first step with compilation 4.4s; "
+                          "of the 12.5s, --compression/--sync-every auto measuring 1.6s)"),
+    (1.04, 0.56, 0.49, 0.0, "time=1.0s (start-up 0.6s, first step with compilation 0.4s)"),
+    (3.0, 3.2, 0.5, None, "time=3.0s (start-up 3.0s, first step with compilation 0.0s)"),
+])
+def test_the_closing_lines_time_parts_add_up_to_no_more_than_its_total(total, startup, first, decided, expected):
+    from jaxdp.train import closing_time
+
+    text = closing_time(total, startup, first, decided)
+    assert text == expected
+    whole, parts = closing_parts(text)
+    assert len(parts) == 2 and sum(parts) <= whole + 1e-9
+
+
+def test_the_closing_lines_time_parts_never_exceed_its_total():
+    from jaxdp.train import closing_time
+
+    rng = np.random.default_rng(0)
+    for t, s, f in rng.uniform(0, 30, (500, 3)):  # any numbers: the printed parts never exceed the printed total
+        whole, parts = closing_parts(closing_time(t, s, f, rng.uniform(0, 5)))
+        assert sum(parts) <= whole + 1e-9 and min(parts) >= 0, (t, s, f)
