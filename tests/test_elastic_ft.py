@@ -183,6 +183,22 @@ def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_wit
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_three_workers_end_with_a_three_device_runs_parameters_bit_for_bit(tmp_path):
+    """3 workers of 43 rows each: the mean divides by 3, not a power of two, and still equals a one-process
+    run over 3 devices to the bit (XLA had turned the division into a multiplication by 1/3)."""
+    steps = 40
+    finish(Run(tmp_path, steps, "--nproc-per-node", "3", train_args=("--batch-size", "129")))
+    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "3", "--batch-size", "129",
+                                "--steps", str(steps), "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"),
+                                "--save-every", str(steps)], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                               timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    final = [json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
+    assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_workers_of_two_devices_summing_by_the_ring_lose_and_heal_one_and_end_as_an_undisturbed_run(tmp_path):
     """--strategy ring inside each worker (2 devices), torchft across: worker 1 killed and healed; the
     final parameters are an undisturbed elastic run's, bit for bit (each shard's ring sum is the same

@@ -142,7 +142,10 @@ class RowPrograms:
         means = []
         for t in totals:
             if jnp.issubdtype(t.dtype, jnp.inexact):  # (none counted: NaN, which stops the run as ever)
-                means.append(jnp.where(count > 0, t / count.astype(t.dtype), jnp.nan).astype(t.dtype))
+                # A true division, as numpy's host path: XLA turns `t / count` into `t * (1 / count)`, which
+                # rounds differently where count is not a power of two (3 workers did not match one process).
+                divisor = jax.lax.optimization_barrier(jnp.broadcast_to(count.astype(t.dtype), t.shape))
+                means.append(jnp.where(count > 0, t / divisor, jnp.nan).astype(t.dtype))
             else:
                 means.append(jnp.where(count > 0, (t / jnp.maximum(count, 1)).astype(t.dtype), t))
         metrics, model_state, grads = jax.tree.unflatten(self.treedef, means)
