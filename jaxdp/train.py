@@ -112,7 +112,8 @@ def train(config: Config) -> Any:
     with runtime.two_cpu_workers(config.overlap):  # the backend starts in here (--overlap: see there)
         distributed.initialize(config)
         cache_dir = runtime.enable_compile_cache(config.compile_cache)  # a rerun loads its compiled steps
-        member = elastic.from_env()  # started by `jaxdp.launch --elastic` (the hub, or torchft)
+        # started by `jaxdp.launch --elastic` (the hub, or torchft, whose workers compare their flags' prints)
+        member = elastic.from_env(flags=agreement.prints(config))
         if member:  # the hub leaves out a member that sends nothing this long after another's part
             member.stall_timeout = config.stall_timeout
         with warnings.catch_warnings():

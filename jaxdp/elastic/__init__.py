@@ -20,8 +20,8 @@ have, so an engine is a parameter of the loop, not a program beside it:
     member.settle(state), member.state_from(template, payload)   # the state to start from
     member.ask_stop(), member.leaves(orphaned), member.close(finished)
 
-The transports are hub.py and ft.py (no JAX: the launcher imports them); workers.py puts the update
-rules on top of them. The update rules behind `make_step`: every step (every_step.py: the host path, the hub's sum or torchft's
+The transports are hub.py and ft.py (no JAX: the launcher imports them; network.py is what a torchft
+worker shows the network); workers.py puts the update rules on top of them. The update rules behind `make_step`: every step (every_step.py: the host path, the hub's sum or torchft's
 rows, rows.py), H local steps (rounds.py), timed rounds (timed.py) and overlapped rounds (overlap.py).
 """
 
@@ -30,9 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def from_env(environ: dict | None = None) -> Any:
+def from_env(environ: dict | None = None, flags: str | None = None) -> Any:
     """This process's member of an elastic run, as `jaxdp.launch --elastic` set it up in the environment
-    (a torchft worker, or a member of the launcher's hub), or None for a run that is not elastic."""
+    (a torchft worker, or a member of the launcher's hub), or None for a run that is not elastic.
+    `flags`: the prints of the run's config (jaxdp.cluster.agreement.prints), which torchft workers
+    compare at their quorums."""
     from jaxdp.elastic import workers
 
-    return workers.from_env(environ)
+    return workers.from_env(environ, flags)

@@ -81,7 +81,8 @@ class FtWorker(ft.FtMember):
         return state_from_arrays(template, payload)
 
 
-def from_env(environ: dict | None = None) -> HubWorker | FtWorker | None:
+def from_env(environ: dict | None = None, flags: str | None = None) -> HubWorker | FtWorker | None:
     """This process's worker of an elastic run, as `jaxdp.launch --elastic` set it up in the environment
-    (torchft's, or the launcher's hub's), or None for a run that is not elastic."""
-    return ft.from_env(environ, FtWorker) or hub.from_env(environ, HubWorker)
+    (torchft's, or the launcher's hub's), or None for a run that is not elastic. `flags`: the prints of the
+    run's config that torchft workers compare (ft.from_env)."""
+    return ft.from_env(environ, FtWorker, flags) or hub.from_env(environ, HubWorker)
