@@ -166,6 +166,7 @@ def begin(plan: Plan, options: dict[str, Any], joined: bool) -> Loop:
         if plan.is_main:
             print(fsdp.describe(memory), file=sys.stderr)
     startup_s = time.perf_counter() - plan.started
+    writer.restart_clock()  # the first step's compile time counts from here, not from when the writer opened
     early = plan.begun.records
     writer.event("start", start_step, resumed_from=start_step or None,
                  config=plan.config.to_dict() if plan.config is not None else None, processes=plan.n_processes,
