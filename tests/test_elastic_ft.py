@@ -213,7 +213,7 @@ def test_workers_of_two_devices_summing_by_the_ring_lose_and_heal_one_and_end_as
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_runs(tmp_path):
-    """--compression int8 codes each worker's sum once (host.RowCoder) between the workers: worker 1
+    """--compression int8 codes each worker's sum once (jaxdp/elastic/rows.py, RowCoder) between the workers: worker 1
     killed and healed, the run ends; undisturbed, int8 ends within 1 % of the uncompressed run's
     held-out loss; disturbed, its held-out accuracy within 0.01 of the undisturbed int8 run's and its
     loss within 5 % (not to the bit: the lost worker's error feedback is lost with it, and its shard's

@@ -14,7 +14,7 @@ import pytest
 import jaxdp
 from helpers import mlp_batches, mlp_problem
 from jaxdp.mesh import data_axes, make_mesh, shard_batch
-from jaxdp.elastic.rows import RowPrograms
+from jaxdp.elastic.rows import RowCoder, RowPrograms
 from jaxdp.step.train_step import _host_programs, _local_grads_fn
 from jaxdp.sync import codecs, host
 from jaxdp.sync.spec import SyncSpec
@@ -29,7 +29,7 @@ def problem(devices, strategy, compression=None, workers=2):
     _, update, to_host = _host_programs(local_grads, tx, mesh)
     spec = SyncSpec(strategy=strategy, compression=compression).validate(elastic=True, elastic_engine="torchft")
     codec = spec.codec
-    programs = RowPrograms(local_grads, mesh, spec, lambda n: host.RowCoder(codec, n) if codec else None, False,
+    programs = RowPrograms(local_grads, mesh, spec, lambda n: RowCoder(codec, n) if codec else None, False,
                            workers, lambda state, grads, model_state: (grads, model_state))
     batches = [shard_batch(b, mesh) for b in mlp_batches(workers, batch=32)]
     return state, programs, to_host, update, batches
@@ -87,13 +87,13 @@ def test_a_sum_that_is_not_finite_is_said_so(devices):
 
 @pytest.mark.parametrize("name", ["int8", "int4", "bf16"])
 def test_coded_rows_are_the_row_coders_messages_and_decode_to_its_mean(devices, name):
-    """Against host.RowCoder on the host sums: the same message (int8 / int4: with error feedback
+    """Against RowCoder on the host sums: the same message (int8 / int4: with error feedback
     kept per shard, as the host path threads it), and the mean of the decoded rows within float32
     rounding (a fused multiply-add may round the dequantized sum once where numpy rounds twice)."""
     state, programs, to_host, _, batches = problem(devices, "ring", codecs.parse(name))
     shards = [host_sums(to_host, state, b) for b in batches]
     exact = len(shards[0]) - len(jax.tree.leaves(state.params))
-    reference = host.RowCoder(codecs.parse(name), sum(a.size for a in shards[0][exact:]))
+    reference = RowCoder(codecs.parse(name), sum(a.size for a in shards[0][exact:]))
     owed = {}
     for _ in range(2):  # the second time round each shard adds what its first message left out
         rows, decoded = [], []

@@ -159,10 +159,10 @@ def test_a_state_without_error_feedback_is_refused_with_the_codec_to_make_it_for
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_host_rows_code_a_workers_sum_once_with_error_feedback_per_shard(bits):
-    """jaxdp.sync.host.RowCoder (an elastic run on torchft codes each worker's sum once): against the
+    """jaxdp.elastic.rows.RowCoder (an elastic run on torchft codes each worker's sum once): against the
     block quantizer written out here, and its feedback kept per key only when asked."""
     from jaxdp.sync import codecs
-    from jaxdp.sync.host import RowCoder
+    from jaxdp.elastic.rows import RowCoder
 
     size, qmax = 1500, 2 ** (bits - 1) - 1  # 1500 values: 3 blocks of 500 (the ring's even blocks of <= 512)
     x = np.random.default_rng(bits).normal(size=size).astype(np.float32)
@@ -193,7 +193,7 @@ def test_host_rows_settle_keeps_only_the_feedback_of_the_exchange_just_made_and_
     other: a shard coded again later (a lost worker's shard once more, a worker's own after it
     healed) starts at zero, and a shard whose sums were not finite does not carry the NaN on."""
     from jaxdp.sync import codecs
-    from jaxdp.sync.host import RowCoder
+    from jaxdp.elastic.rows import RowCoder
 
     coder = RowCoder(codecs.parse("int8"), 1000)
     x = np.random.default_rng(0).normal(size=1000).astype(np.float32)
@@ -216,7 +216,7 @@ def test_host_rows_in_bf16_are_the_cast_and_other_codecs_are_refused():
     import ml_dtypes
 
     from jaxdp.sync import codecs
-    from jaxdp.sync.host import RowCoder
+    from jaxdp.elastic.rows import RowCoder
 
     x = np.random.default_rng(0).normal(size=101).astype(np.float32)
     coder = RowCoder(codecs.parse("bf16"), x.size)

@@ -21,8 +21,10 @@ have, so an engine is a parameter of the loop, not a program beside it:
     member.ask_stop(), member.leaves(orphaned), member.close(finished)
 
 The transports are hub.py and ft.py (no JAX: the launcher imports them; network.py is what a torchft
-worker shows the network); workers.py puts the update rules on top of them. The update rules behind `make_step`: every step (every_step.py: the host path, the hub's sum or torchft's
-rows, rows.py), H local steps (rounds.py), timed rounds (timed.py) and overlapped rounds (overlap.py).
+worker shows the network); workers.py puts the update rules on top of them. The update rules behind
+`make_step`: every step (every_step.py: the host path, the hub's sum or torchft's rows, rows.py, coded
+by RowCoder there), H local steps (rounds.py), timed rounds (timed.py) and overlapped rounds
+(overlap.py).
 """
 
 from __future__ import annotations

@@ -261,10 +261,10 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
     workers: each shard's gradient sum travels as the codec's message (the metrics and model state
     exactly), and every worker decodes every row and adds them in shard order, so the result is
     still the same on every worker. int8 / int4 keep error feedback per shard in this worker's
-    device memory (host.RowCoder): a worker that joins, or computes a lost worker's shard, starts
+    device memory (rows.RowCoder): a worker that joins, or computes a lost worker's shard, starts
     that shard's feedback at zero, and so does a shard whose sums were not finite."""
     from jaxdp.elastic import ft
-    from jaxdp.elastic.rows import RowPrograms
+    from jaxdp.elastic.rows import RowCoder, RowPrograms
 
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
@@ -278,7 +278,7 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
         grads_fn, update_fn = jax.jit(worker_sum), fsdp.make_update(tx, mesh)
     devices = member.size * mesh.size
     size, rank = member.size, member.rank
-    programs = RowPrograms(local_grads, mesh, spec, lambda values: host.RowCoder(codec, values) if codec else None,
+    programs = RowPrograms(local_grads, mesh, spec, lambda values: RowCoder(codec, values) if codec else None,
                            grad_norm, size, update_fn, worker_sum)
     layout: dict[str, Any] = {}
 

@@ -11,7 +11,7 @@ traffic at all between round ends. At the end of each round of H steps:
    stalled one) receives a live peer's state here, as it stands at that peer's round end before the
    exchange, and then takes part in that exchange as a listener (its row carries no pseudo-gradient).
 2. One all-gather of one row per worker: the sum over its devices of the pseudo-gradient (global
-   parameters - replica), as float32 bytes or a codec's message (bf16, int8, int4: host.RowCoder,
+   parameters - replica), as float32 bytes or a codec's message (bf16, int8, int4: rows.RowCoder,
    its error feedback per worker in the worker's memory).
 3. torchft's commit. A failed one (a worker died or stalled in the round or in the exchange) does the
    exchange again over a new quorum: the round completes with the others. Each worker's row counts
@@ -39,6 +39,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.elastic.hub import HubGone
+from jaxdp.elastic.rows import RowCoder
 from jaxdp.mesh import data_axes, replicate, state_specs
 from jaxdp.elastic.every_step import (
     ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, present_of, say_live, step_number,
@@ -48,7 +49,6 @@ from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.rounds import outer_step
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
-from jaxdp.sync import host
 from jaxdp.sync.codecs.base import bytes_sent
 from jaxdp.sync.spec import SyncSpec
 
@@ -82,7 +82,7 @@ class RoundEnd:
 
     def __init__(self, member: Any, codec: Any, values: int, keys: list[str], at_of: Callable[[TrainState], int]):
         self.member, self.values, self.keys, self.at_of = member, values, list(keys), at_of
-        self.coder = host.RowCoder(codec, values) if codec is not None else None
+        self.coder = RowCoder(codec, values) if codec is not None else None
         self.head = 8 * (1 + len(self.keys))
         self.nbytes = self.head + (self.coder.nbytes if self.coder else 4 * values)
         self.waiting: dict = {}   # (wait_for_rank_0's clock)

@@ -41,7 +41,7 @@ class FtWorker(ft.FtMember):
         """The update rule `spec` names, across torchft workers: every step (jaxdp/elastic/every_step.py), H
         local steps (rounds.py), or host-driven `rounds`: "timed" (timed.py, `pace` seconds) or "overlapped"
         (overlap.py, each round's average one round late). Any summing strategy inside a worker, a codec
-        of host.HOST_CODED across workers."""
+        of rules.HOST_CODED across workers."""
         from jaxdp.elastic import every_step, overlap, rounds as local, timed
 
         more: dict[str, Any] = {"strategy": spec.strategy, "compression": spec.compression}

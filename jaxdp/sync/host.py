@@ -21,7 +21,6 @@ import numpy as np
 
 from jaxdp.cluster.coordination import client as coordination_client, namespace
 from jaxdp.sync.collectives import Collective, on_host
-from jaxdp.sync.rules import HOST_CODED
 
 Tree = Any
 ProcessSum = Callable[[list[np.ndarray]], list[np.ndarray]]
@@ -133,74 +132,3 @@ def _unpack(payload: bytes, like: list[np.ndarray]) -> list[np.ndarray]:
         out.append(np.frombuffer(payload, a.dtype, a.size, offset).reshape(a.shape))
         offset += a.nbytes
     return out
-
-
-class RowCoder:
-    """One worker's sum, a flat float32 vector of `size` values, as the bytes of a codec's message
-    (bf16, int8, int4: `HOST_CODED`), and back. int8 / int4 keep error feedback per key (the data
-    shard the sum is of): what a message leaves out is added to that key's next vector, as the ring's
-    coded sum does per device; bf16 keeps none, as its in-graph codec. `encode` returns the new
-    feedback beside the message; `keep` makes it the key's (once the exchange went through), and
-    `settle` makes an exchange's feedback the only feedback kept.
-    `encode_traced(values, owed)` and `decode_traced(message)` are the same inside a caller's jit
-    (owed: the key's feedback, zeros for none; bf16 returns it unchanged)."""
-
-    def __init__(self, codec: Any, size: int) -> None:
-        import jax.numpy as jnp
-
-        if codec.name not in HOST_CODED:
-            raise ValueError(f"a host exchange codes only {', '.join(HOST_CODED)}, not {codec.name!r}")
-        self.codec, self.size, self.feedback = codec, size, {}
-        self.keeps_feedback = codec.name != "bf16"
-        if codec.name == "bf16":
-            self.nbytes = 2 * size
-            self.encode_traced = lambda values, owed: (
-                jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint8).ravel(), owed)
-            self.decode_traced = lambda message: jax.lax.bitcast_convert_type(
-                message.reshape(-1, 2), jnp.bfloat16).astype(jnp.float32)
-            return
-        chunk, block = codec.chunking(size, 1)
-        wire = codec.wire(chunk, block)
-        pad = chunk - size
-
-        def encode(values: jax.Array, owed: jax.Array) -> tuple[jax.Array, jax.Array]:
-            message, left = wire.encode(jnp.pad(values + owed, (0, pad)))
-            return message, left[:size]
-
-        # (traced: for a program of the caller's, jaxdp/elastic/every_step.py's rows, made and read on the devices)
-        self.encode_traced, self.decode_traced = encode, lambda message: wire.decode(message)[:size]
-        self._encode = jax.jit(encode)  # (one program a message: a worker's step waits on it)
-        self._decode = jax.jit(jax.vmap(self.decode_traced))
-        self._zeros = np.zeros(size, np.float32)
-        self.nbytes = codec.message_bytes(chunk, block)
-
-    def encode(self, values: np.ndarray, key: int) -> tuple[bytes, np.ndarray | None]:
-        """(the message of `values` plus `key`'s feedback, the new feedback or None)."""
-        values = np.asarray(values, np.float32)
-        if self.codec.name == "bf16":
-            return values.astype(jax.numpy.bfloat16).tobytes(), None
-        owed = self.feedback.get(key)
-        message, left = self._encode(values, self._zeros if owed is None else owed)
-        return np.asarray(message).tobytes(), np.asarray(left)
-
-    def keep(self, key: int, feedback: np.ndarray | None) -> None:
-        if feedback is not None:
-            self.feedback[key] = feedback
-
-    def settle(self, kept: dict, left_out: Any = ()) -> None:
-        """After an exchange went through: the feedback owed is that of the keys coded in it (`kept`:
-        key -> new feedback), less those whose values were not finite (`left_out`: their feedback
-        would carry the NaN into every later message of the key). Every other key's is dropped, so a
-        key coded again later (an elastic run's lost worker's shard once more, a worker's own shard
-        after it healed) starts at zero, not from what it left out steps ago."""
-        left_out = set(left_out)
-        self.feedback = {key: f for key, f in kept.items() if f is not None and key not in left_out}
-
-    def decode(self, message: bytes) -> np.ndarray:
-        return self.decode_rows(np.frombuffer(message, np.uint8)[None])[0]
-
-    def decode_rows(self, messages: np.ndarray) -> np.ndarray:
-        """Each row of `messages` (uint8, one message a row) decoded: (rows, size) float32, in one program."""
-        if self.codec.name == "bf16":
-            return np.ascontiguousarray(messages).view(jax.numpy.bfloat16).astype(np.float32)
-        return np.asarray(self._decode(messages), np.float32)

@@ -166,7 +166,7 @@ def render(template: str, choices: Choices, flags: bool = False) -> str:
     return PLACEHOLDER.sub(term, template)
 
 
-# The codecs an elastic run on torchft codes its exchange with (jaxdp.sync.host.RowCoder): each worker's
+# The codecs an elastic run on torchft codes its exchange with (jaxdp.elastic.rows.RowCoder): each worker's
 # sum is coded once and decoded by every worker, so a codec must stand alone (no ring hops, no factors).
 HOST_CODED = ("bf16", "int8", "int4")
 ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.elastic.hub.ENV_ADDRESS (not imported: this table imports nothing heavy)
