@@ -14,8 +14,8 @@ have, so an engine is a parameter of the loop, not a program beside it:
 
     member.rank, member.size, member.lead         # who this worker is, and whether it leads now
     member.kind, member.lead_moves, member.Gone   # the engine's name, whether the lead can move, its "peers gone" error
-    member.make_step(loss_fn, tx, mesh, spec, shard_data, stateful=..., grad_accum=..., rounds=..., pace=...,
-                     outer_tx=...)                # the update rule `spec` names, across this engine's workers
+    member.make_step(loss_fn, tx, mesh, spec, shard_data, stateful=..., grad_accum=..., rounds=..., pace=...)
+                                                  # the update rule the run's one SyncSpec names, across its workers
     member.connect(), member.receive_state()      # join; a live peer's state, if one is handed over
     member.settle(state), member.state_from(template, payload)   # the state to start from
     member.ask_stop(), member.leaves(orphaned), member.close(finished)

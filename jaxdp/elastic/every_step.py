@@ -45,10 +45,11 @@ Metrics = dict
 
 
 def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                      shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
-                      grad_norm: bool = False) -> TrainStep:
+                      shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
+                      grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
     """The host path of an elastic run (jaxdp/elastic/hub.py): `mesh` is this process's devices,
-    `member` its link to the launcher, `shard_data(step, shard)` any shard's host rows of a step.
+    `member` its link to the launcher, `shard_data(step, shard)` any shard's host rows of a step,
+    `spec` the run's sync choices (the host strategy, nothing else: jaxdp/sync/rules.py).
 
     Each call sums the gradients over this process's devices for every shard it computes (its
     own from `batch`, others' from `shard_data` while their processes are lost), sends the sums,
@@ -58,7 +59,6 @@ def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh:
     from jaxdp.elastic import hub as elastic
 
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, data_axes(mesh)), grad_accum)
-    spec = SyncSpec(strategy="host").validate()
     grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
     devices = member.size * mesh.size
 
@@ -248,16 +248,16 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
 
 
 def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                 shard_data: Callable[[int, int], Batch], *, stateful: bool = False, grad_accum: int = 1,
-                 grad_norm: bool = False, strategy: Any = "host", compression: Any = None,
-                 shard_params: bool = False) -> TrainStep:
-    """`strategy`: how a worker sums its own devices' gradients: "host" (each device's added in device
+                 shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
+                 grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
+    """`spec`: the run's sync choices (checked against jaxdp/sync/rules.py for torchft). Its strategy:
+    how a worker sums its own devices' gradients: "host" (each device's added in device
     order, as the host path and the hub add them), or a collective (psum, the ring). Across workers
-    it is always the byte rows below. `shard_params`: the layout inside each worker is
+    it is always the byte rows below. `spec.shard_params`: the layout inside each worker is
     `--shard-params`'s (parameters, gradients and optimizer state cut over its devices:
     jaxdp/step/fsdp.py); its row is the same sums, and the update keeps the cut.
 
-    `compression` ("bf16", "int8", "int4" or their codecs; None: none) codes what crosses between
+    Its compression ("bf16", "int8", "int4"; None: none) codes what crosses between
     workers: each shard's gradient sum travels as the codec's message (the metrics and model state
     exactly), and every worker decodes every row and adds them in shard order, so the result is
     still the same on every worker. int8 / int4 keep error feedback per shard in this worker's
@@ -268,12 +268,10 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
 
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    spec = SyncSpec(strategy=strategy, compression=compression, shard_params=shard_params).validate(
-        elastic=True, elastic_engine="torchft")
     codec = spec.codec
     grads_fn, update_fn, _ = _host_programs(local_grads, tx, mesh)
     worker_sum = None
-    if shard_params:  # the same rule on a cut layout: the worker's sums and the update from jaxdp/step/fsdp.py
+    if spec.shard_params:  # the same rule on a cut layout: the worker's sums and the update from jaxdp/step/fsdp.py
         worker_sum = fsdp.worker_sums(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum)
         grads_fn, update_fn = jax.jit(worker_sum), fsdp.make_update(tx, mesh)
     devices = member.size * mesh.size

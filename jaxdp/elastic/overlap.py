@@ -79,14 +79,13 @@ class FtOverlapped(Replicas):
     flush_at_stop = True  # (the round loop: every worker stops at the same round, and averages first)
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                 shard_data: Callable[[int, int], Any], *, every: int, outer_tx: Any, stateful: bool = False,
-                 grad_accum: int = 1, strategy: Any = "psum", compression: Any = None):
-        self.mesh, self.member, self.shard_data, self.every, self.tx = mesh, member, shard_data, every, tx
+                 shard_data: Callable[[int, int], Any], *, spec: SyncSpec, stateful: bool = False,
+                 grad_accum: int = 1):
+        self.mesh, self.member, self.shard_data, self.every, self.tx = mesh, member, shard_data, spec.sync_every, tx
         self.axis, self.n = data_axes(mesh), mesh.size
         self.local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, self.axis), grad_accum)
-        self.spec = SyncSpec(strategy=strategy, compression=compression, sync_every=every, outer_tx=outer_tx,
-                             metrics_at_sync=True).validate(elastic=True, elastic_engine="torchft")
-        self.outer = default_outer(outer_tx)
+        self.spec = spec
+        self.outer = default_outer(spec.outer_tx)
         self.steps: int | None = None  # --steps (the round loop sets it)
         self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived (the round loop sets both)
         self.on_stop: Callable[[], Any] = member.ask_stop
@@ -279,14 +278,12 @@ class FtOverlapped(Replicas):
 
 
 def make_ft_overlapped(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                       shard_data: Callable[[int, int], Any], *, every: int, outer_tx: Any, stateful: bool = False,
-                       grad_accum: int = 1, grad_norm: bool = False, strategy: Any = "psum", compression: Any = None
-                       ) -> TrainStep:
+                       shard_data: Callable[[int, int], Any], *, spec: SyncSpec, stateful: bool = False,
+                       grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
     """The run's step object: the round loop runs `made.rounds` (as for the timed rounds,
     jaxdp/elastic/timed.py); it carries their warm-up and their close."""
     del grad_norm  # (the inner step's metrics are the loss alone, as in jaxdp/step/rounds.py)
-    rounds = FtOverlapped(loss_fn, tx, mesh, member, shard_data, every=every, outer_tx=outer_tx, stateful=stateful,
-                          grad_accum=grad_accum, strategy=strategy, compression=compression)
+    rounds = FtOverlapped(loss_fn, tx, mesh, member, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum)
 
     def step(state: TrainState, batch: Any) -> Any:
         raise TypeError("overlapped rounds across torchft workers run in rounds (jaxdp/loop/rounds.py), not step "

@@ -237,9 +237,8 @@ class Replicas:
 
 
 def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                       shard_data: Callable[[int, int], Batch], *, sync_every: int,
-                       outer_tx: optax.GradientTransformation | None, stateful: bool = False, grad_accum: int = 1,
-                       grad_norm: bool = False, strategy: Any = "psum", compression: Any = None) -> TrainStep:
+                       shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
+                       grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
     """The step of local steps across torchft workers: `sync_every` inner steps on each of this
     worker's devices, then the pseudo-gradients' exchange described above. `strategy` sums the
     pseudo-gradient over this worker's devices (psum or the ring); `compression` codes each worker's
@@ -248,9 +247,8 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
     del shard_data
     axis, n, rank = data_axes(mesh), mesh.size, member.rank
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
-    spec = SyncSpec(strategy=strategy, compression=compression, sync_every=sync_every, outer_tx=outer_tx,
-                    metrics_at_sync=True).validate(elastic=True, elastic_engine="torchft")
-    codec, total, outer = spec.codec, spec.collective.sum, default_outer(outer_tx)
+    sync_every = spec.sync_every
+    codec, total, outer = spec.codec, spec.collective.sum, default_outer(spec.outer_tx)
     layout: dict[str, Any] = {}
 
     def device_inner(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -258,7 +256,7 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
         mine = jax.tree.map(lambda x: x[0], rows)  # this device's replica and inner optimizer state
         metrics, model_state, grads = local_grads(state.replace(params=mine["params"]), batch)
         if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         updates, inner = tx.update(grads, mine["opt_state"], mine["params"])
         new = {"params": optax.apply_updates(mine["params"], updates), "opt_state": inner}
         sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: jax.tree.map(lambda x: x[None], new)})

@@ -71,15 +71,14 @@ class FtRounds(Replicas):
     """The timed rounds of one worker; `round` is what the round loop (jaxdp/loop/rounds.py) runs."""
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                 shard_data: Callable[[int, int], Any], *, pace: Any, outer_tx: Any, stateful: bool = False,
-                 grad_accum: int = 1, strategy: Any = "psum", compression: Any = None):
+                 shard_data: Callable[[int, int], Any], *, spec: SyncSpec, pace: Any, stateful: bool = False,
+                 grad_accum: int = 1):
         paced_check(pace, mesh)
         self.mesh, self.member, self.shard_data, self.pace, self.tx = mesh, member, shard_data, pace, tx
         self.axis, self.n = data_axes(mesh), mesh.size
         self.local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, self.axis), grad_accum)
-        self.spec = SyncSpec(strategy=strategy, compression=compression, outer_tx=outer_tx).validate(
-            sync_seconds=pace, elastic=True, elastic_engine="torchft")
-        self.outer = default_outer(outer_tx)
+        self.spec = spec
+        self.outer = default_outer(spec.outer_tx)
         self.steps: int | None = None  # --steps: no stream is read past it (the round loop sets it)
         self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived (the round loop sets both)
         self.on_stop: Callable[[], Any] = member.ask_stop
@@ -243,14 +242,13 @@ class FtRounds(Replicas):
 
 
 def make_ft_paced(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                  shard_data: Callable[[int, int], Any], *, pace: Any, outer_tx: Any, stateful: bool = False,
-                  grad_accum: int = 1, grad_norm: bool = False, strategy: Any = "psum", compression: Any = None
-                  ) -> TrainStep:
+                  shard_data: Callable[[int, int], Any], *, spec: SyncSpec, pace: Any, stateful: bool = False,
+                  grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
     """The run's step object: not called step by step (the round loop runs `made.rounds`), it carries
     the rounds, their warm-up (compiled before the worker joins) and their close."""
     del grad_norm  # (the inner step's metrics are the loss alone, as in jaxdp/step/rounds.py)
-    rounds = FtRounds(loss_fn, tx, mesh, member, shard_data, pace=pace, outer_tx=outer_tx, stateful=stateful,
-                      grad_accum=grad_accum, strategy=strategy, compression=compression)
+    rounds = FtRounds(loss_fn, tx, mesh, member, shard_data, spec=spec, pace=pace, stateful=stateful,
+                      grad_accum=grad_accum)
 
     def step(state: TrainState, batch: Any) -> Any:
         raise TypeError("timed rounds across torchft workers run in rounds (jaxdp/loop/rounds.py), not step by step")

@@ -15,11 +15,11 @@ class HubWorker(hub.Member):
     """A process of an elastic run on the launcher's hub (`--elastic-engine hub`)."""
 
     def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
-                  grad_accum: int, rounds: str | None = None, pace: Any = None, outer_tx: Any = None) -> Any:
+                  grad_accum: int, rounds: str | None = None, pace: Any = None) -> Any:
         """The hub's one update rule: every step, the host path (jaxdp/sync/rules.py refuses the others)."""
         from jaxdp.elastic.every_step import make_elastic_step
 
-        return make_elastic_step(loss_fn, tx, mesh, self, shard_data, stateful=stateful, grad_accum=grad_accum,
+        return make_elastic_step(loss_fn, tx, mesh, self, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum,
                                  grad_norm=True)
 
     def settle(self, state: Any) -> tuple[Any, bool]:
@@ -37,29 +37,23 @@ class FtWorker(ft.FtMember):
     """A worker of an elastic run on torchft (`--elastic-engine torchft`)."""
 
     def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
-                  grad_accum: int, rounds: str | None = None, pace: Any = None, outer_tx: Any = None) -> Any:
+                  grad_accum: int, rounds: str | None = None, pace: Any = None) -> Any:
         """The update rule `spec` names, across torchft workers: every step (jaxdp/elastic/every_step.py), H
         local steps (rounds.py), or host-driven `rounds`: "timed" (timed.py, `pace` seconds) or "overlapped"
         (overlap.py, each round's average one round late). Any summing strategy inside a worker, a codec
         of rules.HOST_CODED across workers."""
         from jaxdp.elastic import every_step, overlap, rounds as local, timed
 
-        more: dict[str, Any] = {"strategy": spec.strategy, "compression": spec.compression}
-        if spec.shard_params:  # (every step: jaxdp/sync/rules.py refuses the rounds' rules with it on torchft)
-            more["shard_params"] = True
-        make: Callable = every_step.make_ft_step
-        if spec.sync_every != 1:
-            make = local.make_ft_round_step
-            more.update(sync_every=spec.sync_every, outer_tx=spec.outer_tx)
+        more: dict[str, Any] = {}
+        make: Callable = every_step.make_ft_step  # (--shard-params too: every step's layout inside a worker)
         if rounds == "overlapped":
             make = overlap.make_ft_overlapped
-            more = {"strategy": spec.strategy, "compression": spec.compression, "every": spec.sync_every,
-                    "outer_tx": outer_tx}
         elif rounds == "timed":
-            make = timed.make_ft_paced
-            more.update(pace=pace, outer_tx=outer_tx)
-        return make(loss_fn, tx, mesh, self, shard_data, stateful=stateful, grad_accum=grad_accum, grad_norm=True,
-                    **more)
+            make, more = timed.make_ft_paced, {"pace": pace}
+        elif spec.sync_every != 1:
+            make = local.make_ft_round_step
+        return make(loss_fn, tx, mesh, self, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum,
+                    grad_norm=True, **more)
 
     def round_sync(self, overlapped: bool) -> dict:
         """The entries a state of host-driven rounds keeps in `state.sync.shared` (host arrays): the

@@ -79,7 +79,7 @@ class RunOptions:
     resume_note: str = ""               # said after the resume line
     run_info: dict | None = None        # more fields for the "start" record
     watch: Any = None                   # a running jaxdp.cluster.heartbeat watch to use and stop
-    elastic: Any = None                 # this process's member of an elastic run (jaxdp/elastic/hub.py)
+    elastic: Any = None                 # this process's member of an elastic run: jaxdp.elastic.from_env()
     stall_timeout: int = 20             # seconds before a silent peer counts as stalled (multi-process)
     prefetch: int = 2                   # batches loaded ahead
     examples_per_step: int | None = None

@@ -200,7 +200,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             rounds = ("overlapped" if plan.overlap else "timed") if plan.rounds_run else None
             plan.steps_by_spec[spec] = elastic.make_step(loss_fn, tx, mesh, spec, plan.shard_data, stateful=stateful,
                                                          grad_accum=sync.grad_accum, rounds=rounds,
-                                                         pace=sync.sync_seconds, outer_tx=plan.outer_tx)
+                                                         pace=sync.sync_seconds)
         if spec not in plan.steps_by_spec:
             plan.steps_by_spec[spec] = make_train_step(
                 loss_fn, tx, mesh, spec.strategy, stateful=stateful, grad_accum=sync.grad_accum, grad_norm=True,

@@ -15,12 +15,12 @@ import optax  # noqa: E402
 from helpers import mlp_batches, mlp_problem  # noqa: E402
 
 import jaxdp  # noqa: E402
-from jaxdp.elastic import ft  # noqa: E402
+from jaxdp import elastic  # noqa: E402
 from jaxdp.mesh import Mesh, DATA_AXIS  # noqa: E402
 from jaxdp.elastic.timed import positions_of  # noqa: E402
 
 SCHEDULE = [[3, 1], [2, 0], [1, 4]]  # steps by [round][rank] (rank 0's 1 in round 3 would pass steps=5)
-member = ft.from_env()
+member = elastic.from_env()
 params, loss_fn = mlp_problem()
 batches = list(mlp_batches(24, batch=64))
 steps, pace, checkpoint = 5, (lambda r, rank: SCHEDULE[r][rank]), jaxdp.CheckpointOptions()
