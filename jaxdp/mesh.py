@@ -12,6 +12,11 @@ A mesh may have several data axes, e.g. `make_mesh(axis_name=("hosts", "local"))
 devices per process. Every collective of the step then runs over all of them together
 (`data_axes(mesh)` is the tuple, which `jax.lax` collectives and `PartitionSpec` accept), and a
 hierarchical exchange can sum over "local" first.
+
+Every axis is `AxisType.Auto` (`auto_axes`), given explicitly rather than left to a default
+(`jax.make_mesh` makes Explicit axes): the steps map with `shard_map(..., check_vma=False)` and
+place values with `with_sharding_constraint` and `out_shardings`, the Auto-axis model, and a
+sharding in an array's type (Explicit axes) is not what they expect.
 """
 
 from __future__ import annotations
@@ -22,9 +27,14 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+
+
+def auto_axes(count: int) -> tuple[AxisType, ...]:
+    """The axis types of a mesh of `count` axes built by jaxdp: all Auto (see the module docstring)."""
+    return (AxisType.Auto,) * count
 
 
 def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str | tuple[str, ...] = DATA_AXIS,
@@ -53,7 +63,7 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis_name: str | tupl
     shape = tuple(int(s) for s in shape)
     if len(shape) != len(names) or int(np.prod(shape)) != len(devices):
         raise ValueError(f"make_mesh: shape {shape} does not fit {len(devices)} devices on axes {names}")
-    return Mesh(np.array(devices).reshape(shape), names)
+    return Mesh(np.array(devices).reshape(shape), names, axis_types=auto_axes(len(names)))
 
 
 @functools.cache

@@ -94,7 +94,7 @@ def worker(process: int, coordinator: str, megabytes: float, matmuls: int, strat
     gloo.install(gloo.choose(coordinator))
     with runtime.two_cpu_workers(workers == "two"):
         jax.distributed.initialize(coordinator, 2, process)
-        mesh = jax.make_mesh((2,), ("d",))
+        mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))  # as jaxdp.make_mesh's
     from jaxdp.sync.collectives import ring_allreduce
 
     total = (lambda x: ring_allreduce(x, "d")) if strategy == "ring" else (lambda x: jax.lax.psum(x, "d"))

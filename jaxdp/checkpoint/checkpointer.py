@@ -115,8 +115,8 @@ class Checkpointer:
         self._pending: tuple[int, concurrent.futures.Future] | None = None  # saved step, its checksums
         # Old checkpoints (beyond `keep`) are deleted in a background thread, off the training path;
         # close() waits for that as well as for the last save.
-        options = ocp().CheckpointManagerOptions(max_to_keep=keep, create=True, enable_background_delete=True,
-                                               enable_async_checkpointing=async_save)
+        options = ocp().CheckpointManagerOptions(preservation_policy=ocp().checkpoint_managers.LatestN(keep), create=True,
+                                                 enable_background_delete=True, enable_async_checkpointing=async_save)
         try:
             self._manager = ocp().CheckpointManager(self.directory, options=options, handler_registry=handlers())
         except BaseException:

@@ -152,7 +152,7 @@ class RowPrograms:
         metrics, model_state, grads = jax.tree.unflatten(self.treedef, means)
         metrics = dict(metrics)
         if self.grad_norm:
-            metrics["grad_norm"] = optax.global_norm(grads)
+            metrics["grad_norm"] = optax.tree.norm(grads)
         return grads, model_state, {k: v.astype(jnp.float32) for k, v in metrics.items()}
 
     def apply(self, state: Any, rows: np.ndarray, counted: np.ndarray, count: int) -> tuple[Any, dict]:

@@ -108,7 +108,7 @@ class Delayed:
             mean, metrics, _, sync, extra = exchange.mean(grads, metrics, {}, state.sync, state.step - 1)
             metrics = {**metrics, **extra}
             if grad_norm:
-                metrics = {**metrics, "grad_norm": optax.global_norm(mean)}
+                metrics = {**metrics, "grad_norm": optax.tree.norm(mean)}
             updates, opt_state = tx.update(mean, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             new = jax.tree.map(lambda a, b: jnp.where(on, a, b), (params, opt_state, sync),

@@ -338,7 +338,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
         metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), metrics)
         model_state = mean_model_state(model_state)
         if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), param_shardings)
         opt_state = jax.lax.with_sharding_constraint(opt_state, shardings(opt_state, mesh))

@@ -219,7 +219,7 @@ class Workers:
         """Every worker's `tx` step on its replica: (replica, inner state, each worker's gradient norm)."""
         def worker(replica: Any, inner: Any, grads: Any) -> tuple:
             updates, inner = tx.update(grads, inner, replica)
-            return optax.apply_updates(replica, updates), inner, optax.global_norm(grads)
+            return optax.apply_updates(replica, updates), inner, optax.tree.norm(grads)
 
         return self.per_worker(worker, (0, 0, 0))(replica, inner, grads)
 
@@ -261,7 +261,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, s
         metrics, model_state = finished(metrics, model_state)
         metrics = {**metrics, **extra}
         if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates),
                                                   fsdp.shardings(state.params, mesh))

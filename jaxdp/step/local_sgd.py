@@ -192,7 +192,7 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
         mine = jax.tree.map(lambda x: x[0], state.sync.per_device[STATE_NAME])  # this device's replica
         metrics, model_state, grads = local_grads(state.replace(params=mine["params"]), batch)
         if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}  # this replica's own gradient
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # this replica's own gradient
         updates, inner = tx.update(grads, mine["opt_state"], mine["params"])
         replica = optax.apply_updates(mine["params"], updates)
         step = state.step + 1

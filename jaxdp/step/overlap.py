@@ -277,7 +277,7 @@ def own_rows(mesh: Mesh) -> Mesh:
     if devices.ndim == 1:
         return mesh
     mine = [h for h in range(devices.shape[0]) if devices[h, 0].process_index == jax.process_index()]
-    return Mesh(devices[mine], mesh.axis_names)
+    return Mesh(devices[mine], mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def reseat(tree: Any, mesh: Mesh, shardings: Any) -> Any:

@@ -77,7 +77,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
-from jaxdp.mesh import data_axes, state_specs
+from jaxdp.mesh import auto_axes, data_axes, state_specs
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step.state import TrainState
 from jaxdp.sync.collectives import as_collective
@@ -95,7 +95,7 @@ PACE_NAME = "paced"  # per_device[PACE_NAME] = {"position": int32 rows}; shared[
 def local_mesh(mesh: Mesh) -> Mesh:
     """This process's devices of `mesh`, in the mesh's order, with the same axis name."""
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    return Mesh(np.array(mine), (data_axes(mesh),))
+    return Mesh(np.array(mine), (data_axes(mesh),), axis_types=auto_axes(1))
 
 
 def _by_row(x: jax.Array) -> list[jax.Array]:

@@ -201,7 +201,7 @@ def _replicated(local_grads: Callable, tx: optax.GradientTransformation, mesh: M
         grads, metrics, model_state, sync, extra = exchange.mean(grads, metrics, model_state, state.sync, state.step)
         metrics = {**metrics, **extra}
         if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,

@@ -220,7 +220,7 @@ def make_step(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mes
         params = jax.shard_map(functools.partial(gather_params, layout=layout), mesh=mesh, in_specs=P(axis),
                                out_specs=P(), check_vma=False)(owned)
         if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         state = state.replace(step=state.step + 1, params=params, model_state=model_state,
                               opt_state=ShardedOptState(inner, layout))
         return state, metrics
