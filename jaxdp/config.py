@@ -22,17 +22,17 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 import textwrap
 import tomllib
 from typing import Any, Sequence
 
 from jaxdp import registry
-from jaxdp.errors import InputError
+from jaxdp.errors import ConfigError  # noqa: F401 (importable from here, where it was first)
+from jaxdp.inputs import (  # noqa: F401 (importable from here too)
+    CORPUS_SUFFIXES, MODEL_SPEC, SEED_RANGE, TOKEN_SUFFIXES, check_inputs, is_corpus,
+)
 
-TOKEN_SUFFIXES = (".txt", ".bin", ".npy")  # token streams (jaxdp/data/tokens.py), for --model gpt
-CORPUS_SUFFIXES = (".parquet", ".arrow", ".feather", ".jsonl", ".ndjson")  # documents (jaxdp/data/corpus.py), for gpt
 SYNC_AUTO = SAVE_AUTO = registry.AUTO  # --sync-every auto, --save-every auto (the controllers decide)
 
 # Fields added after checkpoints recorded their run's Config: the value a recorded Config without the
@@ -66,10 +66,6 @@ COMMON = {
     "metrics_file": "one JSON object per logged step, then the run's summary",
     "seed": "parameters, data order and dropout",
 }
-
-
-class ConfigError(InputError):
-    """Bad command-line input. The message is one sentence, in flag terms, that says what to change."""
 
 
 def _field(default: Any, group: str, help: str, **kwargs: Any) -> Any:
@@ -252,73 +248,13 @@ class Config:
         for name in ("peer_timeout", "startup_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be a positive number of seconds, got {getattr(self, name)}")
-        _check_inputs(self)
+        check_inputs(self)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-# --model MODULE:ATTR, checked without importing anything (jaxdp/models/usermodel.py imports it)
-MODEL_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-SEED_RANGE = 2**32  # numpy's and JAX's seeds are unsigned 32-bit on every path that takes --seed
-
-
-def _check_inputs(config: Config) -> None:
-    """Values that used to fail only after JAX started (or at the first save): fail before it."""
-    if config.stall_timeout <= 0:
-        raise ConfigError(f"--stall-timeout must be a positive number of seconds, got {config.stall_timeout}")
-    if not 0 < config.comm_target:
-        raise ConfigError(f"--comm-target must be a positive fraction of compute time, got {config.comm_target}")
-    if config.compression_every < 0:
-        raise ConfigError(f"--compression-every must be 0 (decide once) or a number of steps, got {config.compression_every}")
-    auto_sync = config.sync_every == SYNC_AUTO
-    if isinstance(config.sync_every, str) and not auto_sync:
-        raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training) or auto, "
-                          f"got {config.sync_every!r}")
-    if not auto_sync and config.sync_every < 1:
-        raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training), got {config.sync_every}")
-    if config.sync_fragments < 1:
-        raise ConfigError(f"--sync-fragments must be a positive integer, got {config.sync_fragments}")
-    paced = config.sync_seconds != 0
-    if paced:
-        if not math.isfinite(config.sync_seconds) or config.sync_seconds < 0:
-            raise ConfigError(f"--sync-seconds must be a positive number of seconds (0: off), got {config.sync_seconds}")
-    if auto_sync or config.sync_every > 1 or paced:
-        if not math.isfinite(config.outer_lr) or config.outer_lr <= 0:
-            raise ConfigError(f"--outer-lr must be a positive number, got {config.outer_lr}")
-        if not math.isfinite(config.outer_momentum) or not 0 <= config.outer_momentum < 1:
-            raise ConfigError(f"--outer-momentum must be at least 0 and below 1, got {config.outer_momentum}")
-        if config.outer_optimizer == "nesterov" and config.outer_momentum == 0:
-            raise ConfigError("--outer-optimizer=nesterov needs --outer-momentum > 0; use --outer-optimizer=sgd for none")
-    if not 0 <= config.seed < SEED_RANGE:
-        raise ConfigError(f"--seed must be between 0 and {SEED_RANGE - 1}, got {config.seed}")
-    for name in ("checkpoint_dir", "metrics_file", "log_dir"):
-        path = getattr(config, name)
-        if path is None:
-            continue
-        try:
-            path.encode("utf-8")
-        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as surrogate escapes
-            raise ConfigError(f"--{_flag(name)}={path!r} is not valid UTF-8 (checkpoint and log libraries "
-                              f"need UTF-8 paths); rename it") from None
-        if name == "checkpoint_dir":
-            continue  # jaxdp.checkpoint.checkpointer probes it (a file on the way: "not a writable directory")
-        parent = os.path.dirname(os.path.abspath(path))
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
-        if parent and not os.path.isdir(parent):
-            raise ConfigError(f"--{_flag(name)}={path!r} is under {parent!r}, which is a file, not a directory; "
-                              f"point it at a path in a directory")
-
-
-def is_corpus(dataset: str) -> bool:
-    """Whether --dataset names documents (jaxdp/data/corpus.py): a folder, a glob, or a Parquet / Arrow / JSONL file."""
-    return dataset not in registry.DATASETS and not dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)) and (
-        os.path.isdir(dataset) or any(c in dataset for c in "*?[") or dataset.lower().endswith(CORPUS_SUFFIXES))
 
 
 def _flag(name: str) -> str:

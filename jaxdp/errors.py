@@ -1,4 +1,5 @@
-"""Exit codes of the command-line tools, and the one exception type for bad user input.
+"""Exit codes of the command-line tools, and the exception types for bad user input (`InputError`; in flag
+terms, `ConfigError`).
 
 Every exit code jaxdp's commands use is defined here and nowhere else; the README's table is
 checked against this module by a test. Codes above 2 come from BSD's sysexits.h where one fits.
@@ -45,6 +46,10 @@ class InputError(ValueError):
     def __init__(self, message: str, *, argument: str | None = None, setting: str | None = None):
         super().__init__(message)
         self.argument, self.setting = argument, setting
+
+
+class ConfigError(InputError):
+    """Bad command-line input. The message is one sentence, in flag terms, that says what to change."""
 
 
 class CheckpointWriteError(RuntimeError):

@@ -148,13 +148,13 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
                 continue
-            saved, owed = _without_unsaved_feedback(state, shapes)
+            saved, owed = portable.without_unsaved_feedback(state, shapes)
             self._check_compatible(step, meta, shapes, saved)  # InputError: stop, change nothing
             try:
                 with quiet.quiet():
                     restored = self._restore_step(step, saved, shapes)
                     verified = self._verify(step, restored)
-                    restored = _with_feedback(portable.from_portable(restored, saved), state, owed)
+                    restored = portable.with_feedback(portable.from_portable(restored, saved), state, owed)
                 break
             except Exception as err:  # noqa: BLE001 - a damaged checkpoint: try the one before it
                 unreadable.append((step, err))
@@ -418,28 +418,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _without_unsaved_feedback(state: TrainState, shapes: dict) -> tuple[TrainState, list[str]]:
-    """(`state` less what of its codec's slot checkpoint `shapes` lacks, those names): the codec
-    that owns the slot migrates an older checkpoint's layout (jaxdp.sync.codecs.base.Compressor.restorable)."""
-    from jaxdp.sync.codecs.base import SLOT, migration
-
-    owner = migration(state.layout.compression)
-    slot, missing = owner.restorable(state.sync.per_device.get(SLOT), lambda k: f"sync/per_device/{SLOT}/{k}" in shapes)
-    if not missing:
-        return state, []
-    return state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, SLOT: slot})), missing
-
-
-def _with_feedback(restored: TrainState, fresh: TrainState, owed: list[str]) -> TrainState:
-    """`_without_unsaved_feedback`'s inverse: the slot's rows it left out, from `fresh` (a new slot)."""
-    if not owed:
-        return restored
-    from jaxdp.sync.codecs.base import SLOT, migration
-
-    slot = migration(fresh.layout.compression).refill(restored.sync.per_device[SLOT], fresh.sync.per_device[SLOT], owed)
-    return restored.replace(sync=restored.sync.replace(per_device={**restored.sync.per_device, SLOT: slot}))
 
 
 def _process_and_client() -> tuple[int, int, Any]:

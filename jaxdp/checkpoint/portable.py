@@ -149,3 +149,25 @@ def with_zero_size(restored: Any, target: Any) -> Any:
         sharding = getattr(want, "sharding", None)
         return empty if sharding is None else jax.make_array_from_callback(want.shape, sharding, lambda i: empty[i])
     return jax.tree.map(lambda want, got: zeros(want) if _is_zero_size(want) else got, target, restored)
+
+
+def without_unsaved_feedback(state: Any, shapes: dict) -> tuple[Any, list[str]]:
+    """(`state` less what of its codec's slot checkpoint `shapes` lacks, those names): the codec
+    that owns the slot migrates an older checkpoint's layout (jaxdp.sync.codecs.base.Compressor.restorable)."""
+    from jaxdp.sync.codecs.base import SLOT, migration
+
+    owner = migration(state.layout.compression)
+    slot, missing = owner.restorable(state.sync.per_device.get(SLOT), lambda k: f"sync/per_device/{SLOT}/{k}" in shapes)
+    if not missing:
+        return state, []
+    return state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, SLOT: slot})), missing
+
+
+def with_feedback(restored: Any, fresh: Any, owed: list[str]) -> Any:
+    """`without_unsaved_feedback`'s inverse: the slot's rows it left out, from `fresh` (a new slot)."""
+    if not owed:
+        return restored
+    from jaxdp.sync.codecs.base import SLOT, migration
+
+    slot = migration(fresh.layout.compression).refill(restored.sync.per_device[SLOT], fresh.sync.per_device[SLOT], owed)
+    return restored.replace(sync=restored.sync.replace(per_device={**restored.sync.per_device, SLOT: slot}))
