@@ -462,7 +462,8 @@ def test_rank_0_restarted_with_no_live_worker_goes_on_alone_from_the_checkpoint(
     live worker, takes the directory's lock, restores the latest checkpoint and trains on alone, both
     shards, to a one-process run's parameters, bit for bit."""
     steps, port = 400, free_port()
-    nodes = [Node(tmp_path, steps, 0, port, "node0", save_every=50), Node(tmp_path, steps, 1, port, "node1")]
+    nodes = [Node(tmp_path, steps, 0, port, "node0", save_every=50),  # (the same flags on both: workers compare them)
+             Node(tmp_path, steps, 1, port, "node1", save_every=50)]
     try:
         nodes[0].wait_for(lambda: nodes[0].reached() >= 120, "step 120")
         nodes[1].kill_all()
