@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def from_env(environ: dict | None = None, flags: str | None = None) -> Any:
+def from_env(environ: dict | None = None, flags: str = "") -> Any:
     """This process's member of an elastic run, as `jaxdp.launch --elastic` set it up in the environment
     (a torchft worker, or a member of the launcher's hub), or None for a run that is not elastic.
     `flags`: the prints of the run's config (jaxdp.cluster.agreement.prints), which torchft workers

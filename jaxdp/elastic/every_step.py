@@ -269,11 +269,12 @@ def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh
     axis = data_axes(mesh)
     local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, axis), grad_accum)
     codec = spec.codec
-    grads_fn, update_fn, _ = _host_programs(local_grads, tx, mesh)
-    worker_sum = None
     if spec.shard_params:  # the same rule on a cut layout: the worker's sums and the update from jaxdp/step/fsdp.py
         worker_sum = fsdp.worker_sums(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum)
         grads_fn, update_fn = jax.jit(worker_sum), fsdp.make_update(tx, mesh)
+    else:
+        worker_sum = None  # (RowPrograms sums the replicated path's per-device gradients)
+        grads_fn, update_fn, _ = _host_programs(local_grads, tx, mesh)
     devices = member.size * mesh.size
     size, rank = member.size, member.rank
     programs = RowPrograms(local_grads, mesh, spec, lambda values: RowCoder(codec, values) if codec else None,

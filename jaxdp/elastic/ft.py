@@ -346,11 +346,10 @@ class FtMember:
             self.engine = None
 
 
-def from_env(environ: dict | None = None, kind: type = FtMember, flags: str | None = None) -> FtMember | None:
+def from_env(environ: dict | None = None, kind: type = FtMember, flags: str = "") -> FtMember | None:
     """The worker `jaxdp.launch --elastic --elastic-engine torchft` set up in this environment (a `kind`,
     FtMember or a subclass: jaxdp/elastic/workers.py), or None. `flags`: the prints of the run's config
-    (jaxdp/cluster/agreement.py, `prints`), which every quorum compares; None: read from this process's
-    command line where it is `python -m jaxdp.train`."""
+    (jaxdp/cluster/agreement.py, `prints`), which every quorum compares ("": not compared)."""
     environ = os.environ if environ is None else environ
     lighthouse = environ.get(ENV_LIGHTHOUSE)
     if not lighthouse:
@@ -358,7 +357,7 @@ def from_env(environ: dict | None = None, kind: type = FtMember, flags: str | No
     require_torchft()
     member = kind(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
                   float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
-    member.flags = flags_here() if flags is None else flags
+    member.flags = flags
     member.restarted = bool(environ.get(ENV_RESTART))
     member.lighthouse_here = bool(environ.get(ENV_LIGHTHOUSE_HERE))
     if member.restarted:  # the live workers' rows say who leads
@@ -366,18 +365,3 @@ def from_env(environ: dict | None = None, kind: type = FtMember, flags: str | No
     else:  # the start: heartbeat now, so the first quorum waits for every worker
         member.start()
     return member
-
-
-def flags_here() -> str:
-    """The prints of this worker's flags (jaxdp/cluster/agreement.py, `prints`) where it is `python -m
-    jaxdp.train FLAGS`, "" otherwise (another program's flags are its own business)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if getattr(spec, "name", None) != "jaxdp.train":
-        return ""
-    from jaxdp.cluster import agreement
-    from jaxdp.config import parse_args
-
-    try:
-        return agreement.prints(parse_args(sys.argv[1:]))
-    except Exception:  # noqa: BLE001 - bad flags: jaxdp.train says so itself
-        return ""

@@ -11,7 +11,17 @@ from typing import Any, Callable
 from jaxdp.elastic import ft, hub
 
 
-class HubWorker(hub.Member):
+class _Worker:
+    """What a worker of either engine does alike."""
+
+    def state_from(self, template: Any, payload: Any) -> Any:
+        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
+        from jaxdp.elastic.every_step import state_from_arrays
+
+        return state_from_arrays(template, payload)
+
+
+class HubWorker(_Worker, hub.Member):
     """A process of an elastic run on the launcher's hub (`--elastic-engine hub`)."""
 
     def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
@@ -26,14 +36,8 @@ class HubWorker(hub.Member):
         """The state to start from once joined as the source: this process's own (restored or new)."""
         return state, False
 
-    def state_from(self, template: Any, payload: Any) -> Any:
-        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
-        from jaxdp.elastic.every_step import state_from_arrays
 
-        return state_from_arrays(template, payload)
-
-
-class FtWorker(ft.FtMember):
+class FtWorker(_Worker, ft.FtMember):
     """A worker of an elastic run on torchft (`--elastic-engine torchft`)."""
 
     def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
@@ -68,14 +72,8 @@ class FtWorker(ft.FtMember):
 
         return settle(self, state)
 
-    def state_from(self, template: Any, payload: Any) -> Any:
-        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
-        from jaxdp.elastic.every_step import state_from_arrays
 
-        return state_from_arrays(template, payload)
-
-
-def from_env(environ: dict | None = None, flags: str | None = None) -> HubWorker | FtWorker | None:
+def from_env(environ: dict | None = None, flags: str = "") -> HubWorker | FtWorker | None:
     """This process's worker of an elastic run, as `jaxdp.launch --elastic` set it up in the environment
     (torchft's, or the launcher's hub's), or None for a run that is not elastic. `flags`: the prints of the
     run's config that torchft workers compare (ft.from_env)."""

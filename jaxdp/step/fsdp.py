@@ -324,26 +324,15 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, *
               grad_accum: int, grad_norm: bool) -> Callable:
     """The jitted step `(state, batch) -> (state, metrics)` (the old state donated): one gradient
     over every device of the mesh, XLA's all-reduce across "hosts" if there are several."""
-    check_mesh(mesh)
-    names = tuple(mesh.axis_names)
-    n = mesh.size
-    whole = NamedSharding(mesh, P())
-    grads_of = gradients(loss_fn, mesh, names, stateful=stateful, grad_accum=grad_accum)
+    per_device = _per_device(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum)
 
     def step(state: Any, batch: Any) -> tuple[Any, dict]:
-        param_shardings = shardings(state.params, mesh)
-        per_device_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), state.model_state)
-        metrics, model_state, grads = grads_of(state.params, per_device_state, device_rows(batch, mesh, grad_accum),
-                                               state.rng, state.step)
+        metrics, model_state, grads = per_device(state, batch)
         metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), metrics)
         model_state = mean_model_state(model_state)
         if grad_norm:
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), param_shardings)
-        opt_state = jax.lax.with_sharding_constraint(opt_state, shardings(opt_state, mesh))
-        model_state = jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state), metrics
+        return _updated(tx, mesh, state, grads, model_state), metrics
 
     return jax.jit(step, donate_argnums=0)
 
@@ -353,14 +342,10 @@ def worker_sums(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_accum: in
     parameters and the gradient cut over them: what an elastic worker sends the others (its row,
     jaxdp/elastic/rows.py), as the replicated path sends its devices' sum. The gradient is the
     mean's times the device count."""
-    check_mesh(mesh)
-    n = mesh.size
-    grads_of = gradients(loss_fn, mesh, tuple(mesh.axis_names), stateful=stateful, grad_accum=grad_accum)
+    per_device, n = _per_device(loss_fn, mesh, stateful=stateful, grad_accum=grad_accum), mesh.size
 
     def run(state: Any, batch: Any) -> tuple[dict, Any, Any]:
-        per_device_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), state.model_state)
-        metrics, model_state, grads = grads_of(state.params, per_device_state, device_rows(batch, mesh, grad_accum),
-                                               state.rng, state.step)
+        metrics, model_state, grads = per_device(state, batch)
         total = lambda x: jnp.sum(x, axis=0, dtype=x.dtype)  # noqa: E731
         return jax.tree.map(total, metrics), jax.tree.map(total, model_state), jax.tree.map(lambda g: g * n, grads)
 
@@ -368,21 +353,38 @@ def worker_sums(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_accum: in
 
 
 def make_update(tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
-    """`(state, grads, model_state) -> state`, jitted, the old state donated: the optax update on the
-    parameters cut over `mesh`, whatever sharding `grads` arrive in (an elastic worker's mean of the
-    workers' rows), the new state cut as `init_state(..., shard_params=True)` cuts it."""
-    whole = NamedSharding(mesh, P())
+    """`(state, grads, model_state) -> state`, jitted, the old state donated: `make_step`'s update, for
+    gradients that arrive in any sharding (an elastic worker's mean of the workers' rows)."""
 
     def update(state: Any, grads: Any, model_state: Any) -> Any:
         grads = jax.lax.with_sharding_constraint(grads, shardings(state.params, mesh))
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates),
-                                                  shardings(state.params, mesh))
-        opt_state = jax.lax.with_sharding_constraint(opt_state, shardings(opt_state, mesh))
-        model_state = jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: whole, model_state))
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+        return _updated(tx, mesh, state, grads, model_state)
 
     return jax.jit(update, donate_argnums=0)
+
+
+def _per_device(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_accum: int) -> Callable:
+    """`(state, batch) -> (metrics [d], model state [d, ...], grads)` over the mesh's d devices, the
+    gradient that of their losses' mean, cut like the parameters (`gradients`)."""
+    check_mesh(mesh)
+    n = mesh.size
+    grads_of = gradients(loss_fn, mesh, tuple(mesh.axis_names), stateful=stateful, grad_accum=grad_accum)
+
+    def run(state: Any, batch: Any) -> tuple[dict, Any, Any]:
+        per_device_state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), state.model_state)
+        return grads_of(state.params, per_device_state, device_rows(batch, mesh, grad_accum), state.rng, state.step)
+
+    return run
+
+
+def _updated(tx: optax.GradientTransformation, mesh: Mesh, state: Any, grads: Any, model_state: Any) -> Any:
+    """`state` after the optax update with `grads`, cut as `init_state(..., shard_params=True)` cuts it."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = jax.lax.with_sharding_constraint(optax.apply_updates(state.params, updates), shardings(state.params, mesh))
+    opt_state = jax.lax.with_sharding_constraint(opt_state, shardings(opt_state, mesh))
+    model_state = jax.lax.with_sharding_constraint(model_state, jax.tree.map(lambda _: NamedSharding(mesh, P()),
+                                                                            model_state))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
 
 
 def check_mesh(mesh: Mesh) -> None:
