@@ -7,13 +7,13 @@ import argparse
 import sys
 
 from jaxdp import bench
-from jaxdp.bench import (collectives, compression, data, ddp, dispatch, goodput, gpt, hierarchy, localsgd, memory,
+from jaxdp.bench import (budget, collectives, compression, data, ddp, dispatch, goodput, gpt, hierarchy, localsgd, memory,
                          nanogpt, pace, plan, saves, slowlink, train, variants, zero)
 from jaxdp.cluster.malloc_env import reexec_if_needed
 
 # Each registers its subcommands, with `run` (args -> list of result dicts) as their default.
 BENCHMARKS = (collectives, gpt, train, ddp, zero, slowlink, hierarchy, variants, dispatch, compression, localsgd, pace, goodput, saves,
-              plan, nanogpt, data, memory)
+              plan, nanogpt, data, memory, budget)
 
 
 def build_parser() -> argparse.ArgumentParser:
