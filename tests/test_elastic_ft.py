@@ -280,6 +280,8 @@ def test_rank_0_lost_for_good_the_lowest_live_rank_leads_saves_and_evaluates_and
     lead = [r for r in records if r.get("event") == "lead"]
     assert len(lead) == 1 and lead[0]["rank"] == 1 and lead[0]["step"] >= 30, lead
     assert records[-1]["event"] == "done" and records[-1]["eval_accuracy"] > 0.5, records[-1]
+    sent = {r["comm_bytes"] for r in records if "event" not in r}  # both leads count the rows sent (it was 0.0)
+    assert len(sent) == 1 and min(sent) > 0, sent
     assert_ends_as_one_process(tmp_path, steps)
 
 
