@@ -36,6 +36,8 @@ def check_inputs(config: Any) -> None:
                           f"got {config.sync_every!r}")
     if not auto_sync and config.sync_every < 1:
         raise ConfigError(f"--sync-every must be a positive integer (1: synchronous training), got {config.sync_every}")
+    if getattr(config, "byte_budget", None) is not None:
+        parse_byte_budget(config.byte_budget)
     if config.sync_fragments < 1:
         raise ConfigError(f"--sync-fragments must be a positive integer, got {config.sync_fragments}")
     paced = config.sync_seconds != 0
@@ -74,3 +76,17 @@ def is_corpus(dataset: str) -> bool:
     """Whether --dataset names documents (jaxdp/data/corpus.py): a folder, a glob, or a Parquet / Arrow / JSONL file."""
     return dataset not in registry.DATASETS and not dataset.lower().endswith((".npz", *TOKEN_SUFFIXES)) and (
         os.path.isdir(dataset) or any(c in dataset for c in "*?[") or dataset.lower().endswith(CORPUS_SUFFIXES))
+
+
+def parse_byte_budget(text: Any) -> float:
+    """--byte-budget: the bytes allowed per step as a fraction of what the every-step float32 ring
+    sends, written as a fraction in (0, 1] (0.001) or as NNNx, NNN-fold fewer (1000x: 0.001)."""
+    raw = str(text).strip().lower()
+    try:
+        value = 1 / float(raw[:-1]) if raw.endswith("x") else float(raw)
+    except (ValueError, ZeroDivisionError):
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ConfigError(f"--byte-budget must be a fraction of the float32 ring's bytes in (0, 1] (0.001) or NNNx "
+                          f"for NNN-fold fewer (1000x, NNN >= 1), got {text!r}")
+    return value

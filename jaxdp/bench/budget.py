@@ -55,6 +55,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seeds", type=_ints, default=[0], help="seeds, comma-separated")
     p.add_argument("--configs", type=lambda t: t.split(","), default=["tuned"],
                    help=f"model configurations, comma-separated: {', '.join(CONFIGS)}")
+    p.add_argument("--train-args", help="model and optimizer flags of one configuration, named custom, in place of "
+                                        "--configs")
     p.add_argument("--variants", type=lambda t: [v.strip() for v in t.split(";")],
                    help="';'-separated jaxdp.train flags of the runs compared with synchronous (default: "
                         "--sync-every auto --compression auto --byte-budget BUDGET with outer SGD at lr 1)")
@@ -96,7 +98,10 @@ def train(flags: list[str], timeout: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    unknown = [c for c in args.configs if c not in CONFIGS]
+    configs = {"custom": args.train_args} if args.train_args else CONFIGS
+    if args.train_args:
+        args.configs = ["custom"]
+    unknown = [c for c in args.configs if c not in configs]
     if unknown:
         raise SystemExit(f"jaxdp.bench: budget: --configs {','.join(unknown)}: not one of {', '.join(CONFIGS)}")
     variants = args.variants or [f"--sync-every auto --compression auto --byte-budget {args.budget} {OUTER}"]
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for config in args.configs:
             for steps in args.steps:
                 for seed in args.seeds:
-                    base = [*shlex.split(CONFIGS[config]), "--dataset", dataset, "--steps", str(steps), "--seed", str(seed),
+                    base = [*shlex.split(configs[config]), "--dataset", dataset, "--steps", str(steps), "--seed", str(seed),
                             "--devices", "2", "--eval-every", "0", "--eval-batches", str(args.eval_batches),
                             "--log-every", "10"]
                     cell = {"config": config, "steps": steps, "seed": seed}
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     for s in summary:
         print(f"{s['config']} {s['steps']} steps, {s['variant']}: loss / sync {s['loss_ratio_mean']:.4f} "
               f"(max {s['loss_ratio_max']:.4f}, {s['seeds']} seeds), {s['fewer_bytes_min']:.0f}x fewer bytes (least)")
-    write_json(args.json, results, summary=summary, budget=args.budget, configs={c: CONFIGS[c] for c in args.configs},
+    write_json(args.json, results, summary=summary, budget=args.budget, configs={c: configs[c] for c in args.configs},
                devices=2)
     return results
 

@@ -37,6 +37,7 @@ class SyncOptions:
     grad_accum: int = 1                 # micro-batches per step
     comm_target: float = 0.25           # compression / sync_every "auto": the communication share to aim for
     compression_every: int = 500        # compression "auto": steps between the controller's re-decisions
+    byte_budget: Any = None             # both "auto": bytes per step as a fraction of float32's (0.001, "1000x")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ GROUPS = {"sync": SyncOptions, "evaluation": EvalOptions, "checkpoint": Checkpoi
 FLAT = {
     **{name: ("sync", name) for name in ("strategy", "compression", "sync_every", "outer_tx", "sync_fragments",
                                          "sync_seconds", "overlap", "shard_optimizer", "shard_params", "metrics_at_sync", "grad_accum",
-                                         "comm_target", "compression_every")},
+                                         "comm_target", "compression_every", "byte_budget")},
     "eval_fn": ("evaluation", "fn"), "eval_data": ("evaluation", "data"), "summarize": ("evaluation", "summarize"),
     "eval_every": ("evaluation", "every"),
     "checkpoint_dir": ("checkpoint", "directory"), "save_every": ("checkpoint", "save_every"),

@@ -118,6 +118,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                       sync_every=sync_every, sync_fragments=sync.sync_fragments, shard_optimizer=sync.shard_optimizer,
                       overlap=overlap, shard_params=sync.shard_params, metrics_at_sync=sync.metrics_at_sync,
                       ).validate(sync_seconds=sync.sync_seconds, elastic=elastic is not None,
+                                 byte_budget=budget_fraction(sync.byte_budget),
                                  elastic_engine=elastic.kind if elastic is not None else "hub",
                                  float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
@@ -217,7 +218,8 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
         begun = autostart.start(
             requested, mesh, params, make_state=new_state, make_step=step_for,
             batches=lambda k: [plan.batch_at(i) for i in range(k)], target_fraction=sync.comm_target,
-            recorded=checkpointer.recorded_meta() if checkpointer and plan.sync_auto else None, overlap=sync.overlap)
+            recorded=checkpointer.recorded_meta() if checkpointer and plan.sync_auto else None, overlap=sync.overlap,
+            byte_budget=budget_fraction(sync.byte_budget))
     plan.begun, plan.spec = begun, begun.spec
     if plan.overlap and plan.spec.sync_every == 1:  # sync_every auto chose synchronous training: nothing to overlap
         plan.overlap = plan.rounds_run = False
@@ -235,9 +237,26 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
         if checkpointer:  # checkpoints record the resolved H and codec (config), and that auto chose them
             checkpointer.config = plan.config
             checkpointer.extra_meta["sync_every_auto"] = bool(begun.sync_every_auto)
+            if sync.byte_budget is not None:  # what the budget chose, beside the config's H and codec
+                chosen = dict(begun.records)["local_steps"]
+                checkpointer.extra_meta["byte_budget"] = {k: chosen.get(k) for k in (
+                    "byte_budget", "sync_every", "pseudo_gradient", "bytes_per_step", "fewer_bytes", "why")}
     # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce over every
     # device of the run: an elastic run's too, whose mesh is one worker's devices).
     plan.plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), plan.devices), "compression_ratio": 1.0}
+
+
+def budget_fraction(value: Any) -> float | None:
+    """SyncOptions.byte_budget as a fraction (jaxdp.inputs.parse_byte_budget's grammar), or InputError."""
+    from jaxdp.errors import ConfigError, InputError
+    from jaxdp.inputs import parse_byte_budget
+
+    if value is None:
+        return None
+    try:
+        return parse_byte_budget(value)
+    except ConfigError as err:
+        raise InputError(str(err).replace("--byte-budget", "byte_budget"), setting="byte_budget") from None
 
 
 def default_summarize(totals: dict[str, float]) -> dict[str, float]:

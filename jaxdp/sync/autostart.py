@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxdp.errors import InputError
 from jaxdp.registry import AUTO
-from jaxdp.sync import costmodel
+from jaxdp.sync import budget, costmodel
 from jaxdp.sync.controller import GUARD_BATCHES, Controller, momentum_free
 from jaxdp.sync.exchange import codec as codec_of
 from jaxdp.sync.spec import SyncSpec
@@ -52,7 +52,8 @@ class Start:
 
 def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[[SyncSpec], Any],
           make_step: Callable[[SyncSpec], Any], batches: Callable[[int], list], recorded: dict | None,
-          target_fraction: float = costmodel.TARGET_COMM_FRACTION, overlap: bool = False) -> Start:
+          target_fraction: float = costmodel.TARGET_COMM_FRACTION, overlap: bool = False,
+          byte_budget: float | None = None) -> Start:
     """Resolve the "auto" choices of `requested` (jaxdp.sync.spec.AUTO in compression and/or
     sync_every) for a run's start; `requested.outer_tx` is the outer optimizer local steps use if
     H > 1; `overlap`: local steps will overlap each average with the next round (`--overlap`).
@@ -63,7 +64,8 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
     auto` too, compression is decided first; if local steps are chosen over it, the
     pseudo-gradient's codec is chosen with H and compression is not decided again.
     `--compression auto` alone is decided at the first step, then every `--compression-every`
-    steps, by the returned controller.
+    steps, by the returned controller. `byte_budget` (`--byte-budget`, with both auto): H and the
+    codec from the budget alone (jaxdp/sync/budget.py), nothing measured, the codec fixed for the run.
     """
     auto = requested.compression == AUTO
     fixed = None if auto else codec_of(requested.compression)
@@ -76,13 +78,18 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
             if isinstance(sync_every, bool) or not isinstance(sync_every, int):
                 raise InputError("sync_every auto: the checkpoint records no sync_every to resume with; pass sync_every N",
                                  setting="sync_every")
-            if auto and sync_every > 1 and chose:  # the config records the codec chosen ("auto": from before it was)
+            # the config records the codec chosen ("auto": from before it was; a budget's at H = 1 too)
+            if auto and (sync_every > 1 or byte_budget is not None) and chose:
                 pseudo = (recorded.get("config") or {}).get("compression", "auto")
                 pseudo = "none" if pseudo == AUTO else pseudo
             record = {"sync_every": sync_every, "pseudo_gradient": pseudo,
                       "why": f"resumed from the checkpoint of step {recorded['step']}, which records sync_every="
                              f"{sync_every}" + (f" and the pseudo-gradient {pseudo}" if pseudo else "") +
                              ": a resumed run keeps its choice (no new measurement)"}
+        elif byte_budget is not None and auto and mesh.size > 1:  # the budget decides, from shapes alone
+            record = budget.choose(params, mesh.size, byte_budget, requested.abilities, momentum_free(requested.outer_tx),
+                                   2 if requested.metrics_at_sync else 1)
+            pseudo, chose = record["pseudo_gradient"], True
         elif mesh.size == 1:
             record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
         else:  # a fresh run: measure once, on a synchronous state, and decide (the same on every process)

@@ -75,6 +75,7 @@ class Choices:
     float_state: bool = False          # the model keeps float state (BatchNorm statistics)
     shard_params: bool = False         # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
     metrics_at_sync: bool = False      # local steps: the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
+    byte_budget: Any = None            # --byte-budget: H and codec from a cap on bytes (jaxdp/sync/budget.py)
 
     @property
     def local(self) -> bool:
@@ -119,7 +120,7 @@ class Choices:
                    sync_seconds=config.sync_seconds or None, shard_optimizer=config.shard_optimizer,
                    overlap=config.overlap, shard_params=getattr(config, "shard_params", False),
                    metrics_at_sync=getattr(config, "metrics_at_sync", False),
-                   **elastic_of(os.environ if environ is None else environ))
+                   byte_budget=getattr(config, "byte_budget", None), **elastic_of(os.environ if environ is None else environ))
 
 
 def elastic_of(environ: Any) -> dict[str, Any]:
@@ -294,11 +295,14 @@ RULES: tuple[Rule, ...] = (
          "{shard_params:opt} does not combine with every-step {overlap:opt}: it applies each whole averaged gradient "
          "one step late; overlap rounds of local steps instead ({sync_every=N} and {overlap:opt})", "overlap"),
     # -- the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
-    Rule("metrics-local", lambda c: c.metrics_at_sync and (not c.local or c.sync_every == AUTO
+    Rule("budget-auto", lambda c: c.byte_budget is not None and (c.sync_every != AUTO or c.compression != AUTO),
+         "{byte_budget:opt} chooses H and the codec: it needs {sync_every=auto} and {compression=auto}, not "
+         "{sync_every:is} and {compression:is}", "byte_budget"),
+    Rule("metrics-local", lambda c: c.metrics_at_sync and (not c.local or c.sync_every == AUTO and c.byte_budget is None
                                                            or c.sync_seconds is not None),
-         "{metrics_at_sync:opt} needs local steps with a fixed {sync_every=N} (no {sync_seconds:opt}): between syncs "
-         "nothing else crosses the link", "metrics_at_sync"),
-    Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.compression == AUTO or (
+         "{metrics_at_sync:opt} needs local steps with a fixed {sync_every=N} or a {byte_budget:opt} (no "
+         "{sync_seconds:opt}): between syncs nothing else crosses the link", "metrics_at_sync"),
+    Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.compression == AUTO and c.byte_budget is None or (
         c.elastic and not (c.ft and c.sync_every != 1))),  # (local steps on torchft: at rounds' ends, always)
          "{metrics_at_sync:opt} does not combine with {overlap:opt}, {compression=auto} or an elastic run (each reads "
          "or sends the averaged scalars every step); drop one of them", "metrics_at_sync"),

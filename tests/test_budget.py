@@ -1,0 +1,124 @@
+"""--byte-budget: its grammar, the rule that it needs both autos, and what jaxdp.sync.budget.choose
+picks for given shapes (a pure function: no run, no timing); the budget bench at tiny size."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import run_cli
+from jaxdp.config import ConfigError, parse_args
+from jaxdp.inputs import parse_byte_budget
+from jaxdp.sync import budget, rules
+from jaxdp.sync.codecs import parse
+from jaxdp.sync.codecs.base import bytes_sent
+
+# About the laptop GPT's 137 K float32 values, in three leaves.
+PARAMS = {"embed": jax.ShapeDtypeStruct((256, 64), np.float32), "blocks": jax.ShapeDtypeStruct((114688,), np.float32),
+          "head": jax.ShapeDtypeStruct((64, 64), np.float32)}
+PSUM, RING = rules.abilities("psum"), rules.abilities("ring")
+
+
+@pytest.mark.parametrize("text, value", [("0.001", 0.001), ("1000x", 0.001), ("1000X", 0.001), (" 0.5 ", 0.5),
+                                          ("1", 1.0), ("1x", 1.0), ("2.5e-4", 2.5e-4)])
+def test_the_budget_is_a_fraction_or_nnn_fold(text, value):
+    assert parse_byte_budget(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["0", "2", "-0.1", "0x", "0.5x", "x", "abc", "nan", "inf", "1e-400x", ""])
+def test_a_bad_budget_is_one_line_naming_the_grammar(text):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--sync-every", "auto", "--compression", "auto", "--byte-budget", text])
+    message = str(err.value)
+    assert "\n" not in message and "--byte-budget" in message and "1000x" in message and repr(text) in message
+
+
+@pytest.mark.parametrize("flags", [["--sync-every", "8", "--compression", "auto"],
+                                   ["--sync-every", "auto", "--compression", "topk:0.01"],
+                                   ["--sync-every", "auto"]])
+def test_the_budget_needs_both_autos(flags):
+    config = parse_args([*flags, "--byte-budget", "1000x"])
+    with pytest.raises(ConfigError, match=r"^--byte-budget chooses H and the codec: it needs --sync-every auto and "
+                                          r"--compression auto"):
+        rules.check_config(config)
+    assert rules.check_config(parse_args(["--sync-every", "auto", "--compression", "auto", "--byte-budget", "1000x",
+                                          "--metrics-at-sync"]))  # a budget's H is at least 2 with --metrics-at-sync
+
+
+def _fits(record, budget_fraction):
+    return record["bytes_per_step"] <= budget_fraction * record["ring_bytes_per_step"]
+
+
+def test_the_ring_reference_is_float32_every_step():
+    n_values = 256 * 64 + 114688 + 64 * 64
+    assert budget.ring_bytes(PARAMS, 2) == bytes_sent(4 * n_values, 2) == 4 * n_values
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.1, 0.01, 0.001, 0.0005, 0.0001])
+def test_the_choice_fits_and_no_fewer_local_steps_would(fraction):
+    record = budget.choose(PARAMS, 2, fraction, PSUM)
+    assert _fits(record, fraction) and record["fewer_bytes"] >= 1 / fraction
+    h = record["sync_every"]
+    for smaller in [2 ** i for i in range(h.bit_length() - 1)]:  # every H below: nothing at MIN_DENSITY or more fits
+        for name in ("none", "bf16"):
+            assert budget.sent_per_step(parse(name), PARAMS, 2, smaller) > fraction * record["ring_bytes_per_step"]
+        if smaller >= 2:
+            topk = budget.densest(PARAMS, 2, smaller, fraction * record["ring_bytes_per_step"], PSUM)
+            assert topk is None or topk.density < budget.MIN_DENSITY
+
+
+def test_within_the_fewest_local_steps_the_least_compression():
+    record = budget.choose(PARAMS, 2, 0.5, PSUM)
+    assert (record["sync_every"], record["pseudo_gradient"]) == (1, "bf16")  # exactly half: bf16 every step
+    record = budget.choose(PARAMS, 2, 0.001, PSUM)
+    assert record["sync_every"] == 2 and record["pseudo_gradient"].startswith("topk:")
+    density = float(record["pseudo_gradient"].split(":")[1])
+    denser = budget.densest(PARAMS, 2, 2, float("inf"), PSUM).__class__(density=round(density + 0.0001, 4), bits=2,
+                                                                         decay=0.98, form="gather")
+    assert budget.sent_per_step(denser, PARAMS, 2, 2) > 0.001 * record["ring_bytes_per_step"]  # the densest that fits
+
+
+def test_a_density_below_the_floor_waits_for_more_local_steps():
+    # At 1/2000, H = 2 fits only about 0.002 (below MIN_DENSITY): H = 4 at about twice that is chosen.
+    record = budget.choose(PARAMS, 2, 0.0005, PSUM)
+    assert record["sync_every"] == 4 and float(record["pseudo_gradient"].split(":")[1]) >= budget.MIN_DENSITY
+    assert budget.quality_key(8, 4, 0.004) < budget.quality_key(2, 4, 0.003)
+    assert budget.quality_key(2, 4, 0.004) < budget.quality_key(4, 4, 0.01) < budget.quality_key(4, 5, 0.02)
+    assert budget.quality_key(4, 0, None) < budget.quality_key(4, 1, None) < budget.quality_key(4, 4, 0.5)
+
+
+def test_with_outer_momentum_only_codecs_that_send_every_value():
+    record = budget.choose(PARAMS, 2, 0.001, RING, momentum_free=False)
+    assert (record["sync_every"], record["pseudo_gradient"]) == (256, "int8") and _fits(record, 0.001)
+    assert "--outer-momentum 0" in record["why"]
+    with pytest.raises(ValueError, match="no choice sends at most"):
+        budget.choose(PARAMS, 2, 0.001, PSUM, momentum_free=False)  # psum: no int4, and bf16 at H = 256 is 512x
+
+
+def test_more_devices_and_the_least_h():
+    record = budget.choose(PARAMS, 4, 0.001, RING)
+    assert ":sum:" in record["pseudo_gradient"] and _fits(record, 0.001)  # from 3 devices the ring-summed form
+    assert budget.choose(PARAMS, 2, 0.5, PSUM, least_sync_every=2)["sync_every"] == 2
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        budget.choose(PARAMS, 2, 0.0, PSUM)
+
+
+@pytest.mark.slow  # two jaxdp.train subprocesses: about 40 s on 2 cores
+def test_the_budget_bench_writes_both_ratios(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    out = tmp_path / "b.json"
+    proc = run_cli("budget", "--train-args", "--model gpt --layers 1 --d-model 32 --heads 2 --seq-len 16 --batch-size 4 "
+                   "--lr 3e-3", "--steps", "8", "--eval-batches", "1", "--budget", "100x", "--dataset", str(corpus),
+                   "--json", str(out), module="jaxdp.bench")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    sync, run = data["results"]
+    assert sync["variant"] == "synchronous" and sync["sync_every"] is None
+    assert run["sync_every"] >= 2 and run["pseudo_gradient"].startswith("topk:") and "--byte-budget 0.01" in run["why"]
+    assert run["fewer_bytes"] == pytest.approx(sync["comm_bytes_per_step"] / (run["comm_bytes_per_step"]
+                                                                             + run["scalar_bytes_per_step"]))
+    assert run["fewer_bytes"] >= 90 and run["loss_ratio"] == pytest.approx(run["eval_loss"] / sync["eval_loss"])
+    (summary,) = data["summary"]
+    assert {"config", "steps", "variant", "seeds", "loss_ratio_mean", "loss_ratio_max", "fewer_bytes_min"} <= set(summary)
