@@ -65,7 +65,7 @@ TINY_VS_TORCH = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len"
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # torch.compile (inductor) builds C++ on the CPU: minutes with a cold cache
 def test_gpt_vs_torch_reports_both_sides_per_batch_size(tmp_path):
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="needs torch: the test extra (pip install -e '.[test]'); test-core leaves it out")
     if os.environ.get(TORCH_BENCH) != "1":  # torch.compile builds C++ for minutes: past the suite's budget on 2 cores
         pytest.skip(f"the PyTorch side of the benchmarks runs with {TORCH_BENCH}=1 (torch.compile: minutes on 2 cores)")
     out = tmp_path / "g.json"

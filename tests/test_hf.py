@@ -27,6 +27,7 @@ from jaxdp.models.builtin import GPT
 
 SIZES = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=64, bos_token_id=0, eos_token_id=0)
 IDS = np.random.RandomState(0).randint(0, 300, (2, 20))
+NEEDS_TORCH = "needs torch and transformers: the test extra (pip install -e '.[test]'); test-core leaves them out"
 
 
 def torch_logits(model, ids=IDS):
@@ -53,10 +54,14 @@ def save_gpt2(directory, **config):
     return model
 
 
+def skip_without_torch():
+    for name in ("torch", "transformers"):
+        pytest.importorskip(name, reason=NEEDS_TORCH)
+
+
 @pytest.fixture(scope="module")
 def torch_gpt2(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    skip_without_torch()
     directory = tmp_path_factory.mktemp("gpt2")
     return directory, save_gpt2(directory)
 
@@ -253,7 +258,7 @@ def test_docs_a_gpt_trained_from_scratch_exports_and_transformers_agrees(tmp_pat
     import os
     import shlex
 
-    pytest.importorskip("transformers")
+    skip_without_torch()
     from jaxdp import train
 
     (block,) = readme_blocks("tests/test_hf.py::test_docs_a_gpt_trained_from_scratch_exports_and_transformers_agrees")
@@ -356,7 +361,7 @@ def test_export_writes_files_as_open_would_under_the_umask(tmp_path, monkeypatch
 def test_docs_init_from_and_export_commands(tmp_path):
     """docs/models.md "Hugging Face GPT-2 in and out": fine-tune a tiny local GPT-2 with --init-from,
     export it, load it in transformers."""
-    pytest.importorskip("transformers")
+    skip_without_torch()
     if "load_model" not in jaxdp.__all__:
         pytest.skip("jaxdp.load_model (jaxdp/checkpoint/artifacts.py) is not in this tree yet")
     env = sandbox(tmp_path)

@@ -55,7 +55,7 @@ def relative(a, b):
 @pytest.fixture(scope="module")
 def torch_hooks(tmp_path_factory):
     """(inputs, outputs): the arrays given to both sides, and each rank's hook outputs by name."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="needs torch: the test extra (pip install -e '.[test]'); test-core leaves it out")
     directory = tmp_path_factory.mktemp("torch_hooks")
     rng = np.random.default_rng(0)
     scales = np.concatenate([np.full(size, scale) for size, scale in zip(SIZES, (1e-3, 1.0, 30.0, 1e-6))])
