@@ -46,17 +46,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.elastic.hub import HubGone
-from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
+from jaxdp.mesh import replicate, shard_batch, state_specs
 from jaxdp.elastic.timed import round_of
-from jaxdp.elastic.rounds import Ended, Replicas, RoundEnd, flat_of, tree_of
-from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
-from jaxdp.step.rounds import PACE_NAME, make_inner, outer_step
-from jaxdp.step.rounds import timed_inner
+from jaxdp.elastic.rounds import Ended, Replicas, flat_of
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME
+from jaxdp.step.rounds import PACE_NAME, outer_step, timed_inner
 from jaxdp.step.state import TrainState
-from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync.spec import SyncSpec
 
 KEYS = ["loss", "steps"]  # a row's scalars: the worker's mean loss of the round, and its steps
@@ -81,26 +79,16 @@ class FtOverlapped(Replicas):
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Any], *, spec: SyncSpec, stateful: bool = False,
                  grad_accum: int = 1):
-        self.mesh, self.member, self.shard_data, self.every, self.tx = mesh, member, shard_data, spec.sync_every, tx
-        self.axis, self.n = data_axes(mesh), mesh.size
-        self.local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, self.axis), grad_accum)
-        self.spec = spec
-        self.outer = default_outer(spec.outer_tx)
-        self.steps: int | None = None  # --steps (the round loop sets it)
-        self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived (the round loop sets both)
-        self.on_stop: Callable[[], Any] = member.ask_stop
-        self.local_rows: int | None = None
-        self.absent: set[int] = set()  # the ranks the last average did not count (the loop names no one idle)
+        super().__init__(loss_fn, tx, mesh, member, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum)
+        self.every = spec.sync_every
         self.flight: tuple[np.ndarray, np.ndarray] | None = None  # this worker's row in flight: (values, head)
         self.done_in_flight = 0  # the steps of the round in flight (what `held` rewinds)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-ft-overlap")
-        self.layout: dict[str, Any] = {}
 
     # ---- the programs ----
 
     def build(self, state: TrainState) -> None:
-        mesh, axis, outer = self.mesh, self.axis, self.outer
-        total = self.spec.collective.sum
+        axis, outer, total = self.axis, self.outer, self.spec.collective.sum
 
         def device_progress(anchor: Any, rows: Any) -> Any:  # the sum over this worker's devices of anchor - replica
             return total(jax.tree.map(lambda a, r: a[0] - r[0], anchor, rows), axis)
@@ -117,20 +105,10 @@ class FtOverlapped(Replicas):
                 shared={**state.sync.shared, OUTER_NAME: (kept,), PACE_NAME: {"round": round_}})
             return state.replace(step=state.step + steps, params=params, sync=sync)
 
-        specs = state_specs(state, axis)
-        leaves = jax.tree.leaves(state.params)
-        rows = specs.sync.per_device[STATE_NAME]["params"]
-        self.layout.update(
-            inner=make_inner(self.local_grads, self.tx, mesh),
-            progress=jax.jit(jax.shard_map(device_progress, mesh=mesh, in_specs=(rows, rows), out_specs=P(),
-                                           check_vma=False)),
-            apply=jax.jit(apply, out_shardings=jax.tree.map(lambda x: x.sharding, state), donate_argnums=0),
-            copy=jax.jit(lambda tree: jax.tree.map(jnp.copy, tree)),
-            treedef=jax.tree.structure(state.params), shapes=[x.shape for x in leaves],
-            zeros=replicate(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params), mesh),
-            rows=NamedSharding(mesh, P(axis)),
-            ends=RoundEnd(self.member, self.spec.codec, sum(int(np.prod(x.shape)) for x in leaves), KEYS, step_of))
-        self.wire = self.layout["ends"].wire()
+        rows = state_specs(state, axis).sync.per_device[STATE_NAME]["params"]
+        self._build(state, KEYS, step_of, apply, copy=jax.jit(lambda tree: jax.tree.map(jnp.copy, tree)),
+                    progress=jax.jit(jax.shard_map(device_progress, mesh=self.mesh, in_specs=(rows, rows),
+                                                   out_specs=P(), check_vma=False)))
 
     def warm_up(self, state: TrainState, batch: Any) -> None:
         """Every program compiled, on a copy (a joiner stalls the others until its first round's end)."""
@@ -148,11 +126,9 @@ class FtOverlapped(Replicas):
 
     def _apply(self, state: TrainState, mean: np.ndarray | None, anchor: Any, steps: int, next_round: int = 1
                ) -> TrainState:
-        layout = self.layout
-        tree = layout["zeros"] if mean is None else replicate(tree_of(mean, layout["treedef"], layout["shapes"]), self.mesh)
-        return layout["apply"](state, tree, replicate(np.bool_(mean is not None), self.mesh), anchor,
-                               replicate(np.asarray(steps, state.step.dtype), self.mesh),
-                               replicate(np.int32(round_of(state) + next_round), self.mesh))
+        return self.layout["apply"](state, self._mean(mean), replicate(np.bool_(mean is not None), self.mesh), anchor,
+                                    replicate(np.asarray(steps, state.step.dtype), self.mesh),
+                                    replicate(np.int32(round_of(state) + next_round), self.mesh))
 
     def _settled(self, state: TrainState) -> TrainState:
         """`state` with every replica the global parameters, nothing applied, the step and round as they are."""
@@ -275,20 +251,3 @@ class FtOverlapped(Replicas):
 
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
         return remaining if remaining < self.every else None
-
-
-def make_ft_overlapped(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                       shard_data: Callable[[int, int], Any], *, spec: SyncSpec, stateful: bool = False,
-                       grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
-    """The run's step object: the round loop runs `made.rounds` (as for the timed rounds,
-    jaxdp/elastic/timed.py); it carries their warm-up and their close."""
-    del grad_norm  # (the inner step's metrics are the loss alone, as in jaxdp/step/rounds.py)
-    rounds = FtOverlapped(loss_fn, tx, mesh, member, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum)
-
-    def step(state: TrainState, batch: Any) -> Any:
-        raise TypeError("overlapped rounds across torchft workers run in rounds (jaxdp/loop/rounds.py), not step "
-                        "by step")
-
-    made = TrainStep(step, None, tx, rounds.spec, rounds.local_grads)
-    made.rounds, made.warm_up, made.close = rounds, rounds.warm_up, rounds.close
-    return made

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.elastic.hub import HubGone
 from jaxdp.elastic.rows import RowCoder
@@ -46,7 +46,7 @@ from jaxdp.elastic.every_step import (
     take_quorum, wait_for_rank_0,
 )
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
-from jaxdp.step.rounds import outer_step
+from jaxdp.step.rounds import make_inner, outer_step
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync.codecs.base import bytes_sent
@@ -210,13 +210,45 @@ def tree_of(flat: np.ndarray, treedef: Any, shapes: list[tuple]) -> Any:
 
 class Replicas:
     """What the host-driven rounds of one torchft worker share (the timed rounds of
-    jaxdp/elastic/timed.py, the overlapped ones of elastic_ft_overlap.py): the inner step over the
-    worker's replicas (`layout["inner"]`: rounds.make_inner), per-device rows of a value, and the
-    view of the state the inner step reads."""
+    jaxdp/elastic/timed.py, the overlapped ones of jaxdp/elastic/overlap.py): the run's pieces, the
+    inner step over the worker's replicas (`layout["inner"]`: rounds.make_inner), the round end
+    (`layout["ends"]`), per-device rows of a value, the view of the state the inner step reads, and
+    the round loop's settings (jaxdp/loop/rounds.py sets `steps`, `stopping`, `local_rows`)."""
 
-    layout: dict
-    n: int       # this worker's devices
-    member: Any
+    def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+                 shard_data: Callable[[int, int], Any], *, spec: SyncSpec, stateful: bool = False,
+                 grad_accum: int = 1):
+        self.mesh, self.member, self.shard_data, self.tx, self.spec = mesh, member, shard_data, tx, spec
+        self.axis, self.n = data_axes(mesh), mesh.size
+        self.local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, self.axis), grad_accum)
+        self.outer = default_outer(spec.outer_tx)
+        self.steps: int | None = None  # --steps: no stream is read past it
+        self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived
+        self.on_stop: Callable[[], Any] = member.ask_stop
+        self.local_rows: int | None = None  # each worker's rows of a global batch
+        self.absent: set[int] = set()  # the ranks the last round's end did not count (the loop names no one idle)
+        self.layout: dict[str, Any] = {}
+
+    def _build(self, state: TrainState, keys: list[str], at_of: Callable[[TrainState], int], apply: Callable,
+               **programs: Any) -> None:
+        """The layout every round reads: the inner step, `apply` compiled (donating the state), the
+        parameters' shapes and zeros, the round end over rows of `keys`; and `programs`."""
+        leaves = jax.tree.leaves(state.params)
+        self.layout.update(
+            inner=make_inner(self.local_grads, self.tx, self.mesh),
+            apply=jax.jit(apply, out_shardings=jax.tree.map(lambda x: x.sharding, state), donate_argnums=0),
+            treedef=jax.tree.structure(state.params), shapes=[x.shape for x in leaves],
+            zeros=replicate(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params), self.mesh),
+            rows=NamedSharding(self.mesh, P(self.axis)),
+            ends=RoundEnd(self.member, self.spec.codec, sum(int(np.prod(x.shape)) for x in leaves), keys, at_of),
+            **programs)
+        self.wire = self.layout["ends"].wire()
+
+    def _mean(self, mean: np.ndarray | None) -> Any:
+        """A round's mean (flat, on the host) as the parameters' tree on the devices; None: zeros."""
+        layout = self.layout
+        return layout["zeros"] if mean is None else replicate(tree_of(mean, layout["treedef"], layout["shapes"]),
+                                                              self.mesh)
 
     def _inner(self, rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any) -> Any:
         return self.layout["inner"](rows, view, position, loss_sum, batch)
@@ -234,6 +266,27 @@ class Replicas:
         """What the inner step reads besides the rows (model state, rng: this worker's own dropout keys)."""
         view = state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={}))
         return view.replace(rng=jax.random.fold_in(view.rng, self.member.rank))
+
+    def close(self) -> None:
+        pass
+
+    @classmethod
+    def make(cls, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+             shard_data: Callable[[int, int], Any], *, spec: SyncSpec, grad_norm: bool = False, **options: Any
+             ) -> TrainStep:
+        """The run's step object: not called step by step (the round loop, jaxdp/loop/rounds.py, runs
+        `made.rounds`), it carries the rounds, their warm-up (compiled before the worker joins) and their
+        close. `grad_norm` is not read: the inner step's metrics are the loss alone, as in
+        jaxdp/step/rounds.py."""
+        del grad_norm
+        rounds = cls(loss_fn, tx, mesh, member, shard_data, spec=spec, **options)
+
+        def step(state: TrainState, batch: Any) -> Any:
+            raise TypeError("rounds across torchft workers run in rounds (jaxdp/loop/rounds.py), not step by step")
+
+        made = TrainStep(step, None, tx, spec, rounds.local_grads)
+        made.rounds, made.warm_up, made.close = rounds, rounds.warm_up, rounds.close
+        return made
 
 
 def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,

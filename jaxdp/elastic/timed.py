@@ -38,16 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxdp.errors import InputError
-from jaxdp.mesh import data_axes, replicate, shard_batch, state_specs
-from jaxdp.elastic.rounds import Replicas, RoundEnd, flat_of, tree_of
-from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
-from jaxdp.step.rounds import PACE_NAME, make_inner, outer_step
+from jaxdp.mesh import replicate, shard_batch, state_specs
+from jaxdp.elastic.rounds import Replicas, flat_of
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME
+from jaxdp.step.rounds import PACE_NAME, outer_step
 from jaxdp.step.rounds import check as paced_check, last_round_share, timed_inner
 from jaxdp.step.state import TrainState
-from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
 from jaxdp.sync.spec import SyncSpec
 
 KEYS = ["loss", "steps", "stream"]  # a row's scalars: its mean loss, the steps it took, the stream it read
@@ -74,23 +73,13 @@ class FtRounds(Replicas):
                  shard_data: Callable[[int, int], Any], *, spec: SyncSpec, pace: Any, stateful: bool = False,
                  grad_accum: int = 1):
         paced_check(pace, mesh)
-        self.mesh, self.member, self.shard_data, self.pace, self.tx = mesh, member, shard_data, pace, tx
-        self.axis, self.n = data_axes(mesh), mesh.size
-        self.local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, self.axis), grad_accum)
-        self.spec = spec
-        self.outer = default_outer(spec.outer_tx)
-        self.steps: int | None = None  # --steps: no stream is read past it (the round loop sets it)
-        self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived (the round loop sets both)
-        self.on_stop: Callable[[], Any] = member.ask_stop
-        self.local_rows: int | None = None  # each worker's rows of a global batch (the round loop sets it)
-        self.absent: set[int] = set()  # the ranks that were not live at the last round's end
-        self.layout: dict[str, Any] = {}
+        super().__init__(loss_fn, tx, mesh, member, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum)
+        self.pace = pace
 
     # ---- the programs ----
 
     def build(self, state: TrainState) -> None:
-        mesh, axis, n, outer, size = self.mesh, self.axis, self.n, self.outer, self.member.size
-        total = self.spec.collective.sum
+        axis, n, outer, size, total = self.axis, self.n, self.outer, self.member.size, self.spec.collective.sum
 
         def device_delta(state: TrainState) -> Any:  # sum over this worker's devices of (global - replica)
             replica = jax.tree.map(lambda x: x[0], state.sync.per_device[STATE_NAME]["params"])
@@ -107,16 +96,8 @@ class FtRounds(Replicas):
             return state.replace(step=(jnp.sum(positions) // size).astype(state.step.dtype), params=params, sync=sync)
 
         specs = state_specs(state, axis)
-        leaves = jax.tree.leaves(state.params)
-        self.layout.update(
-            inner=make_inner(self.local_grads, self.tx, mesh),
-            delta=jax.jit(jax.shard_map(device_delta, mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False)),
-            apply=jax.jit(apply, out_shardings=jax.tree.map(lambda x: x.sharding, state), donate_argnums=0),
-            treedef=jax.tree.structure(state.params), shapes=[x.shape for x in leaves],
-            zeros=replicate(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params), mesh),
-            rows=NamedSharding(mesh, P(axis)),
-            ends=RoundEnd(self.member, self.spec.codec, sum(int(np.prod(x.shape)) for x in leaves), KEYS, round_of))
-        self.wire = self.layout["ends"].wire()
+        self._build(state, KEYS, round_of, apply, delta=jax.jit(jax.shard_map(
+            device_delta, mesh=self.mesh, in_specs=(specs,), out_specs=P(), check_vma=False)))
         self.layout["ends"].where = lambda state, at: f"round {at}, step {int(jax.device_get(state.step))}"
 
     def warm_up(self, state: TrainState, batch: Any) -> None:
@@ -129,14 +110,10 @@ class FtRounds(Replicas):
         jax.device_get((self.layout["delta"](copy), position, loss_sum))
         jax.block_until_ready(self._apply(copy, None, positions_of(copy), round_of(copy)))
 
-    def close(self) -> None:
-        pass
-
     def _apply(self, state: TrainState, mean: np.ndarray | None, positions: np.ndarray, round_: int) -> TrainState:
-        layout = self.layout
-        tree = layout["zeros"] if mean is None else replicate(tree_of(mean, layout["treedef"], layout["shapes"]), self.mesh)
-        return layout["apply"](state, tree, replicate(np.bool_(mean is not None), self.mesh),
-                               replicate(positions.astype(np.int32), self.mesh), replicate(np.int32(round_), self.mesh))
+        return self.layout["apply"](state, self._mean(mean), replicate(np.bool_(mean is not None), self.mesh),
+                                    replicate(positions.astype(np.int32), self.mesh),
+                                    replicate(np.int32(round_), self.mesh))
 
     # ---- a round ----
 
@@ -240,19 +217,3 @@ class FtRounds(Replicas):
         """This worker's steps in what will be the last round (jaxdp/step/rounds.py's rule, by rank)."""
         return last_round_share(last, remaining, self.member.rank)
 
-
-def make_ft_paced(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                  shard_data: Callable[[int, int], Any], *, spec: SyncSpec, pace: Any, stateful: bool = False,
-                  grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
-    """The run's step object: not called step by step (the round loop runs `made.rounds`), it carries
-    the rounds, their warm-up (compiled before the worker joins) and their close."""
-    del grad_norm  # (the inner step's metrics are the loss alone, as in jaxdp/step/rounds.py)
-    rounds = FtRounds(loss_fn, tx, mesh, member, shard_data, spec=spec, pace=pace, stateful=stateful,
-                      grad_accum=grad_accum)
-
-    def step(state: TrainState, batch: Any) -> Any:
-        raise TypeError("timed rounds across torchft workers run in rounds (jaxdp/loop/rounds.py), not step by step")
-
-    made = TrainStep(step, None, tx, rounds.spec, rounds.local_grads)
-    made.rounds, made.warm_up, made.close = rounds, rounds.warm_up, rounds.close
-    return made

@@ -51,9 +51,9 @@ class FtWorker(_Worker, ft.FtMember):
         more: dict[str, Any] = {}
         make: Callable = every_step.make_ft_step  # (--shard-params too: every step's layout inside a worker)
         if rounds == "overlapped":
-            make = overlap.make_ft_overlapped
+            make = overlap.FtOverlapped.make
         elif rounds == "timed":
-            make, more = timed.make_ft_paced, {"pace": pace}
+            make, more = timed.FtRounds.make, {"pace": pace}
         elif spec.sync_every != 1:
             make = local.make_ft_round_step
         return make(loss_fn, tx, mesh, self, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum,
