@@ -4,6 +4,7 @@ picks for given shapes (a pure function: no run, no timing); the budget bench at
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -122,3 +123,36 @@ def test_the_budget_bench_writes_both_ratios(tmp_path):
     assert run["fewer_bytes"] >= 90 and run["loss_ratio"] == pytest.approx(run["eval_loss"] / sync["eval_loss"])
     (summary,) = data["summary"]
     assert {"config", "steps", "variant", "seeds", "loss_ratio_mean", "loss_ratio_max", "fewer_bytes_min"} <= set(summary)
+
+
+def test_fit_takes_the_budget_and_says_in_one_error_when_nothing_fits(devices):
+    import optax
+
+    import jaxdp
+    from jaxdp.errors import InputError
+    from jaxdp.mesh import make_mesh
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.zeros((64, 40), jnp.float32)}  # 2,560 values
+    x = rng.standard_normal((8 * 8, 64)).astype(np.float32)
+
+    def loss_fn(p, batch):
+        return jnp.mean(jnp.square(batch["x"] @ p["w"] - 1.0))
+
+    def run(fraction, **sync):
+        return jaxdp.fit(loss_fn, params, optax.adam(1e-2), lambda step: {"x": x[step % 8 * 8:(step % 8 + 1) * 8]},
+                         steps=8, mesh=make_mesh(devices[:2]), progress=False, log_every=1,
+                         sync=jaxdp.SyncOptions(sync_every="auto", compression="auto", byte_budget=fraction,
+                                                outer_tx=optax.sgd(1.0), **sync))
+
+    result = run("50x")
+    ring = budget.ring_bytes(params, 2)
+    chosen = budget.choose(params, 2, 0.02, PSUM)
+    sent = [r["comm_bytes_per_step"] for r in result.history if "comm_bytes_per_step" in r]
+    assert chosen["sync_every"] >= 2 and sent and max(sent) <= 0.02 * ring  # the codec's own count
+    assert max(sent) == pytest.approx(chosen["bytes_per_step"] - budget.bytes_sent(4 * budget.SCALARS, 2)
+                                      * (chosen["sync_every"] - 1) / chosen["sync_every"])
+    with pytest.raises(InputError, match=r"byte_budget=1e-05: no choice sends at most 1e-05 .*; allow more bytes"):
+        run(1e-5)
+    with pytest.raises(InputError, match=r"byte_budget must be a fraction"):
+        run("2")

@@ -87,8 +87,11 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
                              f"{sync_every}" + (f" and the pseudo-gradient {pseudo}" if pseudo else "") +
                              ": a resumed run keeps its choice (no new measurement)"}
         elif byte_budget is not None and auto and mesh.size > 1:  # the budget decides, from shapes alone
-            record = budget.choose(params, mesh.size, byte_budget, requested.abilities, momentum_free(requested.outer_tx),
-                                   2 if requested.metrics_at_sync else 1)
+            try:
+                record = budget.choose(params, mesh.size, byte_budget, requested.abilities,
+                                       momentum_free(requested.outer_tx), 2 if requested.metrics_at_sync else 1)
+            except ValueError as err:  # nothing fits: the user's budget is too small for this model
+                raise InputError(f"byte_budget={byte_budget:g}: {err}; allow more bytes", setting="byte_budget") from None
             pseudo, chose = record["pseudo_gradient"], True
         elif mesh.size == 1:
             record, chose = {"sync_every": 1, "why": "one device in the mesh: nothing to average, synchronous"}, True
