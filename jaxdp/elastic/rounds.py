@@ -45,7 +45,7 @@ from jaxdp.elastic.every_step import (
     ASKS_STOP, FRESH, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, present_of, say_live, step_number,
     take_quorum, wait_for_rank_0,
 )
-from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer, replica_step
 from jaxdp.step.rounds import make_inner, outer_step
 from jaxdp.step.state import TrainState
 from jaxdp.step.train_step import TrainStep, _accumulated, _local_grads_fn
@@ -305,13 +305,8 @@ def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
     layout: dict[str, Any] = {}
 
     def device_inner(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        rows = state.sync.per_device[STATE_NAME]
-        mine = jax.tree.map(lambda x: x[0], rows)  # this device's replica and inner optimizer state
-        metrics, model_state, grads = local_grads(state.replace(params=mine["params"]), batch)
-        if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-        updates, inner = tx.update(grads, mine["opt_state"], mine["params"])
-        new = {"params": optax.apply_updates(mine["params"], updates), "opt_state": inner}
+        mine = jax.tree.map(lambda x: x[0], state.sync.per_device[STATE_NAME])  # this device's replica and inner state
+        new, metrics, model_state = replica_step(local_grads, tx, state, mine, batch, grad_norm)
         sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: jax.tree.map(lambda x: x[None], new)})
         metrics = jax.tree.map(lambda x: jax.lax.pmean(x, axis), metrics)  # the worker's devices' mean
         return state.replace(step=state.step + 1, model_state=model_state, sync=sync), metrics

@@ -173,6 +173,19 @@ def check_replicas(state: Any, step: int) -> None:
         raise Diverged(step, "a replica of local steps", value)
 
 
+def replica_step(local_grads: Callable, tx: optax.GradientTransformation, view: Any, mine: dict, batch: Any,
+                 grad_norm: bool = False) -> tuple[dict, dict, Any]:
+    """One inner step of a device's replica, with no collective: `mine` is its {"params", "opt_state"},
+    `view` the state the loss reads besides the parameters. Returns (the new replica, the metrics,
+    the model state); every rule of local steps takes it (these H-step rounds, the timed and
+    overlapped ones: jaxdp/step/rounds.py, and across torchft workers: jaxdp/elastic/rounds.py)."""
+    metrics, model_state, grads = local_grads(view.replace(params=mine["params"]), batch)
+    if grad_norm:
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # this replica's own gradient
+    updates, opt_state = tx.update(grads, mine["opt_state"], mine["params"])
+    return {"params": optax.apply_updates(mine["params"], updates), "opt_state": opt_state}, metrics, model_state
+
+
 # ---------------------------------------------------------------------------------------------
 # The step (built by jaxdp.step.train_step.make_train_step when the state is local)
 # ---------------------------------------------------------------------------------------------
@@ -190,11 +203,8 @@ def make_device_step(local_grads: Callable, tx: optax.GradientTransformation, ou
 
     def device_step(state: Any, batch: Any) -> tuple[Any, dict]:
         mine = jax.tree.map(lambda x: x[0], state.sync.per_device[STATE_NAME])  # this device's replica
-        metrics, model_state, grads = local_grads(state.replace(params=mine["params"]), batch)
-        if grad_norm:
-            metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}  # this replica's own gradient
-        updates, inner = tx.update(grads, mine["opt_state"], mine["params"])
-        replica = optax.apply_updates(mine["params"], updates)
+        new, metrics, model_state = replica_step(local_grads, tx, state, mine, batch, grad_norm)
+        replica, inner = new["params"], new["opt_state"]
         step = state.step + 1
         outer_states = state.sync.shared[OUTER_NAME]
         check_fragments(outer_states, count)

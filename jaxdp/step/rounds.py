@@ -78,7 +78,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdp.errors import InputError
 from jaxdp.mesh import auto_axes, data_axes, state_specs
-from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
+from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer, replica_step
 from jaxdp.step.state import TrainState
 from jaxdp.sync.collectives import as_collective
 from jaxdp.sync.codecs.plain import NoCompression
@@ -134,10 +134,8 @@ def make_inner(local_grads: Callable, tx: optax.GradientTransformation, local: M
     axis = data_axes(local)
 
     def device_inner(rows: Any, view: TrainState, position: jax.Array, loss_sum: jax.Array, batch: Any):
-        mine = jax.tree.map(lambda x: x[0], rows)
-        metrics, _, grads = local_grads(view.replace(params=mine["params"], step=position[0]), batch)
-        updates, opt_state = tx.update(grads, mine["opt_state"], mine["params"])
-        new = {"params": optax.apply_updates(mine["params"], updates), "opt_state": opt_state}
+        new, metrics, _ = replica_step(local_grads, tx, view.replace(step=position[0]),
+                                       jax.tree.map(lambda x: x[0], rows), batch)
         return jax.tree.map(lambda x: x[None], new), position + 1, loss_sum + metrics["loss"]
 
     mapped = jax.shard_map(device_inner, mesh=local, in_specs=(P(axis), P(), P(axis), P(axis), P(axis)),
