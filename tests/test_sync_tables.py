@@ -122,6 +122,7 @@ EXAMPLES = {
     "params-paced": dict(shard_params=True, sync_seconds=2.0),
     "params-local": dict(shard_params=True, sync_every="auto"),
     "params-overlap": dict(shard_params=True, overlap=True),
+    "budget-auto": dict(byte_budget=0.001, sync_every=8, compression="auto"),
     "metrics-local": dict(metrics_at_sync=True),
     "metrics-others": dict(metrics_at_sync=True, sync_every=4, compression="auto"),
     "metrics-state": dict(metrics_at_sync=True, sync_every=4, float_state=True),
