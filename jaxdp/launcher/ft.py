@@ -35,11 +35,42 @@ from jaxdp.launcher.workers import Launcher, describe, say, shell_code, stop_cod
 # 0.85-0.92). Across nodes a heartbeat can be half a second late on a home link without the worker being
 # gone, and a needless heal sends the whole state over that link: 1 s. --heartbeat-timeout sets it.
 HEARTBEAT_TIMEOUT_S = {"one node": 0.5, "several nodes": 1.0}
+# On a busy machine a heartbeat (torchft's Manager sends one every 100 ms) is late by about as much as a
+# sleeping thread is woken late there. The default adds LATE_BEATS such delays, as this launcher measures
+# them at its start (PROBES sleeps of PROBE_S, their 90th percentile), to HEARTBEAT_TIMEOUT_S, in tenths of
+# a second, up to MAX_TIMEOUT_S: on a quiet machine it is HEARTBEAT_TIMEOUT_S.
+LATE_BEATS, PROBES, PROBE_S, MAX_TIMEOUT_S = 10, 20, 0.01, 5.0
 
 
-def heartbeat_timeout(nnodes: int) -> float:
-    """The default --heartbeat-timeout for a run of `nnodes` machines (HEARTBEAT_TIMEOUT_S)."""
-    return HEARTBEAT_TIMEOUT_S["one node" if nnodes == 1 else "several nodes"]
+def wake_lateness(probes: int = PROBES, period_s: float = PROBE_S) -> list[float]:
+    """How late, in seconds, this machine wakes a thread from each of `probes` sleeps of `period_s`."""
+    late = []
+    for _ in range(probes):
+        started = time.perf_counter()
+        time.sleep(period_s)
+        late.append(max(0.0, time.perf_counter() - started - period_s))
+    return late
+
+
+def derived_timeout(nnodes: int, lateness: list[float]) -> float:
+    """--heartbeat-timeout from the measured wake-up lateness (seconds): HEARTBEAT_TIMEOUT_S plus
+    LATE_BEATS times its 90th percentile, in tenths of a second, at most MAX_TIMEOUT_S."""
+    base = HEARTBEAT_TIMEOUT_S["one node" if nnodes == 1 else "several nodes"]
+    late = sorted(lateness)[int(0.9 * (len(lateness) - 1))] if lateness else 0.0
+    return min(MAX_TIMEOUT_S, max(base, round(base + LATE_BEATS * late, 1)))
+
+
+def heartbeat_timeout(nnodes: int, lateness: list[float] | None = None) -> float:
+    """The default --heartbeat-timeout for a run of `nnodes` machines: `derived_timeout` from this
+    machine's wake-up lateness (measured here unless given); one line where it is above HEARTBEAT_TIMEOUT_S."""
+    lateness = wake_lateness() if lateness is None else lateness
+    timeout = derived_timeout(nnodes, lateness)
+    base = HEARTBEAT_TIMEOUT_S["one node" if nnodes == 1 else "several nodes"]
+    if timeout > base:
+        late = sorted(lateness)[int(0.9 * (len(lateness) - 1))]
+        say(f"this machine wakes a sleeping thread {late * 1000:.0f} ms late (busy): heartbeat timeout "
+            f"{timeout:g} s, not {base:g}, so that late heartbeats do not leave a live worker out (--heartbeat-timeout)")
+    return timeout
 
 
 JOIN_TIMEOUT_S = 60.0       # a quorum waits this long for heartbeating workers that have not asked yet
