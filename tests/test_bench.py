@@ -360,3 +360,22 @@ def test_goodput_summarises_its_pairs_by_their_medians():
     assert "examples_done" not in row
     pairs[1]["same_final_params"] = False
     assert not median_row(pairs)["same_final_params"]
+
+
+@pytest.mark.slow  # three tiny jaxdp.train runs: about 30 s on 2 cores
+def test_quality_writes_steps_and_seconds_to_the_target_per_variant(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"def f(x):\n    return x + 1\n" * 400)
+    out = tmp_path / "q.json"
+    proc = run_cli("quality", "--dataset", str(text), "--steps", "6", "--eval-every", "3", "--eval-batches", "1",
+                   "--seeds", "0", "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+                   "--batch-size", "4", "--sync-every", "2", "--json", str(out), module="jaxdp.bench")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["variant"] for r in report["runs"]] == ["adamw", "muon", "nesterov"]
+    adamw = report["runs"][0]
+    assert report["target"] == adamw["final"] == adamw["held_out"]["6"]  # auto: the worst (here only) adamw final
+    assert adamw["steps_to_target"] in (3, 6) and set(adamw["held_out"]) == {"3", "6"}
+    assert all(set(r) >= {"held_out", "elapsed_s", "final", "steps_to_target", "seconds_to_target", "steps_per_s"}
+               for r in report["runs"])
+    assert [s["variant"] for s in report["summary"]] == ["adamw", "muon", "nesterov"] and report["summary"][0]["reached"] == 1

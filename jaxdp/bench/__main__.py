@@ -8,12 +8,12 @@ import sys
 
 from jaxdp import bench
 from jaxdp.bench import (budget, collectives, compression, data, ddp, dispatch, goodput, gpt, hierarchy, localsgd, memory,
-                         nanogpt, pace, plan, saves, slowlink, train, variants, zero)
+                         nanogpt, pace, plan, quality, saves, slowlink, train, variants, zero)
 from jaxdp.cluster.malloc_env import reexec_if_needed
 
 # Each registers its subcommands, with `run` (args -> list of result dicts) as their default.
 BENCHMARKS = (collectives, gpt, train, ddp, zero, slowlink, hierarchy, variants, dispatch, compression, localsgd, pace, goodput, saves,
-              plan, nanogpt, data, memory, budget)
+              plan, nanogpt, quality, data, memory, budget)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,12 @@ PyTorch, on the same bytes, the same batches and the same held-out windows; held
 `--eval-every` steps, and steps/s.
 
     python -m jaxdp.bench nanogpt --steps 1000 --seeds 0,1 --json nanogpt.json
+    python -m jaxdp.bench nanogpt --steps 60 --seeds 0 --devices default,1,2,8 --eval-batches 4   # speed
+
+--devices runs the jaxdp side once per entry (`default`: no --devices flag, the command line's own
+choice); --cpus pins both sides to those cores (torch.set_num_threads to their count). Each row has
+steps/s (the median logged rate past the first log for jaxdp, the median timed step for nanoGPT) and
+`cpu_s`, the CPU-seconds (user + system) of the whole side, start-up included.
 
 The text (default: the Python standard library's sources, about 12 MB, text nobody here wrote) is read
 byte-level; both sides take their training batches from `jaxdp.data.tokens.TokenDataset.train_batch(step)`
@@ -48,6 +54,10 @@ def register(subparsers) -> None:
     p.add_argument("--eval-batches", type=int, default=50, help="held-out batches per evaluation (the same on both sides)")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--sides", default="jaxdp,nanogpt", help="comma-separated: jaxdp, nanogpt")
+    p.add_argument("--devices", default="1", help="comma-separated --devices for the jaxdp side, one run each; "
+                                                  "default: the command line's own choice")
+    p.add_argument("--cpus", default="", help="pin both sides to these cores, e.g. 0 or 0,1 (default: unpinned)")
+    p.add_argument("--log-every", type=int, default=0, help="the jaxdp side's --log-every (0: --eval-every)")
     p.add_argument("--train-args", default="", help="extra flags for the jaxdp side")
     p.add_argument("--json", help="write the results here")
     p.set_defaults(run=run)
@@ -73,32 +83,49 @@ def stdlib_corpus(path: Path, megabytes: float) -> Path:
 def run(args) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="jaxdp-nanogpt-"))
     text = Path(args.dataset) if args.dataset else stdlib_corpus(work / "stdlib.txt", args.corpus_mb)
+    cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else None
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # this process (the nanoGPT side) and, inherited, the jaxdp side's
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for side in args.sides.split(","):
-            result = (run_jaxdp(text, seed, args, work) if side == "jaxdp" else run_nanogpt(text, seed, args))
-            results.append({"side": side, "seed": seed, **result})
-            print(json.dumps(results[-1]), flush=True)
+            for devices in (args.devices.split(",") if side == "jaxdp" else [None]):
+                before = _cpu_seconds()
+                result = (run_jaxdp(text, seed, args, work, devices) if side == "jaxdp" else run_nanogpt(text, seed, args))
+                row = {"side": side if devices is None else f"jaxdp --devices {devices}", "seed": seed,
+                       "devices": devices, "threads": len(os.sched_getaffinity(0)), **result}
+                results.append({**row, "cpu_s": _cpu_seconds() - before})
+                print(json.dumps(results[-1]), flush=True)
     steps = sorted({s for r in results for s in r["held_out"]}, key=int)
     print_table([{"side": r["side"], "seed": r["seed"], **{f"at{s}": r["held_out"].get(s) for s in steps},
-                  "steps_per_s": r["steps_per_s"]} for r in results],
+                  "steps_per_s": r["steps_per_s"], "cpu_s": r["cpu_s"], "wall_s": r["wall_s"]} for r in results],
                 [("side", "side", "s"), ("seed", "seed", "d"), *((f"at{s}", f"nats/byte @{s}", ".4f") for s in steps),
-                 ("steps_per_s", "steps/s", ".1f")])
+                 ("steps_per_s", "steps/s", ".2f"), ("cpu_s", "CPU s", ".1f"), ("wall_s", "wall s", ".1f")])
     if args.json:
         Path(args.json).write_text(json.dumps({"dataset": str(text), "bytes": text.stat().st_size, "shape": SHAPE,
                                                "recipe": RECIPE, "steps": args.steps, "results": results}, indent=1))
     return results
 
 
-def run_jaxdp(text: Path, seed: int, args, work: Path) -> dict:
-    metrics = work / f"jaxdp-{seed}.jsonl"
+def _cpu_seconds() -> float:
+    """User + system CPU-seconds of this process and its finished children."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def run_jaxdp(text: Path, seed: int, args, work: Path, devices: str = "1") -> dict:
+    metrics = work / f"jaxdp-{seed}-{devices}.jsonl"
+    metrics.unlink(missing_ok=True)
     flags = ["--model", "gpt", "--dataset", str(text), "--layers", SHAPE["layers"], "--heads", SHAPE["heads"],
              "--d-model", SHAPE["d_model"], "--seq-len", SHAPE["seq_len"], "--batch-size", SHAPE["batch_size"],
              "--optimizer", "adamw", "--lr", RECIPE["lr"], "--weight-decay", RECIPE["weight_decay"],
              "--schedule", "warmup-cosine", "--warmup-steps", RECIPE["warmup_steps"],
              "--final-lr-fraction", RECIPE["final_lr_fraction"], "--clip-norm", RECIPE["clip_norm"],
              "--steps", args.steps, "--eval-every", args.eval_every, "--eval-batches", args.eval_batches,
-             "--seed", seed, "--devices", 1, "--log-every", args.eval_every, "--metrics-file", metrics,
+             "--seed", seed, *([] if devices == "default" else ["--devices", devices]),
+             "--log-every", args.log_every or args.eval_every, "--metrics-file", metrics,
              "--no-progress", *args.train_args.split()]
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "jaxdp.train", *map(str, flags)], check=True,
@@ -107,7 +134,8 @@ def run_jaxdp(text: Path, seed: int, args, work: Path) -> dict:
     held = {str(r["step"]): r["eval_loss"] for r in records
             if r.get("event") in ("eval", "done") and "eval_loss" in r}
     logged = [r for r in records if "event" not in r and "steps_per_sec" in r]
-    return {"held_out": held, "steps_per_s": float(np.median([r["steps_per_sec"] for r in logged[1:]] or [np.nan])),
+    return {"held_out": held, "train_loss": {str(r["step"]): r["loss"] for r in logged},
+            "steps_per_s": float(np.median([r["steps_per_sec"] for r in logged[1:]] or [np.nan])),
             "wall_s": time.perf_counter() - started}
 
 
@@ -117,6 +145,7 @@ def run_nanogpt(text: Path, seed: int, args) -> dict:
     from jaxdp.data.tokens import load_tokens
 
     torch.manual_seed(seed)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # the cores this process may run on
     data = load_tokens(str(text), SHAPE["seq_len"])
     model = NanoGPT(data.vocab_size, SHAPE["seq_len"], SHAPE["layers"], SHAPE["d_model"], SHAPE["heads"])
     opt = nanogpt_optimizer(model, RECIPE["lr"], RECIPE["weight_decay"])
