@@ -37,8 +37,8 @@ import numpy as np
 from jaxdp.errors import InputError
 
 BLOCK_BYTES = 8 << 20     # text read per block: the memory bound (with its ids, about 4x this)
-PIECE_CHARS = 1 << 11     # a block is cut into pieces of about this size for encode_batch (measured: 16K-char
-                          # pieces encode 2x, 64K 4x slower than 1-2K ones, on a byte-level BPE)
+PIECE_CHARS = 1 << 11     # a block is cut into pieces of about this size for encode_batch: longer pieces encode
+                          # slower on a byte-level BPE (docs/performance.md, "Behind the defaults")
 MAX_CARRY_CHARS = 64 << 20  # text with no cut point this long (no spaces at all) is encoded as it is
 ENV_CACHE = "JAXDP_TOKEN_CACHE"
 INSTALL_HINT = "pip install 'jaxdp-trainer[tokenizers]'"

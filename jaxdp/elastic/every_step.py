@@ -130,9 +130,9 @@ RANK_SHIFT = 32  # the flags' bits from here on: the row's worker's rank + 1 (`f
 # one where a worker sat out: every worker reads both from the same rows (QUORUM_DUE, TAKES_PART), so
 # all agree. A lost or stalled worker makes the step's exchange fail, and the step is done again after
 # a new quorum at once; only a joiner (a new or restarted worker, which waits in its own quorum) waits
-# for the next one, up to this long. Over a 100 Mbit/s link with int8 (docs/multihost.md) a quorum
-# every step, waited for, made 0.61x the plain run's steps/s; one every 8 steps 0.76-0.82x; one every
-# 64 (about half a second there) 0.90-0.95x. In time, not steps: a slow step pays one a step at most.
+# for the next one, up to this long. A quorum costs a round trip to the Lighthouse: one every step,
+# waited for, cost a slow link most of its steps/s, one every half second little (docs/performance.md,
+# "Behind the defaults"). In time, not steps: a slow step pays one a step at most.
 QUORUM_SECONDS = 0.5
 
 

@@ -204,8 +204,8 @@ class TorchftEngine:
     def commit(self) -> bool:
         """Whether this step's exchanges all went through; if so the step counts (the step a behind
         worker is healed to). torchft's `should_commit` less its round trip to this worker's own
-        manager server, whose vote is of the worker's replica group: here one process, this one. That
-        round trip was about 8 % of a step of the default MLP (py-spy, docs/multihost.md)."""
+        manager server, whose vote is of the worker's replica group: here one process, this one (that
+        round trip was a visible part of a small model's step: docs/performance.md, "Behind the defaults")."""
         manager = self.manager
         try:
             if err := manager._pg.errored():

@@ -259,8 +259,7 @@ def layered_gradients(loss_fn: Callable, mesh: Mesh, *, stateful: bool, grad_acc
                 return block(jax.tree.map(gather, p, part_specs, is_leaf=is_spec), x), None
 
             # Rematerialised whole: saving the block's activations instead (checkpoint_policies.dots_saveable)
-            # measured no faster on CPU (1.25x against 1.29x the replicated step, 2 layers d 256) at a 40 %
-            # higher peak (0.26x against 0.18x the replicated step's, 8 layers d 64).
+            # was no faster on CPU at a higher peak (docs/performance.md, "Behind the defaults").
             return jax.lax.scan(jax.checkpoint(body), x, stacked)[0]
 
         def loss(params: Any, model_state: Any, micro_rows: Any, micro: Any) -> tuple[Any, Any]:

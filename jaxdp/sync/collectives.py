@@ -69,8 +69,8 @@ def _across_processes(reduce: Callable[[jax.Array], jax.Array], tree: Tree) -> T
     """`reduce` (an all-reduce of a 1-D buffer) of `tree` across processes, fused. On GPUs one
     buffer per dtype (NCCL reduces bf16 as bf16). On CPUs one buffer of the widest dtype for all
     the leaves: XLA's CPU all-reduce widens 16-bit floats to float32 anyway, and each collective
-    is a gloo round trip of its own, so bf16 gradients beside float32 metrics ran two (with
-    `--compression bf16`, 130-136 steps/s against 204-210 for float32 on two local processes)."""
+    is a gloo round trip of its own, so bf16 gradients beside float32 metrics ran two, slower than
+    one float32 buffer (docs/performance.md, "Behind the defaults")."""
     leaves = jax.tree.leaves(tree)
     if jax.default_backend() != "cpu" or len({jnp.result_type(x) for x in leaves}) < 2:
         return fused(reduce, tree)

@@ -53,7 +53,7 @@ def predict(cluster: Cluster, compute_seconds: float, params: Tree, *, strategy:
     codecs that send every value, and top-k pseudo-gradients, `costmodel.pseudo_topk`), flat and,
     with several devices per node, hierarchical. `compute_seconds`: one step's forward and backward
     pass on one device at its share of the batch. PowerSGD's own matmuls and quantizing are not in
-    it (measured: a few percent of the step on the testbed's MLP). Rows: {"compression",
+    it (a small part of the step on the testbed's MLP). Rows: {"compression",
     "sync_every", "overlap", "hierarchy", "payload_bytes", "allreduce_s", "step_s"}."""
     hierarchies = ("flat", "auto") if cluster.devices > 1 and cluster.nodes > 1 else ("flat",)
     devices = cluster.nodes * cluster.devices
