@@ -92,7 +92,7 @@ def test_topk_joins_the_ladder_in_the_form_the_run_s_device_count_takes():
     params = big_params()
     at = lambda devices, abilities=None: [c.name for c in costmodel.ladder(  # noqa: E731
         params, devices=devices, abilities=abilities) if c.name.startswith("topk")]
-    assert at(2) == ["topk:0.001:gather"] and at(8) == ["topk:0.001:sum"]
+    assert at(2) == ["topk:0.00293:2:gather"] and at(8) == ["topk:0.001:sum"]  # 2: 2-bit values in float32's bytes
     assert at(2, {"sum"}) == [] and at(8, {"sum"}) == at(8)
     assert [c.name for c in costmodel.ladder(params, devices=2, abilities={"sum"})][:8] == [
         c.name for c in costmodel.ladder(params)][:8]

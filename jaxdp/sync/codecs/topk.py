@@ -11,10 +11,13 @@ ONE index set, the step's leader's local top-k, so the values add up position by
 an all-reduce (psum, the ring), and what a device sends does not grow with the device count. The
 all-gathered one (SparseLoCo's, DeMo's): every device its own top-k, (index, value) pairs gathered
 by every device, which grows with the device count but keeps each device's largest values and
-sends a 12-bit index once. Every step's gradients and local steps' pseudo-gradients take whichever
-sends fewer bytes per device at the run's device count (at 2 devices the all-gathered one, from 3
-the ring-summed one), unless the spec names one. The slot holds every leaf's error
-feedback (float32), one row per device, as int8's does, for both.
+sends a 12-bit index once. A spec that names BITS takes the form that sends fewer bytes per device
+at the run's device count (at 2 devices the all-gathered one, from 3 the ring-summed one); one
+that names neither BITS nor a form (`topk:0.01`) spends the bytes of DENSITY float32 values on the
+form and precision that carry the most values (`TopK.settled`: at 2 devices 2-bit values at 3.1x
+the density), since quality follows how many values cross, not their precision (measured on the
+digits MLP, docs/slow-links.md). The slot holds every leaf's error feedback (float32), one row
+per device, as int8's does, for both.
 """
 
 from __future__ import annotations
@@ -85,15 +88,15 @@ class TopK(Compressor):
     """
 
     density: float
-    bits: int = 32
-    form: str = "auto"   # "sum" | "gather" | "auto": sum for gradients, the fewer bytes for pseudo-gradients
+    bits: int = 0       # 0: float32 values, not named in the spec (with no form either, `settled` may choose)
+    form: str = "auto"   # "sum" | "gather" | "auto": settled by the run's device count (`settled`)
     decay: float = 1.0
 
     needs_device = True  # the exchange passes `device`, this device's index on the data axes
 
     @property
     def name(self) -> str:
-        return (f"topk:{self.density!r}" + ("" if self.bits == 32 else f":{self.bits}")
+        return (f"topk:{self.density!r}" + ("" if self.bits == 0 else f":{self.bits}")
                 + ("" if self.form == "auto" else f":{self.form}") + ("" if self.decay == 1.0 else f":decay={self.decay!r}"))
 
     @property
@@ -104,7 +107,7 @@ class TopK(Compressor):
     def needs(self) -> str:  # type: ignore[override]
         if self.form == "gather":
             return "halves"
-        return "sum" if self.bits == 32 else "coded_sum"
+        return "sum" if self.bits in (0, 32) else "coded_sum"
 
     @property
     def state_name(self) -> str:
@@ -116,7 +119,7 @@ class TopK(Compressor):
         density = float(parts[1])
         if not 0 < density <= 1:
             raise ValueError(f"the density must be in (0, 1], not {density}")
-        bits, form, decay = 32, "auto", 1.0
+        bits, form, decay = 0, "auto", 1.0
         for part in parts[2:]:
             if part in FORMS:
                 form = part
@@ -130,8 +133,9 @@ class TopK(Compressor):
 
     @classmethod
     def candidates(cls, name: str, params: Tree, **options: Any) -> list[Compressor]:
-        """The auto ladder's: float32 values at each of DENSITIES, densest first (the form is settled
-        by the run's device count, `settled`); none for a tree of fewer than 1 / density values."""
+        """The auto ladder's: each of DENSITIES, densest first, BITS unnamed (`settled` spends the
+        bytes of its float32 values at the run's device count); none for a tree of fewer than
+        1 / density values."""
         size = _size(params)
         return [cls(density=d) for d in DENSITIES if d * min(size, CHUNK) >= 1]
 
@@ -154,31 +158,66 @@ class TopK(Compressor):
         return parse("bf16")
 
     def settled(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> "TopK":
-        """"auto" settled: the form that sends fewer bytes per device at `num_devices`, for every
-        step's gradients and local steps' pseudo-gradients alike (the ring-summed one on one device):
-        the all-gathered one at 2 devices, the ring-summed one, whose bytes do not grow with the
-        device count, from 3."""
+        """"auto" settled by quality within the byte budget. A spec that names its BITS (or a form)
+        keeps them, and its form is the one that sends fewer bytes per device (the all-gathered one
+        at 2 devices, the ring-summed one, whose bytes do not grow with the device count, from 3).
+        A spec that names neither (`topk:DENSITY`): the budget is what DENSITY float32 values send
+        in that form, and the run takes, of the all-gathered form with float32, int8 or 2-bit values
+        and the ring-summed one with float32 values (int8 and 2-bit sums need the ring's coded hops),
+        the one that fits the most values per chunk into it (fewer bytes on a tie): measured on the
+        digits MLP, quality follows how many values cross, not their precision (docs/slow-links.md)."""
         del pseudo_gradient
         if self.form != "auto":
             return self
         if num_devices < 2:
             return dataclasses.replace(self, form="sum")
         size = _size(params)
-        return min((dataclasses.replace(self, form=f) for f in ("sum", "gather")),
-                   key=lambda c: c.sent_bytes(size, num_devices))
+        fewest = min((dataclasses.replace(self, form=f) for f in ("sum", "gather")),
+                     key=lambda c: c.sent_bytes(size, num_devices))
+        if self.bits:
+            return fewest
+        budget = fewest.sent_bytes(size, num_devices)
+        fits = [self._densest(form, bits, size, num_devices, budget)
+                for form, bits in (("gather", 0), ("gather", 8), ("gather", 2), ("sum", 0))]
+        return max([fewest, *(c for c in fits if c is not None)],
+                   key=lambda c: (c.shape(size)[2], -c.sent_bytes(size, num_devices)))
+
+    def _densest(self, form: str, bits: int, size: int, n: int, budget: int) -> "TopK | None":
+        """The densest `form` / `bits` version of this codec (density of 3 significant digits) that
+        sends at most `budget` bytes per device at `n` devices, or None."""
+        chunk, best = max(min(CHUNK, size), 1), None
+        low, high = 1, max(min(CHUNK, size), 1)
+        while low <= high:
+            k = (low + high) // 2
+            c = dataclasses.replace(self, form=form, bits=bits, density=min(1.0, float(f"{k / chunk:.3g}")))
+            if c.sent_bytes(size, n) <= budget:
+                best, low = c, k + 1
+            else:
+                high = k - 1
+        return best
 
     def settled_note(self, params: Tree, num_devices: int, pseudo_gradient: bool) -> str | None:
         if self.form != "auto" or num_devices < 2:
             return None
         chosen = self.settled(params, num_devices, pseudo_gradient)
-        other = dataclasses.replace(self, form="sum" if chosen.form == "gather" else "gather")
         words = {"sum": "ring-summed (one index set)", "gather": "all-gathered (each device's own top-k, SparseLoCo's)"}
         size = _size(params)
         what = "local steps' pseudo-gradients" if pseudo_gradient else "every step's gradients"
-        return (f"--compression {self.name}: {what} go {words[chosen.form]}: "
-                f"{chosen.sent_bytes(size, num_devices):,} bytes sent per device per exchange at {num_devices} devices, "
-                f"against {other.sent_bytes(size, num_devices):,} {words[other.form].split(' (')[0]} "
-                f"(--compression {other.name})")
+        sent = chosen.sent_bytes(size, num_devices)
+        if self.bits:
+            other = dataclasses.replace(self, form="sum" if chosen.form == "gather" else "gather")
+            return (f"--compression {self.name}: {what} go {words[chosen.form]}: "
+                    f"{sent:,} bytes sent per device per exchange at {num_devices} devices, "
+                    f"against {other.sent_bytes(size, num_devices):,} {words[other.form].split(' (')[0]} "
+                    f"(--compression {other.name})")
+        plain = min((dataclasses.replace(self, form=f) for f in ("sum", "gather")),
+                    key=lambda c: c.sent_bytes(size, num_devices))
+        ratio = chosen.shape(size)[2] / plain.shape(size)[2]
+        why = (f"{ratio:.1f}x the values of {plain.name} in its bytes: quality follows how many values cross, "
+               "not their precision" if ratio > 1 else "no other form or precision fits more values in those bytes")
+        return (f"--compression {self.name}: {what} go {words[chosen.form]} as --compression {chosen.name}, "
+                f"{sent:,} bytes sent per device per exchange at {num_devices} devices ({why}; "
+                f"--compression {plain.name} keeps the density)")
 
     def init(self, params: Tree) -> CompressionState:
         return CompressionState(error={jax.tree_util.keystr(p): jnp.zeros(x.shape, jnp.float32)
@@ -210,7 +249,7 @@ class TopK(Compressor):
         chunks, _, k = self.shape(size)
         values = chunks * k
         indices = -(-values // 2) * 4  # two 12-bit indices per float32
-        if self.bits == 32:
+        if self.bits in (0, 32):
             return indices + values * 4
         if num_devices is None:
             return indices + -(-values * self.bits // 8) + -(-values // QUANT_BLOCK) * 4
@@ -235,7 +274,7 @@ class TopK(Compressor):
 
     def _values_wire(self, values: int) -> tuple[Any, int, int]:
         """(wire, padded length, message bytes) of the all-gathered form's `values` selected values."""
-        if self.bits == 32:
+        if self.bits in (0, 32):
             return _EXACT, values, values * 4
         codec, chunk, block = self._wire(values, 1)
         return codec.wire(chunk, block), chunk, codec.message_bytes(chunk, block)
