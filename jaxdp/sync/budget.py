@@ -11,7 +11,8 @@ power of two up to MAX_SYNC_EVERY; the codec none, bf16, int8 / int4 on a ring t
 at every hop, and (H >= 2, an outer optimizer without momentum) top-k pseudo-gradients at the
 densest density that fits (`densest`), in SparseLoCo's form (2-bit values, decayed error feedback).
 Among the options the choice is by quality, not bytes (`quality_key`): the fewest local steps first,
-then the least compression; a top-k density below MIN_DENSITY counts only where nothing else fits.
+then the least compression; a top-k density below MIN_DENSITY counts only where nothing else fits,
+and then the densest (the most local steps) first.
 The measurements behind the order are in docs/slow-links.md ("--byte-budget").
 """
 
@@ -28,11 +29,13 @@ from jaxdp.sync.codecs.base import Compressor, bytes_sent, uncompressed_bytes
 # with int4 (about 8x per average), H >= 2 with top-k pseudo-gradients.
 MAX_SYNC_EVERY = 256
 
-# Top-k pseudo-gradients sparser than this are taken only where nothing denser fits at any H:
-# on the GPT of `python -m jaxdp.bench localsgd` (H = 8, 400 steps) 0.001 ended 33 % above the
-# synchronous held-out loss and 0.002 25 %, against 8-12 % from 0.004 to 0.03
-# (costmodel.PSEUDO_GUARD_THRESHOLD's table).
-MIN_DENSITY = 0.004
+# Top-k pseudo-gradients sparser than this are taken only where nothing denser fits at any H. At a
+# fixed budget the density grows with H (2-bit values: d is about 2.3 x H x budget at 2 devices), so
+# the floor sets H: at 1/1000, H = 8 (d = 0.017). Measured at 1/1000 (held-out loss over synchronous,
+# python -m jaxdp.bench budget, docs/slow-links.md): the tuned GPT at 1,600 steps, seed 2: H = 2
+# 1.040, 4 1.034, 8 1.032, 16 1.041; the same GPT at lr 1e-3, 400 steps: H = 2 1.095, 8 1.066,
+# 16 1.068, 32 1.058. Sparser top-k waits longer to send a value; more local steps drift further.
+MIN_DENSITY = 0.015
 
 # The densities `densest` tries: 2 significant digits, from 0.99 down to 1e-5.
 _GRID = sorted({round(m * 10.0 ** -e, e) for e in range(2, 7) for m in range(10, 100)}, reverse=True)
@@ -80,10 +83,12 @@ def densest(params: Any, devices: int, sync_every: int, allowed: float, abilitie
 
 
 def quality_key(sync_every: int, rank: int, density: float | None) -> tuple:
-    """Sort key of an option, best quality first: a top-k density below MIN_DENSITY last, then the
-    fewest local steps, then the least compression (`rank`: the option's place from none, bf16,
-    int8, int4 to top-k; among top-k the denser)."""
-    return (density is not None and density < MIN_DENSITY, sync_every, rank, -(density or 0.0))
+    """Sort key of an option, best quality first: the fewest local steps, then the least compression
+    (`rank`: the option's place from none, bf16, int8, int4 to top-k; among top-k the denser); a
+    top-k density below MIN_DENSITY after every other option, the densest of those first."""
+    if density is not None and density < MIN_DENSITY:
+        return (1, -density, sync_every, rank)
+    return (0, -0.0, sync_every, rank)
 
 
 def choose(params: Any, devices: int, budget: float, abilities: Collection[str] | None = None,
@@ -128,7 +133,8 @@ def choose(params: Any, devices: int, budget: float, abilities: Collection[str] 
     why = (f"--byte-budget {budget:g}: {'synchronous' if h == 1 else f'averaged every {h} steps'}, "
            f"{'the gradient' if h == 1 else 'the pseudo-gradient'} through {codec.name}: {sent:,.0f} bytes per step "
            f"against {allowed:,.0f} allowed ({fewer:,.0f}x fewer than the float32 ring's {ring:,.0f}); of the "
-           f"{len(options)} choices that fit, the fewest local steps, then the least compression")
+           f"{len(options)} choices that fit, the fewest local steps (top-k at density {MIN_DENSITY:g} or more), then the "
+           f"least compression")
     if runner_up is not None:
         why += f" (next: H = {runner_up[1]}, {runner_up[2].name})"
     if not momentum_free:
