@@ -20,7 +20,7 @@ from jaxdp.bench.goodput import training_processes
 from jaxdp.elastic import ft
 
 PY = sys.executable
-pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+pytest.importorskip("torchft", reason="needs torchft: pip install -e '.[elastic]' (or 'jaxdp-trainer[elastic]')")
 
 
 def test_shards_of_lost_ranks_go_to_the_live_rank_with_the_fewest():

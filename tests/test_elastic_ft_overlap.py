@@ -16,7 +16,7 @@ import pytest
 
 from helpers import ROOT, cli_env
 
-pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+pytest.importorskip("torchft", reason="needs torchft: pip install -e '.[elastic]' (or 'jaxdp-trainer[elastic]')")
 
 from test_elastic_ft import Run, finish, kill_and_end  # noqa: E402
 from test_elastic_ft_rounds import done_of, kill_each_and_end_near_a_calm_run, params_of, stop_1_coding_int8  # noqa: E402

@@ -20,7 +20,7 @@ import pytest
 
 from helpers import ROOT, cli_env, mlp_batches, mlp_problem
 
-pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+pytest.importorskip("torchft", reason="needs torchft: pip install -e '.[elastic]' (or 'jaxdp-trainer[elastic]')")
 
 from test_elastic_ft import Node, Run, ended, finish, kill_and_end, kill_each_and_rejoin, stop_1_and_go_on  # noqa: E402
 from jaxdp.launcher.workers import free_port  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import ROOT, cli_env
 
-pytest.importorskip("torchft", reason="pip install 'jaxdp[elastic]'")
+pytest.importorskip("torchft", reason="needs torchft: pip install -e '.[elastic]' (or 'jaxdp-trainer[elastic]')")
 
 from test_elastic_ft import Run, finish, kill_and_end, kill_each_and_rejoin, run_nan_on_rank_1, stop_1_and_go_on  # noqa: E402
 
