@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 60)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS", help="torchft: the "
                         "Lighthouse this launcher starts leaves out a worker whose heartbeats stop this long (default 0.5 on one node, 1 "
-                        "with --nnodes > 1)")
+                        "with --nnodes > 1, more on a machine that wakes threads late: measured at the start, one line)")
     parser.add_argument("--no-bind", dest="bind", action="store_false", help="do not bind each process to its own cores")
     parser.add_argument("--nnodes", type=int, default=1, help="machines in the run, each with its own launcher (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0 .. nnodes - 1; its processes "

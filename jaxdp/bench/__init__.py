@@ -11,6 +11,8 @@
     python -m jaxdp.bench localsgd --json l.json --plot l.png   # time to a held-out loss at 10mbit: sync vs --sync-every 16
     python -m jaxdp.bench data --size 2GB --json d.json   # a JSONL corpus tokenized once and trained on: peak memory
     python -m jaxdp.bench memory --budget-mib 64 --layers 2   # the largest GPT per device: replicated, ZeRO-1, --shard-params
+    python -m jaxdp.bench quality --json q.json   # steps and seconds to a held-out loss: AdamW, Muon, outer Nesterov at one worker
+    python -m jaxdp.bench budget --budget 1000x   # --byte-budget runs against synchronous float32: run lengths x seeds x models
 
 One module per benchmark (collectives, train, gpt, ddp, slowlink, hierarchy, localsgd; torch_gpt is gpt's PyTorch side,
 testbed the network namespaces slowlink runs in) says what it measures; `python -m jaxdp.bench <command> --help` lists its flags.
