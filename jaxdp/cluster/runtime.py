@@ -193,9 +193,9 @@ def two_cpu_workers(wanted: bool = True):
     A process bound to one core (jaxdp.launch on a CPU host, the testbed) gets one worker: a
     collective program waiting on the network holds it, and a compute program dispatched from
     another thread waits for it, so `--overlap` overlaps nothing (`python -m jaxdp.bench dispatch`:
-    both programs took 1.13-1.36x the longer one). With a second core in the mask while the
-    backend starts, then every thread bound back to the one core, they run together (1.00x): the
-    waiting worker needs no CPU. Nothing happens with two or more cores, on a machine with one, or
+    both programs took longer than the longer one: docs/performance.md, "Behind the defaults"). With
+    a second core in the mask while the backend starts, then every thread bound back to the one core,
+    they run together: the waiting worker needs no CPU. Nothing happens with two or more cores, on a machine with one, or
     when `wanted` is False.
     """
     mine = os.sched_getaffinity(0) if wanted and hasattr(os, "sched_setaffinity") else set()

@@ -31,17 +31,12 @@ MAX_SYNC_EVERY = 256
 
 # Top-k pseudo-gradients sparser than this are taken only where nothing denser fits at any H. At a
 # fixed budget the density grows with H (2-bit values: d is about 2.3 x H x budget at 2 devices), so
-# the floor sets H: at 1/1000, H = 8 (d = 0.017). Measured at 1/1000 (held-out loss over synchronous,
-# python -m jaxdp.bench budget, docs/slow-links.md): the tuned GPT at 1,600 steps, seed 2: H = 2
-# 1.040, 4 1.034, 8 1.032, 16 1.041; the same GPT at lr 1e-3, 400 steps: H = 2 1.095, 8 1.066,
-# 16 1.068, 32 1.058. Sparser top-k waits longer to send a value; more local steps drift further.
+# the floor sets H: at 1/1000, H = 8 (d = 0.017), which measured best or tied at equal bytes
+# (docs/perf/calibration.md). Sparser top-k waits longer to send a value; more local steps drift further.
 MIN_DENSITY = 0.015
 
 # The values' bits and the error feedback's decay stay codecs.topk's PSEUDO_BITS and PSEUDO_DECAY (2,
-# 0.98). At the same bytes, on the tuned GPT at 1,600 steps (seed 2, H = 2): decay 0.98 1.040 of
-# synchronous, 0.9 1.087, 0.95 1.062, 0.99 1.018, 1.0 1.036, 4-bit values 1.056; at lr 1e-3, 400
-# steps, H = 8: decay 0.98 1.066, 1.0 1.077, 8-bit values 1.097. (0.99 once, at H = 2: not enough to
-# change a default.)
+# 0.98): at the same bytes no other decay or precision won consistently (docs/perf/calibration.md).
 
 # The densities `densest` tries: 2 significant digits, from 0.99 down to 1e-5.
 _GRID = sorted({round(m * 10.0 ** -e, e) for e in range(2, 7) for m in range(10, 100)}, reverse=True)

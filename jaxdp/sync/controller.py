@@ -238,8 +238,8 @@ class Controller:
         """`costmodel.choose_local_steps` over the pseudo-gradient codecs auto may use: the ladder's
         that send every value (none, bf16, int8, int4) and, when the outer optimizer applies each
         average alone (`outer_momentum_free`: SparseLoCo's outer SGD, whose momentum the error
-        feedback's decay replaces; with DiLoCo's Nesterov the GPT testbed ended 79 % above the
-        synchronous loss), the top-k ones (`self.pseudo_topk`). A top-k choice must pass the quality
+        feedback's decay replaces; with DiLoCo's Nesterov the GPT testbed ended far above the
+        synchronous loss: docs/perf/calibration.md), the top-k ones (`self.pseudo_topk`). A top-k choice must pass the quality
         guard (`truth` once, then `replay` at costmodel.PSEUDO_GUARD_THRESHOLD); one that fails is
         dropped with every sparser one, and the choice is made again. The record carries the checks
         ("quality_checks")."""

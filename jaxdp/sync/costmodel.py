@@ -50,19 +50,12 @@ MIN_STEP_GAIN = 0.20
 # guard(): the threshold on the relative error of a window's summed compressed means against its
 # summed true means, as jaxdp/sync/controller.py measures it: GUARD_WINDOW batches at the current
 # parameters, error feedback threaded through them (so the error is exactly the change of the
-# devices' mean error over the window: the progress still owed). Measured on the GPT of
-# `python -m jaxdp.bench compression` (4 layers x 256, SGD momentum 0.9, lr 0.3, 2 devices) after
-# 100 steps: rank 32 0.019, 16 0.24, 8 0.38, 4 0.53, 2 0.74, 1 0.82; after 200 steps the held-out
-# loss was 0.411 at rank 32 against 0.409 uncompressed, but 0.552 at rank 16 and 1.48 at rank 4.
-# At the first step (random parameters) the same probe gave rank 4 0.24, 8 0.14, 16 0.090: a
-# threshold of 0.1 took rank 16 there, and it ended 250 steps 18 % above uncompressed (bench
-# compression, docs/perf). 0.05 stops rank 16 at both points and passes rank 32. (On the digits MLP,
-# 100-step windows, every rank from 1 to 8 matched uncompressed accuracy:
-# tests/scripts/compression_guard_window.py; a 4-step window errs on the side of more rank.) Never give guard
-# the per-step error ||approx - mean|| / ||mean|| of one batch without error feedback: 0.5 or more at low rank.
-# Top-k: the same replay (as one device holding the mean would choose: an approximation) and threshold.
-# An error costs about as much held-out loss in either family on that GPT (top-k 0.1 / 0.01: 0.28 / 0.62 after
-# 100 steps; rank 4 / 1: 0.33 / 0.70; tests/scripts/topk_guard_window.py --gpt, docs/slow-links.md).
+# devices' mean error over the window: the progress still owed). Calibrated on the GPT of
+# `python -m jaxdp.bench compression` so that it stops the ranks whose held-out loss ran away and
+# passes those that matched uncompressed, at the first step and later alike (docs/perf/calibration.md).
+# Never give guard the per-step error of one batch without error feedback: it is large at any rank.
+# Top-k: the same replay (as one device holding the mean would choose: an approximation) and threshold;
+# an error costs about as much held-out loss in either family.
 GUARD_THRESHOLD = 0.05
 GUARD_WINDOW = 4
 
@@ -71,19 +64,13 @@ GUARD_WINDOW = 4
 # threshold of its own. A pseudo-gradient sums H steps, so its large entries stand out of the
 # per-step noise that a gradient's replay counts as error; with error feedback what is not sent
 # waits, and with the decay it fades. Calibrated on the GPT testbed's model (python -m jaxdp.bench
-# localsgd's, 400 steps, outer SGD at lr 1 without momentum; docs/slow-links.md has the runs): the replay's
-# error at the first step (tests/scripts/topk_pseudo_guard.py, three windows) against the held-out loss
-# over the synchronous run's at H = 8:
-#   density   0.03   0.01   0.006  0.004 (H = 4)  0.002  0.001  0.0005
-#   error     0.44   0.49   0.50   0.53           0.64   0.77   0.86
-#   loss      1.082  1.109  1.118  1.106          1.249  1.332  1.445
-# where auto's choice without top-k, int4 at H = 16, ends at 1.190 (plain averaging at H = 8: 1.188).
-# 0.6 keeps the densities that end below that and refuses those above.
+# localsgd's, outer SGD at lr 1 without momentum): the threshold keeps the densities whose held-out
+# loss ends below auto's choice without top-k, and refuses those above (docs/perf/calibration.md).
 PSEUDO_GUARD_THRESHOLD = 0.6
 
-# The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s the
-# project measured H = 16 with plain averaging within about 2 % of the synchronous held-out loss in
-# 0.20x its time (docs/perf/localsgd.json). Once the all-reduce per step is below the compute, a
+# The largest H that --sync-every auto applies. Local steps trade loss for time: at 10 Mbit/s H = 16
+# with plain averaging stayed near the synchronous held-out loss in a fraction of its time
+# (docs/slow-links.md, "Local steps"). Once the all-reduce per step is below the compute, a
 # doubling of H buys at most a few percent of wall time while the loss keeps drifting from the
 # synchronous run's. A user who wants a larger H passes it explicitly (--sync-every 64).
 MAX_AUTO_SYNC_EVERY = 16
@@ -96,15 +83,13 @@ MAX_AUTO_SYNC_EVERY = 16
 # past this bound the error carried from step to step is as large as the gradient itself, and
 # PowerSGD's guarded ranks are the better bet. They are not replayed by the quality guard: the
 # replay's shortcut (a compressed mean equals the mean of compressed parts) holds for PowerSGD's
-# linear projections, not for rounding at every hop. At 2 processes on the 100 Mbit/s testbed,
-# held-out accuracy stayed within 0.003 of the plain ring (docs/perf/quantized-100mbit.json).
+# linear projections, not for rounding at every hop (docs/slow-links.md, "int8 and int4").
 QUANT_BOUND = 0.35
 
 # --overlap with --sync-every auto: the average runs behind the next round, so it may take this
 # many times the target (comm_target x compute per step): half the round's compute at the default
 # 0.25. Not all of the round: the average shares the process's core (quantizing, copies in and out
-# of the collective) and a round's compute varies; at 50 Mbit/s, --sync-every 8, --overlap
-# measured 1.51x against a ceiling of about 1.6x (docs/perf/overlap-50mbit-psum.json).
+# of the collective) and a round's compute varies (docs/slow-links.md, "Overlap").
 OVERLAP_ALLOWANCE = 2.0
 
 

@@ -46,8 +46,7 @@ DENSITIES = (0.1, 0.03, 0.01, 0.003, 0.001)
 
 # The pseudo-gradient codecs `--sync-every auto --compression auto` may choose for local steps,
 # densest first: SparseLoCo's form (each device's own top-k, 2-bit values, error feedback decayed at
-# every exchange), in the configuration measured on the GPT testbed (docs/slow-links.md: H = 4 to 8
-# at densities 0.004 to 0.0088 within 1.2 % of the synchronous held-out loss). Each must pass the
+# every exchange), in the configuration measured on the GPT testbed (docs/perf/calibration.md). Each must pass the
 # quality guard (jaxdp/sync/controller.py, costmodel.PSEUDO_GUARD_THRESHOLD) before it is kept.
 PSEUDO_DENSITIES = (0.03, 0.01, 0.006, 0.004, 0.002, 0.001)
 PSEUDO_BITS = 2
