@@ -79,7 +79,10 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def say(message: str) -> None:
-    print(f"jaxdp.launch: {message}", file=sys.stderr, flush=True)
+    """One line of the launcher's on stderr; on a terminal it first clears the line, where rank 0's
+    progress bar may stand (the bar draws itself again at its next update)."""
+    clear = "\r\x1b[K" if sys.stderr.isatty() else ""
+    print(f"{clear}jaxdp.launch: {message}", file=sys.stderr, flush=True)
 
 
 def describe(code: int) -> str:
