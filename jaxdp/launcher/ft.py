@@ -52,22 +52,29 @@ def wake_lateness(probes: int = PROBES, period_s: float = PROBE_S) -> list[float
     return late
 
 
+def _base(nnodes: int) -> float:
+    return HEARTBEAT_TIMEOUT_S["one node" if nnodes == 1 else "several nodes"]
+
+
+def _typical_late(lateness: list[float]) -> float:
+    """The 90th percentile of measured lateness (seconds); 0 for none."""
+    return sorted(lateness)[int(0.9 * (len(lateness) - 1))] if lateness else 0.0
+
+
 def derived_timeout(nnodes: int, lateness: list[float]) -> float:
     """--heartbeat-timeout from the measured wake-up lateness (seconds): HEARTBEAT_TIMEOUT_S plus
     LATE_BEATS times its 90th percentile, in tenths of a second, at most MAX_TIMEOUT_S."""
-    base = HEARTBEAT_TIMEOUT_S["one node" if nnodes == 1 else "several nodes"]
-    late = sorted(lateness)[int(0.9 * (len(lateness) - 1))] if lateness else 0.0
-    return min(MAX_TIMEOUT_S, max(base, round(base + LATE_BEATS * late, 1)))
+    base = _base(nnodes)
+    return min(MAX_TIMEOUT_S, max(base, round(base + LATE_BEATS * _typical_late(lateness), 1)))
 
 
 def heartbeat_timeout(nnodes: int, lateness: list[float] | None = None) -> float:
     """The default --heartbeat-timeout for a run of `nnodes` machines: `derived_timeout` from this
     machine's wake-up lateness (measured here unless given); one line where it is above HEARTBEAT_TIMEOUT_S."""
     lateness = wake_lateness() if lateness is None else lateness
-    timeout = derived_timeout(nnodes, lateness)
-    base = HEARTBEAT_TIMEOUT_S["one node" if nnodes == 1 else "several nodes"]
+    timeout, base = derived_timeout(nnodes, lateness), _base(nnodes)
     if timeout > base:
-        late = sorted(lateness)[int(0.9 * (len(lateness) - 1))]
+        late = _typical_late(lateness)
         say(f"this machine wakes a sleeping thread {late * 1000:.0f} ms late (busy): heartbeat timeout "
             f"{timeout:g} s, not {base:g}, so that late heartbeats do not leave a live worker out (--heartbeat-timeout)")
     return timeout

@@ -56,8 +56,8 @@ def sent_per_step(codec: Compressor, params: Any, devices: int, sync_every: int,
     between syncs included (SCALARS; none at H = 1, where they ride the step's own all-reduce, nor
     without `scalars`: --metrics-at-sync)."""
     per_sync = bytes_sent(codec.payload_bytes(params, devices), devices)
-    scalars = bytes_sent(4 * SCALARS, devices) if sync_every > 1 and scalars else 0.0
-    return per_sync / sync_every + scalars * (sync_every - 1) / sync_every
+    between = bytes_sent(4 * SCALARS, devices) if sync_every > 1 and scalars else 0.0
+    return per_sync / sync_every + between * (sync_every - 1) / sync_every
 
 
 def densest(params: Any, devices: int, sync_every: int, allowed: float, abilities: Collection[str] | None = None,

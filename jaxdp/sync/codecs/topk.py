@@ -171,8 +171,7 @@ class TopK(Compressor):
         if num_devices < 2:
             return dataclasses.replace(self, form="sum")
         size = _size(params)
-        fewest = min((dataclasses.replace(self, form=f) for f in ("sum", "gather")),
-                     key=lambda c: c.sent_bytes(size, num_devices))
+        fewest = self._fewest_bytes(size, num_devices)
         if self.bits:
             return fewest
         budget = fewest.sent_bytes(size, num_devices)
@@ -181,11 +180,15 @@ class TopK(Compressor):
         return max([fewest, *(c for c in fits if c is not None)],
                    key=lambda c: (c.shape(size)[2], -c.sent_bytes(size, num_devices)))
 
+    def _fewest_bytes(self, size: int, n: int) -> "TopK":
+        """This codec in the form that sends fewer bytes per device at `n` devices."""
+        return min((dataclasses.replace(self, form=f) for f in ("sum", "gather")), key=lambda c: c.sent_bytes(size, n))
+
     def _densest(self, form: str, bits: int, size: int, n: int, budget: int) -> "TopK | None":
         """The densest `form` / `bits` version of this codec (density of 3 significant digits) that
         sends at most `budget` bytes per device at `n` devices, or None."""
         chunk, best = max(min(CHUNK, size), 1), None
-        low, high = 1, max(min(CHUNK, size), 1)
+        low, high = 1, chunk
         while low <= high:
             k = (low + high) // 2
             c = dataclasses.replace(self, form=form, bits=bits, density=min(1.0, float(f"{k / chunk:.3g}")))
@@ -209,8 +212,7 @@ class TopK(Compressor):
                     f"{sent:,} bytes sent per device per exchange at {num_devices} devices, "
                     f"against {other.sent_bytes(size, num_devices):,} {words[other.form].split(' (')[0]} "
                     f"(--compression {other.name})")
-        plain = min((dataclasses.replace(self, form=f) for f in ("sum", "gather")),
-                    key=lambda c: c.sent_bytes(size, num_devices))
+        plain = self._fewest_bytes(size, num_devices)
         ratio = chosen.shape(size)[2] / plain.shape(size)[2]
         why = (f"{ratio:.1f}x the values of {plain.name} in its bytes: quality follows how many values cross, "
                "not their precision" if ratio > 1 else "no other form or precision fits more values in those bytes")
