@@ -39,7 +39,7 @@ VARIANTS = {
 
 
 def register(subparsers) -> None:
-    from jaxdp.bench.nanogpt import SHAPE
+    from jaxdp.bench.nanogpt import RECIPE, SHAPE
 
     p = subparsers.add_parser("quality", help="time to quality on the laptop GPT: steps and seconds to a target "
                                               "held-out loss for AdamW, Muon and DiLoCo's outer Nesterov, per seed")
@@ -52,7 +52,7 @@ def register(subparsers) -> None:
     p.add_argument("--eval-batches", type=int, default=20, help="held-out batches per evaluation")
     p.add_argument("--target", default="auto", help="held-out nats/byte to reach; auto: the first variant's worst final")
     p.add_argument("--sync-every", type=int, default=8, help="H of the nesterov variant")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=RECIPE["lr"])
     p.add_argument("--warmup-steps", type=int, help="default: the recipe's 100, at most a fifth of --steps")
     for flag in ("layers", "heads", "d_model", "seq_len", "batch_size"):
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=SHAPE[flag])
@@ -93,13 +93,16 @@ def run(args) -> list[dict]:
 
 
 def train(text: Path, name: str, seed: int, args, work: Path) -> dict:
+    from jaxdp.bench.nanogpt import RECIPE
+
     metrics = work / f"{name}-{seed}.jsonl"
     metrics.unlink(missing_ok=True)
-    warmup = args.warmup_steps if args.warmup_steps is not None else min(100, args.steps // 5)
+    warmup = args.warmup_steps if args.warmup_steps is not None else min(RECIPE["warmup_steps"], args.steps // 5)
     flags = ["--model", "gpt", "--dataset", text, "--layers", args.layers, "--heads", args.heads,
              "--d-model", args.d_model, "--seq-len", args.seq_len, "--batch-size", args.batch_size,
-             "--lr", args.lr, "--weight-decay", 0.1, "--schedule", "warmup-cosine", "--warmup-steps", warmup,
-             "--final-lr-fraction", 0.1, "--clip-norm", 1.0, "--steps", args.steps, "--eval-every", args.eval_every,
+             "--lr", args.lr, "--weight-decay", RECIPE["weight_decay"], "--schedule", "warmup-cosine",
+             "--warmup-steps", warmup, "--final-lr-fraction", RECIPE["final_lr_fraction"],
+             "--clip-norm", RECIPE["clip_norm"], "--steps", args.steps, "--eval-every", args.eval_every,
              "--eval-batches", args.eval_batches, "--seed", seed, "--devices", 1, "--log-every", args.eval_every,
              "--metrics-file", metrics, "--no-progress",
              *[f.format(sync_every=args.sync_every) for f in VARIANTS[name]], *args.train_args.split()]
