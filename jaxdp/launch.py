@@ -247,8 +247,7 @@ def lead(launcher: Launcher, leader: rendezvous.Leader | None, address: str | No
                 stopping = True
                 if leader is not None:
                     leader.broadcast({"stop": attempt})
-                launcher.stop_the_rest()
-                outcomes.setdefault(0, Outcome("stopped"))
+                outcomes[0] = launcher.settled(outcomes.get(0, Outcome("stopped")))
             elif len(outcomes) < nodes:
                 selector.select(timeout=0.05)
         selector.close()
@@ -367,12 +366,12 @@ def follow(launcher: Launcher, link: rendezvous.Link, address: str, args: argpar
     attempt = -1
     while True:
         if reported is None and (mine := launcher.check(first)) is not None:
-            reported = mine
             if mine.kind == "lost":
                 say(f"process {mine.process} {describe(mine.code)}; stopping the others")
-            link.send({"ended": attempt, "kind": mine.kind, "process": mine.process, "code": mine.code})
             if mine.trouble:
-                launcher.stop_the_rest()
+                mine = launcher.settled(mine, first)
+            reported = mine
+            link.send({"ended": attempt, "kind": mine.kind, "process": mine.process, "code": mine.code})
         for signum in _drain(launcher.relay):
             link.send({"signal": signum})
         for message in link.messages():

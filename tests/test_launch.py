@@ -84,15 +84,24 @@ def test_a_command_that_cannot_start_is_one_line_and_exit_2():
     assert lines[0] == "jaxdp.launch: error: cannot start '/nonexistent/cmd': No such file or directory"
 
 
-def test_a_child_with_bad_input_is_not_restarted(tmp_path):
-    """Process 1 exits 2 (bad input), and process 0 then exits 69 as a peer that lost it would: the
-    launcher must end with 2, restarting nothing, and say so in its last line."""
-    marker = tmp_path / "bad-input"
-    script = (f"import os, sys, time; m = {str(marker)!r}\n"
-              "if os.environ['JAX_PROCESS_ID'] == '1': open(m, 'w').close(); sys.exit(2)\n"
-              "deadline = time.monotonic() + 60\n"
-              "while not os.path.exists(m) and time.monotonic() < deadline: time.sleep(0.02)\n"
-              "sys.exit(69)")
+@pytest.mark.parametrize("first", ["bad input", "lost peer"])
+def test_a_child_with_bad_input_is_not_restarted(tmp_path, first):
+    """Process 1 exits 2 (bad input) and process 0 exits 69 as a peer that lost it would, in either
+    order (a peer can finish exiting before the process whose bad input set it off): the launcher
+    must end with 2, restarting nothing, and say so in its last line."""
+    marker = tmp_path / "marker"
+    if first == "bad input":  # process 1 exits, then process 0 sees the marker and exits
+        script = (f"import os, sys, time; m = {str(marker)!r}\n"
+                  "if os.environ['JAX_PROCESS_ID'] == '1': open(m, 'w').close(); sys.exit(2)\n"
+                  "deadline = time.monotonic() + 60\n"
+                  "while not os.path.exists(m) and time.monotonic() < deadline: time.sleep(0.02)\n"
+                  "sys.exit(69)")
+    else:  # process 0 exits 69 first; process 1 exits 2 a moment later
+        script = (f"import os, sys, time; m = {str(marker)!r}\n"
+                  "if os.environ['JAX_PROCESS_ID'] == '0': open(m, 'w').close(); sys.exit(69)\n"
+                  "deadline = time.monotonic() + 60\n"
+                  "while not os.path.exists(m) and time.monotonic() < deadline: time.sleep(0.02)\n"
+                  "time.sleep(0.5); sys.exit(2)")
     proc = launch("--nproc-per-node", 2, "--max-restarts", 2, "--", PY, "-c", script)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and not any("restarting" in line for line in lines), proc.stderr

@@ -285,6 +285,15 @@ class Launcher:
             return Outcome("finished", code=next((shell_code(c) for c in codes if c), 0))
         return None
 
+    def settled(self, outcome: Outcome, first: int = 0) -> Outcome:
+        """`outcome` once the others have stopped: a lost peer can exit before the process whose bad
+        input set it off has finished exiting, and bad input is never restarted."""
+        self.stop_the_rest()
+        bad = [rank for rank, child in enumerate(self.children) if child.returncode == EXIT_BAD_INPUT]
+        if outcome.kind == "lost" and bad:
+            return Outcome("bad_input", first + bad[0], EXIT_BAD_INPUT)
+        return outcome
+
     def lost(self, code: int) -> bool:
         return code == EXIT_PEER_LOST or (code < 0 and -code not in self.sent and -code != signal.SIGINT)
 
