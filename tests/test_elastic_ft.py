@@ -183,6 +183,29 @@ def test_kill_9_of_each_worker_rank_0_included_heals_from_the_other_and_ends_wit
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_worker_restarted_before_its_peers_first_quorum_asks_again_and_the_run_ends_undisturbed(tmp_path):
+    """Rank 0 stopped (SIGSTOP) at its start, before its first quorum, and rank 1 killed then: the
+    restarted rank 1's first quorum holds no other worker. It must ask again until rank 0, continued,
+    takes part, and the run end as an undisturbed one (it exited 75 at once, and rank 0 trained alone)."""
+    steps = 60
+    run = Run(tmp_path, steps, "--max-restarts", "1")
+    try:
+        run.wait_for(lambda: {elastic_rank(p) for p in training_processes(run.proc.pid)} >= {0, 1}, "both workers")
+        first = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 0)
+        os.kill(first, signal.SIGSTOP)
+        run.kill(1)
+        run.wait_for(lambda: "no other worker in its quorum yet" in run.text(), "rank 1's restart finding no worker")
+        os.kill(first, signal.SIGCONT)
+        assert run.proc.wait(timeout=150) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert "all 2 workers ended (1 restart); exit code 0" in text and "no live worker" not in text, text
+    assert_ends_as_one_process(tmp_path, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_three_workers_end_with_a_three_device_runs_parameters_bit_for_bit(tmp_path):
     """3 workers of 43 rows each: the mean divides by 3, not a power of two, and still equals a one-process
     run over 3 devices to the bit (XLA had turned the division into a multiplication by 1/3)."""
@@ -214,8 +237,8 @@ def test_workers_of_two_devices_summing_by_the_ring_lose_and_heal_one_and_end_as
 @pytest.mark.multiprocess
 def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_runs(tmp_path):
     """--compression int8 codes each worker's sum once (jaxdp/elastic/rows.py, RowCoder) between the workers: worker 1
-    killed and healed, the run ends; undisturbed, int8 ends within 1 % of the uncompressed run's
-    held-out loss; disturbed, its held-out accuracy within 0.01 of the undisturbed int8 run's and its
+    killed and healed, the run ends; undisturbed, int8 ends less than 1 % above the uncompressed
+    run's held-out loss; disturbed, its held-out accuracy within 0.01 of the undisturbed int8 run's and its
     loss within 5 % (not to the bit: the lost worker's error feedback is lost with it, and its shard's
     feedback starts again at zero; near 0.05, where these runs end, the loss moves by a few % with
     where the kill lands: 0.7 % and 2.8 % seen)."""
@@ -228,7 +251,7 @@ def test_int8_between_workers_loses_and_heals_one_and_ends_near_the_undisturbed_
         done = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines() if '"done"' in line]
         losses[name], accuracy[name] = done[-1]["eval_loss"], done[-1]["eval_accuracy"]
     assert losses["calm"] != losses["plain"]  # the codec is on: the sums differ
-    assert abs(losses["calm"] / losses["plain"] - 1) < 0.01, losses
+    assert losses["calm"] < losses["plain"] * 1.01, losses  # int8 costs under 1 % (it may end lower: 0.0530 vs 0.0539)
     assert abs(accuracy["ckpt"] - accuracy["calm"]) <= 0.01, accuracy
     assert abs(losses["ckpt"] / losses["calm"] - 1) < 0.05, losses
 

@@ -399,6 +399,8 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     at = quorum_at(state)
     try:
         received = member.engine.quorum(at, offer(state))
+        if received is None and member.rank != 0 and alone(member):  # (its peers may be starting still)
+            received = wait_for_a_peer(member, state, at)
     except ft.QuorumLost as err:
         line = (ft.lost_line(member, err, "before its first step") if err.lighthouse_gone else
                 f"rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err})")
@@ -407,12 +409,12 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
         raise SystemExit(EXIT_PREEMPTED) from None
     member.fresh_quorum = True  # this quorum's collectives are the first step's
     member.fresh = not member.restarted and received is None  # at the run's start: it waits for rank 0 (step)
-    member.alone = received is None and member.restarted and member.engine.manager.num_participants() <= 1
+    member.alone = received is None and alone(member)
     if member.alone and member.rank != 0:
-        # a restart finds no live worker: the run ended meanwhile (or every worker is being restarted);
-        # a restarted rank 0 goes on from the checkpoint instead, and leads (jaxdp/loop/lead.py, `alone`)
-        print(f"jaxdp: rank {member.rank}: restarted, but no live worker to take the state from; exit code "
-              f"{EXIT_PREEMPTED}", file=sys.stderr)
+        # still no live worker: the run ended meanwhile (or every worker is being restarted); a
+        # restarted rank 0 goes on from the checkpoint instead, and leads (jaxdp/loop/lead.py, `alone`)
+        print(f"jaxdp: rank {member.rank}: restarted, but no live worker to take the state from within "
+              f"{member.quorum_timeout_s:g} s (--quorum-timeout); exit code {EXIT_PREEMPTED}", file=sys.stderr)
         member.close()
         raise SystemExit(EXIT_PREEMPTED)
     member.pending_round = received is not None and received[:1] == b"\1"  # a peer's round end: its exchange next
@@ -423,3 +425,29 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
     print(f"jaxdp: rank {member.rank} joined the run at step {int(jax.device_get(state.step))} with a live "
           f"worker's state (no checkpoint read)", file=sys.stderr, flush=True)
     return state, True
+
+
+def alone(member: Any) -> bool:
+    """Whether a restarted worker's last quorum held no other worker."""
+    return member.restarted and member.engine.manager.num_participants() <= 1
+
+
+# How often a restarted worker that found no live worker asks for a quorum again (`wait_for_a_peer`).
+PEER_POLL_S = 0.2
+
+
+def wait_for_a_peer(member: Any, state: Any, at: int) -> bytes | None:
+    """A restarted worker (not rank 0) whose first quorum held no other worker: the others may not have
+    reached their first quorum yet (a start-up under load takes many seconds), so it asks again, for up
+    to --quorum-timeout, until another worker takes part. Returns the state a live peer handed over, if
+    any (still alone at the end: None, and `settle` exits 75)."""
+    print(f"jaxdp: rank {member.rank}: restarted, and no other worker in its quorum yet: asking again for up to "
+          f"{member.quorum_timeout_s:g} s (--quorum-timeout)", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + member.quorum_timeout_s
+    while time.monotonic() < deadline:
+        member.engine.commit()  # (this quorum had no collective: it ends before the next, as wait_for_rank_0's)
+        time.sleep(PEER_POLL_S)
+        received = member.engine.quorum(at, offer(state))
+        if received is not None or not alone(member):
+            return received
+    return None
