@@ -173,6 +173,12 @@ def train(config: Config) -> Any:
             print("jaxdp: --shard-optimizer: adamw decays every parameter (ZeRO-1's flat buffers cannot tell matrices "
                   "from biases)", file=sys.stderr)
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
+        if config.byte_budget is not None and outer_defaults(config):  # (top-k pseudo-gradients need plain averaging)
+            outer_tx = None
+            if jax.process_index() == 0 and (member is None or member.rank == 0):
+                print("jaxdp: --byte-budget: the outer step is plain averaging (--outer-optimizer sgd --outer-lr 1 "
+                      "--outer-momentum 0), which top-k pseudo-gradients need; give --outer-optimizer to choose another",
+                      file=sys.stderr)
     except BaseException:
         beat.stop()
         raise
@@ -295,6 +301,14 @@ def _recorded_horizon(checkpoint_dir: str) -> int | None:
         return None  # no checkpoint (or none readable: the Checkpointer says so, and starts afresh)
     horizon = meta.get("schedule_steps") or (meta.get("config") or {}).get("steps")
     return horizon if isinstance(horizon, int) and horizon > 0 else None
+
+
+def outer_defaults(config: Config) -> bool:
+    """Whether the run's outer optimizer flags are all at their defaults (DiLoCo's Nesterov)."""
+    import dataclasses
+
+    default = {f.name: f.default for f in dataclasses.fields(Config)}
+    return all(getattr(config, name) == default[name] for name in ("outer_optimizer", "outer_lr", "outer_momentum"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

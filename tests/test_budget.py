@@ -160,3 +160,23 @@ def test_fit_takes_the_budget_and_says_in_one_error_when_nothing_fits(devices):
         run(1e-5)
     with pytest.raises(InputError, match=r"byte_budget must be a fraction"):
         run("2")
+
+
+@pytest.mark.slow  # two jaxdp.train subprocesses: about 20 s on 2 cores
+def test_the_command_line_budget_takes_plain_averaging_unless_an_outer_optimizer_is_given(tmp_path):
+    """With the outer flags at their defaults (DiLoCo's Nesterov, which top-k pseudo-gradients cannot
+    follow) --byte-budget makes the outer step plain averaging, says so in one line, and chooses top-k;
+    an outer optimizer given keeps it, and the budget then chooses without top-k."""
+    def chosen(*flags: str) -> tuple[str, dict]:
+        metrics = tmp_path / f"m{len(flags)}.jsonl"
+        proc = run_cli("--devices", "2", "--steps", "2", "--sync-every", "auto", "--compression", "auto",
+                       "--byte-budget", "100x", "--no-progress", "--metrics-file", str(metrics), *flags)
+        assert proc.returncode == 0, proc.stderr
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        return proc.stderr, next(r for r in records if r.get("event") == "local_steps")
+
+    said, record = chosen()
+    assert said.count("--byte-budget: the outer step is plain averaging") == 1, said
+    assert record["pseudo_gradient"].startswith("topk:"), record
+    said, record = chosen("--outer-optimizer", "nesterov", "--outer-lr", "0.5")
+    assert "plain averaging" not in said and not record["pseudo_gradient"].startswith("topk:"), (said, record)
