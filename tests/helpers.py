@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -335,9 +336,19 @@ class LaunchedRun:
             time.sleep(0.05)
 
     def close(self) -> None:
+        """Kill the launcher if it runs; its workers then get SIGTERM (PR_SET_PDEATHSIG), and one a
+        test stopped (SIGSTOP) is continued so that it takes it instead of outliving the test."""
         if self.proc.poll() is None:
+            from jaxdp.bench.goodput import training_processes
+
+            workers = training_processes(self.proc.pid)
             self.proc.kill()
             self.proc.wait()
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
 
 class StepWatch:
