@@ -432,10 +432,6 @@ def alone(member: Any) -> bool:
     return member.restarted and member.engine.manager.num_participants() <= 1
 
 
-# How often a restarted worker that found no live worker asks for a quorum again (`wait_for_a_peer`).
-PEER_POLL_S = 0.2
-
-
 def wait_for_a_peer(member: Any, state: Any, at: int) -> bytes | None:
     """A restarted worker (not rank 0) whose first quorum held no other worker: the others may not have
     reached their first quorum yet (a start-up under load takes many seconds), so it asks again, for up
@@ -446,7 +442,7 @@ def wait_for_a_peer(member: Any, state: Any, at: int) -> bytes | None:
     deadline = time.monotonic() + member.quorum_timeout_s
     while time.monotonic() < deadline:
         member.engine.commit()  # (this quorum had no collective: it ends before the next, as wait_for_rank_0's)
-        time.sleep(PEER_POLL_S)
+        time.sleep(0.1)  # (wait_for_rank_0's pace)
         received = member.engine.quorum(at, offer(state))
         if received is not None or not alone(member):
             return received
