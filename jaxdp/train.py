@@ -175,7 +175,7 @@ def train(config: Config) -> Any:
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
         if config.byte_budget is not None and outer_defaults(config):  # (top-k pseudo-gradients need plain averaging)
             outer_tx = None
-            if jax.process_index() == 0 and (member is None or member.rank == 0):
+            if process == 0 and (member is None or member.rank == 0):
                 print("jaxdp: --byte-budget: the outer step is plain averaging (--outer-optimizer sgd --outer-lr 1 "
                       "--outer-momentum 0), which top-k pseudo-gradients need; give --outer-optimizer to choose another",
                       file=sys.stderr)

@@ -90,18 +90,13 @@ def test_a_child_with_bad_input_is_not_restarted(tmp_path, first):
     order (a peer can finish exiting before the process whose bad input set it off): the launcher
     must end with 2, restarting nothing, and say so in its last line."""
     marker = tmp_path / "marker"
-    if first == "bad input":  # process 1 exits, then process 0 sees the marker and exits
-        script = (f"import os, sys, time; m = {str(marker)!r}\n"
-                  "if os.environ['JAX_PROCESS_ID'] == '1': open(m, 'w').close(); sys.exit(2)\n"
-                  "deadline = time.monotonic() + 60\n"
-                  "while not os.path.exists(m) and time.monotonic() < deadline: time.sleep(0.02)\n"
-                  "sys.exit(69)")
-    else:  # process 0 exits 69 first; process 1 exits 2 a moment later
-        script = (f"import os, sys, time; m = {str(marker)!r}\n"
-                  "if os.environ['JAX_PROCESS_ID'] == '0': open(m, 'w').close(); sys.exit(69)\n"
-                  "deadline = time.monotonic() + 60\n"
-                  "while not os.path.exists(m) and time.monotonic() < deadline: time.sleep(0.02)\n"
-                  "time.sleep(0.5); sys.exit(2)")
+    # (the process that exits first, its code; the other's code once it sees the marker, after a pause)
+    leads, code, then, pause = ("1", 2, 69, 0) if first == "bad input" else ("0", 69, 2, 0.5)
+    script = (f"import os, sys, time; m = {str(marker)!r}\n"
+              f"if os.environ['JAX_PROCESS_ID'] == '{leads}': open(m, 'w').close(); sys.exit({code})\n"
+              "deadline = time.monotonic() + 60\n"
+              "while not os.path.exists(m) and time.monotonic() < deadline: time.sleep(0.02)\n"
+              f"time.sleep({pause}); sys.exit({then})")
     proc = launch("--nproc-per-node", 2, "--max-restarts", 2, "--", PY, "-c", script)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and not any("restarting" in line for line in lines), proc.stderr

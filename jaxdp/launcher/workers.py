@@ -289,10 +289,8 @@ class Launcher:
         """`outcome` once the others have stopped: a lost peer can exit before the process whose bad
         input set it off has finished exiting, and bad input is never restarted."""
         self.stop_the_rest()
-        bad = [rank for rank, child in enumerate(self.children) if child.returncode == EXIT_BAD_INPUT]
-        if outcome.kind == "lost" and bad:
-            return Outcome("bad_input", first + bad[0], EXIT_BAD_INPUT)
-        return outcome
+        after = self.check(first) if outcome.kind == "lost" else None  # (every child has exited now)
+        return after if after is not None and after.kind == "bad_input" else outcome
 
     def lost(self, code: int) -> bool:
         return code == EXIT_PEER_LOST or (code < 0 and -code not in self.sent and -code != signal.SIGINT)
