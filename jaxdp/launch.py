@@ -7,11 +7,11 @@
     python -m jaxdp.launch --nnodes 2 --node-rank R --coordinator node0:29400 --nproc-per-node 4 -- CMD   # on each node
     python -m jaxdp.launch --elastic --nproc-per-node 2 --max-restarts 100 -- python -m jaxdp.train --strategy host ...
 
-With --elastic (one node; jaxdp/elastic/hub.py) this launcher is the run's hub: the processes sum their
-gradients through it instead of jax.distributed, and a lost process is restarted alone (forked from a
-zygote that has JAX imported, jaxdp/launcher/zygote.py) while the others train on. A process that stalls
-(sends nothing for a step --stall-timeout seconds after another did, or stays SIGSTOPped while the
-run stops) is left out and killed, then restarted as a lost one; a connection to the hub that sends
+With --elastic (one node; jaxdp/elastic/hub.py) this launcher is the run's hub: the processes exchange
+through it instead of jax.distributed, and a lost process is restarted alone (forked from a zygote
+that has JAX imported, jaxdp/launcher/zygote.py) while the others train on. A process that stalls
+(owes its part of a quorum or an exchange --stall-timeout seconds after another sent its own, or
+stays SIGSTOPped while the run stops) is left out and killed, then restarted as a lost one; a connection to the hub that sends
 something else than jaxdp/cluster/wire.py's messages, or nothing, is dropped with one line.
 
 Like torchrun's standalone mode (the processes themselves: jaxdp/launcher/workers.py):
@@ -82,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=int, required=True, help="processes to start on this machine")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart all processes up to R times when one is lost")
     parser.add_argument("--elastic", action="store_true", help="restart a lost process alone while the others train "
-                        "on (jaxdp/elastic/hub.py: --strategy host, one node); up to --max-restarts times in all")
+                        "on (jaxdp/elastic/); up to --max-restarts times in all")
     parser.add_argument("--elastic-engine", choices=("hub", "torchft"), default="hub", help="an elastic run's engine: "
-                        "hub (this launcher sums the gradients) or torchft (a Lighthouse and gloo; pip install "
+                        "hub (this launcher relays the exchanges; one node) or torchft (a Lighthouse and gloo; pip install "
                         "'jaxdp-trainer[elastic]'; jaxdp/elastic/ft.py)")
     parser.add_argument("--lighthouse", metavar="HOST:PORT", help="torchft: the Lighthouse to use (default: node 0's "
                         "launcher starts one, on 127.0.0.1, or with --nnodes > 1 on --coordinator)")
@@ -263,8 +263,8 @@ def lead(launcher: Launcher, leader: rendezvous.Leader | None, address: str | No
 
 
 def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
-    """An elastic run (jaxdp/elastic/hub.py): this launcher is the hub; a lost process is started again
-    alone, up to --max-restarts times in all, while the others train on."""
+    """An elastic run on the hub (jaxdp/elastic/hub.py): this launcher is the hub; a lost process is started
+    again alone, up to --max-restarts times in all, while the others train on."""
     from jaxdp.elastic import hub as elastic
     from jaxdp.launcher.hub import Hub
 
@@ -274,9 +274,10 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
     hub.watch(selector)
     run_id = f"launch-{launcher.launch_id}-elastic"
 
-    def start(rank: int) -> bool:
+    def start(rank: int, restart: bool = False) -> bool:
         return launcher.start_one(rank, {elastic.ENV_ADDRESS: hub.address, elastic.ENV_RANK: str(rank),
-                                         elastic.ENV_SIZE: str(size), ENV_RUN_ID: run_id})
+                                         elastic.ENV_SIZE: str(size), ENV_RUN_ID: run_id,
+                                         **({elastic.ENV_RESTART: "1"} if restart else {})})
 
     try:
         for rank in range(size):
@@ -304,7 +305,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
             if launcher.stop is not None:  # stopping: a member stopped by SIGSTOP that owes the hub nothing
                 for rank, child in enumerate(launcher.children):  # (else the hub's stall timeout applies) holds the end
                     if rank in ended or rank in stalled or child.poll() is not None or not _stopped(child.pid) \
-                            or (rank in hub.holders and not hub.finished):
+                            or hub.owes(rank):
                         frozen.pop(rank, None)
                     elif time.monotonic() - frozen.setdefault(rank, time.monotonic()) > hub.stall_timeout:
                         say(f"process {rank} has been stopped (SIGSTOP) for {hub.stall_timeout:g} s (--stall-timeout) "
@@ -340,7 +341,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
                 hub.lost(rank)
                 say(f"process {rank} {how}; restarting it alone ({restarts} of {args.max_restarts}), "
                     f"the others train on")
-                if not start(rank):
+                if not start(rank, restart=True):
                     ended[rank] = code
             if ended.get(0) == 0 and len(ended) < size:  # rank 0 finished (saved the end): the rest have nothing left
                 launcher.stop_the_rest()

@@ -1,7 +1,8 @@
-"""Elastic runs (`jaxdp.launch --elastic`, jaxdp/elastic/hub.py): the hub sums every shard in shard order
-whoever computed it, hands a lost member's shards to the others (the step in flight included), and
-hands the state to a member that joins. A real run that loses both of its processes to kill -9 ends
-with exactly the parameters of a one-process run of the same global batch."""
+"""Elastic runs on the launcher's hub (`jaxdp.launch --elastic`, jaxdp/elastic/hub.py): the hub forms the
+quorums, hands the furthest member's state to one behind, gives every member every piece of an exchange
+in rank order, and fails the exchange for all when a member is lost or stalls in it. A real run that
+loses both of its processes to kill -9 ends with exactly the parameters of a one-process run of the
+same global batch."""
 
 import json
 import os
@@ -30,8 +31,8 @@ PY = sys.executable
 class HubThread:
     """A Hub driven by its own selector loop, as the launcher drives it."""
 
-    def __init__(self, size: int):
-        self.hub = Hub(size)
+    def __init__(self, size: int, **options):
+        self.hub = Hub(size, **options)
         self.selector = selectors.DefaultSelector()
         self.hub.watch(self.selector)
         self.lock = threading.Lock()
@@ -57,8 +58,8 @@ class HubThread:
 def hub():
     made = []
 
-    def make(size):
-        made.append(HubThread(size))
+    def make(size, **options):
+        made.append(HubThread(size, **options))
         return made[-1]
 
     yield make
@@ -66,71 +67,104 @@ def hub():
         h.close()
 
 
-def grads(step: int, shard: int) -> list[np.ndarray]:
-    """A shard's 'gradient sums' of a step: distinct float32 values, and an int32 counter."""
-    rng = np.random.default_rng(1000 * step + shard)
-    return [rng.standard_normal(5).astype(np.float32), np.array([shard + 1], np.int32)]
+def piece(rank: int, step: int) -> np.ndarray:
+    """A member's piece of an exchange: distinct bytes per rank and step."""
+    return np.random.default_rng(1000 * step + rank).integers(0, 256, (1, 24), np.uint8)
 
 
-def expected(step: int, size: int) -> list[np.ndarray]:
-    total = [np.zeros(5, np.float32), np.zeros(1, np.int32)]
-    for shard in range(size):  # in shard order
-        for acc, part in zip(total, grads(step, shard)):
-            acc += part
-    return total
+def together(*calls):
+    """Each call on its own thread (a member blocks until the others have asked too); their results."""
+    out = [None] * len(calls)
 
+    def run(i, call):
+        out[i] = call()
 
-def member_loop(member: elastic.Member, steps: range, out: dict, state: bytes = b"") -> None:
-    """A member's steps: send its shards, compute more when asked, record the totals, donate when told."""
-    for step in steps:
-        payload, donate = member.reduce(step, {s: grads(step, s) for s in member.shards}, lambda s: grads(step, s))
-        out[step] = (elastic.unpack(payload, grads(step, 0)), list(member.shards))
-        if donate:
-            member.send_state(step + 1, [np.frombuffer(state or b"state", np.uint8)])
-
-
-def test_the_total_is_every_shard_in_shard_order_and_a_lost_members_shard_is_computed_by_another(hub):
-    h = hub(3)
-    members = [elastic.Member(h.hub.address, rank, 3) for rank in range(3)]
-    assert members[0].connect() is True  # rank 0 is the source of the state
-    for m in members[1:]:
-        assert m.connect() is False
-    results = [{} for _ in members]
-    # Step 0: rank 0 alone holds the state, so it computes all three shards; then it donates.
-    first = threading.Thread(target=member_loop, args=(members[0], range(0, 1), results[0]))
-    first.start()
-    joined = [m.receive_state() for m in members[1:]]
-    first.join()
-    assert [j[0] for j in joined] == [1, 1] and bytes(joined[0][1]) == b"state"
-    assert results[0][0][1] == [0]  # from step 1 on, each computes its own shard
-    for got, want in zip(results[0][0][0], expected(0, 3)):
-        np.testing.assert_array_equal(got, want)
-    # Steps 1-2 with all three; then rank 2 disappears after sending nothing for step 3.
-    threads = [threading.Thread(target=member_loop, args=(m, range(1, 3), r)) for m, r in zip(members, results)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    members[2].close()  # lost in the middle of step 3: its shard is asked of another member
-    threads = [threading.Thread(target=member_loop, args=(m, range(3, 5), r)) for m, r in zip(members[:2], results)]
+    threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(calls)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    for step in range(1, 5):
-        for rank in (0, 1):
-            for got, want in zip(results[rank][step][0], expected(step, 3)):
-                np.testing.assert_array_equal(got, want)
-    assert sorted(results[0][4][1] + results[1][4][1]) == [0, 1, 2]  # shard 2 now has a live owner
-    assert any("rank 2 lost" in line for line in h.hub.events)
-    for m in members[:2]:
-        m.close(finished=True)
+    assert not any(t.is_alive() for t in threads), "a member still waits for the hub"
+    return out
+
+
+def test_every_member_gets_every_piece_in_rank_order_and_a_lost_member_fails_the_exchange_for_all(hub):
+    h = hub(3)
+    engines = [elastic.HubEngine(h.hub.address, rank) for rank in range(3)]
+    assert together(*[lambda e=e: e.quorum(0, None) for e in engines]) == [None] * 3  # nobody behind
+    assert all(e.participants() == 3 and e.participating() for e in engines)
+    got = together(*[lambda e=e: e.allgather(piece(e.rank, 0)) for e in engines])
+    for pieces in got:
+        assert [p.tobytes() for p in pieces] == [piece(r, 0)[0].tobytes() for r in range(3)]
+    assert all(e.commit() for e in engines)
+    # Rank 2 is lost before its piece of the next exchange: it fails for the others, and their commit says so.
+    engines[2].close()
+    assert together(*[lambda e=e: e.allgather(piece(e.rank, 1)) for e in engines[:2]]) == [[], []]
+    assert not any(e.commit() for e in engines[:2])
+    # Asked again, the quorum is the two live members, whose exchange goes through.
+    together(*[lambda e=e: e.quorum(1, None) for e in engines[:2]])
+    assert engines[0].participants() == 2
+    got = together(*[lambda e=e: e.allgather(piece(e.rank, 1)) for e in engines[:2]])
+    assert all([p.tobytes() for p in pieces] == [piece(r, 1)[0].tobytes() for r in range(2)] for pieces in got)
+    assert all(e.commit() for e in engines[:2])
+    for e in engines[:2]:
+        e.close(finished=True)
+
+
+def test_a_member_behind_gets_the_furthest_members_state_and_sits_out_one_exchange(hub):
+    h = hub(2)
+    a, b = elastic.HubEngine(h.hub.address, 0), elastic.HubEngine(h.hub.address, 1)
+    # The run's start: rank 0 restored step 7 from its checkpoint, rank 1 is at step 0.
+    received = together(lambda: a.quorum(7, lambda: b"state at 7"), lambda: b.quorum(0, lambda: b"none"))
+    assert received == [None, b"state at 7"] and a.participating() and not b.participating()
+    together(lambda: a.allgather(piece(0, 7)), lambda: b.allgather(piece(1, 7)))
+    assert a.commit() and b.commit() and b.participating()
+    # Rank 1 is lost and restarted: it asks for a quorum at once, and joins the live member's next one.
+    b.close()
+    again = elastic.HubEngine(h.hub.address, 1)
+    received = together(lambda: again.quorum(0, None), lambda: (time.sleep(0.2), a.quorum(9, lambda: b"state at 9"))[1])
+    assert received == [b"state at 9", None] and again.participants() == 2
+    for e in (a, again):
+        e.close(finished=True)
+
+
+def test_a_member_that_owes_its_piece_past_the_stall_timeout_is_left_out(hub):
+    h = hub(2)
+    a, b = elastic.HubEngine(h.hub.address, 0), elastic.HubEngine(h.hub.address, 1)
+    a.set_timeout(0.5)  # (the members' --stall-timeout)
+    together(lambda: a.quorum(0, None), lambda: b.quorum(0, None))
+    assert a.allgather(piece(0, 0)) == [] and not a.commit()  # rank 1 sent nothing (stopped, say)
+    assert h.hub.stalled == [1], h.hub.events
+    assert any(line.startswith("rank 1 stalled: sent nothing for exchange 1 of its quorum within 0.5 s")
+               for line in h.hub.events), h.hub.events
+    assert a.quorum(1, None) is None and a.participants() == 1  # the quorum without it
+    a.close(finished=True)
+    b.close()
+
+
+def test_a_stop_reaches_every_member_and_a_joiner_asking_while_the_run_stops_is_told_it_ended(hub):
+    h = hub(2, join_timeout_s=0)  # (the start's quorum does not wait for rank 1)
+    stops = []
+    a = elastic.HubEngine(h.hub.address, 0)
+    a.on_stop = lambda: stops.append(0)
+    assert a.quorum(0, None) is None  # (alone, once the start's wait is over)
+    with h.lock:
+        h.hub.request_stop()
+    late = elastic.HubEngine(h.hub.address, 1)
+    with pytest.raises(elastic.QuorumLost) as ended:
+        late.quorum(0, None)
+    assert ended.value.ended
+    a.allgather(piece(0, 0))
+    assert stops == [0]  # the stop came before the exchange's pieces
+    a.close(finished=True)
+    late.close()
 
 
 def test_a_stop_signal_while_a_process_compiles_ends_it_with_75_before_it_joins(hub, capsys):
     """A process that joins compiles first (a minute on a slow machine); a SIGTERM then (a preemption,
     or the launcher dying: PR_SET_PDEATHSIG) must not kill it silently with 143, nor let it join."""
     from jaxdp.cluster.preemption import Preemption
+    from jaxdp.elastic.workers import HubWorker
     from jaxdp.loop.trainer import _join
 
     class Compiling:  # the elastic step's warm_up, during which the signal arrives
@@ -138,60 +172,15 @@ def test_a_stop_signal_while_a_process_compiles_ends_it_with_75_before_it_joins(
             os.kill(os.getpid(), signal.SIGTERM)
 
     h = hub(2)
-    member, preemption = elastic.Member(h.hub.address, 1, 2), Preemption()
+    member, preemption = HubWorker(h.hub.address, 1, 2), Preemption()  # (a restarted one: it says hello once compiled)
     try:
         with pytest.raises(SystemExit) as stopped:
             _join(member, {"w": np.zeros(2)}, None, Compiling(), lambda step: None, preemption)
     finally:
         preemption.close()
-    assert stopped.value.code == 75 and member.sock is None
+    assert stopped.value.code == 75 and member.engine is None
     assert capsys.readouterr().err == "jaxdp: rank 1: SIGTERM before this process joined; exit code 75\n"
-    assert not any("rank 1" in line for line in h.hub.events)  # it never said hello
-
-
-def test_with_no_live_holder_rank_0_becomes_the_source_again(hub):
-    h = hub(2)
-    a, b = elastic.Member(h.hub.address, 0, 2), elastic.Member(h.hub.address, 1, 2)
-    assert a.connect() is True and b.connect() is False
-    a.close()  # the only holder is gone before any step: rank 1 waits for rank 0
-    deadline = time.monotonic() + 10
-    while h.hub.holders and time.monotonic() < deadline:
-        time.sleep(0.01)
-    again = elastic.Member(h.hub.address, 0, 2)
-    assert again.connect() is True
-    out = {}
-    first = threading.Thread(target=member_loop, args=(again, range(7, 8), out))
-    first.start()  # (the source restored step 7 from its checkpoint, say)
-    step, _ = b.receive_state()
-    first.join()
-    assert step == 8
-    for got, want in zip(out[7][0], expected(7, 2)):
-        np.testing.assert_array_equal(got, want)
-    again.close(finished=True)
-    b.close(finished=True)
-
-
-def test_a_member_that_owes_its_part_past_the_stall_timeout_is_left_out_and_its_shard_computed_by_another(hub):
-    h = hub(2)
-    a, b = elastic.Member(h.hub.address, 0, 2), elastic.Member(h.hub.address, 1, 2)
-    a.stall_timeout = b.stall_timeout = 0.5  # (the members' --stall-timeout, told in their hellos)
-    assert a.connect() is True and b.connect() is False
-    out = {}
-    first = threading.Thread(target=member_loop, args=(a, range(0, 1), out))
-    first.start()
-    b.receive_state()
-    first.join()
-    # Step 1: rank 1 sends nothing (stopped, say); rank 0 is asked for shard 1 and gets the whole total.
-    second = threading.Thread(target=member_loop, args=(a, range(1, 2), out), daemon=True)
-    second.start()
-    second.join(timeout=60)
-    assert 1 in out, f"rank 0 still waits for rank 1's part of step 1: {h.hub.events}"
-    for got, want in zip(out[1][0], expected(1, 2)):
-        np.testing.assert_array_equal(got, want)
-    assert out[1][1] == [0, 1] and h.hub.stalled == [1], h.hub.events
-    assert any(line.startswith("rank 1 stalled: sent nothing for step 1 within 0.5 s") for line in h.hub.events)
-    a.close(finished=True)
-    b.close()
+    assert not h.hub.conns  # it never said hello
 
 
 @pytest.mark.slow  # over 3 s on 2 cores
@@ -204,9 +193,9 @@ def test_elastic_flags_are_checked(tmp_path):
                   "--nproc-per-node", "1", "--", PY, "-c", "pass")
     assert proc.returncode == 2 and "--elastic with the hub runs on one node" in proc.stderr
     proc = launch("--elastic", "--nproc-per-node", "2", "--max-restarts", "3", "--", PY, "-m", "jaxdp.train",
-                  "--devices", "1", "--steps", "2", "--no-progress")
+                  "--devices", "1", "--steps", "2", "--no-progress", "--shard-optimizer")
     assert proc.returncode == 2, proc.stderr
-    assert "--strategy" in proc.stderr and "use strategy='host'" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "--shard-optimizer" in proc.stderr and "shard_optimizer=" not in proc.stderr and "Traceback" not in proc.stderr
     assert "restarting" not in proc.stderr
     from jaxdp.sync import rules
 
@@ -363,7 +352,9 @@ def test_a_killed_launcher_leaves_rank_0_saving_the_state_and_every_member_exiti
             os.kill(pid, signal.SIGKILL)
     text = run.text()
     step = run.saved()  # rank 0 saved the step it held (no checkpoint before: --save-every 100000)
-    assert step >= 20 and "jaxdp: preempted (the launcher is gone)" in text, text
+    # rank 0's stop: its SIGTERM (PR_SET_PDEATHSIG) or its lost connection, whichever it saw first
+    assert step >= 20 and ("jaxdp: preempted (the launcher is gone)" in text
+                           or "jaxdp: preempted (rank 0 lost the launcher at " in text), text
     assert f"saved step {step} to {run.ckpt}, exit code 75" in text, text
     # rank 1 lost the launcher while training, or (a slow join under load) got its SIGTERM or lost the
     # launcher while it was still compiling or joining: exit code 75 all the same, said in one line
@@ -378,9 +369,11 @@ def test_a_stopped_member_is_left_out_after_the_stall_timeout_and_sigterm_stops_
     run = Run(tmp_path, "--stall-timeout", "3", max_restarts=1)
     stopped = []
     try:
-        # Rank 1 must have joined: on a loaded machine rank 0 trains alone while rank 1 compiles, and a
-        # process stopped before it joins is no member for the hub to leave out.
-        run.wait_for(lambda: run.reached() >= 20 and "rank 1 joined" in run.text(), "step 20 with rank 1 joined")
+        # Rank 1 must be a member: the run's first quorum waits for it, but on a loaded machine rank 0 may
+        # train alone while rank 1 compiles (then it joins later), and a process stopped before it joins
+        # is no member for the hub to leave out.
+        run.wait_for(lambda: run.reached() >= 20 and ("live ranks [0]" not in run.text() or "rank 1 joined" in run.text()),
+                     "step 20 with rank 1 a member")
         joins = run.text().count("rank 1 joined")
         first = run.members()
         stopped.append(first[1])
@@ -411,3 +404,41 @@ def test_a_stopped_member_is_left_out_after_the_stall_timeout_and_sigterm_stops_
     assert " 3 s (--stall-timeout)" in text.split("rank 1 stalled: ", 1)[1].splitlines()[0], text
     assert run.saved() >= at + 10
     assert "all 2 processes ended (1 restart); exit code 75" in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# Every update rule on the hub: the rules are written once against the engine (jaxdp/elastic/workers.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _metrics(path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())
+            if "loss" in r and r.get("event") is None}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("flags, devices", [
+    (("--shard-params", "--strategy", "psum"), 2),     # every step, the layout cut over each worker's devices
+    (("--sync-every", "4", "--strategy", "psum"), 1),  # H local steps, DiLoCo's outer step at each round's end
+], ids=["shard-params", "local-steps"])
+def test_undisturbed_on_the_hub_a_rule_trains_as_a_static_mesh_of_as_many_devices(tmp_path, flags, devices):
+    steps = 16
+    common = [*flags, "--steps", str(steps), "--no-progress", "--log-every", "1", "--save-every", str(steps)]
+    elastic_run = subprocess.run([PY, "-m", "jaxdp.launch", "--elastic", "--nproc-per-node", "2", "--", PY, "-m",
+                                  "jaxdp.train", "--devices", str(devices), *common, "--checkpoint-dir", "ckpt",
+                                  "--metrics-file", "elastic.jsonl"],
+                                 cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert elastic_run.returncode == 0, elastic_run.stderr
+    static_run = subprocess.run([PY, "-m", "jaxdp.train", "--devices", str(2 * devices), *common, "--checkpoint-dir",
+                                 "static", "--metrics-file", "static.jsonl"],
+                                cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert static_run.returncode == 0, static_run.stderr
+    if "--sync-every" in flags:  # local steps: the global parameters and the outer state, bit for bit
+        sums = [{k: v for k, v in json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()).items()
+                 if "per_device" not in k} for d in ("ckpt", "static")]
+        assert sums[0] == sums[1] and any("outer" in k for k in sums[0])
+    else:  # every step: each step's loss
+        elastic_losses, static_losses = _metrics(tmp_path / "elastic.jsonl"), _metrics(tmp_path / "static.jsonl")
+        assert sorted(elastic_losses) == sorted(static_losses) == list(range(1, steps + 1))
+        assert max(abs(elastic_losses[s] - static_losses[s]) / abs(static_losses[s]) for s in static_losses) < 1e-6

@@ -1,16 +1,21 @@
 """Elastic runs: workers that come and go while the others train on (`jaxdp.launch --elastic`).
 
-Two engines decide who averages across workers when the population changes:
+Who averages across workers when the population changes is one seam, the engine: a quorum (who
+takes part; a worker behind gets a live peer's state), an all-gather of one byte piece per worker,
+and a commit (whether the quorum's exchanges went through). Two implement it:
 
-* the launcher's hub (`hub.Member`; `--elastic-engine hub`, the default): one node, no torch; the
-  launcher sums every shard's gradients and hands a joiner the state.
-* torchft (`ft.FtMember`; `--elastic-engine torchft`): a Lighthouse quorum across nodes, a lost worker
-  healed from a live peer's state, the lead agreed in each exchange.
+* the launcher's hub (`hub.HubEngine`; `--elastic-engine hub`, the default): one node, no torch;
+  the launcher forms the quorums and relays the pieces (jaxdp/launcher/hub.py).
+* torchft (`ft.TorchftEngine`; `--elastic-engine torchft`): a Lighthouse quorum across nodes, gloo's
+  all-gather, a lost worker healed over torchft's checkpoint transport.
+
+The update rules are written once against it: every step (every_step.py, byte rows made on the
+devices by rows.py), H local steps (rounds.py), timed rounds (timed.py) and overlapped rounds
+(overlap.py). So every rule runs on either engine.
 
 This package is behind a one-way wall: nothing else in jaxdp imports it but the entry points
-(`jaxdp.train` builds the member with `from_env`, `jaxdp.launch` runs the hub) and the benchmarks.
-The training loop (jaxdp/loop/) sees a member only through the attributes and methods both engines
-have, so an engine is a parameter of the loop, not a program beside it:
+(`jaxdp.train` builds the worker with `from_env`, `jaxdp.launch` runs the hub), the launcher and
+the benchmarks. The training loop (jaxdp/loop/) sees a worker (workers.py) only through these:
 
     member.rank, member.size, member.lead         # who this worker is, and whether it leads now
     member.kind, member.lead_moves, member.Gone   # the engine's name, whether the lead can move, its "peers gone" error
@@ -19,12 +24,6 @@ have, so an engine is a parameter of the loop, not a program beside it:
     member.connect(), member.receive_state()      # join; a live peer's state, if one is handed over
     member.settle(state), member.state_from(template, payload)   # the state to start from
     member.ask_stop(), member.leaves(orphaned), member.close(finished)
-
-The transports are hub.py and ft.py (no JAX: the launcher imports them; network.py is what a torchft
-worker shows the network); workers.py puts the update rules on top of them. The update rules behind
-`make_step`: every step (every_step.py: the host path, the hub's sum or torchft's rows, rows.py, coded
-by RowCoder there), H local steps (rounds.py), timed rounds (timed.py) and overlapped rounds
-(overlap.py).
 """
 
 from __future__ import annotations

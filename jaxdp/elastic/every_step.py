@@ -1,11 +1,8 @@
-"""The every-step rule of an elastic run, for both engines: the host path, its sum across processes
-done by the launcher's hub (`make_elastic_step`) or by torchft (`make_ft_step`), and the state a joining
-process receives (`state_arrays`, `state_from_arrays`).
+"""The every-step rule of an elastic run (`make_ft_step`), written once against the engine (the
+launcher's hub or torchft: jaxdp/elastic/hub.py, ft.py), and the state a joining process receives
+(`state_arrays`, `state_from_arrays`).
 
-The hub: each step every shard's gradient sum over this process's devices goes to the launcher
-(jaxdp/elastic/hub.py), which adds the shards in shard order and sends the total back.
-
-torchft: each call takes the quorum (who takes part; a behind worker is healed there), every QUORUM_SECONDS while
+Each call takes the quorum (who takes part; a behind worker is healed there), every QUORUM_SECONDS while
 nothing fails and started on torchft's thread while this worker computes its shard; every worker taking part sums
 its own shard over its devices (in device order, or by psum or the ring) and sends it as raw bytes in
 one row, whose header also says that it takes part and whether it asks to stop: one all-gather gives
@@ -15,7 +12,7 @@ stalled mid-step) does the same step again over the new quorum, from the same st
 shard of that step is computed by a survivor, and no shard is counted twice. A row is made, and the
 rows are read, on the devices (jaxdp/elastic/rows.py: one program each, then the update; a step
 crosses to the host once each way, as bytes); the total is added in shard order, so the result is
-the same to the bit whoever computed what (with --strategy host, the hub's).
+the same to the bit whoever computed what (with --strategy host, a one-process run's of the same global batch).
 A shard whose sums are not finite crosses as a tag alone and is left out of the step's mean (named
 once by the lowest live rank), instead of stopping the run.
 """
@@ -28,82 +25,18 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxdp.mesh import data_axes, replicate, shard_batch
+from jaxdp.mesh import data_axes, shard_batch
 from jaxdp.step import fsdp
 from jaxdp.step.state import TrainState
-from jaxdp.step.train_step import TrainStep, _accumulated, _host_metrics, _host_programs, _local_grads_fn
-from jaxdp.sync import host
+from jaxdp.step.train_step import TrainStep, _accumulated, _host_programs, _local_grads_fn
 from jaxdp.sync.spec import SyncSpec
 
 Batch = Any
 Metrics = dict
-
-
-def make_elastic_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                      shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
-                      grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
-    """The host path of an elastic run (jaxdp/elastic/hub.py): `mesh` is this process's devices,
-    `member` its link to the launcher, `shard_data(step, shard)` any shard's host rows of a step,
-    `spec` the run's sync choices (the host strategy, nothing else: jaxdp/sync/rules.py).
-
-    Each call sums the gradients over this process's devices for every shard it computes (its
-    own from `batch`, others' from `shard_data` while their processes are lost), sends the sums,
-    gets the total over all `member.size` shards back, and applies the mean. When the launcher
-    asks, it then sends the new state to a process that joins.
-    """
-    from jaxdp.elastic import hub as elastic
-
-    local_grads = _accumulated(_local_grads_fn(loss_fn, stateful, data_axes(mesh)), grad_accum)
-    grads_fn, update_fn, to_host = _host_programs(local_grads, tx, mesh)
-    devices = member.size * mesh.size
-
-    def shard_sum(state: TrainState, batch: Batch) -> tuple[Any, list[np.ndarray]]:
-        return host.device_sum(to_host(state, batch))  # as host_mean adds them
-
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        at = int(jax.device_get(state.step))  # host sync point (the host path has one anyway)
-        shard_batch_at = lambda shard: batch if shard == member.rank else shard_batch(shard_data(at, shard), mesh)  # noqa: E731
-        partials = {shard: shard_sum(state, shard_batch_at(shard)) for shard in member.shards}
-        treedef, like = next(iter(partials.values())) if partials else shard_sum(state, batch)
-        try:
-            payload, donate = member.reduce(at, {shard: sums for shard, (_, sums) in partials.items()},
-                                            lambda shard: shard_sum(state, shard_batch_at(shard))[1])
-        except (elastic.Lost, OSError) as err:  # the launcher is gone: the loop stops with `state` (rank 0 saves it)
-            raise elastic.HubGone(f"rank {member.rank} lost the launcher at {member.address} at step {at} ({err})") from None
-        totals = elastic.unpack(payload, like)
-        means = [(t / devices).astype(t.dtype, copy=False) for t in totals]
-        metrics, model_state, grads = jax.tree.unflatten(treedef, means)
-        metrics = _host_metrics(dict(metrics), grads, grad_norm)
-        grads, model_state = replicate((grads, model_state), mesh)
-        state = update_fn(state, grads, model_state)
-        if donate:
-            try:
-                member.send_state(at + 1, state_arrays(state))
-            except (elastic.Lost, OSError):
-                pass  # the launcher is gone: the next step finds out, and the loop stops with this state
-        return state, metrics
-
-    made = TrainStep(step, grads_fn, tx, spec, local_grads)
-    made.warm_up = warm_up_fn(shard_sum, update_fn, mesh)
-    return made
-
-
-def warm_up_fn(shard_sum: Callable, update_fn: Callable, mesh: Mesh) -> Callable[[TrainState, Batch], None]:
-    """`warm_up(state, batch)`: compile an elastic step's two programs (a shard's sums, the update) on a
-    copy of `state`; a process that joins a run does this first (the hub's and torchft's steps alike)."""
-
-    def warm_up(state: TrainState, batch: Batch) -> None:
-        treedef, sums = shard_sum(state, batch)
-        copy = jax.tree.map(jnp.copy, state)
-        _, model_state, grads = jax.tree.unflatten(treedef, sums)
-        jax.block_until_ready(update_fn(copy, *replicate((grads, model_state), mesh)))
-
-    return warm_up
 
 
 def state_arrays(state: TrainState) -> list[np.ndarray]:
@@ -402,7 +335,8 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
         if received is None and member.rank != 0 and alone(member):  # (its peers may be starting still)
             received = wait_for_a_peer(member, state, at)
     except ft.QuorumLost as err:
-        line = (ft.lost_line(member, err, "before its first step") if err.lighthouse_gone else
+        line = (f"rank {member.rank}: the run stopped before this worker joined" if err.ended else
+                ft.lost_line(member, err, "before its first step") if err.lighthouse_gone else
                 f"rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err})")
         print(f"jaxdp: {line}; exit code {EXIT_PREEMPTED}", file=sys.stderr)
         member.close()
@@ -429,7 +363,7 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
 
 def alone(member: Any) -> bool:
     """Whether a restarted worker's last quorum held no other worker."""
-    return member.restarted and member.engine.manager.num_participants() <= 1
+    return member.restarted and member.engine.participants() <= 1
 
 
 def wait_for_a_peer(member: Any, state: Any, at: int) -> bytes | None:

@@ -1,37 +1,37 @@
-"""Elastic runs on torchft: membership, transport and state transfer behind a small seam.
+"""Elastic runs on torchft: the engine (who averages across workers) over a Lighthouse and gloo.
 
     python -m jaxdp.launch --elastic --elastic-engine torchft --nproc-per-node 2 --max-restarts 100 -- \\
         python -m jaxdp.train --strategy host --devices 1 --checkpoint-dir ckpt --save-every 100
 
-A worker is one process with its own devices (a one-process JAX program, as in jaxdp/elastic/hub.py).
-Across workers everything goes through an `Engine`:
+A worker is one process with its own devices (a one-process JAX program). Across workers everything
+goes through an engine, whose methods the update rules call (jaxdp/elastic/every_step.py, rounds.py,
+timed.py, overlap.py); the launcher's hub is the other (jaxdp/elastic/hub.py, `HubEngine`):
 
-* `quorum(step, state_fn)`: agree on who takes part in this step (torchft's Lighthouse); a worker that is
-  behind (a new or restarted one) gets the live state from a peer here (`state_fn` of the peer: never a
+* `quorum(step, state_fn)`: agree on who takes part (here torchft's Lighthouse); a worker that is behind
+  (a new or restarted one) gets the live state from a peer here (`state_fn` of the peer: never a
   checkpoint). Returns the received state's bytes, or None. `begin` and `settled` are its two halves:
   the quorum runs on torchft's thread in between, while the worker computes.
-* `participating()`: whether this worker takes part in this step (the step's rows say so to the others).
+* `participating()`: whether this worker takes part in this step (the step's rows say so to the others);
+  `participants()`: how many the quorum has.
 * `allgather(piece)`: every worker's `piece` (the step's rows of the shards each computed).
-* `commit()`: whether this step's exchanges all went through (else the step is done again, over the new quorum).
+* `commit()`: whether this quorum's exchanges all went through (else the step is done again, over a new quorum).
 
-`TorchftEngine` is the first (and only) implementation: `torchft.Manager` with `ProcessGroupGloo`, a
-Lighthouse in the launcher (jaxdp/launcher/ft.py). JAX's own `live_devices` could take its place once a
-process can rejoin on CPU (docs/multihost.md, "Elastic runs on torchft").
+`TorchftEngine` is torchft's `Manager` with `ProcessGroupGloo`, a Lighthouse in the launcher
+(jaxdp/launcher/ft.py). JAX's own `live_devices` could take its place once a process can rejoin on
+CPU (docs/multihost.md, "Elastic runs on torchft").
 
 Bit-equal sums whatever the membership: gloo's sum order changes with the members, so each worker
 sends the gradient sums of the shards it computes as raw bytes, each row tagged with its shard, to
-every other (all-gathers), and every worker adds the `size` shards in shard order on the host, as
-the hub does (jaxdp/elastic/hub.py). Each worker receives the other workers' rows: N - 1 sums'
-bytes, where a ring all-reduce of one sum would cost about 2: fine for a few workers, not for many.
+every other (all-gathers), and every worker adds the `size` shards in shard order on the host. Each
+worker receives the other workers' rows: N - 1 sums' bytes, where a ring all-reduce of one sum would
+cost about 2: fine for a few workers, not for many.
 
-`FtMember` speaks the Member interface the training loop knows (connect, receive_state, close, ...),
-and `make_step` builds its step (jaxdp/elastic/every_step.py). This module imports torchft (and torch)
-only when a run uses it: without it, one line says `pip install 'jaxdp-trainer[elastic]'`.
+This module imports torchft (and torch) only when a run uses it: without it, one line says
+`pip install 'jaxdp-trainer[elastic]'`.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from datetime import timedelta
@@ -43,17 +43,10 @@ from jaxdp.cluster.ft_env import (  # noqa: F401 (the run's variables and the Li
     ENV_LIGHTHOUSE, ENV_LIGHTHOUSE_HERE, ENV_MIN, ENV_QUORUM_TIMEOUT, ENV_RANK, ENV_RESTART, ENV_SIZE, INSTALL, assign, require_torchft,
     start_lighthouse,
 )
-from jaxdp.elastic.hub import HubGone, Lost
+from jaxdp.elastic.hub import QuorumLost  # noqa: F401 (every engine's; importable from here too)
 from jaxdp.elastic.network import (  # noqa: F401 (what the worker shows the network: importable from here too)
     Member, _Recording, advertised_host, bound_to, listening, member_of, replica_id, same_ip, transport,
 )
-
-
-class QuorumLost(Exception):
-    """No quorum of --min-workers workers within the quorum timeout (or the Lighthouse is gone:
-    `lighthouse_gone`, where its address no longer takes a connection)."""
-
-    lighthouse_gone = False
 
 
 def reachable(lighthouse: str, timeout_s: float = 2.0) -> bool:
@@ -68,7 +61,9 @@ def reachable(lighthouse: str, timeout_s: float = 2.0) -> bool:
 
 
 def lost_line(member: Any, err: QuorumLost, where: str) -> str:
-    """The line for a lost quorum `where` ("at step 12"): the Lighthouse gone, or too few live workers."""
+    """The line for a lost quorum `where` ("at step 12"): the hub or the Lighthouse gone, or too few live workers."""
+    if err.lighthouse_gone and member.kind == "hub":
+        return f"rank {member.rank} lost the launcher at {member.address} {where} ({err})"
     if err.lighthouse_gone:
         return f"rank {member.rank}: the Lighthouse at {member.lighthouse.split('://', 1)[-1].rstrip('/')} went away {where}"
     return (f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
@@ -220,148 +215,12 @@ class TorchftEngine:
             manager._batches_committed += manager.num_participants()
         return ok
 
-    def step(self) -> int:
-        return self.manager.current_step()
+    def participants(self) -> int:
+        """How many workers the last quorum has."""
+        return int(self.manager.num_participants())
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
         try:
             self.manager.shutdown(wait=False)
         except Exception:
             pass
-
-
-class FtMember:
-    """One worker of an elastic run on torchft, as the training loop sees a member (jaxdp/loop/trainer.py)."""
-
-    def __init__(self, lighthouse: str, rank: int, size: int, min_workers: int = 1, quorum_timeout_s: float = 60.0):
-        self.lighthouse, self.rank, self.size = lighthouse, rank, size
-        self.address = lighthouse
-        self.min_workers, self.quorum_timeout_s = min_workers, quorum_timeout_s
-        self.stall_timeout: float | None = None
-        self.shards: list[int] = [rank]
-        self.stop = False
-        self.stop_asked = False
-        self.sock = None            # (the loop's test for "had joined" when a join fails)
-        self.engine: TorchftEngine | None = None
-        self.fresh_quorum = False   # the join's quorum is also the first step's
-        self.pending_round = False  # (local steps) healed at a peer's round end: that round's exchange first
-        self.fresh = False          # at the run's start, no step applied yet: its first steps wait for rank 0
-        self.live: list[int] = list(range(size))
-        self.restarted = False      # started again by the launcher while other workers were live
-        self.leader: int | None = 0  # the rank that leads, as the last exchange's rows said (None: not known yet)
-        self.alone = False          # restarted, and its first quorum found no live worker
-        self.lighthouse_here = True  # its launcher hosts the Lighthouse: that launcher's end ends the run (`leave`)
-        self.flags = ""             # its flags' prints (jaxdp/cluster/agreement.py; "": not known, not compared)
-        self.quorums = 0            # quorums taken so far
-
-    kind = "torchft"      # the engine's name, as --elastic-engine says it (jaxdp/sync/rules.py checks by it)
-    lead_moves = True     # the lead is agreed in each exchange's rows (jaxdp/loop/lead.py)
-    Gone = HubGone        # what a step raises when the quorum is lost for --quorum-timeout (the loop stops with its state)
-
-    @property
-    def lead(self) -> bool:
-        """Whether this worker writes the metrics, saves the checkpoints and evaluates (jaxdp/loop/lead.py)."""
-        return self.leader == self.rank
-
-    def start(self) -> None:
-        """Create the engine: from here on the Lighthouse sees this worker's heartbeats (and a quorum at
-        the start waits for it, up to the Lighthouse's join timeout)."""
-        if self.engine is None:
-            self.engine = TorchftEngine(self.lighthouse, self.rank, self.size, self.min_workers,
-                                        self.stall_timeout or 20.0, self.quorum_timeout_s, self.flags)
-            self.engine.on_quorum = self.agree
-
-    def connect(self) -> bool:
-        """True: every worker starts from its own state (rank 0 restores the checkpoint), and `settle`
-        then takes the live peers' state if theirs is further on."""
-
-        try:
-            self.start()
-            if self.stall_timeout:
-                self.engine.set_timeout(self.stall_timeout)
-        except RuntimeError as err:
-            raise Lost(f"cannot reach the Lighthouse at {self.lighthouse}: {err}") from None
-        return True
-
-    def agree(self) -> None:
-        """After each quorum until this worker has trained (its first, and any while it waits for the
-        run's first step: `fresh`): ConfigError (exit 2) where another member has its rank (a
-        --node-rank given to two launchers) or trains with other flags (the first that differs named, as
-        jaxdp/cluster/agreement.py names it). At the run's start every worker refuses; a joiner refuses
-        alone, and the workers that trained before it train on (its leaving is a lost worker's)."""
-        from jaxdp.cluster import agreement
-        from jaxdp.config import ConfigError
-
-        self.quorums += 1
-        if self.quorums > 1 and not self.fresh:
-            return
-        members = self.engine.members if self.engine is not None else []
-        twins = [m for m in members if m.rank == self.rank]
-        message = None
-        if len(twins) > 1:
-            message = (f"rank {self.rank} is taken: {len(twins)} live workers of this run have it (at "
-                       f"{', '.join(sorted({m.host or '?' for m in twins}))}); give each launcher its own --node-rank "
-                       f"(0 .. --nnodes - 1)")
-        for other in members:
-            flag = agreement.first_differing(self.flags, other.flags) if self.flags and other.flags else None
-            if message is None and flag is not None:
-                message = (f"{flag} differs between workers (rank {self.rank}'s is not rank {other.rank}'s); start every "
-                           f"worker with the same flags (only "
-                           f"{', '.join('--' + f.replace('_', '-') for f in agreement.PER_PROCESS)} may differ)")
-        if message is not None:
-            self.close()
-            raise ConfigError(message)
-
-    def receive_state(self) -> None:
-        return None  # (connect says True: never asked)
-
-    def say(self, line: str) -> None:
-        """One line from the lowest live rank."""
-        if self.live and self.rank == min(self.live):
-            print(f"jaxdp: {line}", file=sys.stderr, flush=True)
-
-    def ask_stop(self) -> None:
-        self.stop_asked = True
-
-    def leaves(self, orphaned: bool) -> bool:
-        """Whether a stop signal means this worker alone leaves the run, rather than a stop of every
-        worker: its launcher is gone (`orphaned`: the signal was its PR_SET_PDEATHSIG, as when a node's
-        launcher is killed or its machine goes down) and did not host the Lighthouse (another node's
-        launcher, or --lighthouse, does): the others train on without it, as after a kill. Where the
-        launcher hosted the Lighthouse, the run cannot go on without it: every worker stops, the lead saves."""
-        return orphaned and not self.lighthouse_here
-
-    def leave(self) -> None:
-        """Leave the run at once (`leaves`): no save, exit code 75 (nobody is left to restart it)."""
-        from jaxdp.errors import EXIT_PREEMPTED
-
-        print(f"jaxdp: rank {self.rank}: its launcher is gone: this worker leaves the run, the others train on "
-              f"without it; exit code {EXIT_PREEMPTED}", file=sys.stderr, flush=True)
-        self.close()
-        raise SystemExit(EXIT_PREEMPTED)
-
-    def close(self, finished: bool = False) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-
-
-def from_env(environ: dict | None = None, kind: type = FtMember, flags: str = "") -> FtMember | None:
-    """The worker `jaxdp.launch --elastic --elastic-engine torchft` set up in this environment (a `kind`,
-    FtMember or a subclass: jaxdp/elastic/workers.py), or None. `flags`: the prints of the run's config
-    (jaxdp/cluster/agreement.py, `prints`), which every quorum compares ("": not compared)."""
-    environ = os.environ if environ is None else environ
-    lighthouse = environ.get(ENV_LIGHTHOUSE)
-    if not lighthouse:
-        return None
-    require_torchft()
-    member = kind(lighthouse, int(environ[ENV_RANK]), int(environ[ENV_SIZE]), int(environ.get(ENV_MIN, "1")),
-                  float(environ.get(ENV_QUORUM_TIMEOUT, "60")))
-    member.flags = flags
-    member.restarted = bool(environ.get(ENV_RESTART))
-    member.lighthouse_here = bool(environ.get(ENV_LIGHTHOUSE_HERE))
-    if member.restarted:  # the live workers' rows say who leads
-        member.leader = None
-    else:  # the start: heartbeat now, so the first quorum waits for every worker
-        member.start()
-    return member

@@ -1,4 +1,5 @@
-"""Elastic runs: a lost process is restarted alone while the others train on (`jaxdp.launch --elastic`).
+"""Elastic runs on the launcher's hub: a lost process is restarted alone while the others train on
+(`jaxdp.launch --elastic`, one node, no torch).
 
     python -m jaxdp.launch --elastic --nproc-per-node 2 --max-restarts 100 -- \\
         python -m jaxdp.train --strategy host --devices 1 --checkpoint-dir ckpt --save-every 100
@@ -9,55 +10,42 @@ collectives have no way to leave a dead peer out. So a plain multi-process run t
 process must stop every process and restart all of them from the last checkpoint (what
 `jaxdp.launch --max-restarts` does, like torchrun): every kill costs every process's start-up and
 the steps since the last save. An elastic run keeps JAX inside each process (every process is a
-one-process JAX program over its own devices) and sums the gradients across processes on the host,
-through the launcher, whose membership can change at any step. That is the `host` strategy's
-data path with a transport that survives a lost member.
+one-process JAX program over its own devices) and exchanges across processes on the host, through a
+transport whose membership can change at any step.
 
-The run is `size` shards (the processes it starts with, their ranks). Shard s of step t is the rows
-process s of a `size`-process run would read (`Dataset.train_batch(..., s, size)`: a pure function of
-seed, shard and step). Each step every shard's gradient sum over its devices goes to the launcher,
-which adds the `size` sums in shard order and sends the total back; every process applies the same
-optax update. Which process computed a shard does not change a bit of the result (the same program
-on the same inputs), so an elastic run that loses processes ends with exactly the parameters of one
-that lost none:
+Who averages across workers is one seam, the engine (`HubEngine` here, `ft.TorchftEngine` on
+torchft): a quorum (who takes part; a worker that is behind gets a live peer's state there), an
+all-gather of one byte piece per member, and a commit (whether this quorum's exchanges all went
+through). The update rules are written once against it (jaxdp/elastic/every_step.py, rounds.py,
+timed.py, overlap.py), so every rule runs on either engine.
 
-* a process that dies (the launcher sees its socket close at once) leaves its shards to the live
-  process with the fewest; a shard of the step in flight that it had not sent yet is computed
-  there too, from the same state. No step is lost or recomputed but that one shard.
-* the launcher starts the lost rank again; the new process compiles its programs (from the
-  persistent compilation cache), then joins: at the end of the next step a live process sends it
-  the train state (through the launcher) and the shard goes back to it. No checkpoint is read.
-* when no live process holds the state (the start, or all lost at once), rank 0 becomes the source:
-  it restores the latest checkpoint (or initialises) and the others join from it.
+The hub (`jaxdp.launcher.hub.Hub`, inside the launcher) is that seam over localhost sockets:
 
-Rank 0 (whichever process runs it) writes the metrics, the checkpoints and the evaluation, as process
-0 does in a plain run; while it restarts, the others train on and it catches up with the state.
-A preemption signal (to the launcher, or to any process) stops every process after the same step,
-rank 0 saving it (exit 75). Scope: the `host` strategy (the sum is on the host anyway), no
-compression, local steps, ZeRO-1 or `--sync-seconds`; one node (the launcher is the hub). Every
-process sends its shard's gradients to the launcher and gets the total back (a star over
-localhost): twice a ring's bytes, which is what a local star costs. A stopped process (SIGSTOP) is
-left out after the stall timeout (below).
+* quorum: every member of the last quorum asks (the rules take one at the same step, from what
+  every worker's rows said); joiners that asked meanwhile are let in. The furthest member's state
+  goes to the members behind (a new or restarted process: no checkpoint is read). At the start the
+  hub waits for every rank up to JOIN_TIMEOUT_S.
+* all-gather: every member's piece, in rank order, to every member; a member lost or stalled before
+  its piece fails this exchange and every later one of its quorum (`commit` says False, and the rule
+  does the step again over a new quorum).
 
-Wire: jaxdp/cluster/wire.py's messages (a JSON header, the arrays as raw bytes in an order both sides know
-in the payload). The ops:
+Wire: jaxdp/cluster/wire.py's messages (a JSON header, raw bytes after it).
 
-    process -> launcher: hello {rank, stall_timeout}; partial {step, shard, layout} + arrays; state
-                         {step} + the train state; stop {} (a preemption signal arrived here); bye {}
-    launcher -> process: welcome {source}; also {step, shards}; total {step, shards, donate,
-                         stop} + arrays; state {step, shards} + the train state; stop {}
+    member -> hub: hello {rank, pid}; timeout {seconds}; quorum {step}; state {} + its state's bytes;
+                   gather {index} + a piece; bye {}
+    hub -> member: quorum {members, heal, donate} (+ the state, healing); gathered {count} + the
+                   pieces; failed {}; stop {}; ended {}
 
 The hub reads every connection without blocking (`wire.Reader`), so a connection that sends half a
 message or nothing stalls no one. A connection that sends something that is not one of these
 messages is dropped with one line naming it (a member's counts as lost); one that sends no hello
-within the stall timeout is dropped too. A member that owes its part of a step `stall_timeout`
+within the stall timeout is dropped too. A member that owes its quorum or its piece `stall_timeout`
 seconds (the members' --stall-timeout) after another member sent its own is left out and named as
-stalled (its shards go to the others, as a lost member's do); the launcher kills it, and restarts it
-as a lost one. A member whose hub goes away (the launcher was killed) stops after the step it has:
-rank 0 saves it (`HubGone`, then exit 75 in every member).
+stalled; the launcher kills it, and restarts it as a lost one. A preemption signal to the launcher
+reaches every member as `stop` (its next row asks every worker to stop after the same step); a
+member whose hub goes away stops with the state it holds (the lead saves it; exit 75).
 
-This module holds no JAX: the launcher imports it. The hub is `jaxdp.launcher.hub.Hub`; the step
-that uses `Member` is `jaxdp.elastic.every_step.make_elastic_step`.
+This module holds no JAX: the launcher imports it.
 """
 
 from __future__ import annotations
@@ -73,10 +61,19 @@ from jaxdp.cluster import wire
 ENV_ADDRESS = "JAXDP_ELASTIC"        # HOST:PORT of the launcher's hub; set: this process is a member
 ENV_RANK = "JAXDP_ELASTIC_RANK"
 ENV_SIZE = "JAXDP_ELASTIC_SIZE"
+ENV_RESTART = "JAXDP_ELASTIC_RESTART"  # set: a restarted member (it says hello once it has compiled)
 READ_TIMEOUT_S = 30.0     # a member: the rest of a message whose first bytes have arrived (the hub closing is seen at once)
 STALL_TIMEOUT_S = 20.0    # the hub's, until a member's hello says its --stall-timeout
 
 Lost = wire.ProtocolError  # the other end closed, or sent something that is not one of our messages
+
+
+class QuorumLost(Exception):
+    """No quorum: the hub (or torchft's Lighthouse) is gone (`lighthouse_gone`), or too few live workers
+    for --quorum-timeout, or the run is stopping (`ended`)."""
+
+    lighthouse_gone = False
+    ended = False
 
 
 class HubGone(Exception):
@@ -105,121 +102,117 @@ def unpack(payload: bytes | bytearray, like: Sequence[Any]) -> list[np.ndarray]:
     return out
 
 
-def partial_layout(value: Any, payload: bytearray) -> list[tuple[str, int]]:
-    """A partial's layout [(dtype, count), ...], checked against its payload; ProtocolError if bad."""
-    try:
-        layout = [(str(np.dtype(d)), int(c)) for d, c in value]
-        ok = all(c >= 0 for _, c in layout) and sum(np.dtype(d).itemsize * c for d, c in layout) == len(payload)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise Lost("a partial's layout does not describe its payload")
-    return layout
-
-
 # ---------------------------------------------------------------------------------------------
-# A member (in each training process)
+# A member's engine (in each training process)
 # ---------------------------------------------------------------------------------------------
 
 
-class Member:
-    """This process's link to the hub: `rank` of `size` shards."""
+class HubEngine:
+    """The engine on the launcher's hub (ft.TorchftEngine's methods, which the update rules call)."""
 
-    def __init__(self, address: str, rank: int, size: int):
+    def __init__(self, address: str, rank: int):
         host, port = address.rsplit(":", 1)
-        self.rank, self.size, self.address = rank, size, address
-        self.sock: socket.socket | None = None
-        self.host, self.port = host.strip("[]"), int(port)
-        self.shards: list[int] = [rank]
-        self.stop = False        # the hub said stop after the last step
-        self.stop_asked = False  # this process asked for a stop (a signal here)
-        self.stall_timeout: float | None = None  # this run's --stall-timeout, for the hub (None: its default)
-        self.alone = False       # (torchft's restarted rank 0 with no live worker: the hub always sends a state)
-
-    kind = "hub"          # the engine's name, as --elastic-engine says it (jaxdp/sync/rules.py checks by it)
-    lead_moves = False    # rank 0 leads for the whole run
-    Gone = HubGone        # what a step raises when the hub went away (the loop stops with its state)
-
-    @property
-    def lead(self) -> bool:
-        """Rank 0 writes metrics, checkpoints and evaluations."""
-        return self.rank == 0
-
-    def connect(self) -> bool:
-        """Join: True if this process is the source of the state (it restores or initialises it),
-        False if it must `receive_state`. Raises Lost if the hub is gone or says stop."""
-        self.sock = socket.create_connection((self.host, self.port), timeout=30)
+        self.rank, self.address = rank, address
+        self.members: list = []         # (torchft's: the members' replica ids; none here, no flags compared)
+        self.on_quorum: Callable[[], None] | None = None  # called after each quorum (the member's `agree`)
+        self.on_stop: Callable[[], None] | None = None    # called when the launcher asks the run to stop
+        self._ranks: list[int] = []     # the last quorum's ranks
+        self._healing = False           # healed in the last quorum: it sits this quorum's first exchange out
+        self._errored = False           # an exchange of this quorum failed
+        self._gathers = 0               # exchanges so far in this quorum
+        self._state_fn: Callable[[], bytes] | None = None
+        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(None)
-        send(self.sock, {"op": "hello", "rank": self.rank, "pid": os.getpid(), "stall_timeout": self.stall_timeout})
-        return self._welcome(*self._receive()) is None
+        send(self.sock, {"op": "hello", "rank": rank, "pid": os.getpid()})
 
     def _receive(self) -> tuple[dict, bytearray]:
-        header, payload = wire.receive(self.sock, timeout=READ_TIMEOUT_S, max_payload=wire.MAX_PAYLOAD, wait=True)
-        wire.check(header, op=str)
-        if "shards" in header:
-            wire.check(header, shards=wire.INTS)
-        if "step" in header:
-            wire.check(header, step=int)
-        return header, payload
-
-    def _welcome(self, header: dict, payload: bytearray) -> tuple[int, bytearray] | None:
-        if header["op"] == "stop":
-            self.stop = True
-            raise Lost("the run is stopping")
-        self.shards = header.get("shards", [])
-        if header["op"] == "state":
-            return wire.check(header, step=int)["step"], payload
-        if header["op"] != "welcome":
-            raise Lost(f"a {header['op']!r} message where a welcome or the state was due")
-        return None if header.get("source") else (-1, payload)
-
-    def receive_state(self) -> tuple[int, bytearray] | None:
-        """(step, the train state's bytes) from a live member when the hub hands it over; None: no
-        live member holds the state, so this process (rank 0) is its source after all."""
-        return self._welcome(*self._receive())
-
-    def reduce(self, step: int, partials: dict[int, list[np.ndarray]],
-               compute: Callable[[int], list[np.ndarray]]) -> tuple[bytearray, bool]:
-        """Send this process's shard sums of `step`, compute more shards when asked (a member was
-        lost), return (the total's bytes, donate: send the state after this step)."""
-        for shard, arrays in partials.items():
-            self._partial(step, shard, arrays)
+        """The next message for this member; a `stop` on the way is passed on (`on_stop`)."""
         while True:
+            header, payload = wire.receive(self.sock, timeout=READ_TIMEOUT_S, max_payload=wire.MAX_PAYLOAD, wait=True)
+            if wire.check(header, op=str)["op"] != "stop":
+                return header, payload
+            if self.on_stop is not None:
+                self.on_stop()
+
+    def _lost(self, err: Exception) -> QuorumLost:
+        lost = QuorumLost(str(err))
+        lost.lighthouse_gone = True
+        return lost
+
+    def set_timeout(self, seconds: float) -> None:
+        """The members' --stall-timeout, for the hub (a member that owes its part this long is left out)."""
+        try:
+            send(self.sock, {"op": "timeout", "seconds": float(seconds)})
+        except Lost:
+            pass  # the hub is gone: the first quorum finds out
+
+    def quorum(self, step: int, state_fn: Callable[[], bytes] | None) -> bytes | None:
+        self.begin(step, state_fn)
+        return self.settled()
+
+    def begin(self, step: int, state_fn: Callable[[], bytes] | None) -> None:
+        """Ask for a quorum at `step` (`settled` waits for it); `state_fn` gives this member's state to one behind."""
+        self._state_fn = state_fn
+        try:
+            send(self.sock, {"op": "quorum", "step": step})
+        except Lost as err:
+            raise self._lost(err) from None
+
+    def settled(self) -> bytes | None:
+        """The quorum `begin` asked for: the state's bytes if this member was behind and got them from a
+        peer (it then sits this quorum's first exchange out: `participating` is False)."""
+        try:
             header, payload = self._receive()
-            op = header["op"]
-            if op in ("also", "total"):
-                wire.check(header, step=int, shards=wire.INTS)
-            if op == "also" and header["step"] == step:
-                for shard in header["shards"]:
-                    self._partial(step, shard, compute(shard))
-            elif op == "total" and header["step"] == step:
-                self.shards = header["shards"]
-                self.stop = bool(header.get("stop"))
-                return payload, bool(header.get("donate"))
-            elif op == "stop":
-                self.stop = True
-                raise Lost("the run is stopping")
+            if header["op"] == "ended":
+                lost = QuorumLost("the run is stopping")
+                lost.ended = True
+                raise lost
+            if header["op"] != "quorum":
+                raise Lost(f"a {header['op']!r} message where a quorum was due")
+            self._ranks = wire.check(header, members=wire.INTS)["members"]
+            if header.get("donate"):
+                send(self.sock, {"op": "state"}, [self._state_fn() if self._state_fn is not None else b""])
+        except Lost as err:
+            raise self._lost(err) from None
+        self._healing, self._errored, self._gathers = bool(header.get("heal")), False, 0
+        if self.on_quorum is not None:
+            self.on_quorum()
+        return bytes(payload) if self._healing else None
 
-    def _partial(self, step: int, shard: int, arrays: Sequence[np.ndarray]) -> None:
-        layout = [(np.dtype(a.dtype).str, int(np.size(a))) for a in arrays]
-        send(self.sock, {"op": "partial", "step": step, "shard": shard, "layout": layout}, pack(arrays))
+    def participating(self) -> bool:
+        return not self._healing
 
-    def send_state(self, step: int, arrays: Sequence[np.ndarray]) -> None:
-        send(self.sock, {"op": "state", "step": step}, pack(arrays))
+    def participants(self) -> int:
+        """How many members the last quorum has."""
+        return len(self._ranks)
 
-    def leaves(self, orphaned: bool) -> bool:
-        """Never alone (jaxdp/elastic/ft.py's `leaves`): the hub is this worker's launcher, so a worker
-        whose launcher is gone has lost the run's sum, and stops with the state it holds."""
-        return False
+    def allgather(self, piece: np.ndarray) -> list[np.ndarray]:
+        """Every member's `piece` (a uint8 array of one shape everywhere), in rank order; [] if this
+        quorum's exchanges failed (a member lost or stalled: `commit` then says False)."""
+        if self._errored:
+            return []
+        self._gathers += 1
+        try:
+            send(self.sock, {"op": "gather", "index": self._gathers}, [np.ascontiguousarray(piece)])
+            header, payload = self._receive()
+        except Lost:  # the hub is gone: the next quorum says so
+            self._errored = True
+            return []
+        if header["op"] != "gathered":
+            self._errored = True
+            return []
+        count = wire.check(header, count=int)["count"]
+        pieces = np.frombuffer(payload, np.uint8)
+        if count < 1 or pieces.size != count * piece.size:
+            raise Lost(f"the hub's pieces are {pieces.size} bytes, not {count} of {piece.size}")
+        return list(pieces.reshape((count, *piece.shape)))
 
-    def ask_stop(self) -> None:
-        if not self.stop_asked and self.sock is not None:
-            self.stop_asked = True
-            try:
-                send(self.sock, {"op": "stop"})
-            except Lost:
-                pass  # the hub is gone: the next step finds out
+    def commit(self) -> bool:
+        """Whether this quorum's exchanges so far all went through (the hub sends every member's pieces to
+        every member, or fails the exchange for all: no round trip needed to agree)."""
+        self._healing = False
+        return not self._errored and bool(self._ranks)
 
     def close(self, finished: bool = False) -> None:
         if self.sock is not None:
@@ -230,17 +223,3 @@ class Member:
                     pass
             self.sock.close()
             self.sock = None
-
-
-def from_env(environ: dict | None = None, kind: type = None) -> Any:
-    """The Member `jaxdp.launch --elastic` set up in this process's environment (a `kind`, Member or a
-    subclass: jaxdp/elastic/workers.py), or None."""
-    environ = os.environ if environ is None else environ
-    from jaxdp.cluster.ft_env import ENV_LIGHTHOUSE
-
-    if environ.get(ENV_LIGHTHOUSE):  # an elastic run on torchft: jaxdp.elastic.ft.from_env (train.py asks it)
-        return None
-    address = environ.get(ENV_ADDRESS)
-    if not address:
-        return None
-    return (kind or Member)(address, int(environ[ENV_RANK]), int(environ[ENV_SIZE]))

@@ -1,7 +1,7 @@
-"""The hub of an elastic run (`jaxdp.launch --elastic`): the launcher's end of jaxdp/elastic/hub.py.
-
-It knows the members, who computes which shard, the per-step sums in shard order, and the state a
-joining member receives from a live one. It runs inside the launcher, so it imports no JAX.
+"""The hub of an elastic run (`jaxdp.launch --elastic`): the launcher's end of jaxdp/elastic/hub.py's
+engine. It forms the quorums (who takes part, whose state goes to a member behind), relays each
+exchange's pieces to every member, and fails an exchange for all when a member is lost or stalls in
+it. It runs inside the launcher, so it imports no JAX.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import socket
 import time
 from typing import Any, Sequence
 
-import numpy as np
-
 from jaxdp.cluster import wire
-from jaxdp.elastic.hub import STALL_TIMEOUT_S, partial_layout, send, unpack
+from jaxdp.elastic.hub import STALL_TIMEOUT_S, send
+
+JOIN_TIMEOUT_S = 60.0  # the run's first quorum waits this long for every rank (as the torchft launcher's Lighthouse)
 
 
 class Hub:
-    """The launcher's end: members, who computes which shard, the per-step sums, state hand-overs.
+    """The launcher's end: members, quorums, exchanges, state hand-overs.
 
     Single-threaded: the launcher's loop calls `watch(selector)` once, `ready(key.data)` for every
     ready socket it registered and `tick()` every few tens of milliseconds (the timeouts). `events`
@@ -26,24 +26,23 @@ class Hub:
     may live on (stalled, or a bad message): the launcher kills those processes.
     """
 
-    def __init__(self, size: int, host: str = "127.0.0.1"):
-        self.size = size
+    def __init__(self, size: int, host: str = "127.0.0.1", join_timeout_s: float = JOIN_TIMEOUT_S):
+        self.size, self.join_timeout_s = size, join_timeout_s
         self.listener = socket.create_server((host, 0))
         self.listener.setblocking(False)
         self.address = f"{host}:{self.listener.getsockname()[1]}"
         self.conns: dict[int, socket.socket] = {}      # rank -> its live member's connection
         self.peers: dict[socket.socket, _Peer] = {}    # every open connection, members and not yet
-        self.holders: set[int] = set()                 # ranks whose member holds the train state
-        self.waiting: list[int] = []                   # joined, waiting for the state (in arrival order)
-        self.owner: dict[int, int] = {}                # shard -> the rank that computes it (holders only)
-        self.step: int | None = None                   # the step being summed (None: no holder yet)
-        self.partials: dict[int, bytearray] = {}       # shard -> its sum for `step`
-        self.layout: list[tuple[str, int]] = []        # (dtype, count) of each array of a partial
-        self.since: float | None = None                # when the first partial of `step` arrived
-        self.donor: tuple[int, list[int]] | None = None  # (rank, [joiners]) asked to send the state
+        self.members: list[int] = []                   # the last quorum's ranks
+        self.formed = False                            # a quorum has formed (the run's start is over)
+        self.asking: dict[int, int] = {}               # rank -> the step its pending quorum request is at
+        self.asked_since: float | None = None          # when the first pending request came
+        self.heal: dict | None = None                  # a quorum waiting for its donor's state (`_form`)
+        self.broken = False                            # a member of the last quorum was lost: its exchanges fail
+        self.gathers: dict[int, dict[int, bytearray]] = {}  # exchange index -> rank -> its piece
+        self.since: dict[int, float] = {}              # exchange index -> when its first piece came
         self.stall_timeout = STALL_TIMEOUT_S
         self.stopping = False
-        self.finished = False                          # a total with stop was sent, or the run ended
         self.events: list[str] = []
         self.stalled: list[int] = []
         self._selector: selectors.BaseSelector | None = None
@@ -58,11 +57,23 @@ class Hub:
         self.listener.close()
 
     def request_stop(self) -> None:
-        """Stop every member after the step in flight (a preemption signal reached the launcher)."""
+        """Stop every member after the same step (a preemption signal reached the launcher): each is told,
+        and its next row asks every worker to stop (jaxdp/elastic/every_step.py, ASKS_STOP)."""
         self.stopping = True
-        if not self.holders:  # nobody is stepping: tell those waiting now
-            for rank in list(self.waiting):
-                self._send(rank, {"op": "stop"})
+        for rank in list(self.conns):
+            self._send(rank, {"op": "stop"})
+        for rank in [r for r in self.asking if not (r in self.members and self.formed)]:
+            del self.asking[rank]  # a joiner: the run ends without it
+            self._send(rank, {"op": "ended"})
+
+    def owes(self, rank: int) -> bool:
+        """Whether the hub waits for `rank` (its quorum request, its piece of an exchange, its state for a
+        member behind): a stop that finds it stopped is then the hub's stall timeout's to handle."""
+        if self.heal is not None and self.heal["donor"] == rank:
+            return True
+        if self.asking and rank in self._expected() and rank not in self.asking:
+            return True
+        return any(rank in self.members and rank not in pieces for pieces in self.gathers.values())
 
     # -- events from the sockets ----------------------------------------------------------------
 
@@ -94,21 +105,27 @@ class Hub:
             self._bad(conn, str(err), err.quiet)
 
     def tick(self, now: float | None = None) -> None:
-        """The timeouts: a connection with no hello, a member that owes its part of the step."""
+        """The timeouts: a connection with no hello, a member that owes its part of a quorum or an exchange."""
         now = time.monotonic() if now is None else now
         for conn, peer in list(self.peers.items()):
             if peer.rank is None and now - peer.opened > self.stall_timeout:
                 self._bad(conn, f"no hello within {self.stall_timeout:g} s")
             elif peer.reader.waiting_s(now) > self.stall_timeout:  # stopped in the middle of a message
                 self._bad(conn, f"no complete message within {self.stall_timeout:g} s (--stall-timeout)")
-        if self.since is None or now - self.since <= self.stall_timeout:
-            return
-        late = sorted({self.owner[s] for s in range(self.size) if s not in self.partials and s in self.owner})
-        for rank in late:
-            self.events.append(f"rank {rank} stalled: sent nothing for step {self.step} within {self.stall_timeout:g} s "
-                               f"(--stall-timeout) of another rank's part; left out")
-            self.stalled.append(rank)
-            self.lost(rank)
+        for index, since in list(self.since.items()):
+            if now - since > self.stall_timeout and index in self.gathers:
+                self._left_out([r for r in self.members if r not in self.gathers[index]], f"exchange {index} of its quorum")
+        if self.heal is not None and now - self.heal["since"] > self.stall_timeout:
+            self._left_out([self.heal["donor"]], "the state a member behind needs")
+        self._try_form(now)
+
+    def _left_out(self, ranks: list[int], what: str) -> None:
+        for rank in ranks:
+            if rank in self.conns:
+                self.events.append(f"rank {rank} stalled: sent nothing for {what} within {self.stall_timeout:g} s "
+                                   f"(--stall-timeout) of another rank's part; left out")
+                self.stalled.append(rank)
+                self.lost(rank)
 
     def _bad(self, conn: socket.socket, why: str, quiet: bool = False) -> None:
         """Drop `conn`: one line unless it simply closed (a member's end is the launcher's to report)."""
@@ -133,97 +150,105 @@ class Hub:
         rank = wire.check(header, rank=int)["rank"]
         if not 0 <= rank < self.size:
             raise wire.ProtocolError(f"rank {rank} is not one of 0..{self.size - 1}")
-        stall = header.get("stall_timeout")
-        if isinstance(stall, (int, float)) and not isinstance(stall, bool) and stall > 0:
-            self.stall_timeout = float(stall)  # (every member runs the same command)
-            conn.settimeout(self.stall_timeout)
         if rank in self.conns:  # a restarted member of a rank whose old connection has not closed yet
             self.lost(rank)
         peer.rank = rank
         self.conns[rank] = conn
         if self.stopping:
             self._send(rank, {"op": "stop"})
-            return
-        if not self.holders and rank == 0:  # no state anywhere: rank 0 restores or initialises it
-            self._make_source()
-            return
-        self._send(rank, {"op": "welcome", "source": False})
-        self.waiting.append(rank)
-
-    def _make_source(self) -> None:
-        self.holders.add(0)
-        self.owner = {s: 0 for s in range(self.size)}
-        self.step, self.donor, self.since = None, None, None
-        self.partials.clear()
-        self._send(0, {"op": "welcome", "source": True, "shards": list(range(self.size))})
 
     def _handle(self, rank: int, header: dict, payload: bytearray) -> None:
         op = header.get("op")
-        if op == "stop":
-            self.request_stop()
-        elif op == "bye":  # finished: gone without leaving work behind
-            self._drop(rank)
-            self.holders.discard(rank)
-        elif op == "partial":
-            wire.check(header, step=int, shard=int, layout=list)
-            step, shard = header["step"], header["shard"]
-            layout = partial_layout(header["layout"], payload)
-            if self.step is None:
-                self.step = step  # the source's first step: its restored position
-            if step != self.step or self.owner.get(shard) != rank:
-                return  # a stale partial (from before a reassignment): the new owner sends it
-            if self.partials and layout != self.layout:
-                raise wire.ProtocolError("a partial whose arrays differ from the other ranks'")
-            if not self.partials:
-                self.since = time.monotonic()
-            self.partials[shard] = payload
-            self.layout = layout
-            if len(self.partials) == self.size:
-                self._total()
+        if op == "quorum":
+            self._ask(rank, wire.check(header, step=int)["step"])
+        elif op == "gather":
+            self._piece(rank, wire.check(header, index=int)["index"], payload)
         elif op == "state":
-            wire.check(header, step=int)
-            if self.donor is None or self.donor[0] != rank:
-                return
-            _, joiners = self.donor
-            self.donor = None
-            for joiner in joiners:
-                if joiner in self.conns:
-                    self.holders.add(joiner)
-                    self._send(joiner, {"op": "state", "step": header["step"], "shards": self._shards(joiner)},
-                               [payload])
+            self._state(rank, payload)
+        elif op == "timeout":
+            seconds = wire.check(header, seconds=(int, float))["seconds"]
+            if seconds > 0:
+                self.stall_timeout = float(seconds)  # (every member runs the same command)
+                for conn in self.peers:
+                    conn.settimeout(self.stall_timeout)
+        elif op == "bye":  # finished: gone without leaving work behind
+            self.lost(rank)
         else:
             raise wire.ProtocolError(f"unknown op {op!r}")
 
-    def _total(self) -> None:
-        layout = self.layout
-        total = [np.zeros(count, dtype) for dtype, count in layout]
-        for shard in range(self.size):  # in shard order: the same sum whoever computed each
-            for acc, part in zip(total, unpack(self.partials[shard], [((count,), dtype) for dtype, count in layout])):
-                acc += part
-        self.partials.clear()
-        self.since = None
-        step = self.step
-        self.step = step + 1
-        stop = self.stopping
-        joiners, donor = [], None
-        if self.waiting and not stop and self.donor is None:
-            joiners, self.waiting = self.waiting, []
-            donor = min(self.holders)
-            self.donor = (donor, joiners)
-            for joiner in joiners:  # from the next step on, a joiner computes its own shard again
-                self.owner[joiner] = joiner
-            self.events.append(f"rank{'s' if len(joiners) > 1 else ''} {', '.join(map(str, joiners))} joined at "
-                               f"step {step + 1}: the state comes from rank {donor}")
-        for rank in sorted(self.holders):
-            self._send(rank, {"op": "total", "step": step, "shards": self._shards(rank), "donate": rank == donor,
-                              "stop": stop}, total)
-        if stop:
-            self.finished = True
-            for rank in list(self.waiting):
-                self._send(rank, {"op": "stop"})
+    # -- quorums --------------------------------------------------------------------------------
 
-    def _shards(self, rank: int) -> list[int]:
-        return sorted(s for s, r in self.owner.items() if r == rank)
+    def _expected(self) -> set[int]:
+        """Whose quorum request the next quorum waits for: at the start every rank, then the last quorum's live members."""
+        return set(range(self.size)) if not self.formed else {r for r in self.members if r in self.conns}
+
+    def _ask(self, rank: int, step: int) -> None:
+        if self.stopping and not (self.formed and rank in self.members):
+            self._send(rank, {"op": "ended"})  # a joiner while the run stops
+            return
+        if not self.asking:
+            self.asked_since = time.monotonic()
+        self.asking[rank] = step
+        self._try_form(time.monotonic())
+
+    def _try_form(self, now: float) -> None:
+        if not self.asking or self.heal is not None:
+            return
+        missing = sorted(self._expected() - set(self.asking))
+        if missing:
+            waited = now - (self.asked_since or now)
+            if not self.formed:
+                if waited <= self.join_timeout_s:
+                    return  # the run's start: every rank, unless one takes longer than this (it joins later)
+            elif waited <= self.stall_timeout:
+                return
+            else:
+                self._left_out(missing, "its quorum")  # (lost() calls back here)
+                return
+        self._form()
+
+    def _form(self) -> None:
+        """The quorum of the ranks that asked: every member at the furthest step; the state of the lowest of
+        them goes to the others (`heal`), whose replies wait for it."""
+        asking, self.asking, self.asked_since = self.asking, {}, None
+        ranks = sorted(asking)
+        top = max(asking.values())
+        behind = [r for r in ranks if asking[r] < top]
+        donor = min(r for r in ranks if asking[r] == top)
+        self.members, self.formed, self.broken = ranks, True, False
+        self.gathers.clear()
+        self.since.clear()
+        if behind:
+            self.heal = {"donor": donor, "behind": behind, "asking": asking, "since": time.monotonic()}
+        for rank in ranks:
+            if rank not in behind:
+                self._send(rank, {"op": "quorum", "members": ranks, "heal": False, "donate": bool(behind) and rank == donor})
+
+    def _state(self, rank: int, payload: bytearray) -> None:
+        heal = self.heal
+        if heal is None or heal["donor"] != rank:
+            return  # (a donor's state after its quorum broke)
+        self.heal = None
+        for joiner in heal["behind"]:
+            self._send(joiner, {"op": "quorum", "members": self.members, "heal": True, "donate": False}, [payload])
+
+    # -- exchanges ------------------------------------------------------------------------------
+
+    def _piece(self, rank: int, index: int, payload: bytearray) -> None:
+        if self.broken or rank not in self.members:
+            self._send(rank, {"op": "failed"})
+            return
+        pieces = self.gathers.setdefault(index, {})
+        if pieces and len(payload) != len(next(iter(pieces.values()))):
+            raise wire.ProtocolError("a piece whose size differs from the other ranks'")
+        if not pieces:
+            self.since[index] = time.monotonic()
+        pieces[rank] = payload
+        if len(pieces) == len(self.members):
+            del self.gathers[index], self.since[index]
+            body = [pieces[r] for r in self.members]  # in rank order
+            for member in self.members:
+                self._send(member, {"op": "gathered", "count": len(body)}, body)
 
     def _send(self, rank: int, header: dict, payload: Sequence[Any] = ()) -> None:
         conn = self.conns.get(rank)
@@ -245,59 +270,32 @@ class Hub:
                 pass
         conn.close()
 
-    def _drop(self, rank: int) -> bool:
+    def lost(self, rank: int) -> None:
+        """`rank`'s member is gone: the exchanges of its quorum fail for every member (each does its step
+        again over a new quorum), a hand-over it owed goes to the next quorum."""
         conn = self.conns.pop(rank, None)
         if conn is None:
-            return False
+            return
         self._close(conn)
-        return True
-
-    def _alive(self, rank: int | None) -> bool:
-        """Holds the state, or is about to (its hand-over is under way)."""
-        return rank in self.holders or (self.donor is not None and rank in self.donor[1])
-
-    def lost(self, rank: int) -> None:
-        """`rank`'s member is gone: its shards go to the live holders, a hand-over it owed to another."""
-        if not self._drop(rank):
-            return
-        if rank in self.waiting:
-            self.waiting.remove(rank)
-        was_holder = rank in self.holders
-        self.holders.discard(rank)
-        if self.donor is not None:
-            donor, joiners = self.donor
-            if donor == rank:  # it died before handing the state over: the joiners wait for the next step
-                self.donor = None
-                for joiner in joiners:
-                    self.owner.pop(joiner, None)
-                self.waiting = [j for j in joiners if j in self.conns] + self.waiting
-            elif rank in joiners:
-                joiners.remove(rank)
-        if not was_holder and rank not in self.owner.values():
-            return
-        if not self.holders:  # nobody holds the state: rank 0 (when it is back) restores it
-            self.step, self.owner, self.donor, self.since = None, {}, None, None
-            self.partials.clear()
-            self.waiting = [r for r in self.waiting if r in self.conns]
-            self.events.append(f"rank {rank} lost and no process holds the state: rank 0 restores the last "
-                               f"checkpoint when it joins")
-            if 0 in self.waiting:  # rank 0 waits for a state that no one has: it becomes the source
-                self.waiting.remove(0)
-                self._make_source()
-            return
-        orphans = [s for s in range(self.size) if not self._alive(self.owner.get(s))]
-        asked: dict[int, list[int]] = {}  # heir -> shards of the step in flight it must compute too
-        for shard in orphans:
-            heir = min(self.holders, key=lambda r: (len(self._shards(r)), r))
-            self.owner[shard] = heir
-            if self.step is not None and shard not in self.partials:
-                asked.setdefault(heir, []).append(shard)
-        if self.since is not None:  # the heirs get the whole timeout for their extra shards
-            self.since = time.monotonic()
-        self.events.append(f"rank {rank} lost at step {self.step}: its shards {orphans} go to "
-                           + ", ".join(f"rank {r}" for r in sorted({self.owner[s] for s in orphans})))
-        for heir, shards in asked.items():
-            self._send(heir, {"op": "also", "step": self.step, "shards": shards})
+        self.asking.pop(rank, None)
+        heal = self.heal
+        if heal is not None:
+            if heal["donor"] == rank:  # the members behind ask again, in the next quorum
+                self.heal = None
+                self.asking.update({r: heal["asking"][r] for r in heal["behind"] if r in self.conns})
+                self.asked_since = self.asked_since or time.monotonic()
+            elif rank in heal["behind"]:
+                heal["behind"].remove(rank)
+                if not heal["behind"]:
+                    self.heal = None
+        if rank in self.members and not self.broken:
+            self.broken = True
+            for pieces in self.gathers.values():
+                for sender in pieces:
+                    self._send(sender, {"op": "failed"})
+            self.gathers.clear()
+            self.since.clear()
+        self._try_form(time.monotonic())
 
 
 class _Peer:

@@ -82,11 +82,6 @@ class Choices:
         return self.sync_every == AUTO or self.sync_every != 1 or self.outer or self.sync_seconds is not None
 
     @property
-    def ft(self) -> bool:
-        """An elastic run on torchft: across workers its own host exchange (jaxdp/elastic/every_step.py)."""
-        return self.elastic and self.elastic_engine == "torchft"
-
-    @property
     def in_graph(self) -> bool:
         return "sum" in self.abilities and "host" not in self.abilities
 
@@ -167,7 +162,7 @@ def render(template: str, choices: Choices, flags: bool = False) -> str:
     return PLACEHOLDER.sub(term, template)
 
 
-# The codecs an elastic run on torchft codes its exchange with (jaxdp.elastic.rows.RowCoder): each worker's
+# The codecs an elastic run codes its exchange with (jaxdp.elastic.rows.RowCoder): each worker's
 # sum is coded once and decoded by every worker, so a codec must stand alone (no ring hops, no factors).
 HOST_CODED = ("bf16", "int8", "int4")
 ELASTIC_ENV = "JAXDP_ELASTIC"  # = jaxdp.elastic.hub.ENV_ADDRESS (not imported: this table imports nothing heavy)
@@ -186,42 +181,32 @@ _HOST_ZERO = "it averages whole gradients in host memory, so there is no device-
 _NO_HALVES = "it has no reduce-scatter and all-gather halves (jaxdp.sync.collectives.Halves)"
 
 RULES: tuple[Rule, ...] = (
-    # -- an elastic run: across processes gradients are summed on the host (the launcher's hub,
-    # jaxdp/elastic/hub.py, or torchft's process group, jaxdp/elastic/ft.py); inside a torchft
-    # worker, its devices' sum may be an in-graph strategy's (psum, the ring), and its state may be cut
-    # over its devices (--shard-params, every step: jaxdp/elastic/every_step.py)
-    Rule("elastic-params", lambda c: c.elastic and c.shard_params and (not c.ft or c.local),
-         "{shard_params:opt} in an elastic run needs {elastic_engine=torchft} and every-step training (each worker's "
-         "state cut over its own devices, the workers' rows exchanged every step; local steps and rounds keep whole "
-         "replicas): drop {sync_every:opt}, {sync_seconds:opt} and {overlap:opt}, or {shard_params:opt}",
-         "shard_params"),
-    Rule("elastic-strategy", lambda c: c.elastic and "host" not in c.abilities
-         and (c.elastic_engine != "torchft" or "sum" not in c.abilities),
-         "an elastic run (jaxdp.launch --elastic) sums gradients on the host across processes: use {strategy=host} "
-         "(with {elastic_engine=torchft} also psum or ring), not {strategy:is}", "strategy"),
-    Rule("elastic-compression", lambda c: c.elastic and c.compression is not None and not c.ft,
-         _ELASTIC + "{compression:is} (with {elastic_engine=torchft}: bf16, int8 or int4)", "compression"),
-    Rule("elastic-ft-codec", lambda c: c.elastic and c.compression is not None and (
+    # -- an elastic run: across processes each worker's sums cross as bytes (jaxdp/elastic/every_step.py,
+    # on either engine: the launcher's hub or torchft); inside a worker, its devices' sum may be an
+    # in-graph strategy's (psum, the ring), and its state may be cut over its devices (--shard-params)
+    Rule("elastic-params", lambda c: c.elastic and c.shard_params and c.local,
+         "{shard_params:opt} in an elastic run needs every-step training (each worker's state cut over its own "
+         "devices, the workers' rows exchanged every step; local steps and rounds keep whole replicas): drop "
+         "{sync_every:opt}, {sync_seconds:opt} and {overlap:opt}, or {shard_params:opt}", "shard_params"),
+    Rule("elastic-strategy", lambda c: c.elastic and "host" not in c.abilities and "sum" not in c.abilities,
+         "an elastic run (jaxdp.launch --elastic) sums each worker's devices with {strategy=host}, psum or ring, "
+         "not {strategy:is}", "strategy"),
+    Rule("elastic-codec", lambda c: c.elastic and c.compression is not None and (
         c.compression == AUTO or codecs.row(c.compression).name not in HOST_CODED),
-         "an elastic run on torchft codes each worker's sum once, as bytes every worker decodes: use {compression:opt} "
+         "an elastic run codes each worker's sum once, as bytes every worker decodes: use {compression:opt} "
          "bf16, int8 or int4, not {compression:is}", "compression"),
-    Rule("elastic-local", lambda c: c.elastic and c.sync_every != 1 and not c.ft,
-         _ELASTIC + "{sync_every:is} on the launcher's hub (with {elastic_engine=torchft} it does)", "sync_every"),
-    # -- local steps across torchft workers (jaxdp/elastic/rounds.py): rounds of a fixed H
-    Rule("elastic-ft-auto", lambda c: c.ft and c.sync_every == AUTO,
-         "an elastic run on torchft needs a number of local steps: {sync_every=N}, not auto", "sync_every"),
-    Rule("elastic-ft-local-state", lambda c: c.ft and c.sync_every != 1 and c.float_state,
-         "an elastic run on torchft keeps no float model state across local steps (BatchNorm statistics would "
+    # -- local steps across elastic workers (jaxdp/elastic/rounds.py): rounds of a fixed H
+    Rule("elastic-auto", lambda c: c.elastic and c.sync_every == AUTO,
+         "an elastic run needs a number of local steps: {sync_every=N}, not auto", "sync_every"),
+    Rule("elastic-local-state", lambda c: c.elastic and c.sync_every != 1 and c.float_state,
+         "an elastic run keeps no float model state across local steps (BatchNorm statistics would "
          "differ per worker): use a model without it, or {sync_every=1}", "sync_every"),
-    Rule("elastic-paced", lambda c: c.elastic and c.sync_seconds is not None and not c.ft,
-         _ELASTIC + "{sync_seconds:opt} on the launcher's hub (with {elastic_engine=torchft} it does)", "sync_seconds"),
     Rule("elastic-fragments", lambda c: c.elastic and c.sync_fragments != 1,
          _ELASTIC + "{sync_fragments:is}", "sync_fragments"),
     Rule("elastic-zero", lambda c: c.elastic and c.shard_optimizer,
          _ELASTIC + "{shard_optimizer:opt} (ZeRO-1)", "shard_optimizer"),
-    Rule("elastic-overlap", lambda c: c.elastic and c.overlap and not (c.ft and c.sync_every != 1),
-         _ELASTIC + "every-step {overlap:opt} (with {elastic_engine=torchft} it overlaps rounds: {sync_every=N} and "
-         "{overlap:opt})", "overlap"),
+    Rule("elastic-overlap", lambda c: c.elastic and c.overlap and c.sync_every == 1,
+         _ELASTIC + "every-step {overlap:opt} (it overlaps rounds: {sync_every=N} and {overlap:opt})", "overlap"),
     # -- sync_seconds: rounds of wall-clock time (jaxdp/step/rounds.py)
     Rule("paced-local", lambda c: c.sync_seconds is not None and c.sync_every != 1,
          "{sync_seconds:opt} does not combine with {sync_every:is}" + _PACED, "sync_every"),
@@ -253,13 +238,13 @@ RULES: tuple[Rule, ...] = (
          "{overlap:opt} keeps no float model state (BatchNorm statistics would be stale and differ per device); use a "
          "model without it", "overlap"),
     # -- what each feature needs of the strategy, and ZeRO-1 (the strategy's abilities: jaxdp/sync/collectives.py)
-    Rule("compression-strategy", lambda c: c.compression is not None and "sum" not in c.abilities and not c.ft,
+    Rule("compression-strategy", lambda c: c.compression is not None and "sum" not in c.abilities and not c.elastic,
          "{compression:opt}" + _IN_GRAPH + f" ({_NEEDS_SUM})", "strategy"),
     Rule("topk-hops", lambda c: (c.compression or "").startswith("topk") and c.needs == "coded_sum"
-         and c.needs not in c.abilities and "halves" in c.abilities and not c.ft,
+         and c.needs not in c.abilities and "halves" in c.abilities and not c.elastic,
          f"{{compression:is}} needs {{strategy=ring}} ({_HOPS}); with {{strategy:is}} name the all-gathered form "
          "instead, :gather after BITS (topk:DENSITY:BITS:gather[:decay=B]: each device's own top-k)", "strategy"),
-    Rule("compression-hops", lambda c: c.compression is not None and c.needs not in c.abilities and not c.ft,
+    Rule("compression-hops", lambda c: c.compression is not None and c.needs not in c.abilities and not c.elastic,
          f"{{compression:is}} needs {{strategy=ring}}: {{strategy:is}} does not qualify ({_HOPS})", "strategy"),
     Rule("local-strategy", lambda c: c.local and "sum" not in c.abilities,
          "{sync_every:opt}" + _IN_GRAPH + f" ({_NEEDS_SUM})", "strategy"),
@@ -303,7 +288,7 @@ RULES: tuple[Rule, ...] = (
          "{metrics_at_sync:opt} needs local steps with a fixed {sync_every=N} or a {byte_budget:opt} (no "
          "{sync_seconds:opt}): between syncs nothing else crosses the link", "metrics_at_sync"),
     Rule("metrics-others", lambda c: c.metrics_at_sync and (c.overlap or c.compression == AUTO and c.byte_budget is None or (
-        c.elastic and not (c.ft and c.sync_every != 1))),  # (local steps on torchft: at rounds' ends, always)
+        c.elastic and c.sync_every == 1)),  # (local steps of an elastic run: at rounds' ends, always)
          "{metrics_at_sync:opt} does not combine with {overlap:opt}, {compression=auto} or an elastic run (each reads "
          "or sends the averaged scalars every step); drop one of them", "metrics_at_sync"),
     Rule("metrics-state", lambda c: c.metrics_at_sync and c.float_state,
