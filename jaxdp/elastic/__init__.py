@@ -1,6 +1,6 @@
 """Elastic runs: workers that come and go while the others train on (`jaxdp.launch --elastic`).
 
-Who averages across workers when the population changes is one seam, the engine: a quorum (who
+Who averages across workers when the population changes is one seam, the engine (engine.Engine): a quorum (who
 takes part; a worker behind gets a live peer's state), an all-gather of one byte piece per worker,
 and a commit (whether the quorum's exchanges went through). Two implement it:
 

@@ -1,13 +1,13 @@
-"""The every-step rule of an elastic run (`make_ft_step`), written once against the engine (the
+"""The every-step rule of an elastic run (`make_every_step`), written once against the engine (the
 launcher's hub or torchft: jaxdp/elastic/hub.py, ft.py), and the state a joining process receives
 (`state_arrays`, `state_from_arrays`).
 
 Each call takes the quorum (who takes part; a behind worker is healed there), every QUORUM_SECONDS while
-nothing fails and started on torchft's thread while this worker computes its shard; every worker taking part sums
+nothing fails and started (on torchft's thread) while this worker computes its shard; every worker taking part sums
 its own shard over its devices (in device order, or by psum or the ring) and sends it as raw bytes in
 one row, whose header also says that it takes part and whether it asks to stop: one all-gather gives
 every worker the live ranks and their sums. Only when a rank is missing does a second all-gather carry
-its shard, computed by the live rank `ft.assign` names. Then torchft's commit. A failed commit (a worker died or
+its shard, computed by the live rank `ft.assign` names. Then the engine's commit. A failed commit (a worker died or
 stalled mid-step) does the same step again over the new quorum, from the same state: a lost worker's
 shard of that step is computed by a survivor, and no shard is counted twice. A row is made, and the
 rows are read, on the devices (jaxdp/elastic/rows.py: one program each, then the update; a step
@@ -163,7 +163,7 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
                 meanwhile: Callable[[], Any] | None = None) -> tuple[TrainState | None, bool, Any]:
     """This step's (or round end's: `pending`) quorum: (a live peer's state if this worker was behind,
     else None; whether that state is at a round's end before its exchange; what `meanwhile` returned,
-    computed while torchft's thread asked the Lighthouse). No quorum of --min-workers for
+    computed while the engine formed the quorum). No quorum of --min-workers for
     --quorum-timeout: elastic.HubGone (the loop saves and exits 75)."""
     from jaxdp.elastic import ft, hub as elastic
     from jaxdp.elastic.every_step import state_from_arrays
@@ -180,10 +180,10 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
     return state_from_arrays(state, memoryview(received)[1:]), received[:1] == b"\1", None
 
 
-def make_ft_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+def make_every_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                  shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
                  grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
-    """`spec`: the run's sync choices (checked against jaxdp/sync/rules.py for torchft). Its strategy:
+    """`spec`: the run's sync choices (checked against jaxdp/sync/rules.py). Its strategy:
     how a worker sums its own devices' gradients: "host" (each device's added in device
     order, as the host path and the hub add them), or a collective (psum, the ring). Across workers
     it is always the byte rows below. `spec.shard_params`: the layout inside each worker is

@@ -4,21 +4,12 @@
         python -m jaxdp.train --strategy host --devices 1 --checkpoint-dir ckpt --save-every 100
 
 A worker is one process with its own devices (a one-process JAX program). Across workers everything
-goes through an engine, whose methods the update rules call (jaxdp/elastic/every_step.py, rounds.py,
-timed.py, overlap.py); the launcher's hub is the other (jaxdp/elastic/hub.py, `HubEngine`):
-
-* `quorum(step, state_fn)`: agree on who takes part (here torchft's Lighthouse); a worker that is behind
-  (a new or restarted one) gets the live state from a peer here (`state_fn` of the peer: never a
-  checkpoint). Returns the received state's bytes, or None. `begin` and `settled` are its two halves:
-  the quorum runs on torchft's thread in between, while the worker computes.
-* `participating()`: whether this worker takes part in this step (the step's rows say so to the others);
-  `participants()`: how many the quorum has.
-* `allgather(piece)`: every worker's `piece` (the step's rows of the shards each computed).
-* `commit()`: whether this quorum's exchanges all went through (else the step is done again, over a new quorum).
-
-`TorchftEngine` is torchft's `Manager` with `ProcessGroupGloo`, a Lighthouse in the launcher
-(jaxdp/launcher/ft.py). JAX's own `live_devices` could take its place once a process can rejoin on
-CPU (docs/multihost.md, "Elastic runs on torchft").
+goes through the engine's operations (jaxdp/elastic/engine.py), which the update rules call; here
+the quorum is torchft's Lighthouse (it runs on torchft's thread between `begin` and `settled`, while
+the worker computes), a worker behind is healed from a peer over torchft's checkpoint transport
+(never a checkpoint), and the all-gather is gloo's. `TorchftEngine` is torchft's `Manager` with
+`ProcessGroupGloo`, a Lighthouse in the launcher (jaxdp/launcher/ft.py). JAX's own `live_devices`
+could take its place once a process can rejoin on CPU (docs/multihost.md, "Elastic runs on torchft").
 
 Bit-equal sums whatever the membership: gloo's sum order changes with the members, so each worker
 sends the gradient sums of the shards it computes as raw bytes, each row tagged with its shard, to
@@ -78,7 +69,7 @@ def _apply_heal(manager: Any) -> None:
 
 
 class TorchftEngine:
-    """The Engine on torchft: a Manager (its own one-process replica group) over ProcessGroupGloo."""
+    """The engine (jaxdp/elastic/engine.py) on torchft: a Manager (its own one-process replica group) over ProcessGroupGloo."""
 
     def __init__(self, lighthouse: str, rank: int, size: int, min_workers: int, timeout_s: float, quorum_timeout_s: float,
                  flags: str = ""):

@@ -108,7 +108,7 @@ def unpack(payload: bytes | bytearray, like: Sequence[Any]) -> list[np.ndarray]:
 
 
 class HubEngine:
-    """The engine on the launcher's hub (ft.TorchftEngine's methods, which the update rules call)."""
+    """The engine (jaxdp/elastic/engine.py) on the launcher's hub."""
 
     def __init__(self, address: str, rank: int):
         host, port = address.rsplit(":", 1)

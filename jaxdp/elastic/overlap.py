@@ -1,4 +1,4 @@
-"""Overlapped rounds across the workers of an elastic run on torchft (`--sync-every H --overlap`): round
+"""Overlapped rounds across the workers of an elastic run (`--sync-every H --overlap`): round
 k's exchange of pseudo-gradients runs on a thread of its own while round k + 1 trains, and its average is
 applied one round late, as in one JAX program's overlapped rounds (jaxdp/step/overlap.py, `Overlapped`,
 whose update rule this is). Undisturbed, the final parameters equal a one-process `--overlap` run's over
@@ -19,7 +19,7 @@ A round, on each worker:
 Membership:
 - *A joiner* (new, restarted or stalled worker) is behind at the quorum of a live worker's exchange. It
   gets that worker's state as it stood when the exchange started (a copy of the replicas taken then,
-  since the inner steps give their buffers up while torchft's thread may still read them), listens to
+  since the inner steps give their buffers up while the engine's thread (torchft's) may still read them), listens to
   the exchange, trains its round from that state and applies the average at the round's end, as the
   live workers do: every worker leaves the round with the same global parameters. A worker healed by an
   exchange it started itself on the thread (it was left out while stalled) trains that round again from
@@ -70,7 +70,7 @@ def step_of(state: TrainState) -> int:
     return int(jax.device_get(state.step))
 
 
-class FtOverlapped(Replicas):
+class OverlappedRounds(Replicas):
     """The overlapped rounds of one worker; `round` is what the round loop (jaxdp/loop/rounds.py) runs,
     `flush` applies the rows in flight (a stop, the run's end), `held` is what a save holds."""
 

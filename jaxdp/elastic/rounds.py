@@ -1,4 +1,4 @@
-"""Local steps across the workers of an elastic run on torchft (`--sync-every H`): DiLoCo rounds whose
+"""Local steps across the workers of an elastic run (`--sync-every H`): DiLoCo rounds whose
 membership may change at every round's end (jaxdp/elastic/ft.py has the engine, every_step.py the
 every-step exchange whose pieces this reuses).
 
@@ -7,13 +7,13 @@ of the worker is a replica with its own inner optimizer state, training on its s
 batch with no collective but the scalars' mean over the worker's devices. Across workers there is no
 traffic at all between round ends. At the end of each round of H steps:
 
-1. A quorum (torchft's Lighthouse): who takes part. A worker that is behind (a new, restarted or
+1. A quorum (the engine's: the hub or torchft's Lighthouse): who takes part. A worker that is behind (a new, restarted or
    stalled one) receives a live peer's state here, as it stands at that peer's round end before the
    exchange, and then takes part in that exchange as a listener (its row carries no pseudo-gradient).
 2. One all-gather of one row per worker: the sum over its devices of the pseudo-gradient (global
    parameters - replica), as float32 bytes or a codec's message (bf16, int8, int4: rows.RowCoder,
    its error feedback per worker in the worker's memory).
-3. torchft's commit. A failed one (a worker died or stalled in the round or in the exchange) does the
+3. The engine's commit. A failed one (a worker died or stalled in the round or in the exchange) does the
    exchange again over a new quorum: the round completes with the others. Each worker's row counts
    the replicas that did all of the round's steps, so the mean is weighted by the examples actually
    done; a lost worker's steps of that round are lost with it (they are not computed by another
@@ -72,7 +72,7 @@ class Ended(NamedTuple):
 
 
 class RoundEnd:
-    """Steps 1-3 above and step 4's sum, for any rounds across torchft workers (these, and the timed
+    """Steps 1-3 above and step 4's sum, for any rounds across elastic workers (these, and the timed
     rounds of jaxdp/elastic/timed.py). Each worker's row: a header (rank + 1 where it takes part,
     negated for values that are not finite; its flags), then float64 `[weight, *scalars]` (`keys`
     names the scalars), then `values` float32 values (or a codec's message). Every worker adds the
@@ -209,7 +209,7 @@ def tree_of(flat: np.ndarray, treedef: Any, shapes: list[tuple]) -> Any:
 
 
 class Replicas:
-    """What the host-driven rounds of one torchft worker share (the timed rounds of
+    """What the host-driven rounds of one elastic worker share (the timed rounds of
     jaxdp/elastic/timed.py, the overlapped ones of jaxdp/elastic/overlap.py): the run's pieces, the
     inner step over the worker's replicas (`layout["inner"]`: rounds.make_inner), the round end
     (`layout["ends"]`), per-device rows of a value, the view of the state the inner step reads, and
@@ -282,17 +282,17 @@ class Replicas:
         rounds = cls(loss_fn, tx, mesh, member, shard_data, spec=spec, **options)
 
         def step(state: TrainState, batch: Any) -> Any:
-            raise TypeError("rounds across torchft workers run in rounds (jaxdp/loop/rounds.py), not step by step")
+            raise TypeError("rounds across elastic workers run in rounds (jaxdp/loop/rounds.py), not step by step")
 
         made = TrainStep(step, None, tx, spec, rounds.local_grads)
         made.rounds, made.warm_up, made.close = rounds, rounds.warm_up, rounds.close
         return made
 
 
-def make_ft_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
+def make_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
                        shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
                        grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
-    """The step of local steps across torchft workers: `sync_every` inner steps on each of this
+    """The step of local steps across elastic workers: `sync_every` inner steps on each of this
     worker's devices, then the pseudo-gradients' exchange described above. `strategy` sums the
     pseudo-gradient over this worker's devices (psum or the ring); `compression` codes each worker's
     row (bf16, int8, int4). `shard_data` is not read: a lost worker's steps are not redone."""

@@ -1,4 +1,4 @@
-"""The two programs of an every-step elastic exchange on torchft (jaxdp/elastic/every_step.py), each row
+"""The two programs of an every-step elastic exchange (jaxdp/elastic/every_step.py), each row
 made and every row read on the devices: a step crosses to the host once each way, as bytes.
 
     rows = RowPrograms(local_grads, mesh, spec, coder_of, grad_norm, workers, update)

@@ -1,6 +1,6 @@
-"""Workers at their own pace across an elastic run on torchft (`--sync-seconds S`): each worker takes as
+"""Workers at their own pace across an elastic run (`--sync-seconds S`): each worker takes as
 many local steps as it manages in S seconds, then the round ends as a fixed round's does
-(jaxdp/elastic/rounds.py, `RoundEnd`: a quorum, one all-gather of one row per worker, torchft's
+(jaxdp/elastic/rounds.py, `RoundEnd`: a quorum, one all-gather of one row per worker, the engine's
 commit, the rows added in rank order on every worker). The pseudo-gradients are averaged weighted by
 the examples each worker trained on in the round, as in one JAX program's timed rounds
 (jaxdp/step/rounds.py, whose docstring says why by examples):
@@ -66,7 +66,7 @@ def positions_of(state: TrainState) -> np.ndarray:
     return np.array(jax.device_get(state.sync.shared[PACE_NAME]["positions"]), np.int64)
 
 
-class FtRounds(Replicas):
+class TimedRounds(Replicas):
     """The timed rounds of one worker; `round` is what the round loop (jaxdp/loop/rounds.py) runs."""
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,

@@ -1,5 +1,5 @@
 """A worker of an elastic run as the training loop sees it: who it is, its engine (who averages across
-workers: the launcher's hub, `hub.HubEngine`, or torchft, `ft.TorchftEngine`), and the update rule
+workers, engine.Engine: the launcher's hub, `hub.HubEngine`, or torchft, `ft.TorchftEngine`), and the update rule
 `make_step` builds against that engine. The loop (jaxdp/loop/) imports nothing of jaxdp.elastic; it
 calls these methods on the worker `from_env` made (jaxdp/elastic/__init__.py lists all it uses).
 
@@ -14,6 +14,7 @@ import sys
 from typing import Any, Callable
 
 from jaxdp.elastic import ft, hub
+from jaxdp.elastic.engine import Engine
 
 
 class Worker:
@@ -27,7 +28,7 @@ class Worker:
         self.stop = False
         self.stop_asked = False
         self.sock = None            # (the loop's test for "had joined" when a join fails)
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.fresh_quorum = False   # the join's quorum is also the first step's
         self.pending_round = False  # (local steps) healed at a peer's round end: that round's exchange first
         self.fresh = False          # at the run's start, no step applied yet: its first steps wait for rank 0
@@ -42,7 +43,7 @@ class Worker:
     lead_moves = True     # the lead is agreed in each exchange's rows (jaxdp/loop/lead.py)
     Gone = hub.HubGone    # what a step raises when the quorum is lost (the loop stops with its state)
 
-    def make_engine(self) -> Any:
+    def make_engine(self) -> Engine:
         raise NotImplementedError
 
     @property
@@ -76,13 +77,13 @@ class Worker:
         from jaxdp.elastic import every_step, overlap, rounds as local, timed
 
         more: dict[str, Any] = {}
-        make: Callable = every_step.make_ft_step  # (--shard-params too: every step's layout inside a worker)
+        make: Callable = every_step.make_every_step  # (--shard-params too: every step's layout inside a worker)
         if rounds == "overlapped":
-            make = overlap.FtOverlapped.make
+            make = overlap.OverlappedRounds.make
         elif rounds == "timed":
-            make, more = timed.FtRounds.make, {"pace": pace}
+            make, more = timed.TimedRounds.make, {"pace": pace}
         elif spec.sync_every != 1:
-            make = local.make_ft_round_step
+            make = local.make_round_step
         return make(loss_fn, tx, mesh, self, shard_data, spec=spec, stateful=stateful, grad_accum=grad_accum,
                     grad_norm=True, **more)
 
