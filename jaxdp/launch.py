@@ -286,7 +286,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
                 return EXIT_BAD_INPUT if launcher.stop is None else stop_code(launcher.stop)
         where = "" if launcher.cores is None else ", bound to cores " + ", ".join(
             f"{rank}: {sorted(c)}" for rank, c in enumerate(launcher.cores))
-        launcher.start_zygote()  # restarts fork from it, with JAX and the rest imported
+        launcher.start_zygote(("jaxdp.elastic.every_step", "jaxdp.elastic.rounds"))  # restarts fork from it, rules imported
         say(f"started {size} processes (elastic: a lost one restarts alone), hub {hub.address}{where}")
         restarts, ended, stalled, frozen = 0, {}, set(), {}
         while True:
