@@ -62,6 +62,42 @@ def test_batched_newton_schulz_is_each_matrix_s_own():
         orthogonalize(tree, {**dims, "other": None}, coeffs)
 
 
+def test_newton_schulz_cut_over_a_process_devices_is_every_devices_whole_batch():
+    """Under `split_over` (the replicated step: every device holds the same update), each of 4 devices
+    orthogonalises its part of each shape's batch (3 wide matrices, 1 alone, a [d, 3, h, hd] kernel's 3,
+    each padded to a multiple of 4) and an all-gather gives every device all: the same on every device,
+    and each matrix its own Newton-Schulz's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    from optax.contrib import MuonDimensionNumbers as Dims
+
+    from jaxdp.mesh import make_mesh
+    from jaxdp.step.optim import NS_COEFFS, orthogonalize, split_over
+
+    keys = jax.random.split(jax.random.PRNGKey(1), 6)
+    tree = {**{f"wide{i}": jax.random.normal(keys[i], (8, 24)) for i in range(3)},
+            "alone": jax.random.normal(keys[3], (5, 6)), "qkv": jax.random.normal(keys[4], (8, 3, 2, 4))}
+    dims = {**{f"wide{i}": Dims() for i in range(3)}, "alone": Dims(),
+            "qkv": Dims(reduction_axis=0, output_axis=(2, 3))}
+    coeffs = jnp.asarray(NS_COEFFS)
+    mesh = make_mesh(jax.devices()[:4])
+
+    def body(tree):
+        with split_over("data", 4):
+            return jax.tree.map(lambda x: x[None], orthogonalize(tree, dims, coeffs))
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("data"), check_vma=False)
+    assert str(jax.make_jaxpr(mapped)(tree)).count("all_gather[") == 2  # the two batches of more than one matrix
+    per_device = jax.jit(mapped)(tree)
+    whole = orthogonalize(tree, dims, coeffs)
+    for name, x in per_device.items():
+        assert x.shape == (4, *tree[name].shape)
+        for device in range(4):
+            np.testing.assert_array_equal(x[device], x[0])  # every device the same update
+        np.testing.assert_allclose(x[0], whole[name], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_muon_trains_the_gpt_and_resumes_bit_identically(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")

@@ -9,9 +9,11 @@ Each builder is a small function registered in `OPTIMIZERS`, `OUTER_OPTIMIZERS` 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -227,9 +229,38 @@ def newton_schulz(x: jax.Array, coeffs: jax.Array, steps: int = NS_STEPS, eps: f
     return x
 
 
+# Inside a step whose devices all hold the same update (the replicated every-step rule), each device
+# need not orthogonalise every matrix: under `split_over(axis, count)` device i of the `count` along
+# `axis` (an axis inside one process: no link crossed) takes the i-th 1/count of each shape's batch
+# and an all-gather gives every device all of them, as distributed Muon implementations do. On 8
+# simulated CPU devices every device repeating the whole batch cost a GPT step 2.6 s against AdamW's 1.0.
+_SPLIT: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("jaxdp_muon_split", default=None)
+
+
+@contextlib.contextmanager
+def split_over(axis: Any, count: int) -> Iterator[None]:
+    """While tracing a shard_map body over `axis` (`count` devices, all with the same updates): Muon's
+    Newton-Schulz batches are cut over those devices and all-gathered (`orthogonalize`)."""
+    token = _SPLIT.set((axis, count) if count > 1 else None)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
+def _newton_schulz_split(x: jax.Array, coeffs: jax.Array, steps: int, eps: float) -> jax.Array:
+    """`newton_schulz(x)` with the batch cut over `split_over`'s devices (zero matrices pad it: their
+    iterations stay zero), each device's part all-gathered."""
+    axis, count = _SPLIT.get()
+    per = -(-x.shape[0] // count)
+    padded = jnp.pad(x, ((0, per * count - x.shape[0]), (0, 0), (0, 0)))
+    mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axis) * per, per)
+    return jax.lax.all_gather(newton_schulz(mine, coeffs, steps, eps), axis, tiled=True)[:x.shape[0]]
+
+
 def orthogonalize(tree: Any, dims: Any, coeffs: jax.Array, steps: int = NS_STEPS, eps: float = EPS) -> Any:
     """`tree`'s matrices (its leaves, each reshaped by its `Dims` in `dims`), orthogonalised with
-    one batched Newton-Schulz per shape and dtype."""
+    one batched Newton-Schulz per shape and dtype (cut over the devices under `split_over`)."""
     leaves, treedef = jax.tree.flatten(tree)
     specs = jax.tree.leaves(dims, is_leaf=lambda d: isinstance(d, Dims))
     if len(specs) != len(leaves):
@@ -241,7 +272,8 @@ def orthogonalize(tree: Any, dims: Any, coeffs: jax.Array, steps: int = NS_STEPS
     out: list[Any] = [None] * len(leaves)
     for members in groups.values():
         stacked = jnp.concatenate([pieces[i][0] for i in members]) if len(members) > 1 else pieces[members[0]][0]
-        done = newton_schulz(stacked, coeffs, steps, eps)
+        split = _SPLIT.get() is not None and stacked.shape[0] > 1
+        done = (_newton_schulz_split if split else newton_schulz)(stacked, coeffs, steps, eps)
         start = 0
         for i in members:
             count = pieces[i][0].shape[0]

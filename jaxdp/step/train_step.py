@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp.step import delayed, fsdp, hsdp, local_sgd, zero
+from jaxdp.step import delayed, fsdp, hsdp, local_sgd, optim, zero
 from jaxdp.sync import host
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
@@ -195,6 +195,7 @@ def _replicated(local_grads: Callable, tx: optax.GradientTransformation, mesh: M
                 grad_norm: bool) -> TrainStep:
     """Every device averages its gradients through the exchange and applies the same update."""
     exchange = make_exchange(spec.collective, data_axes(mesh), mesh.size, spec.codec)
+    split = inside_a_process(mesh)
 
     def device_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         metrics, model_state, grads = local_grads(state, batch)
@@ -202,7 +203,8 @@ def _replicated(local_grads: Callable, tx: optax.GradientTransformation, mesh: M
         metrics = {**metrics, **extra}
         if grad_norm:
             metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        with optim.split_over(*split):  # (every device holds the same update: Muon's work cut over a process's)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
                              sync=sync), metrics
@@ -210,6 +212,17 @@ def _replicated(local_grads: Callable, tx: optax.GradientTransformation, mesh: M
     # Without a codec the step keeps no compression state: a state made for "auto" passes its
     # rows around the step untouched.
     return _in_graph(device_step, mesh, tx, spec, local_grads, uses_sync=spec.compression is not None)
+
+
+def inside_a_process(mesh: Mesh) -> tuple[Any, int]:
+    """The data axis whose devices all sit in one process, and its size: the mesh's one axis if every
+    device is this process's, the last of several (one row per process), else none (size 1). Work cut
+    over it crosses no link."""
+    names = tuple(mesh.axis_names)
+    if len(names) > 1:
+        return names[-1], mesh.shape[names[-1]]
+    local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return names[0], mesh.size if local else 1
 
 
 def _local(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,
