@@ -84,6 +84,17 @@ def data_axes(mesh: Mesh) -> str | tuple[str, ...]:
 axis_name = data_axes  # the name older code imports
 
 
+def inside_a_process(mesh: Mesh) -> tuple[Any, int]:
+    """The data axis whose devices all sit in one process, and its size: the mesh's one axis if every
+    device is this process's, the last of several (one row per process), else none (size 1). Work cut
+    over it crosses no link."""
+    names = tuple(mesh.axis_names)
+    if len(names) > 1:
+        return names[-1], mesh.shape[names[-1]]
+    local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return names[0], mesh.size if local else 1
+
+
 def state_specs(state: Any, axis: Any) -> Any:
     """shard_map specs for a (replicated) TrainState: P() everywhere but for the per-device rows
     of `state.sync`, which are split over `axis`."""

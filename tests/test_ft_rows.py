@@ -27,7 +27,7 @@ def problem(devices, strategy, compression=None, workers=2):
     state = jaxdp.init_state(params, tx, mesh)
     local_grads = _local_grads_fn(loss_fn, False, data_axes(mesh))
     _, update, to_host = _host_programs(local_grads, tx, mesh)
-    spec = SyncSpec(strategy=strategy, compression=compression).validate(elastic=True, elastic_engine="torchft")
+    spec = SyncSpec(strategy=strategy, compression=compression).validate(elastic=True)
     codec = spec.codec
     programs = RowPrograms(local_grads, mesh, spec, lambda n: RowCoder(codec, n) if codec else None, False,
                            workers, lambda state, grads, model_state: (grads, model_state))

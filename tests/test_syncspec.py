@@ -36,16 +36,15 @@ def test_the_table_names_the_first_clash():
     assert clash(sync_seconds=1.0, sync_every=4) == "paced-local"
     assert clash("host", elastic=True, overlap=True) == "elastic-overlap"
     # the same rules on either engine: a worker may sum its own devices in-graph; across workers it is the host still
-    for engine in ("hub", "torchft"):
-        assert clash("ring", elastic=True, elastic_engine=engine) is None
-        assert clash("psum", elastic=True, elastic_engine=engine, compression="int8") is None  # coded between workers
-        # rounds of local steps overlap (jaxdp/elastic/overlap.py), not every step's exchange
-        assert clash("psum", elastic=True, elastic_engine=engine, sync_every=4, overlap=True) is None
-        assert clash("psum", elastic=True, elastic_engine=engine, overlap=True) == "elastic-overlap"
-        assert clash("psum", elastic=True, elastic_engine=engine, sync_seconds=1.0, overlap=True) == "elastic-overlap"
-        assert clash("psum", elastic=True, elastic_engine=engine, compression="powersgd:4") == "elastic-codec"
-    assert elastic_of({"JAXDP_FT_LIGHTHOUSE": "http://127.0.0.1:1"}) == {"elastic": True, "elastic_engine": "torchft"}
-    assert elastic_of({"JAXDP_ELASTIC": "127.0.0.1:1"}) == {"elastic": True, "elastic_engine": "hub"}
+    assert clash("ring", elastic=True) is None
+    assert clash("psum", elastic=True, compression="int8") is None  # coded between workers
+    # rounds of local steps overlap (jaxdp/elastic/overlap.py), not every step's exchange
+    assert clash("psum", elastic=True, sync_every=4, overlap=True) is None
+    assert clash("psum", elastic=True, overlap=True) == "elastic-overlap"
+    assert clash("psum", elastic=True, sync_seconds=1.0, overlap=True) == "elastic-overlap"
+    assert clash("psum", elastic=True, compression="powersgd:4") == "elastic-codec"
+    assert elastic_of({"JAXDP_FT_LIGHTHOUSE": "http://127.0.0.1:1"}) == {"elastic": True}
+    assert elastic_of({"JAXDP_ELASTIC": "127.0.0.1:1"}) == {"elastic": True}
     assert elastic_of({})["elastic"] is False
 
 

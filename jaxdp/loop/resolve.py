@@ -119,7 +119,6 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                       overlap=overlap, shard_params=sync.shard_params, metrics_at_sync=sync.metrics_at_sync,
                       ).validate(sync_seconds=sync.sync_seconds, elastic=elastic is not None,
                                  byte_budget=budget_fraction(sync.byte_budget),
-                                 elastic_engine=elastic.kind if elastic is not None else "hub",
                                  float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
         check_paced(FixedSteps(rounds_of), data, mesh, "overlap", flat=not sync.shard_params)
@@ -172,8 +171,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
     if sync.shard_params:  # ZeRO-3 / FSDP (jaxdp/step/fsdp.py): its refusals, before anything is built
         from jaxdp.step import fsdp
 
-        fsdp.check_run(requested, mesh, paced=sync.sync_seconds is not None, elastic=elastic is not None,
-                       elastic_engine=elastic.kind if elastic is not None else "hub")
+        fsdp.check_run(requested, mesh, paced=sync.sync_seconds is not None, elastic=elastic is not None)
 
     def new_state(spec: Any) -> Any:
         made = init_state(params, tx, mesh, model_state=model_state, rng=seed, shard_optimizer=spec.shard_optimizer,

@@ -402,10 +402,9 @@ def check_mesh(mesh: Mesh) -> None:
                          f"shape {tuple(mesh.devices.shape)}", argument="mesh")
 
 
-def check_run(spec: Any, mesh: Mesh, *, paced: bool, elastic: bool, elastic_engine: str = "hub") -> None:
+def check_run(spec: Any, mesh: Mesh, *, paced: bool, elastic: bool) -> None:
     """fit's refusals for shard_params: the sync spec's table, then what only fit knows."""
-    spec.validate(sync_seconds=1.0 if paced else None, elastic=elastic,  # (the one table: jaxdp/sync/rules.py)
-                  elastic_engine=elastic_engine)
+    spec.validate(sync_seconds=1.0 if paced else None, elastic=elastic)  # (the one table: jaxdp/sync/rules.py)
     check_mesh(mesh)
 
 

@@ -46,7 +46,7 @@ from jaxdp.sync import host
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
 from jaxdp.errors import InputError
-from jaxdp.mesh import data_axes, replicate, state_specs  # (state_specs: importable from here too)
+from jaxdp.mesh import data_axes, inside_a_process, replicate, state_specs  # (state_specs: importable from here too)
 from jaxdp.step.state import SyncState, TrainState
 from jaxdp.sync.collectives import Collective
 from jaxdp.sync.spec import StateLayout, SyncSpec
@@ -212,17 +212,6 @@ def _replicated(local_grads: Callable, tx: optax.GradientTransformation, mesh: M
     # Without a codec the step keeps no compression state: a state made for "auto" passes its
     # rows around the step untouched.
     return _in_graph(device_step, mesh, tx, spec, local_grads, uses_sync=spec.compression is not None)
-
-
-def inside_a_process(mesh: Mesh) -> tuple[Any, int]:
-    """The data axis whose devices all sit in one process, and its size: the mesh's one axis if every
-    device is this process's, the last of several (one row per process), else none (size 1). Work cut
-    over it crosses no link."""
-    names = tuple(mesh.axis_names)
-    if len(names) > 1:
-        return names[-1], mesh.shape[names[-1]]
-    local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    return names[0], mesh.size if local else 1
 
 
 def _local(local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: SyncSpec,

@@ -19,7 +19,7 @@ library): a placeholder names a field of `Choices`, and `render` spells it eithe
     {shard_optimizer:is}    --shard-optimizer=true   shard_optimizer=True
     {strategy=ring}         --strategy ring          strategy='ring'         a value to pass (a number, or N: bare)
 
-a flag being its field's name with dashes (elastic_engine: jaxdp.launch's --elastic-engine). So a
+a flag being its field's name with dashes (shard_params: --shard-params). So a
 template spells no flag and no keyword itself (tests/test_sync_tables.py checks every rule both ways).
 """
 
@@ -71,7 +71,6 @@ class Choices:
     shard_optimizer: bool = False
     overlap: bool = False
     elastic: bool = False
-    elastic_engine: str = "hub"        # an elastic run's engine: the launcher's "hub" or "torchft" (jaxdp/elastic/ft.py)
     float_state: bool = False          # the model keeps float state (BatchNorm statistics)
     shard_params: bool = False         # ZeRO-3 / FSDP (jaxdp/step/fsdp.py)
     metrics_at_sync: bool = False      # local steps: the logged scalars averaged only at syncs (jaxdp/step/local_sgd.py)
@@ -119,11 +118,9 @@ class Choices:
 
 
 def elastic_of(environ: Any) -> dict[str, Any]:
-    """Choices' `elastic` and `elastic_engine` of a process that `jaxdp.launch --elastic` started (its
-    hub's address or its Lighthouse's in the environment)."""
-    if environ.get(FT_ENV):
-        return {"elastic": True, "elastic_engine": "torchft"}
-    return {"elastic": bool(environ.get(ELASTIC_ENV)), "elastic_engine": "hub"}
+    """Choices' `elastic` of a process that `jaxdp.launch --elastic` started (its hub's address or its
+    Lighthouse's in the environment). The rules are the same on either engine."""
+    return {"elastic": bool(environ.get(ELASTIC_ENV) or environ.get(FT_ENV))}
 
 
 @dataclasses.dataclass(frozen=True)
