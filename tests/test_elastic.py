@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ROOT, LaunchedRun, cli_env, elastic_rank
+from helpers import ROOT, LaunchedRun, cli_env, elastic_rank, run_cli
 from jaxdp.bench.goodput import training_processes
 from jaxdp.elastic import hub as elastic
 from jaxdp.launcher.hub import Hub
@@ -238,9 +238,8 @@ def test_a_run_that_loses_each_process_to_kill_9_ends_with_a_one_process_runs_pa
     assert "restarting it alone (2 of 100)" in text and "all 2 processes ended (2 restarts); exit code 75" in text, text
     assert "no process holds the state" not in text  # each time the other process held it: no checkpoint read
     (saved,) = {int(n) for n in re.findall(r"saved step (\d+) to ", text)}  # the preemption's save
-    reference = subprocess.run([PY, "-m", "jaxdp.train", "--strategy", "host", "--devices", "2", "--steps", str(saved),
-                                "--no-progress", "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", "1000"],
-                               cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    reference = run_cli("--strategy", "host", "--devices", "2", "--steps", str(saved), "--no-progress",
+                        "--checkpoint-dir", str(tmp_path / "reference"), "--save-every", "1000", timeout=300)
     assert reference.returncode == 0, reference.stderr
     final = [json.loads((tmp_path / d / str(saved) / "jaxdp_checksums.json").read_text()) for d in ("ckpt", "reference")]
     assert final[0] == final[1] and any(k.startswith("params") for k in final[0])
@@ -425,14 +424,12 @@ def _metrics(path) -> dict[int, float]:
 def test_undisturbed_on_the_hub_a_rule_trains_as_a_static_mesh_of_as_many_devices(tmp_path, flags, devices):
     steps = 16
     common = [*flags, "--steps", str(steps), "--no-progress", "--log-every", "1", "--save-every", str(steps)]
-    elastic_run = subprocess.run([PY, "-m", "jaxdp.launch", "--elastic", "--nproc-per-node", "2", "--", PY, "-m",
-                                  "jaxdp.train", "--devices", str(devices), *common, "--checkpoint-dir", "ckpt",
-                                  "--metrics-file", "elastic.jsonl"],
-                                 cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    elastic_run = run_cli("--elastic", "--nproc-per-node", "2", "--", PY, "-m", "jaxdp.train", "--devices", str(devices),
+                          *common, "--checkpoint-dir", "ckpt", "--metrics-file", "elastic.jsonl", module="jaxdp.launch",
+                          cwd=tmp_path, timeout=300)
     assert elastic_run.returncode == 0, elastic_run.stderr
-    static_run = subprocess.run([PY, "-m", "jaxdp.train", "--devices", str(2 * devices), *common, "--checkpoint-dir",
-                                 "static", "--metrics-file", "static.jsonl"],
-                                cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    static_run = run_cli("--devices", str(2 * devices), *common, "--checkpoint-dir", "static", "--metrics-file",
+                         "static.jsonl", cwd=tmp_path, timeout=300)
     assert static_run.returncode == 0, static_run.stderr
     if "--sync-every" in flags:  # local steps: the global parameters and the outer state, bit for bit
         sums = [{k: v for k, v in json.loads((tmp_path / d / str(steps) / "jaxdp_checksums.json").read_text()).items()
