@@ -21,8 +21,7 @@ the benchmarks. The training loop (jaxdp/loop/) sees a worker (workers.py) only 
     member.kind, member.lead_moves, member.Gone   # the engine's name, whether the lead can move, its "peers gone" error
     member.make_step(loss_fn, tx, mesh, spec, shard_data, stateful=..., grad_accum=..., rounds=..., pace=...)
                                                   # the update rule the run's one SyncSpec names, across its workers
-    member.connect(), member.receive_state()      # join; a live peer's state, if one is handed over
-    member.settle(state), member.state_from(template, payload)   # the state to start from
+    member.connect(), member.settle(state)        # join; the state to start from (a live peer's, if further on)
     member.ask_stop(), member.leaves(orphaned), member.close(finished)
 """
 

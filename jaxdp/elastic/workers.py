@@ -27,7 +27,6 @@ class Worker:
         self.shards: list[int] = [rank]
         self.stop = False
         self.stop_asked = False
-        self.sock = None            # (the loop's test for "had joined" when a join fails)
         self.engine: Engine | None = None
         self.fresh_quorum = False   # the join's quorum is also the first step's
         self.pending_round = False  # (local steps) healed at a peer's round end: that round's exchange first
@@ -57,16 +56,15 @@ class Worker:
             self.engine = self.make_engine()
             self.engine.on_quorum, self.engine.on_stop = self.agree, self.ask_stop
 
-    def connect(self) -> bool:
-        """True: every worker starts from its own state (rank 0 restores the checkpoint), and `settle`
-        then takes the live peers' state if theirs is further on."""
+    def connect(self) -> None:
+        """Join (a restarted worker's engine starts here): every worker starts from its own state (rank 0
+        restores the checkpoint), and `settle` then takes the live peers' state if theirs is further on."""
         try:
             self.start()
             if self.stall_timeout:
                 self.engine.set_timeout(self.stall_timeout)
         except (RuntimeError, OSError) as err:
             raise hub.Lost(f"cannot reach {self.address}: {err}") from None
-        return True
 
     def make_step(self, loss_fn: Callable, tx: Any, mesh: Any, spec: Any, shard_data: Callable, *, stateful: bool,
                   grad_accum: int, rounds: str | None = None, pace: Any = None) -> Any:
@@ -100,12 +98,6 @@ class Worker:
 
         return settle(self, state)
 
-    def state_from(self, template: Any, payload: Any) -> Any:
-        """A live peer's state (`payload`, its arrays' bytes) placed as `template`'s arrays are."""
-        from jaxdp.elastic.every_step import state_from_arrays
-
-        return state_from_arrays(template, payload)
-
     def agree(self) -> None:
         """After each quorum until this worker has trained (its first, and any while it waits for the
         run's first step: `fresh`): ConfigError (exit 2) where another member has its rank (a
@@ -135,9 +127,6 @@ class Worker:
         if message is not None:
             self.close()
             raise ConfigError(message)
-
-    def receive_state(self) -> None:
-        return None  # (connect says True: never asked)
 
     def say(self, line: str) -> None:
         """One line from the lowest live rank."""

@@ -265,10 +265,11 @@ def close(loop: Loop, finished: bool) -> None:
 
 def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at: Callable[[int], Any],
           preemption: Any) -> tuple[Any, bool]:
-    """An elastic run's start in this process: compile, join the launcher's hub, then take the live
-    processes' state (or, as the source, the latest checkpoint's or the new one). Returns (state,
-    whether it came from a live process). A stop signal that arrives while it compiles ends it with
-    exit code 75 before it joins (the launcher going away sends one: PR_SET_PDEATHSIG)."""
+    """An elastic run's start in this process: compile, join the run's engine, restore the latest
+    checkpoint (or keep the new state), then the first quorum, which hands it a live peer's state if
+    theirs is further on. Returns (state, whether it came from a live process). A stop signal that
+    arrives while it compiles ends it with exit code 75 before it joins (the launcher going away sends
+    one: PR_SET_PDEATHSIG)."""
     from jaxdp.cluster.wire import ProtocolError as Lost
     from jaxdp.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
 
@@ -279,21 +280,15 @@ def _join(member: Any, state: Any, checkpointer: Any, train_step: Any, batch_at:
               f"{EXIT_PREEMPTED}", file=sys.stderr)
         raise SystemExit(EXIT_PREEMPTED)
     try:
-        source = member.connect()
-        received = None if source else member.receive_state()
+        member.connect()
     except (Lost, OSError) as err:
-        connected = member.sock is not None
         member.close()
-        if member.stop or connected or preemption.signal is not None:  # told to stop, or the launcher went away
-            why = ("the run stopped" if member.stop else f"the launcher went away ({err})" if connected
-                   else f"{preemption.reason}, and the launcher is gone ({err})")
-            print(f"jaxdp: rank {member.rank}: {why} before this process joined; exit code "
-                  f"{EXIT_PREEMPTED}", file=sys.stderr)
+        if preemption.signal is not None:  # the launcher went away (PR_SET_PDEATHSIG)
+            print(f"jaxdp: rank {member.rank}: {preemption.reason}, and the launcher is gone ({err}) before this "
+                  f"process joined; exit code {EXIT_PREEMPTED}", file=sys.stderr)
             raise SystemExit(EXIT_PREEMPTED) from None
         print(f"jaxdp: error: rank {member.rank} cannot join the launcher at {member.address} ({err}); exit code "
               f"{EXIT_PEER_LOST}", file=sys.stderr)
         raise SystemExit(EXIT_PEER_LOST) from None
-    if received is None:
-        state = checkpointer.restore(state) if checkpointer else state
-        return member.settle(state)  # (torchft: its first quorum, which may hand it a live peer's state)
-    return member.state_from(state, received[1]), True
+    state = checkpointer.restore(state) if checkpointer else state
+    return member.settle(state)  # its first quorum, which may hand it a live peer's state
