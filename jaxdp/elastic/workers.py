@@ -39,7 +39,6 @@ class Worker:
         self.quorums = 0            # quorums taken so far
 
     kind = ""             # the engine's name, as --elastic-engine says it (jaxdp/sync/rules.py names it)
-    lead_moves = True     # the lead is agreed in each exchange's rows (jaxdp/loop/lead.py)
     Gone = hub.HubGone    # what a step raises when the quorum is lost (the loop stops with its state)
 
     def make_engine(self) -> Engine:

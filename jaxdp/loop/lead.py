@@ -1,4 +1,4 @@
-"""The lead of an elastic run on torchft: the one worker that writes the metrics, saves the checkpoints
+"""The lead of an elastic run: the one worker that writes the metrics, saves the checkpoints
 and evaluates. Losing it does not stop the run, nor its metrics and saves: the role moves.
 
 Who leads is agreed in the step's own exchange (jaxdp/elastic/every_step.py, `lead_of`): the lead's row
@@ -30,8 +30,8 @@ RETRY_S = 1.0  # a new lead whose directory is still locked tries again after th
 
 
 def follows(plan: Any) -> bool:
-    """Whether the lead of this run can move (an elastic run on torchft)."""
-    return plan.elastic is not None and plan.elastic.lead_moves
+    """Whether the lead of this run can move (an elastic run, on either engine)."""
+    return plan.elastic is not None
 
 
 def prepare(plan: Any) -> None:
