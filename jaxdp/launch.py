@@ -11,8 +11,9 @@ With --elastic (one node; jaxdp/elastic/hub.py) this launcher is the run's hub: 
 through it instead of jax.distributed, and a lost process is restarted alone (forked from a zygote
 that has JAX imported, jaxdp/launcher/zygote.py) while the others train on. A process that stalls
 (owes its part of a quorum or an exchange --stall-timeout seconds after another sent its own, or
-stays SIGSTOPped while the run stops) is left out and killed, then restarted as a lost one; a connection to the hub that sends
-something else than jaxdp/cluster/wire.py's messages, or nothing, is dropped with one line.
+stays SIGSTOPped while the run stops) is left out and killed, then restarted as a lost one; a
+connection to the hub that sends something else than jaxdp/cluster/wire.py's messages, or nothing,
+is dropped with one line.
 
 Like torchrun's standalone mode (the processes themselves: jaxdp/launcher/workers.py):
 * a free coordinator port on 127.0.0.1 (the next port free too: the run handshake's), and
@@ -266,7 +267,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
     """An elastic run on the hub (jaxdp/elastic/hub.py): this launcher is the hub; a lost process is started
     again alone, up to --max-restarts times in all, while the others train on."""
     from jaxdp.elastic import hub as elastic
-    from jaxdp.launcher.hub import Hub
+    from jaxdp.launcher.hub import RULES, Hub
 
     size = args.nproc_per_node
     hub = Hub(size)
@@ -286,7 +287,7 @@ def lead_elastic(launcher: Launcher, args: argparse.Namespace) -> int:
                 return EXIT_BAD_INPUT if launcher.stop is None else stop_code(launcher.stop)
         where = "" if launcher.cores is None else ", bound to cores " + ", ".join(
             f"{rank}: {sorted(c)}" for rank, c in enumerate(launcher.cores))
-        launcher.start_zygote(("jaxdp.elastic.every_step", "jaxdp.elastic.rounds"))  # restarts fork from it, rules imported
+        launcher.start_zygote(RULES)  # restarts fork from it, with JAX and the rules imported
         say(f"started {size} processes (elastic: a lost one restarts alone), hub {hub.address}{where}")
         restarts, ended, stalled, frozen = 0, {}, set(), {}
         while True:

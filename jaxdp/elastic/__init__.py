@@ -18,7 +18,7 @@ This package is behind a one-way wall: nothing else in jaxdp imports it but the 
 the benchmarks. The training loop (jaxdp/loop/) sees a worker (workers.py) only through these:
 
     member.rank, member.size, member.lead         # who this worker is, and whether it leads now
-    member.kind, member.Gone                      # the engine's name, its "peers gone" error (the lead moves: loop/lead.py)
+    member.Gone                                   # its "peers gone" error (the lead moves: loop/lead.py)
     member.make_step(loss_fn, tx, mesh, spec, shard_data, stateful=..., grad_accum=..., rounds=..., pace=...)
                                                   # the update rule the run's one SyncSpec names, across its workers
     member.connect(), member.settle(state)        # join; the state to start from (a live peer's, if further on)

@@ -181,8 +181,8 @@ def take_quorum(member: Any, state: TrainState, at: int, pending: bool = False,
 
 
 def make_every_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                 shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
-                 grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
+                    shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
+                    grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
     """`spec`: the run's sync choices (checked against jaxdp/sync/rules.py). Its strategy:
     how a worker sums its own devices' gradients: "host" (each device's added in device
     order, as the host path and the hub add them), or a collective (psum, the ring). Across workers
@@ -336,7 +336,7 @@ def settle(member: Any, state: Any) -> tuple[Any, bool]:
             received = wait_for_a_peer(member, state, at)
     except ft.QuorumLost as err:
         line = (f"rank {member.rank}: the run stopped before this worker joined" if err.ended else
-                ft.lost_line(member, err, "before its first step") if err.lighthouse_gone else
+                ft.lost_line(member, err, "before its first step") if err.gone else
                 f"rank {member.rank}: no quorum of --min-workers={member.min_workers} ({err})")
         print(f"jaxdp: {line}; exit code {EXIT_PREEMPTED}", file=sys.stderr)
         member.close()

@@ -52,11 +52,10 @@ def reachable(lighthouse: str, timeout_s: float = 2.0) -> bool:
 
 
 def lost_line(member: Any, err: QuorumLost, where: str) -> str:
-    """The line for a lost quorum `where` ("at step 12"): the hub or the Lighthouse gone, or too few live workers."""
-    if err.lighthouse_gone and member.kind == "hub":
-        return f"rank {member.rank} lost the launcher at {member.address} {where} ({err})"
-    if err.lighthouse_gone:
-        return f"rank {member.rank}: the Lighthouse at {member.lighthouse.split('://', 1)[-1].rstrip('/')} went away {where}"
+    """The line for a lost quorum `where` ("at step 12"): the engine's coordinator gone (as the worker names
+    it: `gone_line`), or too few live workers."""
+    if err.gone:
+        return member.gone_line(where, err)
     return (f"rank {member.rank}: fewer than --min-workers={member.min_workers} live workers for "
             f"{member.quorum_timeout_s:g} s (--quorum-timeout) {where} ({err})")
 
@@ -156,7 +155,7 @@ class TorchftEngine:
     def _lost(self, err: Exception) -> QuorumLost:
         """QuorumLost for torchft's error (its first line), saying whether the Lighthouse is gone."""
         lost = QuorumLost(str(err).splitlines()[0] if str(err) else type(err).__name__)
-        lost.lighthouse_gone = not reachable(self.lighthouse)
+        lost.gone = not reachable(self.lighthouse)
         return lost
 
     def participating(self) -> bool:

@@ -69,10 +69,10 @@ Lost = wire.ProtocolError  # the other end closed, or sent something that is not
 
 
 class QuorumLost(Exception):
-    """No quorum: the hub (or torchft's Lighthouse) is gone (`lighthouse_gone`), or too few live workers
-    for --quorum-timeout, or the run is stopping (`ended`)."""
+    """No quorum: the engine's coordinator (the hub, or torchft's Lighthouse) is gone (`gone`), or too few
+    live workers for --quorum-timeout, or the run is stopping (`ended`)."""
 
-    lighthouse_gone = False
+    gone = False
     ended = False
 
 
@@ -137,7 +137,7 @@ class HubEngine:
 
     def _lost(self, err: Exception) -> QuorumLost:
         lost = QuorumLost(str(err))
-        lost.lighthouse_gone = True
+        lost.gone = True
         return lost
 
     def set_timeout(self, seconds: float) -> None:

@@ -290,8 +290,8 @@ class Replicas:
 
 
 def make_round_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, member: Any,
-                       shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
-                       grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
+                    shard_data: Callable[[int, int], Batch], *, spec: SyncSpec, stateful: bool = False,
+                    grad_accum: int = 1, grad_norm: bool = False) -> TrainStep:
     """The step of local steps across elastic workers: `sync_every` inner steps on each of this
     worker's devices, then the pseudo-gradients' exchange described above. `strategy` sums the
     pseudo-gradient over this worker's devices (psum or the ring); `compression` codes each worker's

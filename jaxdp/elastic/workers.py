@@ -38,7 +38,6 @@ class Worker:
         self.flags = ""             # its flags' prints (jaxdp/cluster/agreement.py; "": not known, not compared)
         self.quorums = 0            # quorums taken so far
 
-    kind = ""             # the engine's name, as --elastic-engine says it (jaxdp/sync/rules.py names it)
     Gone = hub.HubGone    # what a step raises when the quorum is lost (the loop stops with its state)
 
     def make_engine(self) -> Engine:
@@ -150,16 +149,16 @@ class HubWorker(Worker):
     """A process of an elastic run on the launcher's hub (`--elastic-engine hub`): one node. Its launcher
     is its hub, so a worker whose launcher is gone has lost the run: it stops with the state it holds."""
 
-    kind = "hub"
-
     def make_engine(self) -> hub.HubEngine:
         return hub.HubEngine(self.address, self.rank)
+
+    def gone_line(self, where: str, err: Exception) -> str:
+        """The line for a hub that no longer answers (the launcher is gone)."""
+        return f"rank {self.rank} lost the launcher at {self.address} {where} ({err})"
 
 
 class FtWorker(Worker):
     """A worker of an elastic run on torchft (`--elastic-engine torchft`): a Lighthouse, across nodes."""
-
-    kind = "torchft"
 
     def __init__(self, lighthouse: str, rank: int, size: int, min_workers: int = 1, quorum_timeout_s: float = 60.0):
         super().__init__(lighthouse, rank, size, min_workers, quorum_timeout_s)
@@ -169,6 +168,10 @@ class FtWorker(Worker):
     def make_engine(self) -> ft.TorchftEngine:
         return ft.TorchftEngine(self.lighthouse, self.rank, self.size, self.min_workers, self.stall_timeout or 20.0,
                                 self.quorum_timeout_s, self.flags)
+
+    def gone_line(self, where: str, err: Exception) -> str:
+        """The line for a Lighthouse that no longer takes a connection."""
+        return f"rank {self.rank}: the Lighthouse at {self.lighthouse.split('://', 1)[-1].rstrip('/')} went away {where}"
 
     def leaves(self, orphaned: bool) -> bool:
         """Whether a stop signal means this worker alone leaves the run, rather than a stop of every

@@ -24,6 +24,7 @@ from jaxdp.cluster import ft_env as ft
 from jaxdp.cluster.detect import ENV_RUN_ID, parse_address
 from jaxdp.config import ConfigError
 from jaxdp.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, InputError
+from jaxdp.launcher.hub import JOIN_TIMEOUT_S, RULES
 from jaxdp.launcher.workers import Launcher, describe, say, shell_code, stop_code
 
 # The Lighthouse leaves out a worker whose heartbeats (every 100 ms, from torchft's own thread) stop this
@@ -80,10 +81,9 @@ def heartbeat_timeout(nnodes: int, lateness: list[float] | None = None) -> float
     return timeout
 
 
-JOIN_TIMEOUT_S = 60.0       # a quorum waits this long for heartbeating workers that have not asked yet
 # What a worker on torchft imports beside the zygote's own list: a restart forked from the zygote does
 # not pay for them again (torch and torchft: about 2.4 s of CPU, taken from the survivors' cores).
-PRELOAD = ("torch", "torchft", "jaxdp.elastic.ft", "jaxdp.elastic.every_step", "jaxdp.elastic.rounds")
+PRELOAD = ("torch", "torchft", "jaxdp.elastic.ft", *RULES)
 
 
 def lead_torchft(launcher: Launcher, args: argparse.Namespace) -> int:

@@ -14,7 +14,9 @@ from typing import Any, Sequence
 from jaxdp.cluster import wire
 from jaxdp.elastic.hub import STALL_TIMEOUT_S, send
 
-JOIN_TIMEOUT_S = 60.0  # the run's first quorum waits this long for every rank (as the torchft launcher's Lighthouse)
+JOIN_TIMEOUT_S = 60.0  # an elastic run's first quorum waits this long for every rank (the hub's; the Lighthouse's too)
+# What an elastic worker imports beside the zygote's own list: a restart forked from the zygote has them.
+RULES = ("jaxdp.elastic.every_step", "jaxdp.elastic.rounds")
 
 
 class Hub:
