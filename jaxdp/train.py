@@ -61,7 +61,7 @@ def _mesh_and_strategy(config: Config, devices: list) -> tuple[Any, Any]:
             local_steps = config.sync_every != 1
             what = "pseudo-gradients averaged every " + str(config.sync_every) + " steps" if local_steps else "gradients"
             if local_steps and config.overlap:
-                what += ", each round's average while the next round trains (jaxdp/step/overlap.py, `ShardedOverlapped`)"
+                what += ", each round's average while the next round trains (jaxdp/step/overlap.py, `Cut`)"
             how = ("XLA's all-reduce" if config.strategy == "psum" and config.compression == "none" and not local_steps
                    else f"--strategy {config.strategy}" + ("" if config.compression == "none" else
                                                             f" with --compression {config.compression}"))

@@ -487,7 +487,7 @@ def test_sliced_powersgd_is_powersgd_on_whole_leaves_for_every_cut(devices):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_overlapped_rounds_in_two_processes_are_the_replicated_run_with_a_device_per_process(tmp_path):
-    """--shard-params --sync-every 3 --overlap in 2 processes x 2 devices (jaxdp/step/overlap.py, `ShardedOverlapped`:
+    """--shard-params --sync-every 3 --overlap in 2 processes x 2 devices (jaxdp/step/overlap.py, the `Cut` layout:
     the inner steps on each process's own devices while the average runs on a thread of its own,
     through gloo) against one process's replicated overlapped run on 2 devices, a device per
     process: the same losses, each round landing with the next, and the same held-out loss."""

@@ -105,7 +105,7 @@ def test_resumed_with_the_average_in_flight_equals_the_uninterrupted_run(devices
 
 
 def sharded_fit(devices, **kwargs):
-    """overlapped_fit with shard_params on 2 workers of 4 devices (jaxdp/step/overlap.py, `ShardedOverlapped`)."""
+    """overlapped_fit with shard_params on 2 workers of 4 devices (jaxdp/step/overlap.py, the `Cut` layout)."""
     mesh = make_mesh(devices, axis_name=("hosts", "local"), shape=(2, 4))
     return overlapped_fit(mesh, shard_params=True, **kwargs)
 

@@ -37,13 +37,13 @@ def ev(name):
     EVENTS.append((time.perf_counter() - T0, name))
 
 
-original_in_flight, original_landed = ov.InFlight._in_flight, ov.Overlapped._landed
+original_in_flight, original_landed = ov.Overlapped._in_flight, ov.Overlapped._landed
 
 
 def in_flight(self, state):
     ev("round")
     if not getattr(self, "_traced", False):
-        reduce, self._traced = self.reduce, True
+        reduce, self._traced = self.layout.reduce, True
 
         def traced(*args):
             ev("average_begin")
@@ -51,7 +51,7 @@ def in_flight(self, state):
             ev("average_end")
             return out
 
-        self.reduce = traced
+        self.layout.reduce = traced
     return original_in_flight(self, state)
 
 
@@ -63,7 +63,7 @@ def landed(self, state, pending):
         ev("wait_end")
 
 
-ov.InFlight._in_flight, ov.Overlapped._landed = in_flight, landed
+ov.Overlapped._in_flight, ov.Overlapped._landed = in_flight, landed
 atexit.register(lambda: json.dump(EVENTS, open(os.path.join(os.environ["OVERLAP_TRACE"], f"{os.getpid()}.json"), "w")))
 '''
 

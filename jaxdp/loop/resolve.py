@@ -95,7 +95,6 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
     from jaxdp.loop import lead
     from jaxdp.mesh import make_mesh
     from jaxdp.step import local_sgd
-    from jaxdp.step.overlap import FixedSteps
     from jaxdp.sync import exchange, spec as syncspec
 
     started = time.perf_counter() if run.started is None else run.started
@@ -121,7 +120,7 @@ def resolve(loss_fn: Callable, params: Any, tx: Any, data: Any, *, steps: int, m
                                  byte_budget=budget_fraction(sync.byte_budget),
                                  float_state=bool(exchange.float_leaves(model_state or {})[0]))
     if overlap and not every_step_overlap:  # rounds of H steps whose average lands one round late (jaxdp/step/rounds.py)
-        check_paced(FixedSteps(rounds_of), data, mesh, "overlap", flat=not sync.shard_params)
+        check_paced(lambda round_, process: rounds_of, data, mesh, "overlap", flat=not sync.shard_params)
     elif sync.sync_seconds is not None:  # workers at their own pace (jaxdp/step/rounds.py)
         check_paced(sync.sync_seconds, data, mesh)
     rounds_run = (overlap and not every_step_overlap) or sync.sync_seconds is not None
@@ -187,7 +186,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             shared = replicate(elastic.round_sync(plan.overlap), mesh)
             return made.replace(sync=made.sync.replace(shared={**made.sync.shared, **shared}))
         rows, shared = paced.init_sync(mesh)
-        if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/overlap.py, `ShardedOverlapped`)
+        if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/overlap.py, `Cut`)
             rows.update(overlap.init_sharded(params, mesh))
         elif plan.overlap:
             rows.update(overlap.init_overlap(params, mesh))
@@ -317,7 +316,7 @@ def check_overlap(sync_every: Any) -> None:
 def check_paced(pace: Any, data: Any, mesh: Any, what: str = "sync_seconds", flat: bool = True) -> None:
     """InputError for the pace, data or mesh `sync_seconds` or `overlap` (`what`; jaxdp/step/rounds.py)
     cannot use (what they combine with: jaxdp/sync/rules.py). `flat`: a one-axis mesh is needed
-    (not by overlap with shard_params: jaxdp/step/overlap.py, `ShardedOverlapped`, on hsdp.py's meshes)."""
+    (not by overlap with shard_params: jaxdp/step/overlap.py, `Cut`, on hsdp.py's meshes)."""
     from jaxdp.errors import InputError
     from jaxdp.step import rounds as paced
 

@@ -20,8 +20,8 @@ from jaxdp.loop.hooks import Hook, Loop, periodic
 
 
 def make_rounds(loop: Loop) -> Any:
-    """The plan's rounds: `Overlapped` (overlap, H steps; with shard_params `ShardedOverlapped`) or
-    `Rounds` (sync_seconds)."""
+    """The plan's rounds: `Overlapped` (overlap, H steps; a replica per device, or with shard_params
+    each worker's cut over its devices) or `Rounds` (sync_seconds)."""
     from jaxdp.step import overlap, rounds as paced
 
     plan, sync, run = loop.plan, loop.options["sync"], loop.options["run"]
@@ -29,14 +29,15 @@ def make_rounds(loop: Loop) -> Any:
     if made.rounds is not None:  # rounds across an elastic engine's workers (jaxdp/elastic/timed.py, overlap.py)
         made.rounds.local_rows = run.examples_per_step // plan.elastic.size if run.examples_per_step else None
         return made.rounds
-    if plan.overlap and loop.spec.shard_params:  # each worker's state cut over its devices
-        return overlap.ShardedOverlapped(made.loss_fn, plan.tx, plan.mesh, loop.spec, plan.outer_tx,
-                                       loop.spec.sync_every, plan.data, run.examples_per_step, stateful=made.stateful,
-                                       grad_accum=made.grad_accum)
     args = (made.local_grads, plan.tx, plan.mesh, loop.spec.strategy, loop.spec.compression, plan.outer_tx)
-    if plan.overlap:
-        return overlap.Overlapped(*args, loop.spec.sync_every, plan.data, run.examples_per_step)
-    return paced.Rounds(*args, sync.sync_seconds, plan.data, run.examples_per_step)
+    if not plan.overlap:
+        return paced.Rounds(*args, sync.sync_seconds, plan.data, run.examples_per_step)
+    if loop.spec.shard_params:  # each worker's state cut over its devices
+        layout: Any = overlap.Cut(made.loss_fn, plan.tx, plan.mesh, loop.spec, plan.outer_tx, plan.data,
+                                  stateful=made.stateful, grad_accum=made.grad_accum)
+    else:
+        layout = overlap.Replicas(*args, plan.data)
+    return overlap.Overlapped(layout, loop.spec.sync_every, run.examples_per_step)
 
 
 def run_rounds(loop: Loop) -> None:

@@ -32,7 +32,7 @@ sync_every / F steps in turn). The outer state has local_sgd.py's tree (one stat
 over {leaf name: leaf}), cut like the parameters. So a checkpoint moves between this layout and
 local_sgd.py's: rows of another count become their mean (jaxdp/checkpoint/portable.py).
 
-Overlapped rounds (`--sync-every H --overlap`) are jaxdp/step/overlap.py, `ShardedOverlapped`'s, on these same
+Overlapped rounds (`--sync-every H --overlap`) are jaxdp/step/overlap.py's (the `Cut` layout), on these same
 pieces (`Workers`) and the same state, with the delta in flight beside it.
 
 With `metrics_at_sync` the logged scalars are averaged across workers on sync steps only; between
@@ -134,7 +134,7 @@ class Workers:
     """What the steps over `mesh` share, one worker per "hosts" row: each worker's gradient
     (`grads`), the mean of `[workers, *leaf]` rows across workers through the exchange (`mean`),
     the batch and model state laid out per worker (`prepared`) and their means (`finished`). The
-    step below uses them on the whole mesh; the overlapped rounds (jaxdp/step/overlap.py, `ShardedOverlapped`) on
+    step below uses them on the whole mesh; the overlapped rounds (jaxdp/step/overlap.py, `Cut`) on
     one process's rows too."""
 
     def __init__(self, loss_fn: Callable, mesh: Mesh, spec: Any, *, stateful: bool, grad_accum: int):

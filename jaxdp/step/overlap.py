@@ -1,11 +1,11 @@
 """Overlapped rounds (`--sync-every H --overlap`): round k's average of pseudo-gradients runs while
-round k + 1 trains, and is applied one round late, the same on every device. One rule, two layouts:
-replicas (`Overlapped`) and, with `--shard-params` across workers, each worker's state cut over its
-own devices (`ShardedOverlapped`); both share the average in flight (`InFlight`).
+round k + 1 trains, and is applied one round late, the same on every device. One rule (`Overlapped`),
+two layouts: a replica per device (`Replicas`) and, with `--shard-params` across workers, each
+worker's state cut over its own devices (`Cut`).
 
     result = jaxdp.fit(loss_fn, params, tx, data, steps=..., sync=jaxdp.SyncOptions(sync_every=8, overlap=True))
 
-With replicas (`overlap=True` with `sync_every=H`, `Overlapped`): every process takes H inner steps per
+With replicas (`overlap=True` with `sync_every=H`, `Replicas`): every process takes H inner steps per
 round, and round k's average (`make_reduce`, the only collective) runs on a thread of its own while
 round k + 1 trains; then `make_apply` (no collective) takes the outer step with it and restarts
 every replica from the new global parameters minus its own delta of round k + 1, which is the next
@@ -14,7 +14,7 @@ exact). The timed rounds' scope (jaxdp/step/rounds.py: an in-graph strategy with
 fragment, no ZeRO-1, a flat mesh, no float model state), one round of delay, and the end of the run
 applies the last average. Why a thread works, and what it needs of the CPU backend: docs/slow-links.md, "Overlap".
 
-With `--shard-params` across workers (`ShardedOverlapped`): the same rule (one round of delay, the
+With `--shard-params` across workers (`Cut`): the same rule (one round of delay, the
 same on every worker; tests/test_overlap.py's reference loop), with hsdp.py's layout: a worker is one row of the
 ("hosts", "local") mesh, its replica and inner optimizer state `[workers, *leaf]` rows cut over its
 devices (`state.sync.per_device["local_sgd"]`), the global parameters and the outer state cut like
@@ -32,7 +32,7 @@ the parameters. Three programs a round, as there:
   the round just trained, the next delta in flight.
 
 Each worker takes the same H steps a round (`sync_every`); the last round what is left of `steps`.
-A checkpoint holds the delta in flight, so a resume is exact. Scope: as `Overlapped`'s (one
+A checkpoint holds the delta in flight, so a resume is exact. Scope: as with replicas (one
 fragment, no float model state, a fixed codec; jaxdp/sync/rules.py) and top-k refused as with
 `shard_params` everywhere.
 """
@@ -53,24 +53,14 @@ from jaxdp.mesh import data_axes, state_specs
 from jaxdp.step import fsdp
 from jaxdp.step.hsdp import Workers, row_shardings, rows as stacked_rows
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
-from jaxdp.step.rounds import (OVERLAP_NAME, PACE_NAME, Rounds, outer_step, process_rows, replicated_to, rows_to,
-                               slot_specs)
+from jaxdp.step import rounds as paced
+from jaxdp.step.rounds import (OVERLAP_NAME, PACE_NAME, Rounds, local_mesh, make_inner, outer_step, process_rows,
+                               replicated_to, rows_to, slot_specs)
 from jaxdp.step.state import TrainState
 from jaxdp.sync.codecs.base import only as codec_slot
 from jaxdp.sync.codecs.plain import NoCompression
 from jaxdp.sync.collectives import as_collective
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
-
-
-class FixedSteps:
-    """The pace of an overlapped `--sync-every H` run: H inner steps per round, every process (the
-    last round: what is left of `steps`)."""
-
-    def __init__(self, steps: int):
-        self.steps = steps
-
-    def __call__(self, round_index: int, process: int) -> int:
-        return self.steps
 
 
 def init_overlap(params: Any, mesh: Mesh) -> dict:
@@ -90,7 +80,7 @@ def is_overlapped(state: Any) -> bool:
 
 
 def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
-    """`(coded, delta, steps, loss_sum, step) -> (mean, total, coded, metrics)` over the whole mesh:
+    """`(coded, delta, steps, loss_sum, step) -> (mean, coded, metrics)` over the whole mesh:
     the mean of the round's pseudo-gradients through the strategy (and codec), the loss riding in
     the same collective, and nothing else: the overlapped run's only collective. Every device took
     the same H steps, so unlike `make_sync` no weights need summing first. `coded` is the codec's
@@ -104,30 +94,30 @@ def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
                                                    coded, step)
         by_device = jnp.full(n, steps[0])
         metrics = {"loss": out["loss_sum"] * n / jnp.maximum(total, 1.0), "steps_by_device": by_device, **extra}
-        return mean, total, coded, metrics
+        return mean, coded, metrics
 
     def mapped(coded: Any, delta: Any, steps: jax.Array, loss_sum: jax.Array, step: jax.Array):
         coded_specs = slot_specs(coded, axis)
         return jax.shard_map(device_reduce, mesh=mesh, in_specs=(coded_specs, P(axis), P(axis), P(axis), P()),
-                             out_specs=(P(), P(), coded_specs, P()), check_vma=False)(coded, delta, steps, loss_sum, step)
+                             out_specs=(P(), coded_specs, P()), check_vma=False)(coded, delta, steps, loss_sum, step)
 
     return jax.jit(mapped)
 
 
 def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Callable:
-    """`(state, mean, total, coded, anchor, steps, loss_sum) -> state` over the whole mesh, with no
-    collective: the outer step with the mean of the round before (skipped when `total` is 0: nothing
+    """`(state, mean, moved, coded, anchor, taken, steps, loss_sum) -> state` over the whole mesh, with
+    no collective: the outer step with the mean of the round before (skipped unless `moved`: nothing
     was in flight), then every replica (the state's rows, as the round left them) restarts from the
     new global parameters plus its own progress of the round (replica - `anchor`, not averaged yet),
-    which becomes the delta in flight. The step is the data position (every process takes the same
-    steps)."""
+    which becomes the delta in flight. The step is the data position, which the inner steps moved
+    (every process takes the same steps; `taken` is the cut layout's, `sharded_apply`)."""
     axis = data_axes(mesh)
     outer_tx = default_outer(outer_tx)
 
-    def device_apply(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
+    def device_apply(state: TrainState, mean: Any, moved: jax.Array, coded: Any, anchor: Any,
                      steps: jax.Array, loss_sum: jax.Array) -> TrainState:
         rows = state.sync.per_device[STATE_NAME]  # the replicas as the round left them
-        params, outer = outer_step(outer_tx, state, mean, total > 0)
+        params, outer = outer_step(outer_tx, state, mean, moved)
         mine, start = jax.tree.map(lambda x: x[0], rows["params"]), jax.tree.map(lambda x: x[0], anchor)
         delta = jax.tree.map(lambda a, r: a - r, start, mine)  # this round's pseudo-gradient, in flight
         replica = jax.tree.map(lambda g, d: g - d, params, delta)
@@ -141,118 +131,56 @@ def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Cal
                     PACE_NAME: {"round": state.sync.shared[PACE_NAME]["round"] + 1}})
         return state.replace(step=position[0], params=params, sync=sync)
 
-    def mapped(state: TrainState, mean: Any, total: jax.Array, coded: Any, anchor: Any,
+    def mapped(state: TrainState, mean: Any, moved: jax.Array, coded: Any, anchor: Any, taken: Any,
                steps: jax.Array, loss_sum: jax.Array) -> TrainState:
         specs = state_specs(state, axis)
         coded_specs = slot_specs(coded, axis)
         return jax.shard_map(device_apply, mesh=mesh,
                              in_specs=(specs, P(), P(), coded_specs, P(axis), P(axis), P(axis)),
-                             out_specs=specs, check_vma=False)(state, mean, total, coded, anchor, steps, loss_sum)
+                             out_specs=specs, check_vma=False)(state, mean, moved, coded, anchor, steps, loss_sum)
 
     return jax.jit(mapped, donate_argnums=0)
 
 
-class InFlight:
-    """What an overlapped run's rounds share, with replicas (`Overlapped` below) or with each worker's
-    state cut over its devices (`ShardedOverlapped`): the thread the average runs on, the
-    start of the average of the delta a state holds (`self.reduce(coded, delta, steps, loss_sum,
-    step)`, the codec's slot if `self.coded`), the last round's length and the steps by process."""
-
-    thread: Any
-    reduce: Callable
-    coded: bool
-    pace: FixedSteps
-    first_row: dict[int, int]
-
-    def close(self) -> None:
-        self.thread.shutdown(wait=True)
-
-    def _coded(self, state: TrainState) -> Any:
-        return codec_slot(state.sync) if self.coded else state.sync.replace(per_device={}, shared={})
-
-    def _in_flight(self, state: TrainState) -> Any:
-        """Start averaging the delta the state holds (on the thread); None if it holds none."""
-        flight = state.sync.per_device[OVERLAP_NAME]
-        if not int(np.asarray(flight["steps"].addressable_shards[0].data)[0]):
-            return None
-        args = (self._coded(state), flight["delta"], flight["steps"], flight["loss_sum"], state.step)
-
-        def average() -> Any:
-            return jax.block_until_ready(self.reduce(*args))
-
-        return self.thread.submit(average)
-
-    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
-        return remaining if remaining < self.pace.steps else None
-
-    by_process = Rounds.by_process
-
-
-class Overlapped(InFlight, Rounds):
-    """Rounds of H steps whose average is applied one round late (`--overlap`, see the module
-    docstring): round k + 1 trains while round k's pseudo-gradients are averaged. The average is
-    the one collective program, dispatched from a thread of its own: on JAX's CPU client a program
-    runs on the thread that dispatches it, so from the training thread it would wait for the inner
-    steps (and they for it); from a second thread the two run at the same time, given two CPU
-    workers (a one-core process: jaxdp.cluster.runtime.two_cpu_workers; measured in docs/slow-links.md).
-    The inner steps and the apply run no collective, so no two collective programs are ever in
-    flight at once, and every process dispatches them in the same order."""
+class Replicas:
+    """The layout of overlapped rounds with a replica per device (the rows of jaxdp/step/rounds.py):
+    the three programs, and a round's inner steps on this process's devices (`start`, `train`,
+    `back`: the rows move between the whole mesh and the process's devices, no copies)."""
 
     def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
-                 compression: Any, outer_tx: Any, every: int, data: Callable[[int], Any], rows_per_step: int | None):
-        super().__init__(local_grads, tx, mesh, strategy, compression, outer_tx, FixedSteps(every), data, rows_per_step)
+                 compression: Any, outer_tx: Any, data: Callable[[int], Any]):
+        paced.check(lambda *_: 0, mesh)  # a flat mesh
+        self.mesh, self.data, self.local = mesh, data, local_mesh(mesh)
+        self.inner = make_inner(local_grads, tx, self.local)
         self.reduce = make_reduce(mesh, strategy, compression)
         self.apply = make_apply(mesh, outer_tx)
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
         self.coded = codec_of(compression) is not None
+        self.process = jax.process_index()
 
-    def _landed(self, state: TrainState, pending: Any) -> tuple[Any, Any, Any, dict]:
-        """The average in flight, once it has landed; with none in flight, a zero one (no outer step)."""
-        if pending is not None:
-            mean, total, coded, metrics = pending.result()
-            return mean, total, coded, {**metrics, "landed": True}
-        nothing = state.sync.replace(per_device={}, shared={})  # (the codec's slot stays as it is)
-        zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state.params)
-        return zeros, np.float32(0.0), nothing, {"landed": False}
-
-    def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
-              ) -> tuple[TrainState, dict, int, float]:
-        """Average the delta in flight while this round's H (or `limit`) inner steps train, then
-        apply it. The metrics are the round before's (its loss is known now; "landed" False: none)."""
-        pending = self._in_flight(state)
+    def start(self, state: TrainState) -> tuple[tuple, int]:
+        """(the inner steps' carry on this process's devices, the data position)."""
         local = self.local
-        anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # (the inner steps donate the rows)
-        rows = rows_to(state.sync.per_device[STATE_NAME], local)
         position = rows_to(state.sync.per_device[PACE_NAME]["position"], local)
         view = replicated_to(state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={})),
                              local)
-        view = view.replace(rng=jax.random.fold_in(view.rng, self.process))
-        at = int(np.asarray(position.addressable_shards[0].data)[0])
+        self.view = view.replace(rng=jax.random.fold_in(view.rng, self.process))  # each process's own dropout keys
         loss_sum = jnp.zeros(local.size, jnp.float32, device=NamedSharding(local, P(data_axes(local))))
-        started = time.perf_counter()
-        planned = self.pace.steps if limit is None else min(self.pace.steps, limit)
-        for taken in range(planned):
-            rows, position, loss_sum = self.inner(rows, view, position, loss_sum, self._batch(at + taken))
-        steps = jnp.full(local.size, planned, jnp.int32, device=NamedSharding(local, P(data_axes(local))))
-        jax.block_until_ready(loss_sum)
-        mean, total, coded, metrics = self._landed(state, pending)
+        carry = (rows_to(state.sync.per_device[STATE_NAME], local), position, loss_sum)
+        return carry, int(np.asarray(position.addressable_shards[0].data)[0])
+
+    def train(self, carry: tuple, position: int) -> tuple:
+        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(self.local, P(data_axes(self.local)))),
+                             self.data(position))
+        rows, positions, loss_sum = carry
+        return self.inner(rows, self.view, positions, loss_sum, batch)
+
+    def back(self, state: TrainState, carry: tuple, planned: int) -> tuple[TrainState, jax.Array, jax.Array]:
+        """(`state` holding the trained rows, the round's steps and loss sums as rows of the whole mesh)."""
+        rows, position, loss_sum = carry
+        steps = jnp.full(self.local.size, planned, jnp.int32, device=NamedSharding(self.local, P(data_axes(self.local))))
         sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows_to(rows, self.mesh),
                                               PACE_NAME: {"position": rows_to(position, self.mesh)}})
-        state = self.apply(state.replace(sync=sync), mean, total, coded, anchor, rows_to(steps, self.mesh),
-                           rows_to(loss_sum, self.mesh))
-        return state, {**metrics, "round": state.sync.shared[PACE_NAME]["round"]}, planned, time.perf_counter() - started
-
-    def flush(self, state: TrainState) -> TrainState:
-        """The end of the run: average the last round's delta and apply it with no new progress, so
-        every replica equals the global parameters and nothing is in flight."""
-        pending = self._in_flight(state)
-        if pending is None:
-            return state
-        mean, total, coded, _ = pending.result()
-        anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # progress 0
-        zero = jax.jit(lambda x: x * 0)
-        flight = state.sync.per_device[OVERLAP_NAME]
-        return self.apply(state, mean, total, coded, anchor, zero(flight["steps"]), zero(flight["loss_sum"]))
+        return state.replace(sync=sync), rows_to(steps, self.mesh), rows_to(loss_sum, self.mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,38 +282,42 @@ def sharded_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> 
     return jax.jit(apply, donate_argnums=0)
 
 
-class ShardedOverlapped(InFlight):
-    """Rounds of H steps whose average is applied one round late, `shard_params` across workers
-    (the module docstring); what jaxdp/loop/rounds.py drives, as `Overlapped`, with which it shares
-    the average in flight (`InFlight`)."""
+class Cut:
+    """The layout of overlapped rounds with `shard_params` across workers: each worker's replica cut
+    over its own devices (hsdp.py's rows), the three programs, and a round's inner steps on this
+    process's rows of the mesh (`start`, `train`, `back`, as `Replicas`')."""
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, spec: Any, outer_tx: Any,
-                 every: int, data: Callable[[int], Any], rows_per_step: int | None, *, stateful: bool,
-                 grad_accum: int):
-        self.mesh, self.data, self.pace = mesh, data, FixedSteps(every)
+                 data: Callable[[int], Any], *, stateful: bool, grad_accum: int):
+        self.mesh, self.data, self.sub = mesh, data, own_rows(mesh)
         self.whole = Workers(loss_fn, mesh, spec, stateful=stateful, grad_accum=grad_accum)
-        self.sub = own_rows(mesh)
         self.mine = Workers(loss_fn, self.sub, spec, stateful=stateful, grad_accum=grad_accum)
         self.inner = sharded_inner(self.mine, tx)
         self.reduce = sharded_reduce(self.whole)
         self.apply = sharded_apply(mesh, outer_tx)
         self.coded = spec.codec is not None
         self.process = jax.process_index()
-        self.first_row, self.local_rows = process_rows(mesh, rows_per_step)
-        self.steps: int | None = None
-        self.stopping: Callable[[], bool] = lambda: False
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
 
-    def _batch(self, position: int) -> Any:
-        sharding = NamedSharding(self.sub, P(tuple(self.sub.axis_names)))
-        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), self.data(position))
+    def start(self, state: TrainState) -> tuple[tuple, int]:
+        sub, replicas = self.sub, state.sync.per_device[STATE_NAME]
+        rows = reseat(replicas, sub, jax.tree.map(lambda x: NamedSharding(sub, x.sharding.spec), replicas))
+        view = replicated_to({"model_state": state.model_state, "rng": state.rng}, sub)
+        self.model_state, self.rng = view["model_state"], jax.random.fold_in(view["rng"], self.process)
+        spec = P(sub.axis_names[0]) if len(sub.axis_names) > 1 else P()
+        loss_sum = jax.device_put(np.zeros(self.mine.count, np.float32), NamedSharding(sub, spec))
+        return (rows, loss_sum), int(np.asarray(state.sync.per_device[PACE_NAME]["position"].addressable_shards[0].data)[0])
 
-    def _landed(self, state: TrainState, pending: Any) -> tuple[Any, Any, Any, dict]:
-        if pending is not None:
-            mean, coded, metrics = pending.result()
-            return mean, jnp.bool_(True), coded, {**metrics, "landed": True}
-        zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))(state.params)
-        return zeros, jnp.bool_(False), state.sync.replace(per_device={}, shared={}), {"landed": False}
+    def train(self, carry: tuple, position: int) -> tuple:
+        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(self.sub, P(tuple(self.sub.axis_names)))),
+                             self.data(position))
+        rows, loss_sum = carry
+        return self.inner(rows, self.model_state, self.rng, np.int32(position), loss_sum, batch)
+
+    def back(self, state: TrainState, carry: tuple, planned: int) -> tuple[TrainState, jax.Array, jax.Array]:
+        rows, loss_sum = carry
+        replicas = reseat(rows, self.mesh, jax.tree.map(lambda x: x.sharding, state.sync.per_device[STATE_NAME]))
+        state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: replicas}))
+        return state, self._by_worker(np.full(self.whole.count, planned, np.int32)), self._by_worker(loss_sum)
 
     def _by_worker(self, values: Any) -> jax.Array:
         """[workers] on the whole mesh: numpy values (every process's, the same), or this process's
@@ -395,34 +327,73 @@ class ShardedOverlapped(InFlight):
             return jax.make_array_from_callback(values.shape, sharding, lambda index: values[index])
         return reseat(values, self.mesh, sharding)
 
+
+_zeros = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule, on either layout
+# ---------------------------------------------------------------------------------------------
+
+
+class Overlapped:
+    """Rounds of H steps whose average is applied one round late (`--overlap`, the module docstring),
+    on a layout (`Replicas` or `Cut`): round k + 1 trains while round k's pseudo-gradients are
+    averaged. The average is the one collective program, dispatched from a thread of its own: on
+    JAX's CPU client a program runs on the thread that dispatches it, so from the training thread it
+    would wait for the inner steps (and they for it); from a second thread the two run at the same
+    time, given two CPU workers (a one-core process: jaxdp.cluster.runtime.two_cpu_workers; docs/slow-links.md).
+    The inner steps and the apply run no collective, so no two collective programs are ever in
+    flight at once, and every process dispatches them in the same order. What jaxdp/loop/rounds.py
+    drives: `round`, then `flush` at the end."""
+
+    def __init__(self, layout: Replicas | Cut, every: int, rows_per_step: int | None):
+        self.layout, self.every, self.mesh = layout, every, layout.mesh
+        self.first_row, self.local_rows = process_rows(layout.mesh, rows_per_step)
+        self.steps: int | None = None
+        self.stopping: Callable[[], bool] = lambda: False
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-overlap")
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True)
+
+    def _in_flight(self, state: TrainState) -> Any:
+        """Start averaging the delta the state holds (on the thread); None if it holds none."""
+        flight = state.sync.per_device[OVERLAP_NAME]
+        if not int(np.asarray(flight["steps"].addressable_shards[0].data)[0]):
+            return None
+        coded = codec_slot(state.sync) if self.layout.coded else state.sync.replace(per_device={}, shared={})
+        args = (coded, flight["delta"], flight["steps"], flight["loss_sum"], state.step)
+        return self.thread.submit(lambda: jax.block_until_ready(self.layout.reduce(*args)))
+
+    def _landed(self, state: TrainState, pending: Any) -> tuple[Any, Any, Any, dict]:
+        """(mean, moved, coded, metrics) of the average in flight, once it has landed; with none in
+        flight, a zero mean and no outer step (the codec's slot stays as it is)."""
+        if pending is None:
+            return _zeros(state.params), jnp.bool_(False), state.sync.replace(per_device={}, shared={}), {"landed": False}
+        mean, coded, metrics = pending.result()
+        return mean, jnp.bool_(True), coded, {**metrics, "landed": True}
+
     def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
               ) -> tuple[TrainState, dict, int, float]:
-        """Average the delta in flight while this round's H (or `limit`) inner steps train, then
-        apply it. The metrics are the round before's ("landed" False: none)."""
+        """Average the delta in flight while this round's H (or `limit`) inner steps train, then apply
+        it. The metrics are the round before's (its loss is known now; "landed" False: none)."""
         pending = self._in_flight(state)
-        sub, replicas = self.sub, state.sync.per_device[STATE_NAME]
-        anchor = jax.tree.map(jnp.copy, replicas["params"])  # (the inner steps donate the rows)
-        rows = reseat(replicas, sub, jax.tree.map(lambda x: NamedSharding(sub, x.sharding.spec), replicas))
-        view = replicated_to({"model_state": state.model_state, "rng": state.rng}, sub)
-        rng = jax.random.fold_in(view["rng"], self.process)  # each process's own dropout keys
-        at = int(np.asarray(state.sync.per_device[PACE_NAME]["position"].addressable_shards[0].data)[0])
-        spec = P(sub.axis_names[0]) if len(sub.axis_names) > 1 else P()
-        loss_sum = jax.device_put(np.zeros(self.mine.count, np.float32), NamedSharding(sub, spec))
+        anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # (the inner steps donate the rows)
+        carry, at = self.layout.start(state)
         started = time.perf_counter()
-        planned = self.pace.steps if limit is None else min(self.pace.steps, limit)
+        planned = self.every if limit is None else min(self.every, limit)
         for taken in range(planned):
-            rows, loss_sum = self.inner(rows, view["model_state"], rng, np.int32(at + taken), loss_sum,
-                                        self._batch(at + taken))
-        jax.block_until_ready(loss_sum)
+            carry = self.layout.train(carry, at + taken)
+        jax.block_until_ready(carry[-1])
         mean, moved, coded, metrics = self._landed(state, pending)
-        replicas = reseat(rows, self.mesh, jax.tree.map(lambda x: x.sharding, replicas))
-        state = state.replace(sync=state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: replicas}))
-        state = self.apply(state, mean, moved, coded, anchor, np.int32(planned),
-                           self._by_worker(np.full(self.whole.count, planned, np.int32)), self._by_worker(loss_sum))
+        state, steps, loss_sum = self.layout.back(state, carry, planned)
+        state = self.layout.apply(state, mean, moved, coded, anchor, np.int32(planned), steps, loss_sum)
         return state, {**metrics, "round": state.sync.shared[PACE_NAME]["round"]}, planned, time.perf_counter() - started
 
     def flush(self, state: TrainState) -> TrainState:
-        """The end of the run: average the last round's delta and apply it with no new progress."""
+        """The end of the run: average the last round's delta and apply it with no new progress, so
+        every replica equals the global parameters and nothing is in flight."""
         pending = self._in_flight(state)
         if pending is None:
             return state
@@ -430,5 +401,10 @@ class ShardedOverlapped(InFlight):
         anchor = jax.tree.map(jnp.copy, state.sync.per_device[STATE_NAME]["params"])  # progress 0
         flight = state.sync.per_device[OVERLAP_NAME]
         zero = jax.jit(lambda x: x * 0)
-        return self.apply(state, mean, jnp.bool_(True), coded, anchor, np.int32(0), zero(flight["steps"]),
-                          zero(flight["loss_sum"]))
+        return self.layout.apply(state, mean, jnp.bool_(True), coded, anchor, np.int32(0), zero(flight["steps"]),
+                                 zero(flight["loss_sum"]))
+
+    def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
+        return remaining if remaining < self.every else None
+
+    by_process = Rounds.by_process

@@ -73,7 +73,7 @@ class TrainStep:
         self.local_grads = local_grads
         self.schedule: Callable | None = None  # make_train_step(..., schedule=): metrics gain "lr"
         self.delayed: delayed.Delayed | None = None  # overlap=True (jaxdp/step/delayed.py)
-        self.loss_fn: Callable | None = None  # what make_train_step made it from (jaxdp/step/overlap.py, `ShardedOverlapped` rebuilds)
+        self.loss_fn: Callable | None = None  # what make_train_step made it from (jaxdp/step/overlap.py, `Cut`, rebuilds)
         self.stateful, self.grad_accum = False, 1
         self.rounds: Any = None  # host-driven rounds an engine runs itself (jaxdp/elastic/timed.py, overlap.py)
 
