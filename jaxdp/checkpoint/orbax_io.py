@@ -20,8 +20,8 @@ from jaxdp.errors import CheckpointWriteError, InputError
 
 
 def ocp():
-    """orbax.checkpoint, imported on first use: a run that saves nothing never loads it (0.3 s of
-    its start-up on a laptop core)."""
+    """orbax.checkpoint, imported on first use: a run that saves nothing never loads it, and starts
+    sooner (docs/performance.md, "Behind the defaults")."""
     import orbax.checkpoint
 
     return orbax.checkpoint

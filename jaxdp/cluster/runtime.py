@@ -88,14 +88,15 @@ def share_cpu_cache_keys() -> bool:
     topology fingerprint, so every process of a multi-process CPU run finds the entries process 0
     wrote (JAX writes persistent-cache entries from process 0 only).
 
-    Measured on the slow-link testbed (2 processes, the GPT of `bench compression`): process 1 hit
-    the cache 0 times and spent 107 s compiling the controller's quality program on every run,
-    while process 0 loaded it in 6 s and waited. The program is the same SPMD program in every
-    process, and an executable serialized by one process runs in another (JAX's own
-    `jax_share_binary_between_hosts` ships executables from process 0 the same way); the key still
-    holds every device's id, process and kind, so another device layout gets its own entry. Each
-    process writes the entries of the programs on its own devices alone (_write_process_local_cpu_entries).
-    Other platforms keep JAX's key. Returns False where this JAX has no such hook (nothing changes).
+    On the slow-link testbed (2 processes, the GPT of `bench compression`) process 1 never hit the
+    cache and compiled the controller's quality program on every run, many times longer than
+    process 0 took to load it, while process 0 waited (docs/performance.md, "Behind the defaults").
+    The program is the same SPMD program in every process, and an executable serialized by one
+    process runs in another (JAX's own `jax_share_binary_between_hosts` ships executables from
+    process 0 the same way); the key still holds every device's id, process and kind, so another
+    device layout gets its own entry. Each process writes the entries of the programs on its own
+    devices alone (_write_process_local_cpu_entries). Other platforms keep JAX's key. Returns False
+    where this JAX has no such hook (nothing changes).
     """
     try:
         from jax._src import cache_key
@@ -125,8 +126,9 @@ def _write_process_local_cpu_entries() -> None:
     alone (the model's initialisation, a batch's placement, ...). JAX writes entries from process 0
     only; on CPUs such a program's key holds the devices' global ids, so process 0 never writes the
     entry process 1 looks for, and process 1 compiled them again on every run while process 0 waited
-    at the first collective (2.5 s of a 2-process MLP run's start: 5 of its 8 programs). Programs over
-    several processes' devices stay process 0's to write, as JAX has it."""
+    at the first collective (most of a 2-process MLP run's programs; docs/performance.md, "Behind
+    the defaults"). Programs over several processes' devices stay process 0's to write, as JAX has
+    it."""
     from jax._src import compilation_cache, compiler, config, distributed
 
     original = getattr(compiler, "_compile_and_write_cache", None)

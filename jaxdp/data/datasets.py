@@ -101,7 +101,8 @@ def digits() -> Dataset:
 
 def _digits_table() -> np.ndarray:
     """The file `sklearn.datasets.load_digits` reads (it ships with scikit-learn: no download), read
-    directly: importing sklearn.datasets costs about 1.2 s of every run's start-up (scipy.stats)."""
+    directly: importing sklearn.datasets (it pulls in scipy.stats) costs every run's start-up more
+    than reading the file does (docs/performance.md, "Behind the defaults")."""
     import importlib.util
     from pathlib import Path
 

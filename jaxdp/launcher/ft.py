@@ -31,9 +31,9 @@ from jaxdp.launcher.workers import Launcher, describe, say, shell_code, stop_cod
 # long: a dead or stopped one. Each kill costs the survivors about this much: the Lighthouse counts a dead
 # worker as alive until then, and torchft's rule against a split brain holds the survivor back meanwhile
 # (docs/multihost.md). On one node the heartbeats cross no link, and a worker left out by mistake (a
-# heartbeat late on a starved core) heals from a peer over loopback in a fraction of a second: 0.5 s
-# (goodput, 2 workers, a kill every 10 s, the median of 3 pairs: 0.98 with psum; single runs at 1 s made
-# 0.85-0.92). Across nodes a heartbeat can be half a second late on a home link without the worker being
+# heartbeat late on a starved core) heals from a peer over loopback in a fraction of a second: 0.5 s,
+# which kept more goodput under kills than 1 s (docs/performance.md, "Behind the defaults"). Across
+# nodes a heartbeat can be late by the whole one-node timeout on a home link without the worker being
 # gone, and a needless heal sends the whole state over that link: 1 s. --heartbeat-timeout sets it.
 HEARTBEAT_TIMEOUT_S = {"one node": 0.5, "several nodes": 1.0}
 # On a busy machine a heartbeat (torchft's Manager sends one every 100 ms) is late by about as much as a
@@ -82,7 +82,8 @@ def heartbeat_timeout(nnodes: int, lateness: list[float] | None = None) -> float
 
 
 # What a worker on torchft imports beside the zygote's own list: a restart forked from the zygote does
-# not pay for them again (torch and torchft: about 2.4 s of CPU, taken from the survivors' cores).
+# not pay for them again (torch and torchft: CPU time taken from the survivors' cores; docs/performance.md,
+# "Behind the defaults").
 PRELOAD = ("torch", "torchft", "jaxdp.elastic.ft", *RULES)
 
 

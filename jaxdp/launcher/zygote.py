@@ -4,15 +4,15 @@
     child = zygote.fork(env, cores)                             # a Popen-like: poll, send_signal, kill, wait
 
 A restarted `python -m jaxdp.train` spends most of its start-up importing JAX, Flax, optax and
-orbax (about 1.4 s of CPU of the 2.5 s to its first step on a 2-core machine), and in an elastic
-run that CPU time is taken from the processes still training. The zygote (`python -m jaxdp.launcher.zygote
-MODULE`) imports all of it once, at the start of the run, without starting JAX's backend (no
-devices, no XLA threads yet: a fork is safe), then waits. The launcher may name more to import
-(`preload`: an elastic run on torchft adds torch and torchft, about 2.4 s of CPU more per restart).
-To restart rank r, the launcher asks it to fork: the child sets its environment, cores and session, and runs MODULE as `python -m MODULE`
-would (`runpy`), with the same arguments; it starts its backend, loads its compiled programs from
-the persistent cache and joins. Measured start-up to the first step: 2.4 s for a new process, 1.0 s
-for a forked one (docs/performance.md, "Goodput under failures").
+orbax, and in an elastic run that CPU time is taken from the processes still training. The zygote
+(`python -m jaxdp.launcher.zygote MODULE`) imports all of it once, at the start of the run, without
+starting JAX's backend (no devices, no XLA threads yet: a fork is safe), then waits. The launcher
+may name more to import (`preload`: an elastic run on torchft adds torch and torchft, which would
+cost every restart more CPU still). To restart rank r, the launcher asks it to fork: the child sets
+its environment, cores and session, and runs MODULE as `python -m MODULE` would (`runpy`), with the
+same arguments; it starts its backend, loads its compiled programs from the persistent cache and
+joins, reaching its first step much sooner than a new process (these times: docs/performance.md,
+"Behind the defaults").
 
 The zygote reports each child's exit status to the launcher (it is the children's parent), over a
 pipe that carries one JSON object per line. It dies with the launcher (PR_SET_PDEATHSIG), and its

@@ -36,8 +36,8 @@ def follows(plan: Any) -> bool:
 
 def prepare(plan: Any) -> None:
     """A worker that does not lead at its start: orbax imported now, since at a takeover its import
-    (about 0.8 s here) would stall the whole run. (A restarted worker takes the directory's lock only
-    where it finds no live worker: `alone`.)"""
+    would stall the whole run (docs/performance.md, "Behind the defaults"). (A restarted worker
+    takes the directory's lock only where it finds no live worker: `alone`.)"""
     import jaxdp.checkpoint.checkpointer  # noqa: F401
 
 

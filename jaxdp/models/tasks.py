@@ -35,10 +35,11 @@ def token_cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray
 
     For a GPT's bf16 logits that copy was the largest tensor of a step (tokens x vocabulary x 4 bytes:
     3.3 GB for GPT-2 small at batch 16) and writing it, reading it twice and reading it again for the
-    gradient took a tenth of an H100/H200 step (docs/performance.md). Here the maximum is taken in
-    the logits' own dtype (exact), each pass upcasts as it reads, and the gradient, softmax minus the
-    one-hot labels, is computed from the logits kept as they came and written in their dtype, in the
-    order optax's own gradient takes (the same bits).
+    gradient took a share of an H100/H200 step worth saving (docs/performance.md, "GPUs: GPT-2
+    small on one H200"). Here the maximum is taken in the logits' own dtype (exact), each pass
+    upcasts as it reads, and the gradient, softmax minus the one-hot labels, is computed from the
+    logits kept as they came and written in their dtype, in the order optax's own gradient takes
+    (the same bits).
     float32 logits go to optax's function itself (nothing to save; the same bits as before).
     """
     if logits.dtype == jnp.float32:
@@ -106,9 +107,9 @@ def language_model(model: nn.Module, takes_train: bool = False, compute_dtype_lo
     `compute_dtype_logits`: the built-in GPT hands its logits to `token_cross_entropy` in its compute
     dtype (`logits_dtype=None`) rather than as a float32 copy. None (the default) does so on a GPU,
     where that copy is a pass of its own over the largest tensor of the step (docs/performance.md,
-    "One GPU, wave 4"). XLA:CPU instead folds the head's bf16 rounding and the upcast away and takes
-    the loss from the float32 product, a little more precise and no slower, so CPU runs keep that:
-    the same numbers as before."""
+    "GPUs: GPT-2 small on one H200"). XLA:CPU instead folds the head's bf16 rounding and the upcast
+    away and takes the loss from the float32 product, a little more precise and no slower, so CPU
+    runs keep that: the same numbers as before."""
     if compute_dtype_logits is None:
         compute_dtype_logits = jax.default_backend() == "gpu"
     if compute_dtype_logits and hasattr(model, "logits_dtype"):

@@ -233,7 +233,8 @@ def newton_schulz(x: jax.Array, coeffs: jax.Array, steps: int = NS_STEPS, eps: f
 # need not orthogonalise every matrix: under `split_over(axis, count)` device i of the `count` along
 # `axis` (an axis inside one process: no link crossed) takes the i-th 1/count of each shape's batch
 # and an all-gather gives every device all of them, as distributed Muon implementations do. On 8
-# simulated CPU devices every device repeating the whole batch cost a GPT step 2.6 s against AdamW's 1.0.
+# simulated CPU devices every device repeating the whole batch made a GPT step far slower than AdamW's
+# (docs/performance.md, "Behind the defaults").
 _SPLIT: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("jaxdp_muon_split", default=None)
 
 

@@ -363,8 +363,8 @@ def _tree_sum(trees: list[Any]) -> Any:
 def _fastest_time(fn: Callable[[], Any], repeats: int, budget_s: float = 0.25, most: int = 50) -> float:
     """The fastest of at least `repeats` runs of `fn`, and of as many more as fit in `budget_s`
     (at most `most` in all): a cheap probe (an all-reduce on a fast link, a small model's step)
-    gets many tries at a quiet moment of a busy machine; a slow one (1 s over a 100 Mbit/s link)
-    costs only `repeats`.
+    gets many tries at a quiet moment of a busy machine; a slow one (a large buffer over a slow
+    link) costs only `repeats`.
 
     `fn` may be a collective, so every process runs it the same number of times: how many more
     fit is decided once, after the first `repeats`, as the smallest count over the processes.

@@ -42,9 +42,10 @@ TARGET_COMM_FRACTION = 0.25
 # When plain averaging misses the target, compress only if the chosen candidate's predicted step
 # (compute + all-reduce) is at least this much shorter than plain averaging's: the prediction
 # leaves out compression's own work (casts, PowerSGD's matmuls) and its cost in gradient quality,
-# and times measured on a shared machine vary by 10-20 %; a smaller predicted gain pays for none
-# of that. A latency-bound link (simulated devices in one process, where an
-# all-reduce costs about the same at any size) is exactly such a case: there, none.
+# and times measured on a shared machine vary from run to run by about as much (docs/performance.md,
+# "The CPU machine"); a smaller predicted gain pays for none of that. A latency-bound link
+# (simulated devices in one process, where an all-reduce costs about the same at any size) is
+# exactly such a case: there, none.
 MIN_STEP_GAIN = 0.20
 
 # guard(): the threshold on the relative error of a window's summed compressed means against its

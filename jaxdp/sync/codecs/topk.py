@@ -14,10 +14,10 @@ by every device, which grows with the device count but keeps each device's large
 sends a 12-bit index once. A spec that names BITS takes the form that sends fewer bytes per device
 at the run's device count (at 2 devices the all-gathered one, from 3 the ring-summed one); one
 that names neither BITS nor a form (`topk:0.01`) spends the bytes of DENSITY float32 values on the
-form and precision that carry the most values (`TopK.settled`: at 2 devices 2-bit values at 3.1x
-the density), since quality follows how many values cross, not their precision (measured on the
-digits MLP, docs/slow-links.md). The slot holds every leaf's error feedback (float32), one row
-per device, as int8's does, for both.
+form and precision that carry the most values (`TopK.settled`: at 2 devices 2-bit values, several
+times the density), since quality follows how many values cross, not their precision (measured on
+the digits MLP, docs/slow-links.md, "topk: a fraction of the values"). The slot holds every leaf's
+error feedback (float32), one row per device, as int8's does, for both.
 """
 
 from __future__ import annotations
