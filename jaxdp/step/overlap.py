@@ -75,9 +75,6 @@ def init_overlap(params: Any, mesh: Mesh) -> dict:
                            "steps": zeros((), np.int32), "loss_sum": zeros((), np.float32)}}
 
 
-def is_overlapped(state: Any) -> bool:
-    return OVERLAP_NAME in state.sync.per_device
-
 
 def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
     """`(coded, delta, steps, loss_sum, step) -> (mean, coded, metrics)` over the whole mesh:

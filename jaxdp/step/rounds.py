@@ -232,9 +232,6 @@ def init_sync(mesh: Mesh) -> tuple[dict, dict]:
     return {PACE_NAME: {"position": position}}, {PACE_NAME: {"round": round_}}
 
 
-def is_paced(state: Any) -> bool:
-    return PACE_NAME in state.sync.per_device
-
 
 # ---------------------------------------------------------------------------------------------
 # The rounds (what jaxdp.fit's round loop, jaxdp/loop/rounds.py, runs with sync_seconds)
