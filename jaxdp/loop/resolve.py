@@ -186,10 +186,8 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             shared = replicate(elastic.round_sync(plan.overlap), mesh)
             return made.replace(sync=made.sync.replace(shared={**made.sync.shared, **shared}))
         rows, shared = paced.init_sync(mesh)
-        if plan.overlap and spec.shard_params:  # (the delta in flight cut like the replicas: jaxdp/step/overlap.py, `Cut`)
-            rows.update(overlap.init_sharded(params, mesh))
-        elif plan.overlap:
-            rows.update(overlap.init_overlap(params, mesh))
+        if plan.overlap:  # nothing in flight yet (with shard_params, the delta cut like the replicas)
+            rows.update((overlap.Cut if spec.shard_params else overlap.Replicas).init(params, mesh))
         return made.replace(sync=made.sync.replace(per_device={**made.sync.per_device, **rows},
                                                    shared={**made.sync.shared, **shared}))
 

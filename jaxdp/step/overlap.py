@@ -63,19 +63,6 @@ from jaxdp.sync.collectives import as_collective
 from jaxdp.sync.exchange import codec as codec_of, make_exchange
 
 
-def init_overlap(params: Any, mesh: Mesh) -> dict:
-    """per_device[OVERLAP_NAME] of a new state: nothing in flight (no delta, 0 steps, 0 loss)."""
-    rows = NamedSharding(mesh, P(data_axes(mesh)))
-
-    def zeros(shape: tuple, dtype: Any) -> jax.Array:
-        host = np.zeros((mesh.size, *shape), dtype)
-        return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
-
-    return {OVERLAP_NAME: {"delta": jax.tree.map(lambda x: zeros(x.shape, x.dtype), params),
-                           "steps": zeros((), np.int32), "loss_sum": zeros((), np.float32)}}
-
-
-
 def make_reduce(mesh: Mesh, strategy: Any, compression: Any) -> Callable:
     """`(coded, delta, steps, loss_sum, step) -> (mean, coded, metrics)` over the whole mesh:
     the mean of the round's pseudo-gradients through the strategy (and codec), the loss riding in
@@ -154,6 +141,18 @@ class Replicas:
         self.coded = codec_of(compression) is not None
         self.process = jax.process_index()
 
+    @staticmethod
+    def init(params: Any, mesh: Mesh) -> dict:
+        """per_device[OVERLAP_NAME] of a new state: nothing in flight (no delta, 0 steps, 0 loss)."""
+        rows = NamedSharding(mesh, P(data_axes(mesh)))
+
+        def zeros(shape: tuple, dtype: Any) -> jax.Array:
+            host = np.zeros((mesh.size, *shape), dtype)
+            return jax.make_array_from_callback(host.shape, rows, lambda index: host[index])
+
+        return {OVERLAP_NAME: {"delta": jax.tree.map(lambda x: zeros(x.shape, x.dtype), params),
+                               "steps": zeros((), np.int32), "loss_sum": zeros((), np.float32)}}
+
     def start(self, state: TrainState) -> tuple[tuple, int]:
         """(the inner steps' carry on this process's devices, the data position)."""
         local = self.local
@@ -183,17 +182,6 @@ class Replicas:
 # ---------------------------------------------------------------------------------------------
 # The same rule with --shard-params across workers: each worker's state cut over its own devices
 # ---------------------------------------------------------------------------------------------
-
-
-def init_sharded(params: Any, mesh: Mesh) -> dict:
-    """per_device[OVERLAP_NAME] of a new state: nothing in flight (a zero delta per worker, 0 steps,
-    0 loss), the delta's rows cut like the replicas."""
-    workers = mesh.shape[mesh.axis_names[0]] if len(mesh.axis_names) > 1 else 1
-    by_worker = NamedSharding(mesh, P(mesh.axis_names[0] if workers > 1 else None))
-    zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params)
-    return {OVERLAP_NAME: {"delta": stacked_rows(fsdp.place(zeros, mesh), mesh),
-                           "steps": jax.device_put(np.zeros(workers, np.int32), by_worker),
-                           "loss_sum": jax.device_put(np.zeros(workers, np.float32), by_worker)}}
 
 
 def own_rows(mesh: Mesh) -> Mesh:
@@ -294,6 +282,17 @@ class Cut:
         self.apply = sharded_apply(mesh, outer_tx)
         self.coded = spec.codec is not None
         self.process = jax.process_index()
+
+    @staticmethod
+    def init(params: Any, mesh: Mesh) -> dict:
+        """per_device[OVERLAP_NAME] of a new state: nothing in flight (a zero delta per worker, 0 steps,
+        0 loss), the delta's rows cut like the replicas."""
+        workers = mesh.shape[mesh.axis_names[0]] if len(mesh.axis_names) > 1 else 1
+        by_worker = NamedSharding(mesh, P(mesh.axis_names[0] if workers > 1 else None))
+        zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params)
+        return {OVERLAP_NAME: {"delta": stacked_rows(fsdp.place(zeros, mesh), mesh),
+                               "steps": jax.device_put(np.zeros(workers, np.int32), by_worker),
+                               "loss_sum": jax.device_put(np.zeros(workers, np.float32), by_worker)}}
 
     def start(self, state: TrainState) -> tuple[tuple, int]:
         sub, replicas = self.sub, state.sync.per_device[STATE_NAME]
