@@ -117,3 +117,18 @@ def test_at_a_lost_quorum_one_worker_takes_the_lock_and_saves(tmp_path):
     assert lead.claim(first)
     assert not lead.claim(second)  # the lock is taken: the other saves
     first.plan.checkpointer.close()
+
+
+def test_a_worker_that_may_lead_later_has_orbax_loaded_before_it_takes_over():
+    """`prepare` loads orbax and its handlers at the start: the checkpointer's module imports orbax on
+    first use only, so a takeover that opened the first checkpointer would import it there while every
+    worker waits. Checked in a fresh interpreter, where nothing else has imported orbax yet."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from jaxdp.loop import lead; import jaxdp.checkpoint.checkpointer; "
+            "before = 'orbax.checkpoint' in sys.modules; lead.prepare(None); "
+            "print(before, 'orbax.checkpoint' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]

@@ -37,8 +37,11 @@ def follows(plan: Any) -> bool:
 def prepare(plan: Any) -> None:
     """A worker that does not lead at its start: orbax imported now, since at a takeover its import
     would stall the whole run (docs/performance.md, "Behind the defaults"). (A restarted worker
-    takes the directory's lock only where it finds no live worker: `alone`.)"""
-    import jaxdp.checkpoint.checkpointer  # noqa: F401
+    takes the directory's lock only where it finds no live worker: `alone`.) The checkpointer's module
+    imports orbax on first use (`orbax_io.ocp`), so that is called here, not at the takeover."""
+    from jaxdp.checkpoint import checkpointer, orbax_io  # noqa: F401
+
+    orbax_io.handlers()  # (orbax, and its handlers' modules)
 
 
 def alone(plan: Any) -> None:
