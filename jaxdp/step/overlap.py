@@ -54,8 +54,8 @@ from jaxdp.step import fsdp
 from jaxdp.step.hsdp import Workers, row_shardings, rows as stacked_rows
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer
 from jaxdp.step import rounds as paced
-from jaxdp.step.rounds import (OVERLAP_NAME, PACE_NAME, Rounds, local_mesh, make_inner, outer_step, process_rows,
-                               replicated_to, rows_to, slot_specs)
+from jaxdp.step.rounds import (OVERLAP_NAME, PACE_NAME, OwnRows, Rounds, outer_step, process_rows, replicated_to,
+                               slot_specs)
 from jaxdp.step.state import TrainState
 from jaxdp.sync.codecs.base import only as codec_slot
 from jaxdp.sync.codecs.plain import NoCompression
@@ -126,20 +126,17 @@ def make_apply(mesh: Mesh, outer_tx: optax.GradientTransformation | None) -> Cal
     return jax.jit(mapped, donate_argnums=0)
 
 
-class Replicas:
-    """The layout of overlapped rounds with a replica per device (the rows of jaxdp/step/rounds.py):
-    the three programs, and a round's inner steps on this process's devices (`start`, `train`,
-    `back`: the rows move between the whole mesh and the process's devices, no copies)."""
+class Replicas(OwnRows):
+    """The layout of overlapped rounds with a replica per device: the timed rounds' rows
+    (jaxdp/step/rounds.py, `OwnRows`: `start`, `train`, `back`) and the average's two programs."""
 
     def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
                  compression: Any, outer_tx: Any, data: Callable[[int], Any]):
         paced.check(lambda *_: 0, mesh)  # a flat mesh
-        self.mesh, self.data, self.local = mesh, data, local_mesh(mesh)
-        self.inner = make_inner(local_grads, tx, self.local)
+        super().__init__(local_grads, tx, mesh, data)
         self.reduce = make_reduce(mesh, strategy, compression)
         self.apply = make_apply(mesh, outer_tx)
         self.coded = codec_of(compression) is not None
-        self.process = jax.process_index()
 
     @staticmethod
     def init(params: Any, mesh: Mesh) -> dict:
@@ -152,31 +149,6 @@ class Replicas:
 
         return {OVERLAP_NAME: {"delta": jax.tree.map(lambda x: zeros(x.shape, x.dtype), params),
                                "steps": zeros((), np.int32), "loss_sum": zeros((), np.float32)}}
-
-    def start(self, state: TrainState) -> tuple[tuple, int]:
-        """(the inner steps' carry on this process's devices, the data position)."""
-        local = self.local
-        position = rows_to(state.sync.per_device[PACE_NAME]["position"], local)
-        view = replicated_to(state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={})),
-                             local)
-        self.view = view.replace(rng=jax.random.fold_in(view.rng, self.process))  # each process's own dropout keys
-        loss_sum = jnp.zeros(local.size, jnp.float32, device=NamedSharding(local, P(data_axes(local))))
-        carry = (rows_to(state.sync.per_device[STATE_NAME], local), position, loss_sum)
-        return carry, int(np.asarray(position.addressable_shards[0].data)[0])
-
-    def train(self, carry: tuple, position: int) -> tuple:
-        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(self.local, P(data_axes(self.local)))),
-                             self.data(position))
-        rows, positions, loss_sum = carry
-        return self.inner(rows, self.view, positions, loss_sum, batch)
-
-    def back(self, state: TrainState, carry: tuple, planned: int) -> tuple[TrainState, jax.Array, jax.Array]:
-        """(`state` holding the trained rows, the round's steps and loss sums as rows of the whole mesh)."""
-        rows, position, loss_sum = carry
-        steps = jnp.full(self.local.size, planned, jnp.int32, device=NamedSharding(self.local, P(data_axes(self.local))))
-        sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows_to(rows, self.mesh),
-                                              PACE_NAME: {"position": rows_to(position, self.mesh)}})
-        return state.replace(sync=sync), rows_to(steps, self.mesh), rows_to(loss_sum, self.mesh)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -271,6 +271,44 @@ def timed_inner(inner: Callable, carry: tuple, batch_at: Callable[[int], Any], *
     return carry, taken, started
 
 
+class OwnRows:
+    """A round's inner steps on this process's devices, a replica per device: the rows move from the
+    whole mesh to the process's devices (`start`), train there with no collective (`train`), and move
+    back with the round's steps and loss sums (`back`); the same buffers, no copies. What the timed
+    rounds (`Rounds`) and the overlapped ones (jaxdp/step/overlap.py, `Replicas`) train with."""
+
+    def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, data: Callable[[int], Any]):
+        self.mesh, self.data, self.local = mesh, data, local_mesh(mesh)
+        self.inner = make_inner(local_grads, tx, self.local)
+        self.process = jax.process_index()
+
+    def start(self, state: TrainState) -> tuple[tuple, int]:
+        """(the inner steps' carry on this process's devices: rows, positions, loss sums; the data position)."""
+        local = self.local
+        position = rows_to(state.sync.per_device[PACE_NAME]["position"], local)
+        view = replicated_to(state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={})),
+                             local)
+        self.view = view.replace(rng=jax.random.fold_in(view.rng, self.process))  # each process's own dropout keys
+        loss_sum = jnp.zeros(local.size, jnp.float32, device=NamedSharding(local, P(data_axes(local))))
+        carry = (rows_to(state.sync.per_device[STATE_NAME], local), position, loss_sum)
+        return carry, int(np.asarray(position.addressable_shards[0].data)[0])
+
+    def train(self, carry: tuple, position: int) -> tuple:
+        """One inner step on global batch `position`'s rows of this process."""
+        sharding = NamedSharding(self.local, P(data_axes(self.local)))
+        batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), self.data(position))
+        rows, positions, loss_sum = carry
+        return self.inner(rows, self.view, positions, loss_sum, batch)
+
+    def back(self, state: TrainState, carry: tuple, taken: int) -> tuple[TrainState, jax.Array, jax.Array]:
+        """(`state` holding the trained rows and positions, the round's steps and loss sums as rows of the whole mesh)."""
+        rows, position, loss_sum = carry
+        steps = jnp.full(self.local.size, taken, jnp.int32, device=NamedSharding(self.local, P(data_axes(self.local))))
+        sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows_to(rows, self.mesh),
+                                              PACE_NAME: {"position": rows_to(position, self.mesh)}})
+        return state.replace(sync=sync), rows_to(steps, self.mesh), rows_to(loss_sum, self.mesh)
+
+
 class Rounds:
     """The inner and sync programs of one run, and one round of them (`round`); the loop that
     runs them round after round is jaxdp/loop/rounds.py."""
@@ -278,32 +316,20 @@ class Rounds:
     def __init__(self, local_grads: Callable, tx: optax.GradientTransformation, mesh: Mesh, strategy: Any,
                  compression: Any, outer_tx: Any, pace: Pace, data: Callable[[int], Any], rows_per_step: int | None):
         check(pace, mesh)
-        self.mesh, self.pace, self.data = mesh, pace, data
-        self.local = local_mesh(mesh)
-        self.inner = make_inner(local_grads, tx, self.local)
+        self.mesh, self.pace = mesh, pace
+        self.rows = OwnRows(local_grads, tx, mesh, data)
         self.sync = make_sync(mesh, strategy, compression, outer_tx)
         self.process = jax.process_index()
         self.first_row, self.local_rows = process_rows(mesh, rows_per_step)
         self.steps: int | None = None  # --steps: no process's position goes past it (`train` sets it)
         self.stopping: Callable[[], bool] = lambda: False  # a stop signal arrived: end a time-bound round now
 
-    def _batch(self, position: int) -> Any:
-        sharding = NamedSharding(self.local, P(data_axes(self.local)))
-        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), self.data(position))
-
     def round(self, state: TrainState, round_index: int, warm: bool, limit: int | None = None
               ) -> tuple[TrainState, dict, int, float]:
         """One round: inner steps until the time (or the schedule, or `limit`) says stop, then the
         sync. Returns (state, metrics on device, this process's steps, the round's seconds). With
         `warm` False, the first step's compilation is left out of the time bound."""
-        local = self.local
-        rows = rows_to(state.sync.per_device[STATE_NAME], local)
-        position = rows_to(state.sync.per_device[PACE_NAME]["position"], local)
-        view = replicated_to(state.replace(params=(), opt_state=(), sync=state.sync.replace(per_device={}, shared={})),
-                             local)
-        view = view.replace(rng=jax.random.fold_in(view.rng, self.process))  # each process's own dropout keys
-        at = int(np.asarray(position.addressable_shards[0].data)[0])
-        loss_sum = jnp.zeros(local.size, jnp.float32, device=NamedSharding(local, P(data_axes(local))))
+        carry, at = self.rows.start(state)
         started = time.perf_counter()
         budget = None if callable(self.pace) else float(self.pace)
         planned = int(self.pace(round_index, self.process)) if callable(self.pace) else None
@@ -314,14 +340,12 @@ class Rounds:
         if limit is not None and planned is None:  # (a schedule is followed as it is: it replays a run)
             planned, budget = limit, None
         room = None if self.steps is None else max(self.steps - at, 0)  # never past --steps
-        (rows, position, loss_sum), taken, started = timed_inner(
-            lambda rows, position, loss_sum, batch: self.inner(rows, view, position, loss_sum, batch), (rows, position, loss_sum),
-            lambda k: self._batch(at + k), budget=budget, planned=planned, room=room, warm=warm,
-            stopping=self.stopping, started=started)
-        steps = jnp.full(local.size, taken, jnp.int32, device=NamedSharding(local, P(data_axes(local))))
-        sync = state.sync.replace(per_device={**state.sync.per_device, STATE_NAME: rows_to(rows, self.mesh),
-                                              PACE_NAME: {"position": rows_to(position, self.mesh)}})
-        state, metrics = self.sync(state.replace(sync=sync), rows_to(steps, self.mesh), rows_to(loss_sum, self.mesh))
+        carry, taken, started = timed_inner(
+            lambda *carry_and_position: self.rows.train(carry_and_position[:-1], carry_and_position[-1]), carry,
+            lambda k: at + k, budget=budget, planned=planned, room=room, warm=warm, stopping=self.stopping,
+            started=started)
+        state, steps, loss_sum = self.rows.back(state, carry, taken)
+        state, metrics = self.sync(state, steps, loss_sum)
         return state, metrics, taken, time.perf_counter() - started
 
     def last_round_limit(self, last: list[int] | None, remaining: int) -> int | None:
