@@ -275,10 +275,9 @@ class Cut:
         loss_sum = jax.device_put(np.zeros(self.mine.count, np.float32), NamedSharding(sub, spec))
         return (rows, loss_sum), int(np.asarray(state.sync.per_device[PACE_NAME]["position"].addressable_shards[0].data)[0])
 
-    def train(self, carry: tuple, position: int) -> tuple:
+    def train(self, rows: Any, loss_sum: jax.Array, position: int) -> tuple:
         batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(self.sub, P(tuple(self.sub.axis_names)))),
                              self.data(position))
-        rows, loss_sum = carry
         return self.inner(rows, self.model_state, self.rng, np.int32(position), loss_sum, batch)
 
     def back(self, state: TrainState, carry: tuple, planned: int) -> tuple[TrainState, jax.Array, jax.Array]:
@@ -352,7 +351,7 @@ class Overlapped:
         started = time.perf_counter()
         planned = self.every if limit is None else min(self.every, limit)
         for taken in range(planned):
-            carry = self.layout.train(carry, at + taken)
+            carry = self.layout.train(*carry, at + taken)
         jax.block_until_ready(carry[-1])
         mean, moved, coded, metrics = self._landed(state, pending)
         state, steps, loss_sum = self.layout.back(state, carry, planned)

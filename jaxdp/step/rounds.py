@@ -232,7 +232,6 @@ def init_sync(mesh: Mesh) -> tuple[dict, dict]:
     return {PACE_NAME: {"position": position}}, {PACE_NAME: {"round": round_}}
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The rounds (what jaxdp.fit's round loop, jaxdp/loop/rounds.py, runs with sync_seconds)
 # ---------------------------------------------------------------------------------------------
@@ -293,11 +292,11 @@ class OwnRows:
         carry = (rows_to(state.sync.per_device[STATE_NAME], local), position, loss_sum)
         return carry, int(np.asarray(position.addressable_shards[0].data)[0])
 
-    def train(self, carry: tuple, position: int) -> tuple:
-        """One inner step on global batch `position`'s rows of this process."""
+    def train(self, rows: Any, positions: jax.Array, loss_sum: jax.Array, position: int) -> tuple:
+        """One inner step on global batch `position`'s rows of this process: the carry `start` made, then
+        the next one."""
         sharding = NamedSharding(self.local, P(data_axes(self.local)))
         batch = jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), self.data(position))
-        rows, positions, loss_sum = carry
         return self.inner(rows, self.view, positions, loss_sum, batch)
 
     def back(self, state: TrainState, carry: tuple, taken: int) -> tuple[TrainState, jax.Array, jax.Array]:
@@ -340,10 +339,8 @@ class Rounds:
         if limit is not None and planned is None:  # (a schedule is followed as it is: it replays a run)
             planned, budget = limit, None
         room = None if self.steps is None else max(self.steps - at, 0)  # never past --steps
-        carry, taken, started = timed_inner(
-            lambda *carry_and_position: self.rows.train(carry_and_position[:-1], carry_and_position[-1]), carry,
-            lambda k: at + k, budget=budget, planned=planned, room=room, warm=warm, stopping=self.stopping,
-            started=started)
+        carry, taken, started = timed_inner(self.rows.train, carry, lambda k: at + k, budget=budget, planned=planned,
+                                            room=room, warm=warm, stopping=self.stopping, started=started)
         state, steps, loss_sum = self.rows.back(state, carry, taken)
         state, metrics = self.sync(state, steps, loss_sum)
         return state, metrics, taken, time.perf_counter() - started
