@@ -137,7 +137,7 @@ class GPT(nn.Module):
 
                 def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, i: int = i) -> jnp.ndarray:
                     if cache is None:
-                        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+                        return causal_attention(q, k, v, implementation)
                     k = jax.lax.dynamic_update_slice(cache.keys[i], k.astype(cache.keys[i].dtype), (0, start, 0, 0))
                     v = jax.lax.dynamic_update_slice(cache.values[i], v.astype(cache.values[i].dtype), (0, start, 0, 0))
                     keys.append(k)
@@ -150,7 +150,8 @@ class GPT(nn.Module):
         if self.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = nn.Dense(self.vocab_size, use_bias=self.head_bias, dtype=self.dtype, name="head", **weights)(x)
+            logits = nn.Dense(self.vocab_size, use_bias=self.head_bias, dtype=self.dtype, name="head",
+                              dot_general=dense_dot_general, **weights)(x)
         if self.logits_dtype is not None:
             logits = logits.astype(self.logits_dtype)
         if cache is None:
@@ -200,8 +201,9 @@ def _block(m: Any, x: jnp.ndarray, suffix: str, attend: Callable) -> jnp.ndarray
     attn = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
     x = x + nn.DenseGeneral(m.d_model, axis=(-2, -1), dtype=m.dtype, name=f"proj{suffix}", **residual)(attn)
     h = nn.LayerNorm(epsilon=m.ln_epsilon, dtype=m.dtype, name=f"ln_mlp{suffix}")(x)
-    h = nn.gelu(nn.Dense(4 * m.d_model, dtype=m.dtype, name=f"fc{suffix}", **weights)(h), approximate=m.gelu_approximate)
-    return x + nn.Dense(m.d_model, dtype=m.dtype, name=f"fc_out{suffix}", **residual)(h)
+    h = nn.Dense(4 * m.d_model, dtype=m.dtype, name=f"fc{suffix}", dot_general=dense_dot_general, **weights)(h)
+    h = nn.gelu(h, approximate=m.gelu_approximate)
+    return x + nn.Dense(m.d_model, dtype=m.dtype, name=f"fc_out{suffix}", dot_general=dense_dot_general, **residual)(h)
 
 
 class GPTBlock(nn.Module):
@@ -220,8 +222,78 @@ class GPTBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return _block(self, x, "", lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=self.implementation))
+        return _block(self, x, "", lambda q, k, v: causal_attention(q, k, v, self.implementation))
+
+
+def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, implementation: str) -> jnp.ndarray:
+    """Causal self-attention over `(batch, length, heads, head_dim)`: cuDNN's fused kernel, or XLA's.
+
+    XLA's is written here rather than taken from `jax.nn.dot_product_attention`, with the same
+    arithmetic (float32 scores scaled after the product, a large negative where a key is in the
+    future, a float32 softmax, probabilities in the values' dtype) cut into at most 8 blocks of
+    queries: block i attends to the keys up to its own end only, so the scores of keys every query
+    of the block would mask are neither computed nor written, and each block's scores stay small.
+    A key a query may not see contributes an exact zero either way, so the output is the whole
+    matrix's to rounding. Why: XLA:CPU runs the whole-matrix form at half torch's speed
+    (docs/performance.md, "The built-in GPT against nanoGPT").
+    """
+    if implementation != "xla":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    length, head_dim = q.shape[1], q.shape[3]
+    cuts = min(max(length // 32, 1), 8)
+    ends = [round(length * (i + 1) / cuts) for i in range(cuts)]
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
+    scores_dtype = jnp.promote_types(q.dtype, jnp.float32)
+    out, start = [], 0
+    for end in ends:
+        scores = jnp.einsum("btnh,bsnh->bnts", q[:, start:end], k[:, :end], precision=precision,
+                            preferred_element_type=scores_dtype) * jnp.asarray(1.0 / math.sqrt(head_dim), scores_dtype)
+        visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # (query, key)
+        scores = jnp.where(visible, scores, -0.7 * jnp.finfo(jnp.float32).max).astype(jnp.float32)
+        probs = jax.nn.softmax(scores, axis=-1).astype(k.dtype)
+        out.append(jnp.einsum("bnts,bsnh->btnh", probs, v[:, :end]))
+        start = end
+    return jnp.concatenate(out, axis=1)
+
+
+def dense_dot_general(x: jnp.ndarray, kernel: jnp.ndarray, dimension_numbers: Any, precision: Any = None,
+                      preferred_element_type: Any = None) -> jnp.ndarray:
+    """`lax.dot_general` for `nn.Dense(dot_general=...)`: the same product and gradients, with the
+    kernel's gradient `xᵀ g` computed from a transposed copy of `x` on CPUs.
+
+    Why: left to itself, XLA:CPU lays the kernel's gradient out as a product contracting `x`'s
+    first dimension, a form its fast matrix kernels (YNNPACK) do not take; its fallback runs it at a
+    quarter of their speed, the largest part of the GPT's gap to torch on CPU (docs/performance.md,
+    "The built-in GPT against nanoGPT"). An optimization barrier keeps `xᵀ` a real array, so the
+    product is a plain row-major matmul. Other platforms take the plain transpose.
+    """
+    (x_axes, k_axes), batch = dimension_numbers
+    contracted = len(x_axes)
+    if (any(batch) or precision is not None or preferred_element_type is not None
+            or tuple(x_axes) != tuple(range(x.ndim - contracted, x.ndim)) or tuple(k_axes) != tuple(range(contracted))):
+        return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type)
+    inner = math.prod(kernel.shape[:contracted])
+    out = _matmul(x.reshape(-1, inner), kernel.reshape(inner, -1))
+    return out.reshape(*x.shape[:x.ndim - contracted], *kernel.shape[contracted:])
+
+
+@jax.custom_vjp
+def _matmul(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+    return x @ kernel
+
+
+def _matmul_forward(x: jnp.ndarray, kernel: jnp.ndarray) -> tuple[jnp.ndarray, tuple]:
+    return x @ kernel, (x, kernel)
+
+
+def _matmul_backward(saved: tuple, g: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    x, kernel = saved
+    x_t = jax.lax.platform_dependent(x, cpu=lambda x: jax.lax.optimization_barrier(x.T), default=lambda x: x.T)
+    return g @ kernel.T, x_t @ g
+
+
+_matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
 def attention_implementation(requested: str, dtype: Any, head_dim: int, device: Any = None) -> str:
