@@ -258,42 +258,23 @@ def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, implementat
 
 def dense_dot_general(x: jnp.ndarray, kernel: jnp.ndarray, dimension_numbers: Any, precision: Any = None,
                       preferred_element_type: Any = None) -> jnp.ndarray:
-    """`lax.dot_general` for `nn.Dense(dot_general=...)`: the same product and gradients, with the
-    kernel's gradient `xᵀ g` computed from a transposed copy of `x` on CPUs.
+    """`lax.dot_general` for `nn.Dense(dot_general=...)`: the same product as one matrix product, the
+    leading dimensions of `x` (batch, positions) flattened into its rows.
 
-    Why: left to itself, XLA:CPU lays the kernel's gradient out as a product contracting `x`'s
-    first dimension, a form its fast matrix kernels (YNNPACK) do not take; its fallback runs it at a
-    quarter of their speed, the largest part of the GPT's gap to torch on CPU (docs/performance.md,
-    "The built-in GPT against nanoGPT"). An optimization barrier keeps `xᵀ` a real array, so the
-    product is a plain row-major matmul. Other platforms take the plain transpose.
+    Why: on a `(batch, positions, features)` input, the kernel's gradient contracts two dimensions of
+    `x`, a form XLA:CPU's fast matrix kernels (YNNPACK) do not take; its fallback runs it at a quarter
+    of their speed (docs/performance.md, "The built-in GPT against nanoGPT"). Flattened, the gradient
+    is a plain `xᵀ g`. The reshapes are free (row-major), on every platform.
     """
     (x_axes, k_axes), batch = dimension_numbers
     contracted = len(x_axes)
-    if (any(batch) or precision is not None or preferred_element_type is not None
-            or tuple(x_axes) != tuple(range(x.ndim - contracted, x.ndim)) or tuple(k_axes) != tuple(range(contracted))):
+    if any(batch) or tuple(x_axes) != tuple(range(x.ndim - contracted, x.ndim)) or tuple(k_axes) != tuple(range(contracted)):
         return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type)
     inner = math.prod(kernel.shape[:contracted])
-    out = _matmul(x.reshape(-1, inner), kernel.reshape(inner, -1))
+    out = jax.lax.dot_general(x.reshape(-1, inner), kernel.reshape(inner, -1), (((1,), (0,)), ((), ())),
+                              precision=precision, preferred_element_type=preferred_element_type)
     return out.reshape(*x.shape[:x.ndim - contracted], *kernel.shape[contracted:])
-
-
-@jax.custom_vjp
-def _matmul(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
-    return x @ kernel
-
-
-def _matmul_forward(x: jnp.ndarray, kernel: jnp.ndarray) -> tuple[jnp.ndarray, tuple]:
-    return x @ kernel, (x, kernel)
-
-
-def _matmul_backward(saved: tuple, g: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    x, kernel = saved
-    x_t = jax.lax.platform_dependent(x, cpu=lambda x: jax.lax.optimization_barrier(x.T), default=lambda x: x.T)
-    return g @ kernel.T, x_t @ g
-
-
-_matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
 def attention_implementation(requested: str, dtype: Any, head_dim: int, device: Any = None) -> str:
