@@ -242,18 +242,28 @@ def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, implementat
     length, head_dim = q.shape[1], q.shape[3]
     cuts = min(max(length // 32, 1), 8)
     ends = [round(length * (i + 1) / cuts) for i in range(cuts)]
-    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
     scores_dtype = jnp.promote_types(q.dtype, jnp.float32)
     out, start = [], 0
     for end in ends:
-        scores = jnp.einsum("btnh,bsnh->bnts", q[:, start:end], k[:, :end], precision=precision,
-                            preferred_element_type=scores_dtype) * jnp.asarray(1.0 / math.sqrt(head_dim), scores_dtype)
+        scores = _scores(q[:, start:end], k[:, :end], scores_dtype) * jnp.asarray(1.0 / math.sqrt(head_dim), scores_dtype)
         visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # (query, key)
         scores = jnp.where(visible, scores, -0.7 * jnp.finfo(jnp.float32).max).astype(jnp.float32)
         probs = jax.nn.softmax(scores, axis=-1).astype(k.dtype)
         out.append(jnp.einsum("bnts,bsnh->btnh", probs, v[:, :end]))
         start = end
     return jnp.concatenate(out, axis=1)
+
+
+def _scores(q: jnp.ndarray, k: jnp.ndarray, dtype: Any) -> jnp.ndarray:
+    """`q kᵀ` per head in `dtype`, 16-bit inputs with float32 accumulation named explicitly as JAX's
+    attention does (the default can mix types in the backward pass, jax-ml/jax#24047), and the
+    default precision where a platform refuses that algorithm."""
+    algorithm = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+                 jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}.get(jnp.dtype(q.dtype))
+    try:
+        return jnp.einsum("btnh,bsnh->bnts", q, k, precision=algorithm, preferred_element_type=dtype)
+    except Exception:  # noqa: BLE001 - the platform's refusal has no public type
+        return jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=dtype)
 
 
 def dense_dot_general(x: jnp.ndarray, kernel: jnp.ndarray, dimension_numbers: Any, precision: Any = None,
