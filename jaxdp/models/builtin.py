@@ -234,8 +234,9 @@ def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, implementat
     queries: block i attends to the keys up to its own end only, so the scores of keys every query
     of the block would mask are neither computed nor written, and each block's scores stay small.
     A key a query may not see contributes an exact zero either way, so the output is the whole
-    matrix's to rounding. Why: XLA:CPU runs the whole-matrix form at half torch's speed
-    (docs/performance.md, "The built-in GPT against nanoGPT").
+    matrix's to rounding. Why: XLA:CPU writes the whole-matrix form's scores, mask and softmax out
+    in full where torch runs a fused kernel (figures: docs/performance.md, "The built-in GPT against
+    nanoGPT").
     """
     if implementation != "xla":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
@@ -243,9 +244,10 @@ def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, implementat
     cuts = min(max(length // 32, 1), 8)
     ends = [round(length * (i + 1) / cuts) for i in range(cuts)]
     scores_dtype = jnp.promote_types(q.dtype, jnp.float32)
+    scale = jnp.asarray(1.0 / math.sqrt(head_dim), scores_dtype)
     out, start = [], 0
     for end in ends:
-        scores = _scores(q[:, start:end], k[:, :end], scores_dtype) * jnp.asarray(1.0 / math.sqrt(head_dim), scores_dtype)
+        scores = _scores(q[:, start:end], k[:, :end], scores_dtype) * scale
         visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # (query, key)
         scores = jnp.where(visible, scores, -0.7 * jnp.finfo(jnp.float32).max).astype(jnp.float32)
         probs = jax.nn.softmax(scores, axis=-1).astype(k.dtype)
@@ -272,9 +274,9 @@ def dense_dot_general(x: jnp.ndarray, kernel: jnp.ndarray, dimension_numbers: An
     leading dimensions of `x` (batch, positions) flattened into its rows.
 
     Why: on a `(batch, positions, features)` input, the kernel's gradient contracts two dimensions of
-    `x`, a form XLA:CPU's fast matrix kernels (YNNPACK) do not take; its fallback runs it at a quarter
-    of their speed (docs/performance.md, "The built-in GPT against nanoGPT"). Flattened, the gradient
-    is a plain `xᵀ g`. The reshapes are free (row-major), on every platform.
+    `x`, a form XLA:CPU's fast matrix kernels (YNNPACK) do not take, so it runs on a slower fallback
+    (figures: docs/performance.md, "The built-in GPT against nanoGPT"). Flattened, the gradient is a
+    plain `xᵀ g`. The reshapes are free (row-major), on every platform.
     """
     (x_axes, k_axes), batch = dimension_numbers
     contracted = len(x_axes)
