@@ -639,6 +639,21 @@ def test_a_second_launcher_with_a_node_rank_in_use_is_refused_and_the_run_goes_o
     assert "Traceback" not in twin.text(), twin.text()
 
 
+@pytest.mark.slow  # torchft's 30 s connect timeout, waited out
+def test_a_worker_whose_lighthouse_went_away_while_it_started_exits_75_naming_it(capsys):
+    """A worker slow to start (a loaded machine) first connects after the Lighthouse went away: the
+    others have saved and exited 75; this one said "RuntimeError: failed to connect" and exited 1."""
+    from jaxdp.elastic.workers import FtWorker
+
+    worker = FtWorker(f"http://127.0.0.1:{free_port()}", 1, 2)  # nothing listens there
+    with pytest.raises(SystemExit) as ended:
+        worker.start()
+    assert ended.value.code == 75
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("jaxdp: rank 1: the Lighthouse at 127.0.0.1:") and line.endswith(
+        "went away before this worker joined; exit code 75"), line
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_lighthouse_that_goes_away_is_named_and_the_run_saves_and_exits_75(tmp_path):

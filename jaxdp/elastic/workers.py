@@ -165,6 +165,21 @@ class FtWorker(Worker):
         self.lighthouse = lighthouse
         self.lighthouse_here = True  # its launcher hosts the Lighthouse: that launcher's end ends the run (`leave`)
 
+    def start(self) -> None:
+        """Make the engine, which connects to the Lighthouse (torchft allows it 30 s). A Lighthouse that
+        no longer takes a connection by then went away while this worker started (a slow start: the
+        others trained on, and their lead saved when it went): this worker ends as they do, exit code 75."""
+        try:
+            super().start()
+        except RuntimeError as err:
+            if ft.reachable(self.lighthouse):
+                raise
+            from jaxdp.errors import EXIT_PREEMPTED
+
+            print(f"jaxdp: {self.gone_line('before this worker joined', err)}; exit code {EXIT_PREEMPTED}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_PREEMPTED) from None
+
     def make_engine(self) -> ft.TorchftEngine:
         return ft.TorchftEngine(self.lighthouse, self.rank, self.size, self.min_workers, self.stall_timeout or 20.0,
                                 self.quorum_timeout_s, self.flags)
