@@ -59,7 +59,7 @@ COMMON = {
     "schedule": "lr schedule",
     "precision": "compute dtype",
     "strategy": "gradient sync",
-    "devices": "devices per process (a CPU-only host simulates 8)",
+    "devices": "devices per process (a CPU-only host simulates one per core, 2 to 8)",
     "compression": "bf16, int8, int4, powersgd:RANK, topk:DENSITY, auto",
     "sync_every": "average the replicas every N steps; auto: measure",
     "checkpoint_dir": "save here; a run pointed at a checkpoint resumes it",
@@ -127,7 +127,7 @@ class Config:
     seed: int = _field(0, "optimisation", "seed for parameters, data order and dropout")
 
     # -- distribution ---------------------------------------------------------------------------
-    devices: int | None = _field(None, "distribution", "devices per process; on a CPU-only host this many are simulated (default: 8 there, all local accelerators otherwise)")
+    devices: int | None = _field(None, "distribution", "devices per process; on a CPU-only host this many are simulated (default there: one per core, rounded down to a power of two, 2 to 8; all local accelerators otherwise)")
     coordinator_address: str | None = _field(None, "distribution", "HOST:PORT of process 0 for a multi-process run (default: from the environment or SLURM, else single-process)")
     num_processes: int | None = _field(None, "distribution", "number of processes in a multi-process run")
     process_id: int | None = _field(None, "distribution", "this process's index, 0 .. num-processes - 1")

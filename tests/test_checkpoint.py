@@ -277,7 +277,7 @@ def wait_for_records(metrics: Path, proc: subprocess.Popen, n: int = 1, timeout:
 def test_sigterm_saves_the_current_step_and_exits_75_then_resume_continues(tmp_path):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     flags = ["--checkpoint-dir", ckpt, "--metrics-file", metrics, *FAST]
-    proc = start_cli(*flags, "--steps", 100_000)
+    proc = start_cli(*flags, "--steps", 100_000, "--devices", 8)  # the in-process runs' 8 (tests/conftest.py)
     wait_for_records(metrics, proc, n=3)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)  # a hang guard, not a timing

@@ -377,9 +377,9 @@ def test_cli_gpt_reports_its_memory_goes_on_in_two_processes_and_resumes_without
     process's 4 devices, the processes data-parallel replicas on the ("hosts", "local") mesh: 1/4);
     steps 5-6 replicated on 4 devices. Each leg resumes the last one's checkpoint."""
     corpus = write_corpus(tmp_path / "corpus.txt")
-    run = ["--dataset", str(corpus), "--model", "gpt", "--layers", "2", "--d-model", "64", "--heads", "4",
-           "--seq-len", "32", "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1",
-           "--checkpoint-dir", str(tmp_path / "ck")]
+    run = ["--devices", "8", "--dataset", str(corpus), "--model", "gpt", "--layers", "2", "--d-model", "64",
+           "--heads", "4", "--seq-len", "32", "--batch-size", "16", "--lr", "3e-3", "--no-progress", "--log-every", "1",
+           "--checkpoint-dir", str(tmp_path / "ck")]  # (legs 2 and 3 give --devices 4 after it: the last one counts)
     ref = run_cli(*run[:-2], "--steps", "6", "--metrics-file", str(tmp_path / "ref.jsonl"))
     assert ref.returncode == 0, ref.stderr
     first = run_cli(*run, "--steps", "2", "--shard-params", "--metrics-file", str(tmp_path / "a.jsonl"))

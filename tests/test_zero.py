@@ -201,8 +201,8 @@ def test_ring_halves_compose_to_the_all_reduce(devices):
 
 @pytest.mark.slow
 def test_cli_shard_optimizer_matches_and_resumes_on_fewer_devices(tmp_path):
-    run = ["--dataset", "digits", "--batch-size", "64", "--log-every", "1", "--no-progress", "--optimizer", "adamw",
-           "--clip-norm", "0.5"]
+    run = ["--devices", "8", "--dataset", "digits", "--batch-size", "64", "--log-every", "1", "--no-progress",
+           "--optimizer", "adamw", "--clip-norm", "0.5"]  # (the second leg's --devices 4 comes after: it counts)
     ref = run_cli(*run, "--steps", "12", "--metrics-file", str(tmp_path / "ref.jsonl"))
     assert ref.returncode == 0, ref.stderr
     first = run_cli(*run, "--steps", "6", "--shard-optimizer", "--strategy", "ring", "--checkpoint-dir",

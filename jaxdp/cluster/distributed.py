@@ -41,7 +41,17 @@ from jaxdp.config import Config, ConfigError
 
 log = logging.getLogger("jaxdp")
 
-DEFAULT_CPU_DEVICES = 8  # simulate data parallelism on a laptop
+MAX_DEFAULT_CPU_DEVICES = 8
+
+
+def default_cpu_devices() -> int:
+    """How many devices a CPU-only host simulates when --devices is not given: one per core this
+    process may run on, rounded down to a power of two (the default batch sizes divide by it), at
+    least 2 (every strategy has a peer to synchronise with) and at most 8. Devices beyond the cores
+    only take turns on them, and each turn costs the step time (docs/performance.md, "Behind the
+    defaults")."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(2, min(MAX_DEFAULT_CPU_DEVICES, 1 << (cores.bit_length() - 1)))
 
 
 def initialize(config: Config | None = None) -> Cluster:
@@ -49,13 +59,13 @@ def initialize(config: Config | None = None) -> Cluster:
 
     `config` None (a user's script): the cluster comes from the environment alone, and the CPU
     device count is left to JAX (or XLA_FLAGS). With a config (the CLI), a CPU-only host simulates
-    `config.devices` devices (default 8).
+    `config.devices` devices (default: `default_cpu_devices()`; the run's last line says how many).
     """
     given = config is not None
     if config is None:
         config = Config(progress=False)
     else:
-        _simulate_cpu_devices(config.devices or DEFAULT_CPU_DEVICES)
+        _simulate_cpu_devices(config.devices or default_cpu_devices())
     cluster = detect(config)
     gloo.requested(config.gloo_interface, environ={})  # a bad --gloo-interface fails in every kind of run
     if not cluster.multi_process and in_batch_script_of_several_tasks(os.environ):
