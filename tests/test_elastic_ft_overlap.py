@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, cli_env
+from helpers import ROOT, LaunchedRun, cli_env
 
 pytest.importorskip("torchft", reason="needs torchft: pip install -e '.[elastic]' (or 'jaxdp-trainer[elastic]')")
 
@@ -52,6 +52,40 @@ def test_undisturbed_overlapped_rounds_and_a_save_in_the_middle_are_a_one_proces
     assert any(k.startswith("params") for k in final) and any("outer" in k for k in final), final
     assert final == reference(tmp_path, 40)
     assert params_of(tmp_path, "ckpt", 36) == reference(tmp_path, 36)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_worker_that_starts_late_is_waited_for_and_the_run_is_still_a_one_process_run_bit_for_bit(tmp_path):
+    """Rank 1 starts 20 s after rank 0 (a slow start-up, another node's launcher): rank 0 waits for it
+    at the run's start instead of training its rounds alone (a round's local steps that a worker does
+    not take are lost), so both take part in every round."""
+    text = start_rank_1_late(tmp_path, 40)
+    assert "waiting for rank(s) [1] to join" in text and "left out" not in text, text
+    assert params_of(tmp_path, "ckpt", 40) == reference(tmp_path, 40)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_worker_later_than_the_quorum_timeout_is_left_out_and_saves_nothing_when_it_comes(tmp_path):
+    """With --quorum-timeout 5, rank 0 waits 5 s for rank 1, then trains alone to the run's end; rank 1,
+    20 s late, finds nobody, waits for rank 0 as long and exits 75 without a save of its untrained state."""
+    text = start_rank_1_late(tmp_path, 40, "--quorum-timeout", "5")
+    assert "waiting for rank(s) [1] to join" in text and "left out [1]" in text, text
+    assert "rank 1: rank 0 did not join within 5 s" in text and "saved step 0" not in text, text
+    assert saved_steps(tmp_path) == [36, 40]  # (no step 0: the save in the middle, the end)
+
+
+def start_rank_1_late(tmp_path, steps: int, *launch_args: str) -> str:
+    """An overlapped run of `steps` on torchft whose rank 1 starts 20 s after rank 0, to its end; its output."""
+    train = [PY, "-m", "jaxdp.train", *OVERLAP, "--strategy", "psum", "--devices", "1", "--steps", str(steps),
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(steps), "--no-progress",
+             "--metrics-file", str(tmp_path / "ckpt.jsonl")]
+    late = f'if [ "$JAXDP_ELASTIC_RANK" = 1 ]; then sleep 20; fi; exec {" ".join(train)}'
+    run = LaunchedRun(["--elastic", "--elastic-engine", "torchft", "--nproc-per-node", "2", *launch_args, "--",
+                       "sh", "-c", late], log=tmp_path / "ckpt.log", metrics=tmp_path / "ckpt.jsonl", cwd=ROOT)
+    finish(run)
+    return run.text()
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ def state_from_arrays(template: TrainState, payload: Any) -> TrainState:
 HEADER = 16  # bytes before each row's sums: the shard's tag (int64), then its flags (int64)
 TAKES_PART, ASKS_STOP, FRESH, LEADS = 1, 2, 4, 8  # FRESH: at the run's start, no step applied yet; LEADS: the lead
 QUORUM_DUE = 16  # (every-step exchange) this worker's last quorum is QUORUM_SECONDS old: one next step
+WAITS = 32  # (rank 0 at the run's start) it still waits for the workers not live yet (`wait_at_start`)
 RANK_SHIFT = 32  # the flags' bits from here on: the row's worker's rank + 1 (`flags_of`, `present_of`)
 # While nothing fails, a quorum once QUORUM_SECONDS have passed since the last, and at the step after
 # one where a worker sat out: every worker reads both from the same rows (QUORUM_DUE, TAKES_PART), so
@@ -81,14 +82,49 @@ def to_bytes(arrays: list[np.ndarray]) -> bytes:
 
 def wait_for_rank_0(member: Any, layout: dict) -> None:
     """A moment's wait for rank 0 at the run's start (its quorum again next); elastic.HubGone once
-    --quorum-timeout has passed since the first."""
+    --quorum-timeout has passed since the first. This worker has trained nothing: it saves nothing."""
     from jaxdp.elastic import hub as elastic
 
     waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
     if waited > member.quorum_timeout_s:
-        raise elastic.HubGone(f"rank {member.rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
-                              f"(--quorum-timeout) at the run's start")
+        gone = elastic.HubGone(f"rank {member.rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
+                               f"(--quorum-timeout) at the run's start")
+        gone.untrained = True  # (jaxdp/loop/lead.py: no save of a state that is not the run's)
+        raise gone
     time.sleep(0.1)
+
+
+def waits(member: Any, layout: dict) -> int:
+    """WAITS in rank 0's rows at the run's start until --quorum-timeout has passed since its first
+    exchange there; rank 0 decides alone, so every worker reads the same decision from its row."""
+    if member.rank != 0 or not member.fresh:
+        return 0
+    waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
+    return WAITS * (waited <= member.quorum_timeout_s)
+
+
+def wait_at_start(member: Any, layout: dict, heads: list[tuple[int, int]], where: str) -> bool:
+    """Whether an exchange at the run's start (every worker taking part fresh) is taken again, over a new
+    quorum, after a moment's wait: every worker waits for rank 0, which restored the checkpoint (without
+    it they would train from their own step 0 and then, being further on, hand that state to rank 0);
+    and, while rank 0's row says WAITS, for every launched worker. A worker that starts late (a slower
+    start-up, another node's launcher) would otherwise miss rounds: local steps it does not take are
+    lost, so the run would not be the run every worker took part in."""
+    live = live_of(heads)
+    if not live or not all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
+        return False
+    if 0 not in live:
+        wait_for_rank_0(member, layout)
+        return True
+    if len(live) == member.size or not any(flags & WAITS for _, flags in heads if flags >> RANK_SHIFT == 1):
+        return False
+    if not layout.get("said_waiting"):
+        layout["said_waiting"] = True
+        missing = [r for r in range(member.size) if r not in live]
+        member.say(f"{where}: waiting for rank(s) {missing} to join, up to {member.quorum_timeout_s:g} s "
+                   f"(--quorum-timeout), before the first step")
+    time.sleep(0.1)
+    return True
 
 
 def say_live(member: Any, at: int | str, live: list[int], more: str = "", present: list[int] | tuple = ()) -> None:
@@ -266,20 +302,17 @@ def make_every_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             mine = [rank] if taking_part else []
             due = QUORUM_DUE * (time.monotonic() - layout.get("quorum_at", 0.0) >= QUORUM_SECONDS)
             first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept,
-                                                        flags_of(member, taking_part) | due, ready=own)))
+                                                        flags_of(member, taking_part) | due | waits(member, layout),
+                                                        ready=own)))
             heads = [(tag, flags) for tag, flags, _ in first]
             live = live_of(heads)
             # The next step's quorum, decided from what every worker received alike: once a worker's last
             # is QUORUM_SECONDS old, and at once after a step with a worker that sat it out (one that just healed).
             layout["quorum_next"] = any(not flags & TAKES_PART or flags & QUORUM_DUE for _, flags in heads)
             stop = any(flags & ASKS_STOP for _, flags in heads)
-            if live and 0 not in live and all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
-                # At the start every worker waits for rank 0, which restored the checkpoint: without it
-                # (another node's launcher came up first) they would train from their own step 0 and then,
-                # being further on, hand that state to rank 0. Nobody applies this step; the quorum again.
+            if wait_at_start(member, layout, heads, f"step {at}"):  # nobody applies this step; the quorum again
                 member.engine.commit()
                 retry = True
-                wait_for_rank_0(member, layout)
                 continue
             owner = ft.assign(live, size) if live else {}
             missing = [s for s in range(size) if s not in live]

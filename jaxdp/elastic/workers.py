@@ -30,7 +30,7 @@ class Worker:
         self.engine: Engine | None = None
         self.fresh_quorum = False   # the join's quorum is also the first step's
         self.pending_round = False  # (local steps) healed at a peer's round end: that round's exchange first
-        self.fresh = False          # at the run's start, no step applied yet: its first steps wait for rank 0
+        self.fresh = False          # at the run's start, no step applied yet: its first steps wait for the others
         self.live: list[int] = list(range(size))
         self.restarted = False      # started again by the launcher while other workers were live
         self.leader: int | None = 0  # the rank that leads, as the last exchange's rows said (None: not known yet)

@@ -127,7 +127,7 @@ def stop_held(loop: Any, hooks: Any, gone: BaseException) -> None:
         loop.state = gone.state
         loop.done = int(jax.device_get(loop.state.step))
     moves = follows(plan)
-    if moves:
+    if moves and not getattr(gone, "untrained", False):  # (a worker that never trained saves nothing)
         plan.is_main = claim(loop)
     if not (plan.is_main and plan.checkpointer):  # (the lead says what it saved: fit's stopped())
         print(f"jaxdp: {gone}: stopping after {loop.where or f'step {loop.done}'}, exit code 75", file=sys.stderr)
