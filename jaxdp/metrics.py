@@ -163,6 +163,15 @@ class MetricsWriter:
             self._bar = tqdm(total=self._total, initial=step, unit="step", dynamic_ncols=True,
                              file=sys.stderr, mininterval=BAR_MININTERVAL)
 
+    def last_step(self) -> int:
+        """The highest step of the metrics file's records (0: no file, or none)."""
+        path = self._sinks[0]
+        if not path or not os.path.exists(path):
+            return 0
+        with open(path) as f:
+            steps = [_step_of(line) for line in f]
+        return max(steps, default=0)
+
     def hand_over(self) -> None:
         """This process writes no more (an elastic run's lead moved elsewhere); `take_over` undoes it."""
         self.close()
@@ -333,6 +342,15 @@ class WandbSink:
 
 def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _step_of(line: str) -> int:
+    """A metrics record's step (0: a torn line, or none)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return 0
+    return (record.get("step") or 0) if isinstance(record, dict) else 0
 
 
 def _keep_records_up_to(path: str, step: int) -> int:

@@ -335,6 +335,34 @@ def test_a_stopped_worker_is_left_out_after_the_stall_timeout_and_heals_when_it_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_a_worker_stopped_until_the_run_ended_overwrites_neither_its_checkpoints_nor_its_metrics(tmp_path):
+    """Rank 1 stopped (SIGSTOP) at step 30 and continued only once rank 0 has trained alone to the end and
+    exited: rank 1 finds itself alone and would lead, but the run's files hold step 300, past its own
+    state. It stops without a save and without a record (exit 0: the run had ended), so the checkpoint
+    and the metrics file stay rank 0's, "done" record included."""
+    steps = 300
+    run = Run(tmp_path, steps, "--max-restarts", "0", train_args=("--stall-timeout", "10"))
+    try:
+        run.wait_for(lambda: run.reached() >= 30 and is_live(run.text(), 1), "step 30 with rank 1 live")
+        stopped = next(p for p in training_processes(run.proc.pid) if elastic_rank(p) == 1)
+        os.kill(stopped, signal.SIGSTOP)
+        run.wait_for(lambda: training_processes(run.proc.pid) == [stopped], "rank 0's end", timeout=180)
+        ended = (tmp_path / "ckpt.jsonl").read_text()
+        saved = json.loads((tmp_path / "ckpt" / str(steps) / "jaxdp_checksums.json").read_text())
+        os.kill(stopped, signal.SIGCONT)
+        assert run.proc.wait(timeout=120) == 0, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    assert f"rank 1: the run went on to step {steps} without this worker" in text, text
+    assert "exit code 0" in text and "rank 1 leads" not in text, text
+    assert (tmp_path / "ckpt.jsonl").read_text() == ended
+    assert json.loads(ended.splitlines()[-1])["event"] == "done"
+    assert json.loads((tmp_path / "ckpt" / str(steps) / "jaxdp_checksums.json").read_text()) == saved
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_lighthouse_elsewhere_is_used_and_none_starts_in_the_launcher(tmp_path):
     lighthouse = ft.start_lighthouse("127.0.0.1", 0, 1, 2.0, 60.0)  # "elsewhere": this test's process
     port = lighthouse.address().rsplit(":", 1)[1]

@@ -68,7 +68,9 @@ def kill_each_and_end_near_a_calm_run(tmp_path, train_args: tuple[str, ...], ste
 def stop_1_coding_int8(tmp_path, train_args: tuple[str, ...]) -> None:
     """Rank 1, its rows coded int8, stopped with SIGSTOP and continued (`stop_1_and_go_on`): the run ends
     with no restart, rank 1 back, and trained."""
-    run = Run(tmp_path, 1500, "--max-restarts", "0", strategy="psum",
+    # 4,000 steps: the stopped worker waits out its --stall-timeout after SIGCONT while the other trains
+    # alone (130 steps/s here); with 1,500 the run could end first (it then stops aside: test_elastic_ft.py)
+    run = Run(tmp_path, 4000, "--max-restarts", "0", strategy="psum",
               train_args=(*train_args, "--compression", "int8", "--stall-timeout", "10"))
     stop_1_and_go_on(run)
     text = run.text()

@@ -14,6 +14,8 @@ step on, TensorBoard, W&B, the progress bar) and evaluates from now on, with one
 (jaxdp/checkpoint/dirlock.py) stays the guard against two writers: a former lead that is stopped
 rather than dead still holds it, and the new lead's saves wait, retried each second, until it is
 gone. With several nodes the directory must be one they share (as for any multi-host run's saves).
+A worker that would lead while the run's files hold steps past its state (left out while it was
+stopped, it is back after the others ended or went) leaves instead, writing nothing (`step_aside`).
 
 A quorum lost (fewer than --min-workers for --quorum-timeout): every worker that stops tries to take
 the lock and save (`claim`), so the run's state is saved even when the lead was the worker lost; the
@@ -22,6 +24,7 @@ lock lets one of them write.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -68,6 +71,9 @@ def follow(loop: Any) -> None:
     """The hook: the lead role here exactly while the workers' rows say this worker leads."""
     plan, member = loop.plan, loop.plan.elastic
     if member.lead and not plan.is_main:
+        further = went_on(loop)
+        if further is not None:
+            step_aside(loop, further)
         plan.is_main = True
         loop.writer.take_over(loop.done, loop.history)  # (the steps the former lead took but did not write too)
         loop.writer.decision("lead", loop.done, f"rank {member.rank} leads from step {loop.done}: it writes the "
@@ -80,6 +86,28 @@ def follow(loop: Any) -> None:
             plan.checkpointer = None
     if plan.is_main and plan.checkpointer is None and plan.checkpoint.directory:
         open_checkpointer(loop)
+
+
+def went_on(loop: Any) -> int | None:
+    """The furthest step the run's files (its checkpoints, its metrics file) hold past this worker's,
+    or None. A worker about to lead whose state is behind them was left out (stopped, not dead) while
+    the others went on, and is back after they ended or went: its state is not the run's."""
+    from jaxdp.checkpoint.artifacts import checkpoint_steps
+
+    directory = loop.plan.checkpoint.directory
+    held = [loop.writer.last_step(), *(checkpoint_steps(directory) if directory and os.path.isdir(directory) else ())]
+    return max(held) if max(held) > loop.done else None
+
+
+def step_aside(loop: Any, further: int) -> None:
+    """Leave the run without a save or a metrics record, which would overwrite the run's own with this
+    worker's stale state: exit 0 where the run has reached its end, else 75 (resume from its checkpoint)."""
+    from jaxdp.errors import EXIT_PREEMPTED
+
+    code = 0 if further >= loop.plan.steps else EXIT_PREEMPTED
+    print(f"jaxdp: rank {loop.plan.elastic.rank}: the run went on to step {further} without this worker, which was "
+          f"left out at step {loop.done}: it stops without a save; exit code {code}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
 
 def open_checkpointer(loop: Any) -> bool:
@@ -127,7 +155,8 @@ def stop_held(loop: Any, hooks: Any, gone: BaseException) -> None:
         loop.state = gone.state
         loop.done = int(jax.device_get(loop.state.step))
     moves = follows(plan)
-    if moves and not getattr(gone, "untrained", False):  # (a worker that never trained saves nothing)
+    # (no save from a worker that never trained, nor from one the run went on without: `went_on`)
+    if moves and not getattr(gone, "untrained", False) and (plan.is_main or went_on(loop) is None):
         plan.is_main = claim(loop)
     if not (plan.is_main and plan.checkpointer):  # (the lead says what it saved: fit's stopped())
         print(f"jaxdp: {gone}: stopping after {loop.where or f'step {loop.done}'}, exit code 75", file=sys.stderr)
