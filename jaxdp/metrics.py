@@ -127,10 +127,11 @@ class MetricsWriter:
         if is_main:
             self._open(start_step, resumed=bool(start_step))
 
-    def _open(self, step: int, resumed: bool) -> int:
-        """Open the sinks; returns the highest step the metrics file holds (`step` where there is none to keep)."""
+    def _open(self, step: int, resumed: bool) -> tuple[int, int]:
+        """Open the sinks; returns the metrics file's last (step, round) (`_order`; `step` where there is
+        none to keep)."""
         metrics_file, log_dir, wandb_project, wandb_id_dir = self._sinks
-        last = step
+        last = (step, 0)
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             # A resumed run continues the file of the run it resumes, from the checkpoint's step.
@@ -150,13 +151,14 @@ class MetricsWriter:
         file continues from `step` (records past it, and a torn last line, dropped), TensorBoard gets a
         new event file in its directory, a W&B run goes on by its id, and the progress bar starts at
         `step`. `logged`: this process's own records of the steps so far (what `log` returned), written
-        where the file's last step is older (the steps the former lead took but did not write)."""
+        where the file's last (step, round) is older (the steps or rounds the former lead took but did
+        not write; a round without steps has its round's step)."""
         if self.is_main:
             return
         self.is_main = True
         last = self._open(step, resumed=True)
         for record in logged:
-            if last < record["step"] <= step:
+            if last < _order(record) and record["step"] <= step:
                 self._write(record)
                 self._scalars("train", record, record["step"])
         if self._progress and self.compile_s is not None and step < self._total:
@@ -353,15 +355,20 @@ def _step_of(line: str) -> int:
     return (record.get("step") or 0) if isinstance(record, dict) else 0
 
 
-def _keep_records_up_to(path: str, step: int) -> int:
+def _order(record: dict) -> tuple[int, int]:
+    """Where a record stands in the file: (step, round); records of rounds without steps share a step."""
+    return record.get("step") or 0, record.get("round") or 0
+
+
+def _keep_records_up_to(path: str, step: int) -> tuple[int, int]:
     """Drop what a resumed run will write again: records after `step` (a crashed run got past its
     last checkpoint) and a torn last line. A finished run's "done" record at or before `step` (the
     run is being extended) keeps its held-out metrics as an "eval" record marked `"finished": true`,
     so the file still ends with one "done" record. Replaces the file atomically, so a crash here
-    leaves the old file. Returns the highest step kept (0: none, or no file)."""
+    leaves the old file. Returns the last (step, round) kept (`_order`; (0, 0): none, or no file)."""
     if not os.path.exists(path):
-        return 0
-    kept, last = [], 0
+        return 0, 0
+    kept, last = [], (0, 0)
     with open(path) as f:
         for line in f:
             try:
@@ -373,7 +380,7 @@ def _keep_records_up_to(path: str, step: int) -> int:
             if record.get("event") == "done":
                 line = json.dumps({**record, "event": "eval", "finished": True}) + "\n"
             kept.append(line if line.endswith("\n") else line + "\n")
-            last = max(last, record.get("step") or 0)
+            last = max(last, _order(record))
     write_text_atomically(path, "".join(kept))
     return last
 

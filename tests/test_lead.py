@@ -65,6 +65,46 @@ def test_the_metrics_writer_takes_over_the_file_from_its_step_and_hands_it_over(
     assert len(records(path)) == 6 and not stand_in.is_main
 
 
+def test_a_round_without_steps_that_the_former_lead_did_not_write_is_written_by_the_new_one(tmp_path):
+    """Rounds: a round in which nobody took a step (a joiner listened, and the lead was lost in it) ends
+    at the step of the round before; the new lead writes it from its own records all the same."""
+    path = tmp_path / "m.jsonl"
+    lead0 = MetricsWriter(is_main=True, total_steps=1000, metrics_file=str(path), progress=False)
+    stand_in = MetricsWriter(is_main=False, total_steps=1000, metrics_file=str(path), progress=False)
+    history = []
+    for round_, step in ((4, 288), (5, 372), (6, 372), (7, 394)):
+        history.append(stand_in.log(step, {"loss": 1.0, "round": round_}))
+        if round_ <= 5:  # the former lead lost before it wrote round 6
+            lead0.log(step, {"loss": 1.0, "round": round_})
+    stand_in.take_over(394, history)
+    assert [(r["step"], r["round"]) for r in records(path)] == [(288, 4), (372, 5), (372, 6), (394, 7)]
+
+
+def test_a_worker_the_run_went_on_without_steps_aside_instead_of_leading(tmp_path, capsys):
+    """A worker about to lead whose step (40) is behind the run's files (a stopped worker, back after the
+    others trained on): no record, no checkpointer; exit 0 where the run reached its end, else 75."""
+    (tmp_path / "ckpt").mkdir()
+    lead0 = MetricsWriter(is_main=True, total_steps=100, metrics_file=str(tmp_path / "m.jsonl"), progress=False)
+    lead0.log(60, {"loss": 1.0})
+    before = (tmp_path / "m.jsonl").read_text()
+    member = Member(1, lead=True)
+    loop = loop_of(tmp_path, member)
+    with pytest.raises(SystemExit) as stopped:
+        lead.follow(loop)
+    assert stopped.value.code == 75 and not loop.plan.is_main and loop.plan.checkpointer is None
+    assert "rank 1: the run went on to step 60 without this worker, which was left out at step 40" in \
+        capsys.readouterr().err
+    assert (tmp_path / "m.jsonl").read_text() == before
+    lead0.event("done", 100)
+    with pytest.raises(SystemExit) as stopped:
+        lead.follow(loop)
+    assert stopped.value.code == 0
+    loop.done = 100  # (a worker at the run's step leads as ever)
+    lead.follow(loop)
+    assert loop.plan.is_main
+    loop.plan.checkpointer.close()
+
+
 class Member:
     """What the hook reads of an elastic member: its rank, whether it leads, and an engine (the mark of a
     run whose lead can move)."""
