@@ -177,7 +177,8 @@ def train(config: Config) -> Any:
             outer_tx = None
             if process == 0 and (member is None or member.rank == 0):
                 print("jaxdp: --byte-budget: the outer step is plain averaging (--outer-optimizer sgd --outer-lr 1 "
-                      "--outer-momentum 0), which top-k pseudo-gradients need; give --outer-optimizer to choose another",
+                      "--outer-momentum 0), which top-k pseudo-gradients need; --outer-optimizer sgd with another "
+                      "--outer-lr scales it",
                       file=sys.stderr)
     except BaseException:
         beat.stop()
