@@ -40,7 +40,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from tqdm import tqdm
 
@@ -170,9 +170,7 @@ class MetricsWriter:
         path = self._sinks[0]
         if not path or not os.path.exists(path):
             return 0
-        with open(path) as f:
-            steps = [_step_of(line) for line in f]
-        return max(steps, default=0)
+        return max((_order(record)[0] for _, record in _records(path)), default=0)
 
     def hand_over(self) -> None:
         """This process writes no more (an elastic run's lead moved elsewhere); `take_over` undoes it."""
@@ -346,13 +344,16 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def _step_of(line: str) -> int:
-    """A metrics record's step (0: a torn line, or none)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return 0
-    return (record.get("step") or 0) if isinstance(record, dict) else 0
+def _records(path: str) -> Iterator[tuple[str, dict]]:
+    """(line, record) of each record of a metrics file; a torn line, or one not an object, is skipped."""
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield line, record
 
 
 def _order(record: dict) -> tuple[int, int]:
@@ -369,18 +370,13 @@ def _keep_records_up_to(path: str, step: int) -> tuple[int, int]:
     if not os.path.exists(path):
         return 0, 0
     kept, last = [], (0, 0)
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(record, dict) or (record.get("step") or 0) > step:
-                continue
-            if record.get("event") == "done":
-                line = json.dumps({**record, "event": "eval", "finished": True}) + "\n"
-            kept.append(line if line.endswith("\n") else line + "\n")
-            last = max(last, _order(record))
+    for line, record in _records(path):
+        if (record.get("step") or 0) > step:
+            continue
+        if record.get("event") == "done":
+            line = json.dumps({**record, "event": "eval", "finished": True}) + "\n"
+        kept.append(line if line.endswith("\n") else line + "\n")
+        last = max(last, _order(record))
     write_text_atomically(path, "".join(kept))
     return last
 

@@ -85,8 +85,7 @@ def wait_for_rank_0(member: Any, layout: dict) -> None:
     --quorum-timeout has passed since the first. This worker has trained nothing: it saves nothing."""
     from jaxdp.elastic import hub as elastic
 
-    waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
-    if waited > member.quorum_timeout_s:
+    if waited(layout) > member.quorum_timeout_s:
         gone = elastic.HubGone(f"rank {member.rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
                                f"(--quorum-timeout) at the run's start")
         gone.untrained = True  # (jaxdp/loop/lead.py: no save of a state that is not the run's)
@@ -94,13 +93,17 @@ def wait_for_rank_0(member: Any, layout: dict) -> None:
     time.sleep(0.1)
 
 
+def waited(layout: dict) -> float:
+    """Seconds since the first wait at the run's start (its clock kept in `layout`)."""
+    return time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
+
+
 def waits(member: Any, layout: dict) -> int:
     """WAITS in rank 0's rows at the run's start until --quorum-timeout has passed since its first
     exchange there; rank 0 decides alone, so every worker reads the same decision from its row."""
     if member.rank != 0 or not member.fresh:
         return 0
-    waited = time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
-    return WAITS * (waited <= member.quorum_timeout_s)
+    return WAITS * (waited(layout) <= member.quorum_timeout_s)
 
 
 def wait_at_start(member: Any, layout: dict, heads: list[tuple[int, int]], where: str) -> bool:
