@@ -80,12 +80,12 @@ def to_bytes(arrays: list[np.ndarray]) -> bytes:
     return b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
 
 
-def wait_for_rank_0(member: Any, layout: dict) -> None:
+def wait_for_rank_0(member: Any) -> None:
     """A moment's wait for rank 0 at the run's start (its quorum again next); elastic.HubGone once
     --quorum-timeout has passed since the first. This worker has trained nothing: it saves nothing."""
     from jaxdp.elastic import hub as elastic
 
-    if waited(layout) > member.quorum_timeout_s:
+    if waited(member) > member.quorum_timeout_s:
         gone = elastic.HubGone(f"rank {member.rank}: rank 0 did not join within {member.quorum_timeout_s:g} s "
                                f"(--quorum-timeout) at the run's start")
         gone.untrained = True  # (jaxdp/loop/lead.py: no save of a state that is not the run's)
@@ -93,20 +93,14 @@ def wait_for_rank_0(member: Any, layout: dict) -> None:
     time.sleep(0.1)
 
 
-def waited(layout: dict) -> float:
-    """Seconds since the first wait at the run's start (its clock kept in `layout`)."""
-    return time.monotonic() - layout.setdefault("waiting_since", time.monotonic())
+def waited(member: Any) -> float:
+    """Seconds since this worker's first exchange at the run's start (its clock starts there)."""
+    if member.waiting_since is None:
+        member.waiting_since = time.monotonic()
+    return time.monotonic() - member.waiting_since
 
 
-def waits(member: Any, layout: dict) -> int:
-    """WAITS in rank 0's rows at the run's start until --quorum-timeout has passed since its first
-    exchange there; rank 0 decides alone, so every worker reads the same decision from its row."""
-    if member.rank != 0 or not member.fresh:
-        return 0
-    return WAITS * (waited(layout) <= member.quorum_timeout_s)
-
-
-def wait_at_start(member: Any, layout: dict, heads: list[tuple[int, int]], where: str) -> bool:
+def wait_at_start(member: Any, heads: list[tuple[int, int]], where: str) -> bool:
     """Whether an exchange at the run's start (every worker taking part fresh) is taken again, over a new
     quorum, after a moment's wait: every worker waits for rank 0, which restored the checkpoint (without
     it they would train from their own step 0 and then, being further on, hand that state to rank 0);
@@ -117,12 +111,12 @@ def wait_at_start(member: Any, layout: dict, heads: list[tuple[int, int]], where
     if not live or not all(flags & FRESH for _, flags in heads if flags & TAKES_PART):
         return False
     if 0 not in live:
-        wait_for_rank_0(member, layout)
+        wait_for_rank_0(member)
         return True
     if len(live) == member.size or not any(flags & WAITS for _, flags in heads if flags >> RANK_SHIFT == 1):
         return False
-    if not layout.get("said_waiting"):
-        layout["said_waiting"] = True
+    if not member.said_waiting:
+        member.said_waiting = True
         missing = [r for r in range(member.size) if r not in live]
         member.say(f"{where}: waiting for rank(s) {missing} to join, up to {member.quorum_timeout_s:g} s "
                    f"(--quorum-timeout), before the first step")
@@ -186,10 +180,13 @@ def quorum_at(state: TrainState) -> int:
 
 
 def flags_of(member: Any, taking_part: bool) -> int:
-    """This worker's row flags: whether it takes part, asks to stop, is at the run's start, leads; and
-    its rank + 1 from bit RANK_SHIFT on (a row that takes no part still says whose it is)."""
+    """This worker's row flags: whether it takes part, asks to stop, is at the run's start, leads; WAITS
+    from rank 0 at the run's start until --quorum-timeout has passed since its first exchange there
+    (rank 0 decides alone, so every worker reads the same decision from its row); and its rank + 1 from
+    bit RANK_SHIFT on (a row that takes no part still says whose it is)."""
+    waits = member.rank == 0 and member.fresh and waited(member) <= member.quorum_timeout_s
     return (TAKES_PART * taking_part | ASKS_STOP * member.stop_asked | FRESH * member.fresh
-            | LEADS * (taking_part and member.lead) | (member.rank + 1) << RANK_SHIFT)
+            | LEADS * (taking_part and member.lead) | WAITS * waits | (member.rank + 1) << RANK_SHIFT)
 
 
 def offer(state: TrainState, pending: bool = False) -> Callable[[], bytes]:
@@ -305,7 +302,7 @@ def make_every_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             mine = [rank] if taking_part else []
             due = QUORUM_DUE * (time.monotonic() - layout.get("quorum_at", 0.0) >= QUORUM_SECONDS)
             first = cut(member.engine.allgather(rows_of(state, batch_of, mine, 1, kept,
-                                                        flags_of(member, taking_part) | due | waits(member, layout),
+                                                        flags_of(member, taking_part) | due,
                                                         ready=own)))
             heads = [(tag, flags) for tag, flags, _ in first]
             live = live_of(heads)
@@ -313,7 +310,7 @@ def make_every_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh: M
             # is QUORUM_SECONDS old, and at once after a step with a worker that sat it out (one that just healed).
             layout["quorum_next"] = any(not flags & TAKES_PART or flags & QUORUM_DUE for _, flags in heads)
             stop = any(flags & ASKS_STOP for _, flags in heads)
-            if wait_at_start(member, layout, heads, f"step {at}"):  # nobody applies this step; the quorum again
+            if wait_at_start(member, heads, f"step {at}"):  # nobody applies this step; the quorum again
                 member.engine.commit()
                 retry = True
                 continue

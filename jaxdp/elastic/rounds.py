@@ -44,7 +44,7 @@ from jaxdp.elastic.rows import RowCoder
 from jaxdp.mesh import data_axes, replicate, state_specs
 from jaxdp.elastic.every_step import (
     ASKS_STOP, HEADER, TAKES_PART, cut, flags_of, lead_of, live_of, present_of, say_live, step_number,
-    take_quorum, wait_at_start, waits,
+    take_quorum, wait_at_start,
 )
 from jaxdp.step.local_sgd import OUTER_NAME, STATE_NAME, default_outer, replica_step
 from jaxdp.step.rounds import make_inner, outer_step
@@ -86,7 +86,6 @@ class RoundEnd:
         self.coder = RowCoder(codec, values) if codec is not None else None
         self.head = 8 * (1 + len(self.keys))
         self.nbytes = self.head + (self.coder.nbytes if self.coder else 4 * values)
-        self.waiting: dict = {}   # (wait_at_start's clock)
         self.bad: list[int] = []  # the ranks named last as not finite
         self.present: list[int] = list(range(member.size))  # the ranks whose rows came in the last exchange
         self.where: Callable[[TrainState, int], str] = lambda state, at: f"step {at}"  # (the console's words)
@@ -148,13 +147,13 @@ class RoundEnd:
                 if healed is not None:  # behind: the peer's state, and its exchange as a listener
                     state, at, healed_any, delta, start = healed, self.at_of(healed), True, None, not pending
             takes_part = member.engine.participating() and (start or delta is not None)
-            own = flags_of(member, takes_part) | waits(member, self.waiting)
+            own = flags_of(member, takes_part)
             rows = cut(member.engine.allgather(self.row(delta, head, own, kept)))
             if not member.engine.commit() or not rows:
                 continue  # someone failed in the round or the exchange: again, over the new quorum
             heads = [(tag, flags) for tag, flags, _ in rows]
             live = live_of(heads)
-            if start and wait_at_start(member, self.waiting, heads, self.where(state, at)):
+            if start and wait_at_start(member, heads, self.where(state, at)):
                 continue  # at the start, for rank 0 (it restored the checkpoint) and every launched worker
             break
         self.present = present_of(heads)

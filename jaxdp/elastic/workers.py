@@ -31,6 +31,8 @@ class Worker:
         self.fresh_quorum = False   # the join's quorum is also the first step's
         self.pending_round = False  # (local steps) healed at a peer's round end: that round's exchange first
         self.fresh = False          # at the run's start, no step applied yet: its first steps wait for the others
+        self.waiting_since: float | None = None  # (at the run's start) when its first exchange began
+        self.said_waiting = False   # the line that names the workers rank 0 waits for was said
         self.live: list[int] = list(range(size))
         self.restarted = False      # started again by the launcher while other workers were live
         self.leader: int | None = 0  # the rank that leads, as the last exchange's rows said (None: not known yet)
