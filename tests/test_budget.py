@@ -101,6 +101,17 @@ def test_with_outer_momentum_only_codecs_that_send_every_value():
         budget.choose(PARAMS, 2, 0.001, PSUM, momentum_free=False)  # psum: no int4, and bf16 at H = 256 is 512x
 
 
+def test_more_devices_without_the_ring_take_the_all_gathered_top_k():
+    """From 3 devices the settled form is the ring-summed one, whose 2-bit sums need the ring's coded
+    hops: with psum the budget takes the all-gathered form (an all-gather), not a dense codec at a
+    far larger H (averaged every 256 steps in bf16 at 1/300), nor no choice at all (1/1000)."""
+    for fraction in (1 / 300, 0.001):
+        record = budget.choose(PARAMS, 4, fraction, PSUM)
+        assert ":gather:" in record["pseudo_gradient"] and record["sync_every"] <= 16 and _fits(record, fraction)
+        assert float(record["pseudo_gradient"].split(":")[1]) >= budget.MIN_DENSITY
+    assert budget.densest(PARAMS, 4, 8, 0.001 * budget.ring_bytes(PARAMS, 4), {"sum"}) is None  # neither form
+
+
 def test_more_devices_and_the_least_h():
     record = budget.choose(PARAMS, 4, 0.001, RING)
     assert ":sum:" in record["pseudo_gradient"] and _fits(record, 0.001)  # from 3 devices the ring-summed form

@@ -1,12 +1,12 @@
 """budget: bytes and held-out loss of `--byte-budget` runs against the synchronous float32 run, over
-run lengths x seeds x model configurations (2 simulated devices in one process: the bytes a device
-sends and the losses do not depend on the link, so no testbed is needed).
+run lengths x seeds x model configurations (--devices simulated devices in one process, 2 by default:
+the bytes a device sends and the losses do not depend on the link, so no testbed is needed).
 
     python -m jaxdp.bench budget --steps 400,800 --seeds 0,1,2 --configs tuned,other --json docs/perf/budget-400-800.json
     python -m jaxdp.bench budget --budget 0.001 --variants "--sync-every 8 --compression topk:0.006:2:decay=0.98"
 
 Each cell is `python -m jaxdp.train` with the configuration's flags, `--steps S --seed K --devices
-2`, once synchronous (`--sync-every 1`, float32 through psum: a bandwidth-optimal all-reduce sends
+D`, once synchronous (`--sync-every 1`, float32 through psum: a bandwidth-optimal all-reduce sends
 what the float32 ring does) and once per variant; by default the one variant is the user's path,
 `--sync-every auto --compression auto --byte-budget B` with SparseLoCo's outer step (outer SGD at lr
 1, no momentum). Every run evaluates once, at its end, on the same `--eval-batches` held-out batches.
@@ -60,6 +60,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--variants", type=lambda t: [v.strip() for v in t.split(";")],
                    help="';'-separated jaxdp.train flags of the runs compared with synchronous (default: "
                         "--sync-every auto --compression auto --byte-budget BUDGET with outer SGD at lr 1)")
+    p.add_argument("--devices", type=int, default=2, help="simulated devices of every run (the byte ratios are per "
+                                                          "device at this count)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--dataset", help="text file (default: README.md and jaxdp/*.py, concatenated)")
     p.add_argument("--synchronous-from", metavar="JSON", help="the synchronous runs of an earlier budget JSON")
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             for steps in args.steps:
                 for seed in args.seeds:
                     base = [*shlex.split(configs[config]), "--dataset", dataset, "--steps", str(steps), "--seed", str(seed),
-                            "--devices", "2", "--eval-every", "0", "--eval-batches", str(args.eval_batches),
+                            "--devices", str(args.devices), "--eval-every", "0", "--eval-batches", str(args.eval_batches),
                             "--log-every", "10"]
                     cell = {"config": config, "steps": steps, "seed": seed}
                     sync = earlier.get((config, steps, seed))
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"{s['config']} {s['steps']} steps, {s['variant']}: loss / sync {s['loss_ratio_mean']:.4f} "
               f"(max {s['loss_ratio_max']:.4f}, {s['seeds']} seeds), {s['fewer_bytes_min']:.0f}x fewer bytes (least)")
     write_json(args.json, results, summary=summary, budget=args.budget, configs={c: configs[c] for c in args.configs},
-               devices=2)
+               devices=args.devices)
     return results
 
 

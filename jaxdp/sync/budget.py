@@ -18,6 +18,7 @@ The measurements behind the order are in docs/slow-links.md ("--byte-budget").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Collection
 
@@ -63,12 +64,17 @@ def sent_per_step(codec: Compressor, params: Any, devices: int, sync_every: int,
 def densest(params: Any, devices: int, sync_every: int, allowed: float, abilities: Collection[str] | None = None,
             scalars: bool = True) -> Compressor | None:
     """The top-k pseudo-gradient codec (codecs.topk's PSEUDO_BITS, PSEUDO_DECAY; the form settled for
-    `devices`) at the largest density of the grid whose bytes per step at `sync_every` are at most
-    `allowed`; None if none is (or the strategy cannot carry it)."""
+    `devices`, or the other one where the strategy cannot carry that) at the largest density of the
+    grid whose bytes per step at `sync_every` are at most `allowed`; None if none is (or the strategy
+    can carry neither form). From 3 devices the settled form is the ring-summed one, whose 2-bit sums
+    need the ring's coded hops: with psum the all-gathered form, which needs only an all-gather."""
     from jaxdp.sync.codecs.topk import PSEUDO_BITS, PSEUDO_DECAY, TopK
 
     def at(density: float) -> Compressor:
-        return TopK(density=density, bits=PSEUDO_BITS, decay=PSEUDO_DECAY).settled(params, devices, True)
+        codec = TopK(density=density, bits=PSEUDO_BITS, decay=PSEUDO_DECAY).settled(params, devices, True)
+        if abilities is not None and codec.needs not in abilities:
+            codec = dataclasses.replace(codec, form="gather" if codec.form == "sum" else "sum")
+        return codec
 
     lo, hi = 0, len(_GRID) - 1  # _GRID is descending and bytes grow with density: the first that fits
     if sent_per_step(at(_GRID[hi]), params, devices, sync_every, scalars) > allowed:
