@@ -173,13 +173,8 @@ def train(config: Config) -> Any:
             print("jaxdp: --shard-optimizer: adamw decays every parameter (ZeRO-1's flat buffers cannot tell matrices "
                   "from biases)", file=sys.stderr)
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
-        if config.byte_budget is not None and outer_defaults(config):  # (top-k pseudo-gradients need plain averaging)
-            outer_tx = None
-            if process == 0 and (member is None or member.rank == 0):
-                print("jaxdp: --byte-budget: the outer step is plain averaging (--outer-optimizer sgd --outer-lr 1 "
-                      "--outer-momentum 0), which top-k pseudo-gradients need; --outer-optimizer sgd with another "
-                      "--outer-lr scales it",
-                      file=sys.stderr)
+        if config.byte_budget is not None and outer_defaults(config):  # the budget's own (jaxdp/sync/budget.py,
+            outer_tx = None                                                 # outer_lr): top-k cannot follow momentum
     except BaseException:
         beat.stop()
         raise

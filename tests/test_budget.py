@@ -133,6 +133,7 @@ def test_the_budget_bench_writes_both_ratios(tmp_path):
     sync, run = data["results"]
     assert sync["variant"] == "synchronous" and sync["sync_every"] is None
     assert run["sync_every"] >= 2 and run["pseudo_gradient"].startswith("topk:") and "--byte-budget 0.01" in run["why"]
+    assert "outer step: SGD at lr 2, no momentum" in run["why"]  # the user's path: the budget's own outer step
     assert run["fewer_bytes"] == pytest.approx(sync["comm_bytes_per_step"] / (run["comm_bytes_per_step"]
                                                                              + run["scalar_bytes_per_step"]))
     assert run["fewer_bytes"] >= 90 and run["loss_ratio"] == pytest.approx(run["eval_loss"] / sync["eval_loss"])
@@ -173,11 +174,46 @@ def test_fit_takes_the_budget_and_says_in_one_error_when_nothing_fits(devices):
         run("2")
 
 
+def test_the_budget_outer_step_is_sgd_at_lr_2_with_top_k_and_a_resume_keeps_the_one_recorded():
+    """No outer optimizer given: SGD without momentum at OUTER_LR_TOPK where the budget chose top-k
+    (else plain averaging), in the choice's one line; a resumed run keeps its checkpoint's lr, and one
+    whose checkpoint records none (written before the rule) goes on with plain averaging."""
+    from jaxdp.mesh import make_mesh
+    from jaxdp.sync import autostart
+    from jaxdp.sync.spec import SyncSpec
+
+    assert budget.outer_lr("topk:0.017:2:gather:decay=0.98") == budget.OUTER_LR_TOPK == 2.0
+    assert budget.outer_lr("int4") == budget.outer_lr(None) == 1.0
+    mesh = make_mesh(jax.devices()[:2])
+    requested = SyncSpec(compression="auto", sync_every="auto")
+    g = {k: jnp.ones(x.shape, x.dtype) for k, x in PARAMS.items()}
+
+    def lr_of(begun):
+        tx = begun.spec.outer_tx
+        return -float(tx.update(g, tx.init(g), g)[0]["head"][0, 0])
+
+    def start(recorded=None, byte_budget=0.001):
+        return autostart.start(requested, mesh, PARAMS, make_state=None, make_step=None, batches=None,
+                               recorded=recorded, byte_budget=byte_budget)
+
+    begun = start()
+    record = dict(begun.records)["local_steps"]
+    assert begun.pseudo_gradient.startswith("topk:") and lr_of(begun) == record["outer_lr"] == 2.0
+    assert "outer step: SGD at lr 2, no momentum" in record["why"] and "\n" not in record["why"]
+    meta = {"step": 16, "config": {"sync_every": 8, "compression": begun.pseudo_gradient}, "sync_every_auto": True}
+    assert lr_of(start({**meta, "byte_budget": {"outer_lr": 2.0}})) == 2.0
+    assert lr_of(start({**meta, "byte_budget": {"outer_lr": None}})) == 1.0  # (a resume of a run from before)
+    assert lr_of(start(meta)) == 1.0
+    dense = start(byte_budget=0.3)  # bf16 or int8 every few steps: plain averaging
+    assert not dense.pseudo_gradient.startswith("topk") and lr_of(dense) == 1.0, dense.pseudo_gradient
+
+
 @pytest.mark.slow  # two jaxdp.train subprocesses: about 20 s on 2 cores
-def test_the_command_line_budget_takes_plain_averaging_unless_an_outer_optimizer_is_given(tmp_path):
+def test_the_command_line_budget_takes_its_own_outer_step_unless_an_outer_optimizer_is_given(tmp_path):
     """With the outer flags at their defaults (DiLoCo's Nesterov, which top-k pseudo-gradients cannot
-    follow) --byte-budget makes the outer step plain averaging, says so in one line, and chooses top-k;
-    an outer optimizer given keeps it, and the budget then chooses without top-k."""
+    follow) --byte-budget takes its own outer step (with top-k: SGD at lr 2, no momentum), says so in
+    the choice's one line, and chooses top-k; an outer optimizer given keeps it, and the budget then
+    chooses without top-k."""
     def chosen(*flags: str) -> tuple[str, dict]:
         metrics = tmp_path / f"m{len(flags)}.jsonl"
         proc = run_cli("--devices", "2", "--steps", "2", "--sync-every", "auto", "--compression", "auto",
@@ -187,7 +223,8 @@ def test_the_command_line_budget_takes_plain_averaging_unless_an_outer_optimizer
         return proc.stderr, next(r for r in records if r.get("event") == "local_steps")
 
     said, record = chosen()
-    assert said.count("--byte-budget: the outer step is plain averaging") == 1, said
+    assert said.count("outer step: SGD at lr 2, no momentum") == 1 and record["outer_lr"] == 2.0, said
     assert record["pseudo_gradient"].startswith("topk:"), record
     said, record = chosen("--outer-optimizer", "nesterov", "--outer-lr", "0.5")
-    assert "plain averaging" not in said and not record["pseudo_gradient"].startswith("topk:"), (said, record)
+    assert "outer step:" not in said and "outer_lr" not in record, (said, record)
+    assert not record["pseudo_gradient"].startswith("topk:"), record

@@ -8,8 +8,8 @@ the bytes a device sends and the losses do not depend on the link, so no testbed
 Each cell is `python -m jaxdp.train` with the configuration's flags, `--steps S --seed K --devices
 D`, once synchronous (`--sync-every 1`, float32 through psum: a bandwidth-optimal all-reduce sends
 what the float32 ring does) and once per variant; by default the one variant is the user's path,
-`--sync-every auto --compression auto --byte-budget B` with SparseLoCo's outer step (outer SGD at lr
-1, no momentum). Every run evaluates once, at its end, on the same `--eval-batches` held-out batches.
+`--sync-every auto --compression auto --byte-budget B`, with the budget's own outer step
+(jaxdp/sync/budget.py, `outer_lr`). Every run evaluates once, at its end, on the same `--eval-batches` held-out batches.
 
 Bytes are the codec's own count of what a device sends per step (the last logged
 `comm_bytes_per_step`, or `comm_bytes` at every step): `fewer_bytes` is the synchronous run's over
@@ -36,7 +36,6 @@ from typing import Any
 from jaxdp.bench.localsgd import MODEL_FLAGS, default_corpus
 from jaxdp.bench.report import print_table, write_json
 
-OUTER = "--outer-optimizer sgd --outer-lr 1 --outer-momentum 0"
 # "tuned": the local-steps benchmark's GPT (jaxdp/bench/localsgd.py), on which auto's top-k was calibrated;
 # "other": a wider GPT at another learning rate and warm-up, not used to choose anything.
 CONFIGS = {
@@ -59,7 +58,7 @@ def register(subparsers: Any) -> None:
                                         "--configs")
     p.add_argument("--variants", type=lambda t: [v.strip() for v in t.split(";")],
                    help="';'-separated jaxdp.train flags of the runs compared with synchronous (default: "
-                        "--sync-every auto --compression auto --byte-budget BUDGET with outer SGD at lr 1)")
+                        "--sync-every auto --compression auto --byte-budget BUDGET)")
     p.add_argument("--devices", type=int, default=2, help="simulated devices of every run (the byte ratios are per "
                                                           "device at this count)")
     p.add_argument("--eval-batches", type=int, default=8)
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     unknown = [c for c in args.configs if c not in configs]
     if unknown:
         raise SystemExit(f"jaxdp.bench: budget: --configs {','.join(unknown)}: not one of {', '.join(CONFIGS)}")
-    variants = args.variants or [f"--sync-every auto --compression auto --byte-budget {args.budget} {OUTER}"]
+    variants = args.variants or [f"--sync-every auto --compression auto --byte-budget {args.budget}"]
     earlier = {}
     if args.synchronous_from:
         with open(args.synchronous_from) as f:

@@ -27,7 +27,8 @@ class SyncOptions:
     strategy: Any = "psum"              # psum, ring, host, hierarchical, or a Collective
     compression: Any = "none"           # none, bf16, int8, int4, powersgd:R, ... or "auto" (the controller)
     sync_every: int | str = 1           # local steps: H inner steps per average, or "auto"
-    outer_tx: Any = None                # the outer optimizer of local steps (default: jaxdp/step/local_sgd.py's)
+    outer_tx: Any = None                # the outer optimizer of local steps (default: jaxdp/step/local_sgd.py's,
+                                        # or under byte_budget jaxdp/sync/budget.py's outer_lr)
     sync_fragments: int = 1             # streaming local steps: fragments averaged in turn
     sync_seconds: Any = None            # rounds of wall-clock seconds (or a schedule (round, process) -> steps)
     overlap: bool = False               # the average runs while the next step (or round) computes

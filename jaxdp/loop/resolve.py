@@ -235,7 +235,7 @@ def resolve_sync(plan: Plan, loss_fn: Callable, params: Any, tx: Any, stateful: 
             if sync.byte_budget is not None:  # what the budget chose, beside the config's H and codec
                 chosen = dict(begun.records)["local_steps"]
                 checkpointer.extra_meta["byte_budget"] = {k: chosen.get(k) for k in (
-                    "byte_budget", "sync_every", "pseudo_gradient", "bytes_per_step", "fewer_bytes", "why")}
+                    "byte_budget", "sync_every", "pseudo_gradient", "bytes_per_step", "fewer_bytes", "outer_lr", "why")}
     # Bytes each device sends per step with plain averaging (a bandwidth-optimal all-reduce over every
     # device of the run: an elastic run's too, whose mesh is one worker's devices).
     plan.plain_comm = {"comm_bytes": bytes_sent(uncompressed_bytes(params), plan.devices), "compression_ratio": 1.0}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import optax
 from jax.sharding import Mesh
 
 from jaxdp.errors import InputError
@@ -111,7 +112,14 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
         sync_every = record["sync_every"]
     else:
         sync_every = requested.sync_every
-    resolved = requested.replace(sync_every=sync_every, outer_tx=requested.outer_tx if sync_every > 1 else None)
+    outer_tx = requested.outer_tx
+    if byte_budget is not None and outer_tx is None and requested.sync_every == AUTO and sync_every > 1:  # the budget's
+        # outer step, no outer optimizer given (a resumed run keeps the lr its checkpoint records; one
+        # from before records none: plain averaging)
+        lr = budget.outer_lr(pseudo) if recorded is None else (recorded.get("byte_budget") or {}).get("outer_lr") or 1.0
+        outer_tx, record["outer_lr"] = optax.sgd(lr), lr
+        record["why"] += f"; outer step: {budget.outer_words(lr)}"
+    resolved = requested.replace(sync_every=sync_every, outer_tx=outer_tx if sync_every > 1 else None)
     # Local steps chosen over compression send the pseudo-gradient through their own choice.
     pseudo_codec = None if pseudo is None else codec_of(pseudo)
     state_spec = resolved.replace(compression=pseudo_codec) if pseudo is not None else resolved

@@ -42,6 +42,14 @@ MIN_DENSITY = 0.015
 # The densities `densest` tries: 2 significant digits, from 0.99 down to 1e-5.
 _GRID = sorted({round(m * 10.0 ** -e, e) for e in range(2, 7) for m in range(10, 100)}, reverse=True)
 
+# The outer step where no outer optimizer is given: SGD without momentum, at OUTER_LR_TOPK with top-k
+# pseudo-gradients, else lr 1 (plain averaging). Top-k delivers only part of each average when it is
+# made: a value not picked waits in the error feedback, which fades by the decay at every exchange,
+# and a value one device picks reaches the mean at 1/N of its weight where the others did not pick it.
+# A larger outer lr gives the step its size back: lr 2 measured better than 1 on three GPTs, run lengths
+# and device counts, and not worse on any mean (docs/perf/calibration.md). Without top-k it hurts.
+OUTER_LR_TOPK = 2.0
+
 # The logged scalars (loss, gradient norm) a local step averages over the devices between syncs:
 # float32 each, counted against the budget.
 SCALARS = 2
@@ -59,6 +67,19 @@ def sent_per_step(codec: Compressor, params: Any, devices: int, sync_every: int,
     per_sync = bytes_sent(codec.payload_bytes(params, devices), devices)
     between = bytes_sent(4 * SCALARS, devices) if sync_every > 1 and scalars else 0.0
     return per_sync / sync_every + between * (sync_every - 1) / sync_every
+
+
+def outer_lr(pseudo_gradient: str | None) -> float:
+    """The outer SGD's lr under a budget with no outer optimizer given: OUTER_LR_TOPK where the
+    pseudo-gradient goes through top-k, else 1 (plain averaging)."""
+    return OUTER_LR_TOPK if pseudo_gradient is not None and pseudo_gradient.startswith("topk") else 1.0
+
+
+def outer_words(lr: float) -> str:
+    """The outer step of `outer_lr` in a console line's words."""
+    return (f"SGD at lr {lr:g}, no momentum (top-k delivers part of each average late, through its decaying error "
+            f"feedback; --outer-optimizer sgd --outer-lr sets another)" if lr != 1 else
+            "plain averaging (SGD at lr 1, no momentum; --outer-optimizer sets another)")
 
 
 def densest(params: Any, devices: int, sync_every: int, allowed: float, abilities: Collection[str] | None = None,
