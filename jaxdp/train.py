@@ -173,8 +173,10 @@ def train(config: Config) -> Any:
             print("jaxdp: --shard-optimizer: adamw decays every parameter (ZeRO-1's flat buffers cannot tell matrices "
                   "from biases)", file=sys.stderr)
         outer_tx = make_outer_optimizer(config.outer_optimizer, config.outer_lr, config.outer_momentum)
-        if config.byte_budget is not None and outer_defaults(config):  # the budget's own (jaxdp/sync/budget.py,
-            outer_tx = None                                                 # outer_lr): top-k cannot follow momentum
+        # --byte-budget with the outer flags at their defaults: the budget's own outer step
+        # (jaxdp/sync/budget.py, outer_lr), since top-k pseudo-gradients cannot follow momentum
+        if config.byte_budget is not None and outer_defaults(config):
+            outer_tx = None
     except BaseException:
         beat.stop()
         raise

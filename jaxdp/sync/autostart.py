@@ -117,7 +117,7 @@ def start(requested: SyncSpec, mesh: Mesh, params: Any, *, make_state: Callable[
         # outer step, no outer optimizer given (a resumed run keeps the lr its checkpoint records; one
         # from before records none: plain averaging)
         lr = budget.outer_lr(pseudo) if recorded is None else (recorded.get("byte_budget") or {}).get("outer_lr") or 1.0
-        outer_tx, record["outer_lr"] = optax.sgd(lr), lr
+        outer_tx, record["outer_lr"] = (optax.sgd(lr) if lr != 1 else None), lr  # (None: plain averaging, as ever)
         record["why"] += f"; outer step: {budget.outer_words(lr)}"
     resolved = requested.replace(sync_every=sync_every, outer_tx=outer_tx if sync_every > 1 else None)
     # Local steps chosen over compression send the pseudo-gradient through their own choice.
