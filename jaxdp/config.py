@@ -89,8 +89,9 @@ class Config:
     layers: int = _field(4, "model", "transformer blocks (gpt)")
     d_model: int = _field(256, "model", "model width (gpt)")
     heads: int = _field(4, "model", "attention heads (gpt); must divide --d-model")
-    precision: str = _field("fp32", "model", "compute dtype; parameters and optimizer state stay fp32", choices_fixed=("fp32", "bf16"))
+    precision: str = _field("fp32", "model", "compute dtype; parameters and optimizer state stay fp32 (fp8: bf16 with the gpt blocks' dense layers on fp8, on NVIDIA GPUs of compute capability 8.9+)", choices_fixed=("fp32", "bf16", "fp8"))
     attention: str = _field("auto", "model", "gpt attention: cuDNN flash attention on NVIDIA GPUs with bf16 (auto), or force xla / cudnn", choices_fixed=("auto", "xla", "cudnn"))
+    kernels: str = _field("auto", "model", "gpt LayerNorms and loss in bf16: XLA's fusions (auto, xla) or Pallas kernels (pallas)", choices_fixed=("auto", "xla", "pallas"))
     head_bias: bool = _field(False, "model", "give the gpt's output layer a bias, as jaxdp's GPT had before this flag existed (its checkpoints resume with it by themselves); GPT-2 has none, so python -m jaxdp.export refuses a trained one")
     init_from: str | None = _field(None, "model", "a Hugging Face GPT-2 directory (config.json + model.safetensors) whose architecture and weights --model gpt starts from (its sizes replace --layers, --d-model and --heads)", metavar="DIR")
 
@@ -188,6 +189,9 @@ class Config:
         for name in ("warmup_steps", "eval_every", "eval_batches", "prefetch", "schedule_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
+        if self.precision == "fp8" and self.model != "gpt":
+            raise ConfigError(f"--precision fp8 puts the gpt's dense layers on fp8; --model={self.model} has no such "
+                              f"layers: use --precision bf16")
         if self.d_model % self.heads:
             raise ConfigError(f"--heads={self.heads} must divide --d-model={self.d_model}")
         if self.vocab_size is not None and self.vocab_size <= 1:

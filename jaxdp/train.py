@@ -105,7 +105,7 @@ def train(config: Config) -> Any:
     from jaxdp.loop.options import CheckpointOptions, EvalOptions, LogOptions, RunOptions, SyncOptions
     from jaxdp.loop.trainer import fit
     from jaxdp.mesh import axis_name
-    from jaxdp.models import usermodel
+    from jaxdp.models import fp8, usermodel
     from jaxdp.step.optim import make_optimizer, make_outer_optimizer, make_schedule
 
     # ---- distribution and mesh ---------------------------------------------------------------
@@ -120,6 +120,8 @@ def train(config: Config) -> Any:
             if member:  # one device here is one of several in the run
                 warnings.filterwarnings("ignore", message="jaxdp.make_mesh: JAX sees one CPU device")
             mesh, strategy = _mesh_and_strategy(config, distributed.mesh_devices(config.devices))
+    if config.precision == "fp8" and (why := fp8.unsupported(mesh.devices.flat[0])):
+        raise ConfigError(why)
     n_processes, process = jax.process_count(), jax.process_index()
     devices = mesh.size * (member.size if member else 1)
     if config.batch_size % devices:

@@ -15,7 +15,7 @@ def test_choices_are_the_registries_names():
     assert choices == {"strategy": tuple(registry.STRATEGIES),
                        "optimizer": tuple(registry.OPTIMIZERS), "schedule": tuple(registry.SCHEDULES),
                        "outer_optimizer": tuple(registry.OUTER_OPTIMIZERS),
-                       "precision": ("fp32", "bf16"), "attention": ("auto", "xla", "cudnn"),
+                       "precision": ("fp32", "bf16", "fp8"), "attention": ("auto", "xla", "cudnn"), "kernels": ("auto", "xla", "pallas"),
                        "hierarchy": ("auto", "flat"), "weight_decay_on": ("matrices", "all"), "muon_on": ("hidden", "all")}
     assert tuple(jaxdp.STRATEGIES) == ("psum", "ring", "host")
     model_help = next(a.help for a in parser._actions if a.dest == "model")  # --model also takes MODULE:ATTR

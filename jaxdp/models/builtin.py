@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxdp.models import blocks
+from jaxdp.models import blocks, fp8, kernels
 
 
 class MLP(nn.Module):
@@ -103,6 +103,8 @@ class GPT(nn.Module):
     logits_dtype: Any = jnp.float32  # the returned logits' dtype; None: the compute dtype, for a loss that
     # upcasts as it reads (jaxdp.models.tasks.token_cross_entropy: no float32 copy of the logits)
     gelu_approximate: bool = True  # the tanh GELU (GPT-2's "gelu_new"); False: the exact erf one
+    kernels: str = "auto"  # the LayerNorms' and the loss's path: "auto", "xla" or "pallas" (jaxdp/models/kernels.py)
+    fp8: bool = False  # the blocks' dense layers on fp8 operands (jaxdp/models/fp8.py; --precision fp8)
     init_std: float | None = 0.02  # GPT-2's initialisation: weights and embeddings normal(init_std), the residual
     # projections (proj_i, fc_out_i) normal(init_std / sqrt(2 x layers)), biases 0; None: flax's defaults
     # (lecun normal), as jaxdp's GPT had before (an initialisation only: checkpoints do not depend on it)
@@ -121,9 +123,14 @@ class GPT(nn.Module):
         length = tokens.shape[1]
         start = 0 if cache is None else cache.length
         weights, _, embedding = _initializers(self)
-        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed", **embedding)
+        # Rows are looked up in the float32 tables and then cast (the same values as a lookup in a bf16
+        # copy), so the tables' gradient is a float32 scatter-add: in bf16, a GPU adds colliding rows
+        # (every token of a frequent one) through compare-and-swap loops, many times slower.
+        embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, name="embed", promote_dtype=_rows_float32,
+                         **embedding)
         positions = jnp.arange(length) + start
-        x = embed(tokens) + nn.Embed(self.context, self.d_model, dtype=self.dtype, name="pos", **embedding)(positions)
+        pos = nn.Embed(self.context, self.d_model, dtype=self.dtype, name="pos", promote_dtype=_rows_float32, **embedding)
+        x = embed(tokens).astype(self.dtype) + pos(positions).astype(self.dtype)
         head_dim = self.d_model // self.heads
         # The cached path attends over the whole cache with a mask, which only XLA's attention takes.
         implementation = attention_implementation(self.attention, self.dtype, head_dim) if cache is None else "xla"
@@ -146,7 +153,7 @@ class GPT(nn.Module):
                     return jax.nn.dot_product_attention(q, k, v, mask=visible[None, None], implementation=implementation)
 
                 x = _block(self, x, f"_{i}", attend)
-        x = nn.LayerNorm(epsilon=self.ln_epsilon, dtype=self.dtype, name="ln_final")(x)
+        x = _norm(self, "ln_final")(x)
         if self.tie_embeddings:
             logits = embed.attend(x)
         else:
@@ -175,6 +182,14 @@ class GPT(nn.Module):
         return 6 * n + 12 * self.layers * self.d_model * self.seq_len
 
 
+def _rows_float32(*arrays: Any, dtype: Any = None, inexact: bool = True) -> list:
+    """`nn.Embed(promote_dtype=...)`: a lookup (one array, the table) keeps the table's float32; a tied
+    head's `attend` (the query and the table) promotes both to the compute dtype, as flax does."""
+    if len(arrays) == 1:
+        return list(arrays)
+    return nn.dtypes.promote_dtype(*arrays, dtype=dtype, inexact=inexact)
+
+
 def _initializers(m: Any) -> tuple[dict, dict, dict]:
     """Keyword arguments for the Dense layers, the residual projections and the embeddings of the GPT `m`."""
     if m.init_std is None:
@@ -188,7 +203,14 @@ def _initializers(m: Any) -> tuple[dict, dict, dict]:
 # One block's parameters, by their names in the GPT's tree (`qkv_3` is block 3's `qkv`), and the
 # GPT fields a block reads.
 BLOCK_PARTS = ("ln_attn", "qkv", "proj", "ln_mlp", "fc", "fc_out")
-BLOCK_FIELDS = ("d_model", "heads", "layers", "dtype", "ln_epsilon", "gelu_approximate", "init_std")
+BLOCK_FIELDS = ("d_model", "heads", "layers", "dtype", "ln_epsilon", "gelu_approximate", "init_std", "kernels", "fp8")
+
+
+def _norm(m: Any, name: str) -> nn.Module:
+    """The GPT `m`'s LayerNorm called `name`: flax's, or the Pallas kernel's (the same parameters)."""
+    if kernels.implementation(m.kernels, m.dtype) == "pallas":
+        return kernels.LayerNorm(epsilon=m.ln_epsilon, dtype=m.dtype, name=name)
+    return nn.LayerNorm(epsilon=m.ln_epsilon, dtype=m.dtype, name=name)
 
 
 def _block(m: Any, x: jnp.ndarray, suffix: str, attend: Callable) -> jnp.ndarray:
@@ -196,14 +218,16 @@ def _block(m: Any, x: jnp.ndarray, suffix: str, attend: Callable) -> jnp.ndarray
     or a GPTBlock's); `attend(q, k, v)` is the attention (with or without a cache)."""
     weights, residual, _ = _initializers(m)
     head_dim = m.d_model // m.heads
-    h = nn.LayerNorm(epsilon=m.ln_epsilon, dtype=m.dtype, name=f"ln_attn{suffix}")(x)
-    qkv = nn.DenseGeneral((3, m.heads, head_dim), dtype=m.dtype, name=f"qkv{suffix}", **weights)(h)
+    product = {"dot_general": fp8.dot_general} if m.fp8 else {}
+    dense = product or {"dot_general": dense_dot_general}
+    h = _norm(m, f"ln_attn{suffix}")(x)
+    qkv = nn.DenseGeneral((3, m.heads, head_dim), dtype=m.dtype, name=f"qkv{suffix}", **product, **weights)(h)
     attn = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
-    x = x + nn.DenseGeneral(m.d_model, axis=(-2, -1), dtype=m.dtype, name=f"proj{suffix}", **residual)(attn)
-    h = nn.LayerNorm(epsilon=m.ln_epsilon, dtype=m.dtype, name=f"ln_mlp{suffix}")(x)
-    h = nn.Dense(4 * m.d_model, dtype=m.dtype, name=f"fc{suffix}", dot_general=dense_dot_general, **weights)(h)
+    x = x + nn.DenseGeneral(m.d_model, axis=(-2, -1), dtype=m.dtype, name=f"proj{suffix}", **product, **residual)(attn)
+    h = _norm(m, f"ln_mlp{suffix}")(x)
+    h = nn.Dense(4 * m.d_model, dtype=m.dtype, name=f"fc{suffix}", **dense, **weights)(h)
     h = nn.gelu(h, approximate=m.gelu_approximate)
-    return x + nn.Dense(m.d_model, dtype=m.dtype, name=f"fc_out{suffix}", dot_general=dense_dot_general, **residual)(h)
+    return x + nn.Dense(m.d_model, dtype=m.dtype, name=f"fc_out{suffix}", **dense, **residual)(h)
 
 
 class GPTBlock(nn.Module):
@@ -218,6 +242,8 @@ class GPTBlock(nn.Module):
     ln_epsilon: float
     gelu_approximate: bool
     init_std: float | None
+    kernels: str
+    fp8: bool
     implementation: str
 
     @nn.compact
@@ -329,13 +355,15 @@ def build_gpt(config: Any, num_outputs: int, axis_name: str | None = None) -> nn
     # command-line Config has only head_bias (--head-bias) and gets jaxdp's own GPT otherwise.
     options = {name: getattr(config, name) for name in GPT_OPTIONS if hasattr(config, name)}
     return GPT(vocab_size=num_outputs, seq_len=config.seq_len, layers=config.layers, d_model=config.d_model,
-               heads=config.heads, dtype=compute_dtype(config.precision), attention=config.attention, **options)
+               heads=config.heads, dtype=compute_dtype(config.precision), attention=config.attention,
+               kernels=getattr(config, "kernels", "auto"), fp8=config.precision == "fp8", **options)
 
 
 
 def compute_dtype(precision: str) -> Any:
-    """--precision to a dtype: "fp32" or "bf16" (parameters stay float32 either way)."""
-    return {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+    """--precision to a dtype: "fp32", or "bf16" and "fp8" (fp8's products inside bf16; parameters stay
+    float32 either way)."""
+    return {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp8": jnp.bfloat16}[precision]
 
 
 def build_model(name: str, config: Any, num_outputs: int, axis_name: str | None = None) -> nn.Module:

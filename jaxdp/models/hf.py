@@ -225,7 +225,7 @@ def gpt_module(directory: str, config: Any) -> GPT:
         raise ConfigError(f"--seq-len={config.seq_len} is longer than --init-from={directory!r} can see "
                           f"(n_positions={kwargs['max_positions']}); use --seq-len {kwargs['max_positions']} or less")
     return GPT(**{**kwargs, "seq_len": config.seq_len}, dtype=compute_dtype(config.precision),
-               attention=config.attention)
+               attention=config.attention, kernels=getattr(config, "kernels", "auto"), fp8=config.precision == "fp8")
 
 
 def init_from(directory: str, config: Any) -> tuple[GPT, dict[str, Any]]:

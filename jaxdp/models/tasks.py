@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdp.models import kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -114,6 +116,12 @@ def language_model(model: nn.Module, takes_train: bool = False, compute_dtype_lo
         compute_dtype_logits = jax.default_backend() == "gpu"
     if compute_dtype_logits and hasattr(model, "logits_dtype"):
         model = model.clone(logits_dtype=None)
+    pallas = kernels.implementation(getattr(model, "kernels", "xla"), getattr(model, "dtype", jnp.float32)) == "pallas"
+
+    def cross_entropy(logits, labels):  # the GPT's --kernels: its 16-bit logits through the Pallas kernel
+        if pallas and logits.dtype != jnp.float32:
+            return kernels.cross_entropy(logits, labels)
+        return token_cross_entropy(logits, labels)
 
     def loss_fn(params, model_state, batch, rng):
         if takes_train:
@@ -121,12 +129,12 @@ def language_model(model: nn.Module, takes_train: bool = False, compute_dtype_lo
                                               rngs={"dropout": rng}, mutable=list(model_state))
         else:  # no `train` parameter: a module that drops out always still gets its per-step key
             logits = model.apply({"params": params, **model_state}, batch["x"], rngs={"dropout": rng})
-        loss = token_cross_entropy(logits, batch["y"]).mean()
+        loss = cross_entropy(logits, batch["y"]).mean()
         return loss, {}, model_state
 
     def eval_fn(params, model_state, batch):
         logits = model.apply({"params": params, **model_state}, batch["x"], **({"train": False} if takes_train else {}))
-        losses = token_cross_entropy(logits, batch["y"])  # (rows, tokens)
+        losses = cross_entropy(logits, batch["y"])  # (rows, tokens)
         mask = batch["mask"][:, None]
         return {"loss": jnp.sum(losses * mask), "count": jnp.sum(mask) * losses.shape[1]}
 
