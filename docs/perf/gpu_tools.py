@@ -3,6 +3,8 @@
     python docs/perf/gpu_tools.py trace OUTDIR --skip K -- <jaxdp.train flags>   # the CLI, profiled from step K
     python docs/perf/gpu_tools.py summarize OUTDIR --steps N             # where a step's time goes
     python docs/perf/gpu_tools.py ce                                   # the head and the loss alone
+    python docs/perf/gpu_tools.py kernels --json FILE                  # Pallas and fp8 against XLA, alone
+    python docs/perf/gpu_tools.py embed --json FILE                    # the token lookup's gradient, alone
     python docs/perf/gpu_tools.py sample CHECKPOINT_DIR HF_DIR --new-tokens N --json FILE
     python docs/perf/gpu_tools.py variants "default;xla_gpu_enable_triton_gemm=false" --batch 16
     python docs/perf/gpu_tools.py codecs "bf16;int8;int4;powersgd:4;topk:0.01"
@@ -484,6 +486,119 @@ def muon(precisions: list[str], repeats: int) -> dict:
     return out
 
 
+def kernels(tokens: int, width: int, vocab: int, repeats: int, json_path: str | None = None) -> dict:
+    """jaxdp/models/kernels.py and fp8.py on the card, forward and backward, each against its XLA
+    path at GPT-2 small's shapes: LayerNorm over (tokens, width), the loss over (tokens, vocab) bf16
+    logits, and the blocks' four products on fp8 against bf16. Median ms of `repeats` calls, the
+    largest relative difference of the results, and whether the compiled fp8 product holds an fp8
+    matrix product (cuBLASLt's f8 custom call). A case that fails to compile is reported, not fatal."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdp.models import fp8
+    from jaxdp.models import kernels as K
+    from jaxdp.models.tasks import token_cross_entropy
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 8)
+    x = (jax.random.normal(keys[0], (16, tokens // 16, width)) * 2 + 0.5).astype(jnp.bfloat16)
+    scale = 1 + 0.1 * jax.random.normal(keys[1], (width,))
+    bias = 0.1 * jax.random.normal(keys[2], (width,))
+    logits = (jax.random.normal(keys[3], (tokens, vocab)) * 3).astype(jnp.bfloat16)
+    labels = jax.random.randint(keys[4], (tokens,), 0, vocab)
+    out = {"device": jax.devices()[0].device_kind, "tokens": tokens, "width": width, "vocab": vocab, "cases": {}}
+
+    def timed(name, f, *args, reference=None):  # every array an argument: a captured one is a constant XLA folds
+        row = {}
+        try:
+            step = jax.jit(f)
+            result = jax.block_until_ready(step(*args))
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                jax.block_until_ready(step(*args))
+                times.append(time.perf_counter() - t)
+            row["ms"] = 1e3 * statistics.median(times)
+            if reference is not None:
+                row["max_rel_diff"] = max(float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
+                                                / (jnp.linalg.norm(b.astype(jnp.float32)) + 1e-30))
+                                          for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(reference)))
+        except Exception as err:  # noqa: BLE001 - a kernel that does not lower is a figure too
+            row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
+            result = None
+        out["cases"][name] = row
+        print(f"{name:28s} {row}", flush=True)
+        if json_path:  # what was measured survives a stage's time limit
+            with open(json_path, "w") as f:
+                json.dump(out, f, indent=1)
+        return result
+
+    ln_cot = jax.random.normal(keys[5], x.shape).astype(jnp.bfloat16)
+    ref = None
+    for path in ("xla", "pallas"):
+        def ln(x, s, b, cot, path=path):
+            y, pull = jax.vjp(lambda x, s, b: K.layer_norm(x, s, b, 1e-5, path), x, s, b)
+            return y, pull(cot)
+        ref = timed(f"layer_norm {path}", ln, x, scale, bias, ln_cot, reference=None if path == "xla" else ref)
+    ce_cot = jax.random.uniform(keys[6], (tokens,))
+    for path in ("xla", "pallas"):
+        def ce(z, labels, cot, path=path):
+            f = token_cross_entropy if path == "xla" else K.cross_entropy
+            y, pull = jax.vjp(lambda z: f(z, labels), z)
+            return y, pull(cot)
+        ref = timed(f"cross_entropy {path}", ce, logits, labels, ce_cot, reference=None if path == "xla" else ref)
+    for name, (k, n) in {"qkv": (width, 3 * width), "proj": (width, width), "fc": (width, 4 * width),
+                         "fc_out": (4 * width, width)}.items():
+        a = jax.random.normal(keys[7], (tokens, k)).astype(jnp.bfloat16)
+        w = (0.02 * jax.random.normal(keys[1], (k, n))).astype(jnp.bfloat16)
+        g = jax.random.normal(keys[2], (tokens, n)).astype(jnp.bfloat16)
+        for kind in ("bf16", "fp8"):
+            product = (lambda a, w: a @ w) if kind == "bf16" else fp8.matmul
+            def run(a, w, g, product=product):
+                y, pull = jax.vjp(product, a, w)
+                return y, pull(g)
+            ref = timed(f"{name} {kind}", run, a, w, g, reference=None if kind == "bf16" else ref)
+        try:
+            text = jax.jit(fp8.matmul).lower(a, w).compile().as_text()
+            out["cases"][f"{name} fp8"]["f8_gemm"] = "f8" in text and "cublas" in text
+        except Exception as err:  # noqa: BLE001
+            out["cases"][f"{name} fp8"]["f8_gemm"] = f"{type(err).__name__}"
+    return out
+
+
+def embed(tokens: int, width: int, vocab: int, repeats: int) -> dict:
+    """The GPT's token lookup and its gradient alone, on text (the Python standard library's bytes:
+    a few hundred distinct ids, so many tokens add into the same rows) and on uniform ids: the rows
+    looked up in a bf16 copy of the table (flax's nn.Embed(dtype=bf16): a bf16 scatter-add) against
+    the float32 table's rows cast (jaxdp's GPT: a float32 scatter-add). Median ms of `repeats` calls."""
+    import glob
+    import sysconfig
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    text = b"".join(open(f, "rb").read() for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))[:50])
+    ids = {"text": jnp.asarray(np.frombuffer(text, np.uint8)[:tokens].astype(np.int32)),
+           "uniform": jax.random.randint(jax.random.PRNGKey(0), (tokens,), 0, vocab)}
+    table = jax.random.normal(jax.random.PRNGKey(1), (vocab, width)) * 0.02
+    cot = jax.random.normal(jax.random.PRNGKey(2), (tokens, width)).astype(jnp.bfloat16)
+    out = {"device": jax.devices()[0].device_kind, "tokens": tokens, "width": width, "vocab": vocab, "cases": {}}
+    forms = {"bf16 table": lambda t, i: jnp.take(t.astype(jnp.bfloat16), i, axis=0),
+             "float32 table": lambda t, i: jnp.take(t, i, axis=0).astype(jnp.bfloat16)}
+    for data, i in ids.items():
+        for form, f in forms.items():
+            grad = jax.jit(lambda t, i=i, f=f: jax.vjp(lambda t: f(t, i), t)[1](cot)[0])
+            jax.block_until_ready(grad(table))
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                jax.block_until_ready(grad(table))
+                times.append(time.perf_counter() - t)
+            out["cases"][f"{data}, {form}"] = 1e3 * statistics.median(times)
+            print(f"{data:8s} {form:14s} {out['cases'][f'{data}, {form}']:8.3f} ms", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="docs/perf/gpu_tools.py")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -499,6 +614,18 @@ def main() -> None:
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--repeats", type=int, default=20)
+    p = sub.add_parser("embed")
+    p.add_argument("--tokens", type=int, default=16 * 1024)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json")
+    p = sub.add_parser("kernels")
+    p.add_argument("--tokens", type=int, default=16 * 1024)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json")
     p = sub.add_parser("sample")
     p.add_argument("checkpoint_dir")
     p.add_argument("hf_dir")
@@ -558,6 +685,12 @@ def main() -> None:
                 json.dump(s, f, indent=1)
     elif args.command == "muon":
         s = muon([v.strip() for v in args.precisions.split(";") if v.strip()], args.repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(s, f, indent=1)
+    elif args.command in ("kernels", "embed"):
+        s = kernels(args.tokens, args.width, args.vocab, args.repeats, args.json) if args.command == "kernels" \
+            else embed(args.tokens, args.width, args.vocab, args.repeats)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(s, f, indent=1)
