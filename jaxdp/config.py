@@ -189,9 +189,6 @@ class Config:
         for name in ("warmup_steps", "eval_every", "eval_batches", "prefetch", "schedule_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
-        if self.precision == "fp8" and self.model != "gpt":
-            raise ConfigError(f"--precision fp8 puts the gpt's dense layers on fp8; --model={self.model} has no such "
-                              f"layers: use --precision bf16")
         if self.d_model % self.heads:
             raise ConfigError(f"--heads={self.heads} must divide --d-model={self.d_model}")
         if self.vocab_size is not None and self.vocab_size <= 1:

@@ -120,7 +120,7 @@ def train(config: Config) -> Any:
             if member:  # one device here is one of several in the run
                 warnings.filterwarnings("ignore", message="jaxdp.make_mesh: JAX sees one CPU device")
             mesh, strategy = _mesh_and_strategy(config, distributed.mesh_devices(config.devices))
-    if config.precision == "fp8" and (why := fp8.unsupported(mesh.devices.flat[0])):
+    if config.precision == "fp8" and (why := fp8.unsupported(mesh.devices.flat[0], config.model)):
         raise ConfigError(why)
     n_processes, process = jax.process_count(), jax.process_index()
     devices = mesh.size * (member.size if member else 1)

@@ -32,9 +32,12 @@ FORWARD = jnp.float8_e4m3fn
 BACKWARD = jnp.float8_e5m2
 
 
-def unsupported(device: Any) -> str | None:
-    """Why `--precision fp8` cannot run on `device` (one line), or None where it can: an NVIDIA
-    GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell)."""
+def unsupported(device: Any, model: str = "gpt") -> str | None:
+    """Why `--precision fp8` cannot run `--model model` on `device` (one line), or None where it can:
+    the built-in GPT on an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell)."""
+    if model != "gpt":
+        return (f"--precision fp8 puts the gpt's dense layers on fp8; --model={model} has no such layers: "
+                f"use --precision bf16")
     if device.platform == "gpu" and "nvidia" in device.device_kind.lower():
         capability = float(getattr(device, "compute_capability", "0"))
         if capability >= 8.9:
