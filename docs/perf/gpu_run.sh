@@ -31,7 +31,12 @@ else
   SHAPE=(--vocab-size 50304 --seq-len 1024 --layers 12 --d-model 768 --heads 12); B16=16; B32=32; VOCAB=50304; STEPS=100
   TRACED=30; BENCH_SHAPE=(); NEW=256
 fi
-python -c "import numpy as np; np.random.default_rng(0).integers(0, $VOCAB, 8_000_000, dtype=np.uint16).tofile('$W/tokens.bin')"
+# Text, not uniform ids: the Python standard library's bytes as token ids. Uniform ids hid a step 1.7x
+# slower on text (a bf16 scatter-add where tokens share rows; docs/performance.md, "The token lookup").
+python -c "
+import glob, sysconfig, numpy as np
+b = b''.join(open(f, 'rb').read() for f in sorted(glob.glob(sysconfig.get_paths()['stdlib'] + '/*.py')))
+np.frombuffer(b, np.uint8).astype(np.uint16).tofile('$W/tokens.bin')"
 GPT=(--model gpt --dataset "$W/tokens.bin" "${SHAPE[@]}" --precision bf16 --optimizer adamw --lr 3e-4
      --log-every 20 --no-progress --eval-batches 1 --devices 1)
 cli() {  # cli NAME LIMIT_S FLAGS...: one CLI run, its metrics in $W/NAME.jsonl
