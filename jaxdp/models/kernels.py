@@ -28,7 +28,7 @@ import jax.numpy as jnp
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 
-def implementation(requested: str, dtype: Any, device: Any = None) -> str:
+def implementation(requested: str, dtype: Any) -> str:
     """Which path the GPT's LayerNorms and loss take: "xla" or "pallas". "auto" takes XLA's; a
     float32 run takes XLA's either way (the kernels are written for 16-bit activations)."""
     if requested not in IMPLEMENTATIONS:
