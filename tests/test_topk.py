@@ -53,11 +53,11 @@ def test_every_device_leads_in_turn_also_when_syncing_every_h_steps():
     assert int(lead(jnp.int32(2 ** 31 - 1), 8)) == leader(2 ** 31 - 1, 8)
 
 
-def reference(grads, density, steps):
+def reference(grads, density, steps, chunk=CHUNK):
     """numpy: x_d = (g_d + e_d) / N in chunks of CHUNK; the leader (step mod N) picks each chunk's k
     largest |x|; the mean is the sum of every device's x there, scattered; e_d = N * (x_d off the set)."""
     n, size = grads.shape[0], grads[0].size
-    chunk = min(CHUNK, size)
+    chunk = min(chunk, size)
     chunks, k = -(-size // chunk), max(1, round(density * chunk))
     errors = np.zeros((n, chunks * chunk), np.float32)
     w = np.zeros(chunks * chunk, np.float32)
@@ -118,8 +118,9 @@ def test_error_feedback_conserves_the_gradient(devices, spec):
 def test_specs_parse_round_trip_and_bad_ones_are_one_line():
     assert codecs.parse("topk:0.01") == TopK(0.01) and codecs.parse("topk:.01:8") == TopK(0.01, 8)
     assert codecs.parse("topk:0.01:2:gather:decay=0.9") == TopK(0.01, 2, form="gather", decay=0.9)
+    assert codecs.parse("topk:0.01:2:gather:chunk=16384") == TopK(0.01, 2, form="gather", chunk=16384)
     for c in (TopK(0.01), TopK(0.5, 4), TopK(1.0, 2), TopK(0.01, 32), TopK(0.01, 2, "gather"), TopK(0.01, 8, "sum"),
-              TopK(0.02, 32, "gather", 0.95), TopK(0.01, 4, decay=0.5)):
+              TopK(0.02, 32, "gather", 0.95), TopK(0.01, 4, decay=0.5), TopK(0.01, 2, "gather", 0.98, 65536)):
         assert codecs.parse(c.name) == c
     assert codecs.needs("topk:0.01") == "sum" and codecs.needs("topk:0.01:8") == "coded_sum"
     assert codecs.needs("topk:0.01:2:gather") == codecs.needs("topk:0.01:gather") == "halves"
@@ -137,7 +138,9 @@ def test_specs_parse_round_trip_and_bad_ones_are_one_line():
     ("topk:2", "DENSITY '2' is not a decimal in (0, 1]"),
     ("topk:0.01:3", "BITS '3' is not 32, 8, 4 or 2"),
     ("topk:0.01:gather:decay=2", "decay=2: B is not in (0, 1]"),
-    ("topk:0.01:foo", "'foo' is not BITS (32, 8, 4, 2), sum, gather or decay=B"),
+    ("topk:0.01:foo", "'foo' is not BITS (32, 8, 4, 2), sum, gather, decay=B or chunk=C"),
+    ("topk:0.01:chunk=1000", "chunk=1000: C is not a power of 2 up to 65536"),
+    ("topk:0.01:chunk=8192:2", "'2' after 'chunk=8192': BITS comes before chunk=C"),
     ("topk:0.1:gather:sum", "'sum' after 'gather': name sum or gather once"),
     ("topk:0.1:gather:8", "'8' after 'gather': BITS comes before sum or gather"),
     ("topk", "DENSITY is missing"),
@@ -147,13 +150,14 @@ def test_a_bad_topk_spec_names_its_wrong_part_in_one_short_line(bad, says):
         rules.check_config(parse_args(["--compression", bad]))
     line = str(err.value)
     assert line.startswith(f"--compression={bad!r}: {says}") and "\n" not in line, line
-    assert line.endswith(" (topk:DENSITY[:BITS][:sum|:gather][:decay=B], or auto)") and len(line) <= 160, line
+    assert line.endswith(" (topk:DENSITY[:BITS][:sum|:gather][:decay=B][:chunk=C], or auto)") and len(line) <= 160, line
     with pytest.raises(ValueError, match=f"compression {bad!r}: {re.escape(says)}"):  # the library's parse too
         codecs.parse(bad)
 
 
 def test_the_part_by_part_check_takes_exactly_the_specs_the_table_takes():
-    parts = ["32", "8", "4", "2", "3", "sum", "gather", "auto", "decay=0.9", "decay=1", "decay=0", "foo", ""]
+    parts = ["32", "8", "4", "2", "3", "sum", "gather", "auto", "decay=0.9", "decay=1", "decay=0", "chunk=8192",
+             "chunk=3", "chunk=131072", "foo", ""]
     specs = [f"topk:{d}" for d in ("0.01", ".5", "1", "1.0", "0", "2", "x", "")]
     specs += [f"topk:0.1:{a}" for a in parts] + [f"topk:0.1:{a}:{b}" for a in parts for b in parts]
     specs += [f"topk:0.1:{a}:{b}:{c}" for a in parts[:7] for b in parts[5:9] for c in parts[7:10]]
@@ -229,12 +233,12 @@ def test_payload_counts_indices_values_and_scales():
     assert TopK(0.05, 2, "gather").payload_bytes(params, 2) == 615 + 4 + 103  # an all-reduce sending as much
 
 
-def gather_reference(grads, density, steps, decay=1.0):
+def gather_reference(grads, density, steps, decay=1.0, chunk=CHUNK):
     """numpy, SparseLoCo's form: x_d = (g_d + decay e_d) / N in chunks of CHUNK; each device its own
     k largest |x_d| per chunk; the mean adds every device's values at its own positions, device by
     device; e_d = N * (x_d off its own set)."""
     n, size = grads.shape[0], grads[0].size
-    chunk = min(CHUNK, size)
+    chunk = min(chunk, size)
     chunks, k = -(-size // chunk), max(1, round(density * chunk))
     errors = np.zeros((n, chunks * chunk), np.float32)
     w = np.zeros(chunks * chunk, np.float32)
@@ -265,6 +269,23 @@ def test_the_all_gathered_form_is_each_devices_own_topk_added_exactly(devices, s
     assert float(history[-1]["comm_bytes"]) == (N - 1) * (615 + 410 * 4)  # its own k to each of the others
     for shard in state.params["w"].addressable_shards:  # every device added the same sets in the same order
         np.testing.assert_array_equal(np.asarray(shard.data), w)
+
+
+@pytest.mark.parametrize("form,strategy", [("sum", "psum"), ("sum", "ring"), ("gather", "psum")])
+def test_a_chunk_above_4096_sends_16_bit_indices_and_is_its_reference_exactly(devices, form, strategy):
+    """:chunk=8192 on 6,400 values: one chunk, indices up to 6,399 (above 12 bits): one index per
+    float32 in the ring-summed form's all-reduce, two bytes each in an all-gathered message."""
+    mesh = jaxdp.make_mesh(devices)
+    spec = "topk:0.05:gather:chunk=8192" if form == "gather" else "topk:0.05:chunk=8192"
+    grads, state, history = linear_problem(mesh, spec, strategy, steps=3)
+    w, errors = (gather_reference(grads, 0.05, 3, chunk=8192) if form == "gather"
+                 else reference(grads, 0.05, 3, chunk=8192)[:2])
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), w)
+    np.testing.assert_array_equal(np.asarray(state.sync.per_device["compression"]["w"]), errors)
+    k = round(0.05 * 6400)  # 320 of the one chunk
+    sent = (N - 1) * (2 * k + 4 * k) if form == "gather" else (4 * k + 4 * k) * 2 * (N - 1) / N
+    assert float(history[-1]["comm_bytes"]) == pytest.approx(sent)
+    assert TopK(0.05, 2, "gather", chunk=8192).shape(6400) == (1, 6400, 320)
 
 
 def test_gradients_and_local_steps_take_the_form_that_sends_fewer_bytes():

@@ -74,7 +74,9 @@ _PSGD_OPTIONS = r"(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*"
 _FRACTION = r"0?\.\d*[1-9]\d*|1(\.0*)?"  # a number in (0, 1]
 _TOPK = rf"topk:({_FRACTION})"  # DENSITY in (0, 1]
 _DECAY = rf"(:decay=({_FRACTION}))?"  # B in (0, 1]
-TOPK_USAGE = "topk:DENSITY[:BITS][:sum|:gather][:decay=B]"
+_CHUNKS = "|".join(str(2 ** i) for i in range(16, 0, -1))  # C: a power of 2 up to topk.MAX_CHUNK
+_DECAY += rf"(:chunk=({_CHUNKS}))?"
+TOPK_USAGE = "topk:DENSITY[:BITS][:sum|:gather][:decay=B][:chunk=C]"
 _QUANT_BYTES = 4 / 512  # one float32 scale per block of QUANT_BLOCK (codecs/quantized.py) values
 
 TABLE: tuple[Row, ...] = (
@@ -90,9 +92,9 @@ TABLE: tuple[Row, ...] = (
     Row("topk", _TOPK + "(:32)?(:sum)?" + _DECAY, TOPK_USAGE,
         "jaxdp.sync.codecs.topk:TopK", ladder=3, fewer_bytes=True, guarded=True, keeps_state=True,
         example="topk:0.1"),
-    Row("topk", _TOPK + ":[842](:sum)?" + _DECAY, "topk:DENSITY:BITS[:sum][:decay=B] (BITS 8, 4, 2: the ring)",
+    Row("topk", _TOPK + ":[842](:sum)?" + _DECAY, "topk:DENSITY:BITS[:sum][:decay=B][:chunk=C] (BITS 8, 4, 2: the ring)",
         "jaxdp.sync.codecs.topk:TopK", needs="coded_sum", guarded=True, keeps_state=True, example="topk:0.1:8"),
-    Row("topk", _TOPK + "(:(32|8|4|2))?:gather" + _DECAY, "topk:DENSITY[:BITS]:gather[:decay=B] (psum or the ring)",
+    Row("topk", _TOPK + "(:(32|8|4|2))?:gather" + _DECAY, "topk:DENSITY[:BITS]:gather[:decay=B][:chunk=C] (psum or the ring)",
         "jaxdp.sync.codecs.topk:TopK", needs="halves", guarded=True, keeps_state=True, example="topk:0.1:2:gather"),
 )
 
@@ -100,7 +102,7 @@ _USAGES = list(dict.fromkeys(next(r.usage for r in TABLE if r.name == name) for 
 SPEC_HELP = ", ".join(_USAGES[:-1]) + f" or {_USAGES[-1]}"
 
 
-_TOPK_SLOTS = ("BITS", "sum or gather", "decay=B")  # the optional parts, in the order the grammar takes them
+_TOPK_SLOTS = ("BITS", "sum or gather", "decay=B", "chunk=C")  # the optional parts, in the order the grammar takes them
 
 
 def topk_fault(text: str) -> str | None:
@@ -123,8 +125,12 @@ def topk_fault(text: str) -> str | None:
             slot = 2
             if not re.fullmatch(_FRACTION, part[6:]):
                 return f"{part}: B is not in (0, 1], e.g. decay=0.98"
+        elif part.startswith("chunk="):
+            slot = 3
+            if not re.fullmatch(_CHUNKS, part[6:]):
+                return f"{part}: C is not a power of 2 up to 65536"
         else:
-            return f"{part!r} is not BITS (32, 8, 4, 2), sum, gather or decay=B"
+            return f"{part!r} is not BITS (32, 8, 4, 2), sum, gather, decay=B or chunk=C"
         if slot == open_from - 1:
             return f"{part!r} after {before!r}: name {_TOPK_SLOTS[slot]} once"
         if slot < open_from:

@@ -35,7 +35,9 @@ from jaxdp.sync.codecs.quantized import QUANT_BLOCK, Quantized
 # The values each top-k is chosen among: the fused float32 buffer is cut into chunks of this many
 # values, and each keeps its round(DENSITY * CHUNK) largest, so a large leaf cannot crowd out a small
 # one for the whole buffer, and an index fits 12 bits (sent as float32 here, exact below 2 ** 24).
+# `:chunk=N` (a power of 2 up to MAX_CHUNK) sets another; indices above 12 bits are sent in 16.
 CHUNK = 4096
+MAX_CHUNK = 65536
 
 
 FORMS = ("auto", "sum", "gather")
@@ -55,14 +57,16 @@ PSEUDO_DECAY = 0.98
 
 @dataclasses.dataclass(frozen=True)
 class TopK(Compressor):
-    """`topk:DENSITY[:BITS][:sum|:gather][:decay=B]`. Per device x = (g + B e) / N (e: its error
-    feedback, B: `decay`, 1 by default), fused into one float32 buffer cut into chunks of CHUNK
-    values (the last padded with zeros); k = round(DENSITY * chunk) values of each chunk cross.
+    """`topk:DENSITY[:BITS][:sum|:gather][:decay=B][:chunk=C]`. Per device x = (g + B e) / N (e: its
+    error feedback, B: `decay`, 1 by default), fused into one float32 buffer cut into chunks of C
+    values (CHUNK by default; the last padded with zeros); k = round(DENSITY * C) values of each
+    chunk cross.
 
     The ring-summed form ("sum"):
     1. The leader, device `lead(step, N)` (every device in turn), takes the k largest |x| of each
        chunk (jax.lax.top_k); every other device sends zeros, and one all-reduce of those indices
-       (two 12-bit indices per float32: exact) gives every device the same set.
+       (two 12-bit indices per float32, one per float32 for chunks above 4096: exact) gives every
+       device the same set.
     2. Every device sends its own x at those positions, a dense (chunks, k) buffer: through the
        collective's sum (BITS 32), or its coded ring with int8 / int4 / 2-bit values and one float32
        scale per block of at most QUANT_BLOCK (quantized.py's wire, requantized at every hop;
@@ -70,7 +74,8 @@ class TopK(Compressor):
 
     The all-gathered form ("gather", SparseLoCo's):
     1. Every device takes the k largest |x| of each of its own chunks and encodes them: the indices
-       12 bits each, the values float32 or BITS-bit integers with one float32 scale per block.
+       12 bits each (16 for chunks above 4096), the values float32 or BITS-bit integers with one
+       float32 scale per block.
     2. One all-gather (the collective's) gives every device every device's message; each adds the
        N decoded sets into a buffer of zeros in device order, so every device holds the same bits.
 
@@ -90,13 +95,15 @@ class TopK(Compressor):
     bits: int = 0       # 0: float32 values, not named in the spec (with no form either, `settled` may choose)
     form: str = "auto"   # "sum" | "gather" | "auto": settled by the run's device count (`settled`)
     decay: float = 1.0
+    chunk: int = CHUNK
 
     needs_device = True  # the exchange passes `device`, this device's index on the data axes
 
     @property
     def name(self) -> str:
         return (f"topk:{self.density!r}" + ("" if self.bits == 0 else f":{self.bits}")
-                + ("" if self.form == "auto" else f":{self.form}") + ("" if self.decay == 1.0 else f":decay={self.decay!r}"))
+                + ("" if self.form == "auto" else f":{self.form}") + ("" if self.decay == 1.0 else f":decay={self.decay!r}")
+                + ("" if self.chunk == CHUNK else f":chunk={self.chunk}"))
 
     @property
     def collectives(self) -> int:  # type: ignore[override]
@@ -118,7 +125,7 @@ class TopK(Compressor):
         density = float(parts[1])
         if not 0 < density <= 1:
             raise ValueError(f"the density must be in (0, 1], not {density}")
-        bits, form, decay = 0, "auto", 1.0
+        bits, form, decay, chunk = 0, "auto", 1.0, CHUNK
         for part in parts[2:]:
             if part in FORMS:
                 form = part
@@ -126,9 +133,13 @@ class TopK(Compressor):
                 decay = float(part[6:])
                 if not 0 < decay <= 1:
                     raise ValueError(f"the decay must be in (0, 1], not {decay}")
+            elif part.startswith("chunk="):
+                chunk = int(part[6:])
+                if chunk < 2 or chunk > MAX_CHUNK or chunk & (chunk - 1):
+                    raise ValueError(f"the chunk must be a power of 2 from 2 to {MAX_CHUNK}, not {chunk}")
             else:
                 bits = int(part)
-        return cls(density=density, bits=bits, form=form, decay=decay)
+        return cls(density=density, bits=bits, form=form, decay=decay, chunk=chunk)
 
     @classmethod
     def candidates(cls, name: str, params: Tree, **options: Any) -> list[Compressor]:
@@ -187,7 +198,7 @@ class TopK(Compressor):
     def _densest(self, form: str, bits: int, size: int, n: int, budget: int) -> "TopK | None":
         """The densest `form` / `bits` version of this codec (density of 3 significant digits) that
         sends at most `budget` bytes per device at `n` devices, or None."""
-        chunk, best = max(min(CHUNK, size), 1), None
+        chunk, best = max(min(self.chunk, size), 1), None
         low, high = 1, chunk
         while low <= high:
             k = (low + high) // 2
@@ -231,7 +242,7 @@ class TopK(Compressor):
 
     def shape(self, size: int) -> tuple[int, int, int]:
         """(chunks, chunk, k) of a `size`-value buffer."""
-        chunk = max(min(CHUNK, size), 1)
+        chunk = max(min(self.chunk, size), 1)
         return -(-size // chunk), chunk, max(1, min(chunk, round(self.density * chunk)))
 
     def _wire(self, values: int, num_devices: int) -> tuple[Quantized, int, int]:
@@ -249,13 +260,13 @@ class TopK(Compressor):
             return -(-self._message_bytes(size) * max(num_devices or 2, 2) // 2)
         chunks, _, k = self.shape(size)
         values = chunks * k
-        indices = -(-values // 2) * 4  # two 12-bit indices per float32
+        indices = self._index_floats(values) * 4
         if self.bits in (0, 32):
             return indices + values * 4
         if num_devices is None:
             return indices + -(-values * self.bits // 8) + -(-values // QUANT_BLOCK) * 4
         codec, chunk, block = self._wire(values, num_devices)  # the indices: padded to the ring's chunks
-        pairs = -(-values // 2)
+        pairs = self._index_floats(values)
         return -(-pairs // num_devices) * num_devices * 4 + num_devices * codec.message_bytes(chunk, block)
 
     def sent_bytes(self, size: int, num_devices: int) -> int:
@@ -271,7 +282,19 @@ class TopK(Compressor):
         """The all-gathered form's message of one device: packed indices, then the values' encoding."""
         chunks, _, k = self.shape(size)
         values = chunks * k
-        return -(-values // 2) * 3 + self._values_wire(values)[2]
+        return self._index_bytes(values) + self._values_wire(values)[2]
+
+    def _wide(self) -> bool:
+        """Indices above 12 bits: one per float32 in the index all-reduce, 16 bits in a message."""
+        return self.chunk > 4096
+
+    def _index_floats(self, count: int) -> int:
+        """float32s of the ring-summed form's index all-reduce for `count` indices."""
+        return count if self._wide() else -(-count // 2)
+
+    def _index_bytes(self, count: int) -> int:
+        """Bytes of `count` packed indices in an all-gathered message."""
+        return 2 * count if self._wide() else -(-count // 2) * 3
 
     def _values_wire(self, values: int) -> tuple[Any, int, int]:
         """(wire, padded length, message bytes) of the all-gathered form's `values` selected values."""
@@ -297,8 +320,10 @@ class TopK(Compressor):
         rows = jnp.arange(chunks)[:, None]
         mine = jax.lax.top_k(jnp.abs(x), k)[1]
         leader = lead(jnp.asarray(step, jnp.int32), n) == jnp.asarray(device, jnp.int32)
-        pairs = _pairs(jnp.where(leader, mine, 0).ravel())
-        index = _unpair(self._sum(reduce, pairs, n, exact=True)[0], chunks * k).reshape(chunks, k)
+        mine = jnp.where(leader, mine, 0).ravel()
+        pairs = mine.astype(jnp.float32) if self._wide() else _pairs(mine)
+        total = self._sum(reduce, pairs, n, exact=True)[0]
+        index = (total.astype(jnp.int32)[:chunks * k] if self._wide() else _unpair(total, chunks * k)).reshape(chunks, k)
         values = x[rows, index]
         total, left = self._sum(reduce, values.ravel(), n)
         mean = jnp.zeros_like(x).at[rows, index].set(total.reshape(chunks, k)).ravel()
@@ -312,11 +337,12 @@ class TopK(Compressor):
         index = jax.lax.top_k(jnp.abs(x), k)[1]
         wire, padded, _ = self._values_wire(chunks * k)
         values = jnp.pad(x[rows, index].ravel(), (0, padded - chunks * k))
-        message = jnp.concatenate([_pack12(index.ravel()), wire.encode(values)[0]])
-        split_at = -(-(chunks * k) // 2) * 3
+        pack, unpack = (_pack16, _unpack16) if self._wide() else (_pack12, _unpack12)
+        message = jnp.concatenate([pack(index.ravel()), wire.encode(values)[0]])
+        split_at = self._index_bytes(chunks * k)
 
         def decoded(m: jax.Array) -> tuple[jax.Array, jax.Array]:
-            return (_unpack12(m[:split_at], chunks * k).reshape(chunks, k),
+            return (unpack(m[:split_at], chunks * k).reshape(chunks, k),
                     wire.decode(m[split_at:])[:chunks * k].reshape(chunks, k))
 
         total = jnp.zeros_like(x)
@@ -380,6 +406,17 @@ def _pack12(index: jax.Array) -> jax.Array:
     i = jnp.pad(index.astype(jnp.uint32), (0, index.shape[0] % 2)).reshape(-1, 2)
     a, b = i[:, 0], i[:, 1]
     return jnp.stack([a & 255, (a >> 8) | ((b & 15) << 4), b >> 4], axis=-1).astype(jnp.uint8).ravel()
+
+
+def _pack16(index: jax.Array) -> jax.Array:
+    """Indices below 65536, 16 bits each: two bytes, low first."""
+    i = index.astype(jnp.uint32)
+    return jnp.stack([i & 255, i >> 8], axis=-1).astype(jnp.uint8).ravel()
+
+
+def _unpack16(packed: jax.Array, count: int) -> jax.Array:
+    u = packed.astype(jnp.int32).reshape(-1, 2)
+    return (u[:, 0] | (u[:, 1] << 8))[:count]
 
 
 def _unpack12(packed: jax.Array, count: int) -> jax.Array:
