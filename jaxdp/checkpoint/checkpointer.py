@@ -113,6 +113,7 @@ class Checkpointer:
         quiet.ignore_closed_event_loop_errors()
         self._checksums = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdp-checksums")
         self._pending: tuple[int, concurrent.futures.Future] | None = None  # saved step, its checksums
+        self._failed, self._last_saved = False, None  # a save failed (CheckpointWriteError); the last step saved
         # Old checkpoints (beyond `keep`) are deleted in a background thread, off the training path;
         # close() waits for that as well as for the last save.
         options = ocp().CheckpointManagerOptions(preservation_policy=ocp().checkpoint_managers.LatestN(keep), create=True,
@@ -368,9 +369,10 @@ class Checkpointer:
             with quiet.quiet():
                 saved = self._manager.save(step, args=args, force=True)
         except Exception as err:  # noqa: BLE001 - could not even start writing: say so now
-            raise write_error(step, self.directory, err) from None
+            raise self._write_error(step, err) from None
         if saved:
             self._pending = (step, self._checksums.submit(portable.checksums, host_state))
+            self._last_saved = step
         return saved
 
     def poll(self) -> None:
@@ -389,25 +391,37 @@ class Checkpointer:
             with quiet.quiet():
                 self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - the background write failed
-            raise write_error(step, self.directory, err) from None
+            raise self._write_error(step, err) from None
         step_dir = os.path.join(self.directory, str(step))
         if jax.process_index() == 0 and os.path.isdir(step_dir):
             target = os.path.join(step_dir, CHECKSUMS_FILE)
             try:
                 write_text_atomically(target, json.dumps(checksums.result(), indent=0))
             except OSError as err:
-                raise write_error(step, self.directory, err) from None
+                raise self._write_error(step, err) from None
 
     def wait(self) -> None:
         """Block until every save has been written and committed (CheckpointWriteError if one failed)."""
         self._finish_pending()
         self._manager.wait_until_finished()
 
+    def _write_error(self, step: int, err: BaseException) -> Exception:
+        self._failed = True
+        return write_error(step, self.directory, err)
+
     def close(self) -> None:
         try:
             self._finish_pending()
             self._manager.wait_until_finished()
-            self._manager.close()
+            try:
+                self._manager.close()
+            except Exception as err:  # noqa: BLE001 - a background write of the last save failed late
+                # After a failed save (its unfinished directory removed) this is that save's leftover, which
+                # must not mask the CheckpointWriteError already on its way; otherwise it is a failed save.
+                if not self._failed:
+                    if self._last_saved is None:
+                        raise
+                    raise self._write_error(self._last_saved, err) from None
         finally:
             self._checksums.shutdown(wait=False)
             self._lock.release()
