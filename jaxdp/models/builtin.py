@@ -8,6 +8,7 @@ reference) it is None.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from typing import Any, Callable, NamedTuple, Sequence
@@ -218,7 +219,7 @@ def _block(m: Any, x: jnp.ndarray, suffix: str, attend: Callable) -> jnp.ndarray
     or a GPTBlock's); `attend(q, k, v)` is the attention (with or without a cache)."""
     weights, residual, _ = _initializers(m)
     head_dim = m.d_model // m.heads
-    product = {"dot_general": fp8.dot_general} if m.fp8 else {}
+    product = {"dot_general": functools.partial(dense_dot_general, product=fp8.matmul)} if m.fp8 else {}
     dense = product or {"dot_general": dense_dot_general}
     h = _norm(m, f"ln_attn{suffix}")(x)
     qkv = nn.DenseGeneral((3, m.heads, head_dim), dtype=m.dtype, name=f"qkv{suffix}", **product, **weights)(h)
@@ -295,9 +296,11 @@ def _scores(q: jnp.ndarray, k: jnp.ndarray, dtype: Any) -> jnp.ndarray:
 
 
 def dense_dot_general(x: jnp.ndarray, kernel: jnp.ndarray, dimension_numbers: Any, precision: Any = None,
-                      preferred_element_type: Any = None) -> jnp.ndarray:
+                      preferred_element_type: Any = None, product: Callable | None = None) -> jnp.ndarray:
     """`lax.dot_general` for `nn.Dense(dot_general=...)`: the same product as one matrix product, the
-    leading dimensions of `x` (batch, positions) flattened into its rows.
+    leading dimensions of `x` (batch, positions) flattened into its rows. `product(rows, kernel)`, if
+    given, is that matrix product (`jaxdp.models.fp8.matmul`); it takes only a dense layer's
+    dimension numbers (ValueError otherwise).
 
     Why: on a `(batch, positions, features)` input, the kernel's gradient contracts two dimensions of
     `x`, a form XLA:CPU's fast matrix kernels (YNNPACK) do not take, so it runs on a slower fallback
@@ -307,11 +310,15 @@ def dense_dot_general(x: jnp.ndarray, kernel: jnp.ndarray, dimension_numbers: An
     (x_axes, k_axes), batch = dimension_numbers
     contracted = len(x_axes)
     if any(batch) or tuple(x_axes) != tuple(range(x.ndim - contracted, x.ndim)) or tuple(k_axes) != tuple(range(contracted)):
+        if product is not None:
+            raise ValueError(f"{getattr(product, '__name__', product)} takes a dense layer's product, not dimension "
+                             f"numbers {dimension_numbers}")
         return jax.lax.dot_general(x, kernel, dimension_numbers, precision=precision,
                                    preferred_element_type=preferred_element_type)
     inner = math.prod(kernel.shape[:contracted])
-    out = jax.lax.dot_general(x.reshape(-1, inner), kernel.reshape(inner, -1), (((1,), (0,)), ((), ())),
-                              precision=precision, preferred_element_type=preferred_element_type)
+    rows, matrix = x.reshape(-1, inner), kernel.reshape(inner, -1)
+    out = product(rows, matrix) if product is not None else jax.lax.dot_general(
+        rows, matrix, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred_element_type)
     return out.reshape(*x.shape[:x.ndim - contracted], *kernel.shape[contracted:])
 
 

@@ -21,7 +21,6 @@ Figures (an H200): docs/performance.md, "GPUs: GPT-2 small on one H200".
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -92,18 +91,3 @@ def _backward(residuals, g):
 
 
 matmul.defvjp(_forward, _backward)
-
-
-def dot_general(x: jax.Array, kernel: jax.Array, dimension_numbers: Any, precision: Any = None,
-                preferred_element_type: Any = None) -> jax.Array:
-    """`nn.Dense(dot_general=...)` / `nn.DenseGeneral(dot_general=...)` on fp8: the leading
-    dimensions of `x` flattened into rows and the kernel's contracted ones into its rows, as
-    `jaxdp.models.builtin.dense_dot_general` does, then `matmul`."""
-    del precision, preferred_element_type
-    (x_axes, k_axes), batch = dimension_numbers
-    contracted = len(x_axes)
-    if any(batch) or tuple(x_axes) != tuple(range(x.ndim - contracted, x.ndim)) or tuple(k_axes) != tuple(range(contracted)):
-        raise ValueError(f"fp8 dot_general takes a dense layer's product, not dimension numbers {dimension_numbers}")
-    inner = math.prod(kernel.shape[:contracted])
-    out = matmul(x.reshape(-1, inner), kernel.reshape(inner, -1))
-    return out.reshape(*x.shape[:x.ndim - contracted], *kernel.shape[contracted:])
