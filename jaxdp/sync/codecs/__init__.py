@@ -73,9 +73,8 @@ class Row:
 _PSGD_OPTIONS = r"(:(start=\d+|min_rate=\d+(\.\d*)?|seed=\d+))*"
 _FRACTION = r"0?\.\d*[1-9]\d*|1(\.0*)?"  # a number in (0, 1]
 _TOPK = rf"topk:({_FRACTION})"  # DENSITY in (0, 1]
-_DECAY = rf"(:decay=({_FRACTION}))?"  # B in (0, 1]
 _CHUNKS = "|".join(str(2 ** i) for i in range(16, 0, -1))  # C: a power of 2 up to topk.MAX_CHUNK
-_DECAY += rf"(:chunk=({_CHUNKS}))?"
+_TAIL = rf"(:decay=({_FRACTION}))?(:chunk=({_CHUNKS}))?"  # B in (0, 1], then C
 TOPK_USAGE = "topk:DENSITY[:BITS][:sum|:gather][:decay=B][:chunk=C]"
 _QUANT_BYTES = 4 / 512  # one float32 scale per block of QUANT_BLOCK (codecs/quantized.py) values
 
@@ -89,12 +88,12 @@ TABLE: tuple[Row, ...] = (
     Row("powersgd", r"powersgd:[1-9]\d*" + _PSGD_OPTIONS, "powersgd:RANK[:start=STEP][:min_rate=R][:seed=S]",
         "jaxdp.sync.codecs.powersgd:PowerSGD", ladder=2, fewer_bytes=True, guarded=True,
         keeps_state=True, example="powersgd:4:start=2"),
-    Row("topk", _TOPK + "(:32)?(:sum)?" + _DECAY, TOPK_USAGE,
+    Row("topk", _TOPK + "(:32)?(:sum)?" + _TAIL, TOPK_USAGE,
         "jaxdp.sync.codecs.topk:TopK", ladder=3, fewer_bytes=True, guarded=True, keeps_state=True,
         example="topk:0.1"),
-    Row("topk", _TOPK + ":[842](:sum)?" + _DECAY, "topk:DENSITY:BITS[:sum][:decay=B][:chunk=C] (BITS 8, 4, 2: the ring)",
+    Row("topk", _TOPK + ":[842](:sum)?" + _TAIL, "topk:DENSITY:BITS[:sum][:decay=B][:chunk=C] (BITS 8, 4, 2: the ring)",
         "jaxdp.sync.codecs.topk:TopK", needs="coded_sum", guarded=True, keeps_state=True, example="topk:0.1:8"),
-    Row("topk", _TOPK + "(:(32|8|4|2))?:gather" + _DECAY, "topk:DENSITY[:BITS]:gather[:decay=B][:chunk=C] (psum or the ring)",
+    Row("topk", _TOPK + "(:(32|8|4|2))?:gather" + _TAIL, "topk:DENSITY[:BITS]:gather[:decay=B][:chunk=C] (psum or the ring)",
         "jaxdp.sync.codecs.topk:TopK", needs="halves", guarded=True, keeps_state=True, example="topk:0.1:2:gather"),
 )
 

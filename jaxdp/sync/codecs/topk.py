@@ -320,10 +320,9 @@ class TopK(Compressor):
         rows = jnp.arange(chunks)[:, None]
         mine = jax.lax.top_k(jnp.abs(x), k)[1]
         leader = lead(jnp.asarray(step, jnp.int32), n) == jnp.asarray(device, jnp.int32)
-        mine = jnp.where(leader, mine, 0).ravel()
-        pairs = mine.astype(jnp.float32) if self._wide() else _pairs(mine)
-        total = self._sum(reduce, pairs, n, exact=True)[0]
-        index = (total.astype(jnp.int32)[:chunks * k] if self._wide() else _unpair(total, chunks * k)).reshape(chunks, k)
+        sent = jnp.where(leader, mine, 0).ravel()
+        summed = self._sum(reduce, sent.astype(jnp.float32) if self._wide() else _pairs(sent), n, exact=True)[0]
+        index = (summed.astype(jnp.int32)[:chunks * k] if self._wide() else _unpair(summed, chunks * k)).reshape(chunks, k)
         values = x[rows, index]
         total, left = self._sum(reduce, values.ravel(), n)
         mean = jnp.zeros_like(x).at[rows, index].set(total.reshape(chunks, k)).ravel()
